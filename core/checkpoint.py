@@ -1,0 +1,102 @@
+"""Checkpoints: written atomically, loaded with weights_only=True, metadata as JSON.
+
+A checkpoint is one torch file holding only tensors and plain containers:
+    {"format": FORMAT, "meta": "<JSON text>", "model": state_dict,
+     "optimizer": state_dict | None, "scaler": state_dict | None, "rng": {...} | None}
+"meta" carries the model arguments, the run config, the tokenizer metadata, the
+iteration and the best val loss. The model saved is always the plain (uncompiled,
+unwrapped) module, so no '_orig_mod.' or 'module.' prefixes ever appear.
+
+Two files live in out_dir: ckpt.pt (the newest) and ckpt.prev.pt (the one before).
+A save first makes ckpt.prev.pt a copy of the current ckpt.pt, then replaces
+ckpt.pt atomically, so at every instant both names hold complete checkpoints.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import UserError
+from core.fileio import atomic_path
+from model import GPT, GPTConfig
+
+FORMAT = "nanogpt-checkpoint/1"
+CKPT_NAME = "ckpt.pt"
+PREV_NAME = "ckpt.prev.pt"
+
+
+def _keep_previous(path: Path) -> None:
+    """Make PREV_NAME a complete copy of the current checkpoint (hard link when possible)."""
+    if not path.exists():
+        return
+    prev = path.with_name(PREV_NAME)
+    with atomic_path(prev) as tmp:
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+
+
+def save_checkpoint(out_dir: str | os.PathLike, meta: dict[str, Any], model: dict, optimizer: dict | None = None,
+                    scaler: dict | None = None, rng: dict | None = None) -> Path:
+    """Write out_dir/ckpt.pt atomically, keeping the previous one as ckpt.prev.pt.
+
+    Raises OSError (e.g. disk full) with both earlier files intact.
+    """
+    path = Path(out_dir) / CKPT_NAME
+    state = {"format": FORMAT, "meta": json.dumps(meta), "model": model,
+             "optimizer": optimizer, "scaler": scaler, "rng": rng}
+    _keep_previous(path)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint onto the CPU; `state["meta"]` comes back as a dict.
+
+    Raises UserError for a missing file, a truncated or corrupt one, or a file that
+    is not a checkpoint of this project.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no checkpoint at {path}; train one first (python train.py ... --out_dir={path.parent})")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle opcode, disallowed global, ...
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({reason[:200]})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"{path} is not a checkpoint written by this project's train.py")
+    try:
+        state["meta"] = json.loads(state["meta"])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise UserError(f"checkpoint {path} has unreadable metadata") from None
+    return state
+
+
+def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], Path]:
+    """Load ckpt.pt from out_dir; if it is damaged, say so and fall back to ckpt.prev.pt."""
+    out_dir = Path(out_dir)
+    path, prev = out_dir / CKPT_NAME, out_dir / PREV_NAME
+    if not path.exists() and not prev.exists():
+        raise UserError(f"no checkpoint in {out_dir} (expected {CKPT_NAME}); train first or check --out_dir")
+    try:
+        return load_checkpoint(path), path
+    except UserError as e:
+        if not prev.exists():
+            raise
+        state = load_checkpoint(prev)
+        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {state['meta'].get('iter_num')})")
+        return state, prev
+
+
+def model_from_checkpoint(state: dict[str, Any], **overrides) -> GPT:
+    """Rebuild the saved GPT (on the CPU) from a loaded checkpoint; overrides such as
+    dropout or attn_backend change how it runs, not its weights."""
+    model = GPT(GPTConfig(**(state["meta"]["model_args"] | overrides)))
+    model.load_state_dict(state["model"])
+    return model

@@ -1,0 +1,142 @@
+"""Typed configuration: dataclass defaults, overridden by config files, then by --key=value.
+
+Config files (config/*.py) are the user's own Python programs: they run with full
+power, like any script you run, and every top-level name they assign that does not
+start with an underscore is an override. Command-line values are parsed as Python
+literals (ast.literal_eval), never evaluated. Unknown keys and values of the wrong
+type stop with one line naming the key.
+"""
+import ast
+import dataclasses
+import difflib
+import runpy
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+from core.errors import UserError
+
+T = TypeVar("T")
+
+
+def _type_name(tp) -> str:
+    if _optional_inner(tp) is not None:
+        return f"{_type_name(_optional_inner(tp))} or None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _optional_inner(tp):
+    """X for `X | None` / Optional[X], else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def coerce(key: str, value: Any, tp, source: str) -> Any:
+    """Check `value` against the field type `tp`; an int is accepted where a float is expected."""
+    inner = _optional_inner(tp)
+    if inner is not None:
+        return None if value is None else coerce(key, value, inner, source)
+    ok = (
+        (tp is bool and isinstance(value, bool))
+        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+        or (tp is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (tp is str and isinstance(value, str))
+    )
+    if not ok:
+        raise UserError(f"config key '{key}' expects {_type_name(tp)}, got {value!r} ({source})")
+    return float(value) if tp is float else value
+
+
+def parse_cli_value(raw: str, tp) -> Any:
+    """Turn the text after `--key=` into a Python value for a field of type `tp`."""
+    base = _optional_inner(tp) or tp
+    if raw == "None" and base is not tp:
+        return None
+    if base is bool and raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    if base is str:
+        # A bare word is a string; a quoted one is taken as the literal it spells.
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            return ast.literal_eval(raw)
+        return raw
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw  # coerce() then names the key, the value and the type
+
+
+def _unknown_key(key: str, valid: Sequence[str], source: str) -> UserError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+    return UserError(f"unknown config key '{key}' ({source}){hint}")
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Run a config file and return the names it assigns (its overrides)."""
+    if not Path(path).is_file():
+        raise UserError(f"config file '{path}' not found; pass a path such as config/train_shakespeare_char.py")
+    try:
+        names = runpy.run_path(path)
+    except Exception as e:  # the user's own file failed: say where, keep it one line
+        raise UserError(f"config file '{path}' failed to run: {type(e).__name__}: {e}") from None
+    return {
+        k: v for k, v in names.items()
+        if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))
+    }
+
+
+def apply_overrides(cfg: T, overrides: dict[str, Any], source: str) -> T:
+    hints = typing.get_type_hints(type(cfg))
+    valid = [f.name for f in dataclasses.fields(cfg)]
+    changes = {}
+    for key, value in overrides.items():
+        if key not in hints:
+            raise _unknown_key(key, valid, source)
+        changes[key] = coerce(key, value, hints[key], source)
+    return dataclasses.replace(cfg, **changes)
+
+
+def config_help(cls) -> str:
+    hints = typing.get_type_hints(cls)
+    lines = [f"options (config files and --key=value override these defaults):"]
+    for f in dataclasses.fields(cls):
+        lines.append(f"  --{f.name}={f.default!r}  ({_type_name(hints[f.name])})")
+    return "\n".join(lines)
+
+
+def parse_args(cls: type[T], argv: Sequence[str]) -> T:
+    """Build a `cls` config: defaults, then each config file in order, then each --key=value."""
+    cfg = cls()
+    hints = typing.get_type_hints(cls)
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            print(config_help(cls))
+            sys.exit(0)
+        if arg.startswith("--"):
+            key, eq, raw = arg[2:].partition("=")
+            if not eq:
+                raise UserError(f"expected --{key}=VALUE, got '{arg}'")
+            if key not in hints:
+                raise _unknown_key(key, list(hints), "command line")
+            value = parse_cli_value(raw, hints[key])
+            cfg = apply_overrides(cfg, {key: value}, "command line")
+        else:
+            cfg = apply_overrides(cfg, read_config_file(arg), f"in {arg}")
+    validate = getattr(cfg, "validate", None)
+    if validate is not None:
+        validate()
+    return cfg
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type[T], d: dict[str, Any], source: str) -> T:
+    """Rebuild a config saved with to_dict (e.g. from a checkpoint), checking every key."""
+    return apply_overrides(cls(), d, source)

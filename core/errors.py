@@ -1,0 +1,27 @@
+"""User-facing failures: one clear line and a non-zero exit, never a traceback."""
+import sys
+from typing import Callable, NoReturn, Sequence
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """A problem the user can fix. Its message says what is wrong and what to do."""
+
+
+def fail(message: str) -> NoReturn:
+    raise UserError(message)
+
+
+def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
+    """Run a script's main(argv); turn a UserError into `error: ...` on stderr and exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(0)

@@ -1,0 +1,519 @@
+"""The GPT language model: a pre-LayerNorm decoder-only transformer in the GPT-2 layout.
+
+Read it bottom-up, the way the model computes: reference attention -> causal self-attention
+-> MLP -> Block -> GPT, then the KV cache, sampling and generation, and GPT-2 interop with
+Hugging Face transformers.
+
+Shapes: B batch, T sequence (queries), Tk keys, C = n_embd, nh heads, hs = C // nh head size.
+
+References:
+  GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners".
+  Attention: Vaswani et al. 2017, "Attention Is All You Need".
+  nanoGPT (Karpathy), whose parameter names this file keeps, so GPT-2 weights map one to one.
+"""
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+ATTN_BACKENDS = ("sdpa", "naive")
+GELU_APPROXIMATIONS = ("tanh", "none")
+GPT2_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
+CONV1D_SUFFIXES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# transformers' names for our two GELUs; gelu_pytorch_tanh is the same function as gelu_new.
+HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence the model sees: the number of position embeddings
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64, faster matmuls
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2; False is a bit better and faster
+    attn_backend: str = "sdpa"  # "sdpa": torch's fused kernel; "naive": the reference below, can return weights
+    gelu_approximate: str = "tanh"  # GPT-2 uses GELU's tanh approximation ("gelu_new"); "none" is the exact erf form
+
+    def __post_init__(self):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        if self.gelu_approximate not in GELU_APPROXIMATIONS:
+            raise ValueError(f"gelu_approximate must be one of {GELU_APPROXIMATIONS}, got {self.gelu_approximate!r}")
+
+
+def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
+    """Boolean (Tq, Tk) mask, True where query i may attend to key j.
+
+    Aligned to the *end*: the queries are the last Tq of the Tk positions, so query i sits at
+    position i + (Tk - Tq) and sees keys j <= i + Tk - Tq. This is what a chunk of new tokens
+    needs when it attends to a longer cached prefix. torch's is_causal=True aligns to the start
+    instead (j <= i); the two agree only when Tq == Tk.
+    """
+    return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=Tk - Tq)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """softmax(q @ k^T / sqrt(hs)) over the keys, (..., Tq, hs) x (..., Tk, hs) -> (..., Tq, Tk)."""
+    # Dividing by sqrt(hs) keeps the scores at unit variance whatever the head size, so the
+    # softmax does not saturate into a one-hot (Vaswani et al. 2017, section 3.2.1).
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., Tq, Tk)
+    if not causal:
+        return torch.softmax(scores, dim=-1)
+    mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (Tq, Tk)
+    # -inf *before* the softmax gives masked keys exactly zero weight and renormalises the rest;
+    # zeroing after the softmax would leave rows that no longer sum to 1.
+    att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    # A row with every key masked (a query before the first key, Tq > Tk) is 0/0 = NaN after the
+    # softmax; it attends to nothing, so it gets zero weights and a zero output.
+    return att.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):
+    """Reference attention, written out: softmax(q k^T / sqrt(hs)) v, the causal mask end-aligned.
+
+    q (..., Tq, hs), k and v (..., Tk, hs) -> (..., Tq, hs). Equals torch's fused
+    F.scaled_dot_product_attention (to 1e-12 in float64) when Tq == Tk; for Tq != Tk give torch
+    the explicit causal_mask(Tq, Tk), since its is_causal aligns the mask to the start.
+    """
+    return attention_weights(q, k, causal) @ v
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused q/k/v projection."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.backend = config.attn_backend
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, kv=None, pos=0, attn_out=None):
+        """x (B, T, C) -> (B, T, C).
+
+        kv: this layer's (k, v) cache buffers (B, nh, max_len, hs); the chunk's keys and values
+        are written at [pos:pos+T] and the queries attend to [0:pos+T].
+        attn_out: a list; the naive backend appends this layer's weights (B, nh, T, Tk) to it.
+        """
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        # Heads are a view: split C into (nh, hs) and move nh next to B, so every head is a batch entry.
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if kv is not None:
+            k, v = self._write_cache(kv, pos, k, v)  # (B, nh, pos+T, hs)
+        if self.backend == "sdpa":
+            y = self._sdpa(q, k, v)
+        else:
+            y = self._naive(q, k, v, attn_out)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C), heads side by side again
+        return self.resid_dropout(self.c_proj(y))  # c_proj mixes what the heads found
+
+    @staticmethod
+    def _write_cache(kv, pos, k, v):
+        k_cache, v_cache = kv
+        T = k.size(2)
+        k_cache[:, :, pos:pos + T] = k
+        v_cache[:, :, pos:pos + T] = v
+        return k_cache[:, :, :pos + T], v_cache[:, :, :pos + T]  # (B, nh, pos+T, hs)
+
+    def _sdpa(self, q, k, v):
+        Tq, Tk = q.size(2), k.size(2)
+        dropout_p = self.dropout if self.training else 0.0
+        if Tq == Tk:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        # One new token is the last position and sees every key: no mask, which keeps decoding
+        # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
+        mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # (B, nh, T, hs)
+
+    def _naive(self, q, k, v, attn_out):
+        att = attention_weights(q, k, causal=True)  # (B, nh, T, Tk)
+        if attn_out is not None:
+            attn_out.append(att)
+        return self.attn_dropout(att) @ v  # (B, nh, T, hs)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: expand 4x, GELU, project back."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        x = self.gelu(self.c_fc(x))  # (B, T, 4C)
+        return self.dropout(self.c_proj(x))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """One transformer layer, pre-LN: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)).
+
+    Normalising each sublayer's input, not the residual stream, leaves an identity path from the
+    embeddings to the head, which keeps deep stacks trainable without warm-up tricks (GPT-2 section 2.3).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv=None, pos=0, attn_out=None):
+        x = x + self.attn(self.ln_1(x), kv, pos, attn_out)  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for max_len positions, and an explicit position.
+
+    `pos` is the number of positions already written. In GPT.forward each layer writes its chunk
+    of T keys/values at [pos:pos+T] and attends to [0:pos+T]; after the last layer the forward
+    advances pos by T, once. For inference: the buffers are overwritten in place.
+    """
+
+    def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32):
+        shape = (n_layer, batch_size, n_head, max_len, head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
+        self.pos = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.size(1)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.size(3)
+
+    def layer(self, i: int):
+        """Layer i's (k, v) buffers, each (B, nh, max_len, hs)."""
+        return self.k[i], self.v[i]
+
+    def advance(self, n: int):
+        self.pos += n
+
+    def reset(self):
+        """Forget everything; the buffers are reused from position 0."""
+        self.pos = 0
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
+    """Pick the next token for each row of logits (B, vocab) -> (B, 1).
+
+    temperature == 0 means greedy: the argmax, ignoring top_k, top_p and generator. Otherwise the
+    logits are divided by temperature, cut to the top_k most likely tokens and then to the
+    smallest set whose probability reaches top_p (nucleus sampling, Holtzman et al. 2019), and
+    one token is drawn with `generator` (torch's default generator when None).
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, [-1]]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        logits = _nucleus(logits, top_p)
+    probs = torch.softmax(logits, dim=-1)  # (B, vocab)
+    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+
+
+def _nucleus(logits, top_p):
+    """Mask all but the most likely tokens whose probabilities, taken in order, first reach top_p."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, vocab)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
+    # The most likely token always stays (its mass_before is 0 < top_p).
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+    return sorted_logits.scatter(-1, order, sorted_logits)  # back to vocabulary order
+
+
+def check_sampling_args(temperature, top_k, top_p):
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+
+class GPT(nn.Module):
+    """GPT-2: token + position embeddings -> n_layer Blocks -> LayerNorm -> vocabulary head."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying (Press & Wolf 2017): the head scores a token by its similarity to the
+        # token's embedding. GPT-2 does it, and it saves vocab_size * n_embd parameters.
+        self.lm_head.weight = self.transformer.wte.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """GPT-2's initialisation, the one place weights get their starting values.
+
+        Linear and embedding weights ~ N(0, 0.02), biases 0, LayerNorms the identity. The two
+        projections per block that add into the residual stream (attn.c_proj, mlp.c_proj) get
+        std 0.02 / sqrt(2 * n_layer): the stream is a sum of 2 * n_layer such terms, and this
+        keeps its variance at the output from growing with depth (GPT-2 section 2.3).
+        """
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.transformer.h:
+            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+
+    def forward(self, idx, targets=None, kv_cache=None, return_attn=False):
+        """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
+
+        targets (B, T): next-token ids; the loss is their mean cross-entropy, positions with -1
+        ignored. kv_cache: idx is the next chunk after kv_cache.pos tokens already fed; its
+        positions continue from there and pos advances by T. return_attn (naive backend only):
+        also return the attention weights, (n_layer, B, nh, T, Tk) with Tk = pos + T, as a third value.
+        """
+        B, T = idx.size()
+        pos = self._check_input(B, T, kv_cache, return_attn)
+        positions = torch.arange(pos, pos + T, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))  # (B, T, C)
+        attn = [] if return_attn else None
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, None if kv_cache is None else kv_cache.layer(i), pos, attn)  # (B, T, C)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return (logits, loss, torch.stack(attn)) if return_attn else (logits, loss)
+
+    def _check_input(self, B, T, kv_cache, return_attn) -> int:
+        """The position of idx's first token; raise ValueError if the model cannot take the chunk."""
+        pos = 0 if kv_cache is None else kv_cache.pos
+        if pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {self.config.block_size}")
+        if kv_cache is not None and B != kv_cache.batch_size:
+            raise ValueError(f"batch of {B} rows fed to a KV cache made for {kv_cache.batch_size}")
+        if kv_cache is not None and pos + T > kv_cache.max_len:
+            raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {pos} used, {T} more do not fit")
+        if return_attn and self.config.attn_backend != "naive":
+            raise ValueError("return_attn needs attn_backend='naive' (the fused sdpa kernel never forms the weights)")
+        return pos
+
+    def new_kv_cache(self, batch_size, max_len=None, dtype=None) -> KVCache:
+        """An empty KVCache for this model, on its device; max_len defaults to block_size.
+
+        dtype defaults to the dtype the keys will have: autocast's when autocast is on, else the weights'.
+        """
+        weight = self.transformer.wte.weight
+        if dtype is None and torch.is_autocast_enabled(weight.device.type):
+            dtype = torch.get_autocast_dtype(weight.device.type)
+        c = self.config
+        return KVCache(c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.n_embd // c.n_head,
+                       device=weight.device, dtype=dtype or weight.dtype)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
+                 generator=None, eot_token=None) -> torch.Tensor:
+        """Continue idx (B, T) by up to max_new_tokens -> (B, T + new). Call model.eval() first.
+
+        Sampling is sample_next's (temperature 0 is greedy). The model sees the last block_size
+        tokens. use_cache=True decodes with a KV cache; use_cache=False recomputes every step;
+        both give the same tokens. With eot_token, a row stops after emitting it and is padded
+        with eot_token; generation ends early once every row has stopped.
+        """
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache,
+                                        generator, eot_token))
+        return torch.cat([idx, *new], dim=1)
+
+    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
+                        generator=None, eot_token=None) -> Iterator[torch.Tensor]:
+        """Like generate, but yields each new token as a (B, 1) tensor as soon as it is sampled."""
+        check_sampling_args(temperature, top_k, top_p)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        return self._stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token)
+
+    @torch.no_grad()
+    def _stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token):
+        max_len = min(self.config.block_size, idx.size(1) + max_new_tokens)
+        cache = self.new_kv_cache(idx.size(0), max_len) if use_cache else None
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
+        for _ in range(max_new_tokens):
+            logits = self._next_logits(idx, cache)  # (B, vocab)
+            token = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            if eot_token is not None:
+                token = token.masked_fill(done[:, None], eot_token)
+                done |= token[:, 0] == eot_token
+            idx = torch.cat([idx, token], dim=1)
+            yield token
+            if eot_token is not None and bool(done.all()):
+                return
+
+    def _next_logits(self, idx, cache):
+        """Logits for the token after idx, from the model seeing idx's last block_size tokens."""
+        window = idx[:, -self.config.block_size:]  # (B, <= block_size)
+        if cache is None:
+            return self(window)[0][:, -1, :]
+        if idx.size(1) > self.config.block_size:
+            # The window slid by one: every token moved to a new position embedding, so every
+            # cached key and value is stale. Recompute the whole window, exactly as without a cache.
+            cache.reset()
+        logits, _ = self(window[:, cache.pos:], kv_cache=cache)  # only the tokens not cached yet
+        return logits[:, -1, :]
+
+    def get_num_params(self, non_embedding=True) -> int:
+        """Parameter count; the tied wte/lm_head matrix counts once.
+
+        non_embedding=True leaves out the position embeddings (nanoGPT's convention: the token
+        embeddings stay in, since they are also the output head's weights).
+        """
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on matrices and embeddings (>= 2-D) only, not on biases and
+        LayerNorm gains, which set scales and offsets rather than store features. Fused on CUDA."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for the matmuls with weights (2 forward, 4 backward) plus
+        12 * L * H * Q * T for attention over the block (PaLM, Chowdhery et al. 2022, appendix B)."""
+        c = self.config
+        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops) -> float:
+        """Model FLOPs utilisation: the fraction of peak_flops (FLOP/s of the device, passed in)
+        achieved by fwdbwd_per_iter forward+backward passes of block_size tokens taking dt seconds."""
+        if dt <= 0 or peak_flops <= 0:
+            raise ValueError(f"dt and peak_flops must be positive, got {dt} and {peak_flops}")
+        flops_per_iter = self.flops_per_token() * self.config.block_size * fwdbwd_per_iter
+        return flops_per_iter / dt / peak_flops
+
+    def crop_block_size(self, block_size):
+        """Shrink the context to block_size, e.g. to fine-tune GPT-2 (1024) with a shorter one."""
+        if not 1 <= block_size <= self.config.block_size:
+            raise ValueError(f"block_size must be in [1, {self.config.block_size}], got {block_size}")
+        self.config = replace(self.config, block_size=block_size)
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, override_args=None) -> "GPT":
+        """GPT-2 weights from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or from a directory
+        written by transformers' save_pretrained (or ours). Needs transformers.
+
+        override_args may set dropout and attn_backend; the architecture comes from the checkpoint.
+        """
+        from transformers import GPT2LMHeadModel  # only interop needs transformers
+
+        if not os.path.isdir(name_or_dir) and name_or_dir not in GPT2_HUB_NAMES:
+            raise ValueError(f"{name_or_dir!r} is neither a directory nor one of {GPT2_HUB_NAMES}")
+        hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
+        model = cls(_config_from_gpt2(hf.config, override_args or {}))
+        model._load_gpt2_state_dict(hf.state_dict())
+        return model
+
+    @torch.no_grad()
+    def _load_gpt2_state_dict(self, hf_state):
+        ours = self.state_dict()
+        missing = set(ours) - set(hf_state)
+        if missing:
+            raise ValueError(f"GPT-2 checkpoint lacks {sorted(missing)[:5]}")
+        for name, tensor in ours.items():
+            source = hf_state[name]
+            is_conv1d = name.endswith(".weight") and name.removesuffix(".weight").endswith(CONV1D_SUFFIXES)
+            tensor.copy_(source.t() if is_conv1d else source)
+
+    def save_pretrained(self, directory):
+        """Write directory/config.json and model.safetensors, loadable by
+        transformers.GPT2LMHeadModel.from_pretrained(directory) and by GPT.from_pretrained."""
+        from safetensors.torch import save_file
+        from transformers import GPT2Config
+
+        c = self.config
+        # GPT-2's 50256 <|endoftext|> only exists in a GPT-2-sized vocabulary.
+        special = 50256 if c.vocab_size > 50256 else None
+        GPT2Config(
+            vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+            n_head=c.n_head, activation_function="gelu_new" if c.gelu_approximate == "tanh" else "gelu",
+            resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True, bos_token_id=special, eos_token_id=special,
+            architectures=["GPT2LMHeadModel"],
+        ).save_pretrained(directory)
+        save_file(self._gpt2_state_dict(), os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+    @torch.no_grad()
+    def _gpt2_state_dict(self):
+        """Our weights under GPT-2's names and layout; zero biases where bias=False (the same function)."""
+        state = {}
+        for name, m in self.transformer.named_modules(prefix="transformer"):
+            if isinstance(m, nn.Embedding):
+                state[f"{name}.weight"] = m.weight
+            if isinstance(m, (nn.Linear, nn.LayerNorm)):
+                state[f"{name}.weight"] = m.weight.t() if name.endswith(CONV1D_SUFFIXES) else m.weight
+                state[f"{name}.bias"] = m.bias if m.bias is not None else m.weight.new_zeros(m.weight.size(0))
+        # lm_head is wte (tied) and is left out; transformers re-ties it on load.
+        return {name: t.detach().contiguous().clone() for name, t in state.items()}
+
+
+def _config_from_gpt2(hf_config, override_args) -> GPTConfig:
+    """GPTConfig from a transformers GPT2Config; ValueError for variants this model cannot represent."""
+    unknown = set(override_args) - {"dropout", "attn_backend"}
+    if unknown:
+        raise ValueError(f"override_args may set only dropout and attn_backend, got {sorted(unknown)}")
+    unsupported = {
+        "activation_function": hf_config.activation_function not in HF_ACTIVATIONS,
+        "n_inner": hf_config.n_inner not in (None, 4 * hf_config.n_embd),
+        "layer_norm_epsilon": hf_config.layer_norm_epsilon != 1e-5,
+        "scale_attn_weights": not hf_config.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx": hf_config.scale_attn_by_inverse_layer_idx,
+        "tie_word_embeddings": not getattr(hf_config, "tie_word_embeddings", True),
+    }
+    for field, bad in unsupported.items():
+        if bad:
+            raise ValueError(f"unsupported GPT-2 variant: {field}={getattr(hf_config, field)!r}")
+    return GPTConfig(
+        block_size=hf_config.n_positions, vocab_size=hf_config.vocab_size, n_layer=hf_config.n_layer,
+        n_head=hf_config.n_head, n_embd=hf_config.n_embd, bias=True,
+        gelu_approximate=HF_ACTIVATIONS[hf_config.activation_function], **override_args,
+    )

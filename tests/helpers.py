@@ -1,0 +1,146 @@
+"""Small helpers shared by the tests: tiny datasets, tiny training runs, running the scripts.
+
+    from tests.helpers import make_char_dataset, train_tiny, run_script, run_scripts, assert_user_error
+
+    data = make_char_dataset(tmp / "data", "some text to learn\\n" * 50)
+    ckpt = train_tiny(tmp / "out", tmp / "data", max_iters=10)     # train.main in-process, a ~20k-param model
+    result = run_script("sample.py", f"--out_dir={tmp / 'out'}", "--device=cpu")
+    assert_user_error(run_script("sample.py", "--top_k=0"), "top_k")
+
+GPT-2 BPE needs tiktoken's r50k_base file; offline it comes from TIKTOKEN_CACHE_DIR, which
+use_gpt2_bpe() points at the shared cache beside the repo (or pytest.skip()s, saying why).
+"""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_TIKTOKEN_CACHE = REPO_ROOT.parent / "shared" / "tiktoken_cache"
+
+# Tiny models gain nothing from a second thread, and on a busy two-core machine OpenMP threads
+# spinning for each other make them ~100x slower (700 ms instead of 7 ms per step, measured).
+ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+# A model that trains in well under a second per 10 iterations on two CPU cores.
+TINY_TRAIN = dict(
+    n_layer=1, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=True,
+    batch_size=8, gradient_accumulation_steps=1, max_iters=20,
+    eval_interval=20, eval_iters=2, log_interval=10,
+    learning_rate=1e-2, min_lr=1e-3, warmup_iters=0, lr_decay_iters=20,
+    device="cpu", dtype="float32", compile=False, seed=1337,
+)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one thread inside the block (see ONE_THREAD_ENV), then restore the count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def use_gpt2_bpe() -> None:
+    """Make GPT-2's BPE loadable offline (here and in subprocesses), or skip the test saying why."""
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and SHARED_TIKTOKEN_CACHE.is_dir():
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_TIKTOKEN_CACHE)
+    from core.errors import UserError
+    from core.tokenizer import GPT2Tokenizer
+
+    try:
+        GPT2Tokenizer()
+    except UserError as e:
+        pytest.skip(f"GPT-2 BPE unavailable (no r50k_base in TIKTOKEN_CACHE_DIR="
+                    f"{os.environ.get('TIKTOKEN_CACHE_DIR')}, no network): {e}")
+
+
+def make_char_dataset(data_dir, text: str, val_fraction: float = 0.1) -> dict:
+    """A character-level dataset of `text` in data_dir (train.bin, val.bin, meta.json); returns meta."""
+    from core.data import write_dataset
+    from core.tokenizer import CharTokenizer
+
+    tok = CharTokenizer.from_text(text)
+    n = int(len(text) * (1 - val_fraction))
+    return write_dataset(data_dir, tok.meta(), {"train": tok.encode(text[:n]), "val": tok.encode(text[n:])})
+
+
+def make_gpt2_dataset(data_dir, documents: list[str], val_documents: list[str] | None = None) -> dict:
+    """A GPT-2 BPE dataset, <|endoftext|> after each document as prepare.py writes it; returns meta.
+
+    val_documents defaults to the training documents. Call use_gpt2_bpe() first.
+    """
+    from core.data import write_dataset
+    from core.tokenizer import GPT2Tokenizer
+
+    tok = GPT2Tokenizer()
+
+    def ids(docs):
+        return [i for doc in docs for i in tok.encode(doc) + [tok.eot_token]]
+
+    return write_dataset(data_dir, tok.meta(), {"train": ids(documents), "val": ids(val_documents or documents)})
+
+
+def train_tiny(out_dir, data_dir, **overrides) -> Path:
+    """Run train.main in-process on a tiny model (TINY_TRAIN, then overrides); returns out_dir/ckpt.pt.
+
+    Any TrainConfig key can be overridden, e.g. vocab_size=80, max_iters=50, init_from="resume".
+    train.py installs SIGINT/SIGTERM handlers; they are restored afterwards so Ctrl-C still stops pytest.
+    """
+    import train
+
+    cfg = TINY_TRAIN | {"out_dir": str(out_dir), "data_dir": str(data_dir)} | overrides
+    argv = [f"--{key}={value!r}" for key, value in cfg.items()]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with one_thread():
+            train.main(argv)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return Path(out_dir) / "ckpt.pt"
+
+
+def run_script(script: str, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python script args...` from the repo root, as a user would; text stdout/stderr captured.
+
+    env: extra environment variables on top of this process's own and ONE_THREAD_ENV.
+    """
+    return run_scripts([script, *args], env=env, timeout=timeout)[0]
+
+
+def run_scripts(*commands: list[str], env: dict | None = None, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Like run_script for each command ([script, *args]), all at once: with torch's import taking
+    seconds per process, two at a time on two cores take about the wall time of one."""
+    procs = [subprocess.Popen([sys.executable, *map(str, cmd)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=os.environ | ONE_THREAD_ENV | (env or {}))
+             for cmd in commands]
+    results = []
+    try:
+        for proc, cmd in zip(procs, commands):
+            out, err = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """A user error as core.errors.run_cli reports it: exit 2, no traceback, and one stderr line
+    `error: ...` that contains every fragment."""
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
+    assert last.startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in last, f"{fragment!r} not in {last!r}"
