@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from core import checkpoint, config as configlib, runtime
 from core.data import TokenData, batch_generator, read_meta
 from core.errors import UserError, run_cli
-from core.fileio import write_json
+from core.fileio import atomic_path, write_json
 from model import GPT, GPTConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -251,16 +251,25 @@ class JsonLog:
 
     def __init__(self, path: Path, resume_iter: int | None):
         self.path = path
-        if resume_iter is not None and path.exists():
-            # Drop records of iterations the resumed run will redo, so the log reads as one run.
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["iter"] < resume_iter]
-            path.write_text("".join(line + "\n" for line in kept))
+        if resume_iter is None:
+            path.unlink(missing_ok=True)
         elif path.exists():
-            path.unlink()
+            # Keep only the iterations before the checkpoint: the resumed run redoes the rest, and
+            # the log then reads as one run. A line cut short by a kill is dropped with them.
+            kept = [line for line in path.read_text().splitlines() if _record_iter(line) < resume_iter]
+            with atomic_path(path) as tmp:
+                tmp.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _record_iter(line: str) -> float:
+    try:
+        return json.loads(line)["iter"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
 
 
 def main(argv) -> None:

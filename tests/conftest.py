@@ -13,3 +13,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_configure(config):
+    # The tests use tiny models: a second thread gains nothing, and on a busy two-core machine
+    # OpenMP threads waiting for each other make them many times slower. Timing is never tested.
+    torch.set_num_threads(1)

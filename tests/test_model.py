@@ -1,0 +1,369 @@
+"""The model: reference attention, causality, the KV cache, generation, sampling, sizes, optimizer groups.
+
+    python -m pytest tests/test_model.py
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import (GPT, Block, GPTConfig, KVCache, attention_weights, causal_mask, sample_next,
+                   scaled_dot_product_attention)
+
+BACKENDS = ["sdpa", "naive"]
+
+
+def tiny_config(**overrides):
+    base = dict(block_size=32, vocab_size=61, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+    return GPTConfig(**{**base, **overrides})
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+def random_idx(B, T, vocab=61, seed=1):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# --- reference attention -------------------------------------------------------------------
+
+# (B, H, Tq, Tk, hs): square, more keys than queries (as with a KV cache), fewer keys than queries
+SHAPES = [(2, 3, 5, 5, 8), (1, 4, 7, 7, 16), (2, 2, 3, 9, 8), (1, 1, 1, 6, 4), (3, 2, 6, 4, 8)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_attention_matches_torch_float64(shape, causal):
+    B, H, Tq, Tk, hs = shape
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, hs, generator=g, dtype=torch.float64) for T in (Tq, Tk, Tk))
+    ours = scaled_dot_product_attention(q, k, v, causal=causal)
+    if causal and Tq != Tk:
+        # torch's is_causal aligns the mask to the start; ours aligns to the end, so spell it out.
+        # (With Tq > Tk the first rows see no key: both give zeros there.)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(Tq, Tk))
+    else:
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert ours.shape == (B, H, Tq, hs)
+    torch.testing.assert_close(ours, ref, atol=1e-12, rtol=0)
+
+
+def test_causal_mask_is_end_aligned():
+    mask = causal_mask(2, 4)
+    assert mask.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert torch.equal(causal_mask(3, 3), torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def test_fully_masked_rows_are_zero():
+    # 4 queries end-aligned to 2 keys: the first two queries come before every key.
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(1, 2, 2, 8, dtype=torch.float64), torch.randn(1, 2, 2, 8, dtype=torch.float64)
+    out = scaled_dot_product_attention(q, k, v, causal=True)
+    assert not out.isnan().any()
+    assert torch.all(out[:, :, :2] == 0)
+    weights = attention_weights(q, k, causal=True)
+    torch.testing.assert_close(weights[:, :, 2:].sum(-1), torch.ones(1, 2, 2, dtype=torch.float64))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+# --- the model -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_information_from_future_tokens(backend):
+    model = tiny_model(attn_backend=backend)
+    idx = random_idx(2, 12)
+    j = 7
+    changed = idx.clone()
+    changed[:, j] = (changed[:, j] + 1) % 61
+    with torch.no_grad():
+        before, _ = model(idx)
+        after, _ = model(changed)
+    torch.testing.assert_close(after[:, :j], before[:, :j], atol=1e-6, rtol=0)
+    assert not torch.allclose(after[:, j:], before[:, j:], atol=1e-4)
+
+
+def test_sdpa_and_naive_backends_agree():
+    sdpa, naive = tiny_model(attn_backend="sdpa"), GPT(tiny_config(attn_backend="naive")).eval()
+    naive.load_state_dict(sdpa.state_dict())
+    idx = random_idx(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(naive(idx)[0], sdpa(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_logits_loss_and_ignore_index():
+    model = tiny_model()
+    idx, targets = random_idx(2, 10), random_idx(2, 10, seed=2)
+    targets[0, :4] = -1
+    logits, loss = model(idx, targets)
+    assert logits.shape == (2, 10, 61)
+    kept = targets != -1
+    torch.testing.assert_close(loss, F.cross_entropy(logits[kept], targets[kept]))
+    # At init every token is about equally likely.
+    assert abs(loss.item() - math.log(61)) < 0.3
+    assert model(idx)[1] is None
+
+
+def test_head_is_tied_and_init_is_gpt2():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=8, n_head=4, n_embd=256))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    block = model.transformer.h[0]
+    assert abs(block.attn.c_attn.weight.std().item() - 0.02) < 0.001
+    for proj in (block.attn.c_proj, block.mlp.c_proj):
+        assert abs(proj.weight.std().item() - 0.02 / math.sqrt(16)) < 0.0005
+    assert torch.all(block.attn.c_attn.bias == 0) and torch.all(block.ln_1.weight == 1)
+
+
+def test_too_long_input_is_a_value_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="block_size"):
+        model(random_idx(1, 33))
+
+
+def test_defaults_are_gpt2_small():
+    config = GPTConfig()
+    sizes = (config.block_size, config.vocab_size, config.n_layer, config.n_head, config.n_embd)
+    assert sizes == (1024, 50304, 12, 12, 768)
+    assert config.dropout == 0.0 and config.bias and config.attn_backend == "sdpa"
+    x = torch.linspace(-4, 4, 101)
+    gpt2_gelu = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))  # "gelu_new"
+    torch.testing.assert_close(Block(tiny_config()).mlp.gelu(x), gpt2_gelu)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(n_embd=30, n_head=4), "divisible"), (dict(attn_backend="flash"), "attn_backend"),
+    (dict(n_layer=0), "n_layer"), (dict(block_size=-1), "block_size"), (dict(dropout=1.0), "dropout"),
+    (dict(gelu_approximate="erf"), "gelu_approximate"),
+])
+def test_config_validation(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**overrides)
+
+
+# --- attention weights (naive backend) -----------------------------------------------------
+
+def test_attention_weights_are_returned_by_the_naive_backend():
+    model = tiny_model(attn_backend="naive")
+    idx = random_idx(2, 9)
+    with torch.no_grad():
+        logits, loss, attn = model(idx, return_attn=True)
+    assert attn.shape == (2, 2, 2, 9, 9)  # (n_layer, B, nh, T, T)
+    torch.testing.assert_close(attn.sum(-1), torch.ones(2, 2, 2, 9))
+    future = ~torch.ones(9, 9, dtype=torch.bool).tril()
+    assert torch.all(attn[..., future] == 0)
+    torch.testing.assert_close(logits, model(idx)[0])
+
+
+def test_attention_weights_with_kv_cache_and_sdpa_refusal():
+    model = tiny_model(attn_backend="naive")
+    cache = model.new_kv_cache(1)
+    model(random_idx(1, 5), kv_cache=cache)
+    _, _, attn = model(random_idx(1, 3), kv_cache=cache, return_attn=True)
+    assert attn.shape == (2, 1, 2, 3, 8)  # the chunk's 3 queries over all 8 positions
+    assert torch.all(attn[..., 0, 6:] == 0) and torch.all(attn[..., 2, :] > 0)
+    with pytest.raises(ValueError, match="naive"):
+        tiny_model()(random_idx(1, 3), return_attn=True)
+
+
+# --- KV cache ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_kv_cache_equals_full_forward(backend):
+    model = tiny_model(attn_backend=backend)
+    idx = random_idx(2, 32)
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = model.new_kv_cache(2)
+        chunks, start = [], 0
+        for size in [7, 1, 1, 3, 1, 5, 2, 1, 11]:  # prefill, single tokens, a few at once
+            logits, _ = model(idx[:, start:start + size], kv_cache=cache)
+            chunks.append(logits)
+            start += size
+    assert start == 32 and cache.pos == 32
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_kv_cache_capacity_and_reset():
+    model = tiny_model()
+    cache = model.new_kv_cache(1, max_len=6)
+    assert isinstance(cache, KVCache) and cache.k.shape == (2, 1, 2, 6, 8)
+    model(random_idx(1, 4), kv_cache=cache)
+    with pytest.raises(ValueError, match="KV cache"):
+        model(random_idx(1, 3), kv_cache=cache)
+    with pytest.raises(ValueError, match="batch"):
+        model(random_idx(2, 1), kv_cache=cache)
+    cache.reset()
+    assert cache.pos == 0
+    model(random_idx(1, 6), kv_cache=cache)
+
+
+# --- generation ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(top_k=1)])
+def test_cached_and_uncached_greedy_agree_past_block_size(backend, sampling):
+    model = tiny_model(attn_backend=backend, block_size=16)
+    idx = random_idx(2, 5)
+    cached = model.generate(idx, 40, use_cache=True, **sampling)
+    uncached = model.generate(idx, 40, use_cache=False, **sampling)
+    assert cached.shape == (2, 45)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached[:, :5], idx)
+
+
+def test_prompt_longer_than_block_size():
+    model = tiny_model(block_size=8)
+    idx = random_idx(1, 12)
+    assert torch.equal(model.generate(idx, 5, temperature=0), model.generate(idx, 5, temperature=0, use_cache=False))
+
+
+def test_generate_stream_yields_the_same_tokens():
+    model = tiny_model()
+    idx = random_idx(2, 4)
+    steps = list(model.generate_stream(idx, 6, generator=torch.Generator().manual_seed(3)))
+    assert len(steps) == 6 and all(t.shape == (2, 1) for t in steps)
+    full = model.generate(idx, 6, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(torch.cat([idx, *steps], dim=1), full)
+
+
+def test_generator_makes_sampling_reproducible():
+    model = tiny_model()
+    idx = random_idx(3, 4)
+    a = model.generate(idx, 10, top_p=0.9, generator=torch.Generator().manual_seed(7))
+    b = model.generate(idx, 10, top_p=0.9, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+
+
+def test_eot_stops_rows_and_pads():
+    model = tiny_model()
+    idx = random_idx(2, 4)
+    greedy = model.generate(idx, 8, temperature=0)
+    eot = int(greedy[0, 4])  # row 0's first new token
+    out = model.generate(idx, 8, temperature=0, eot_token=eot)
+    assert torch.all(out[0, 4:] == eot)
+    row1 = greedy[1, 4:].tolist()
+    stop = row1.index(eot) + 1 if eot in row1 else len(row1)
+    assert out[1, 4:4 + stop].tolist() == row1[:stop] and torch.all(out[1, 4 + stop:] == eot)
+    # A single row that is done stops generation early.
+    assert model.generate(idx[:1], 8, temperature=0, eot_token=eot).shape == (1, 5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5),
+                                    dict(max_new_tokens=-1)])
+def test_generate_validates_arguments_before_any_work(kwargs):
+    model = tiny_model()
+    args = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError):
+        model.generate_stream(random_idx(1, 2), **args)
+
+
+# --- sampling ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.01)])
+def test_sample_next_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        sample_next(torch.zeros(1, 5), **kwargs)
+
+
+def test_sample_next_greedy_top_k_and_top_p():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().repeat(2000, 1)  # (2000, 4): many draws at once
+    g = torch.Generator().manual_seed(0)
+    assert torch.all(sample_next(logits, temperature=0.0) == 1)
+    assert torch.all(sample_next(logits, top_k=1, generator=g) == 1)
+    assert set(sample_next(logits, top_k=2, generator=g).unique().tolist()) == {1, 3}
+    assert set(sample_next(logits, top_p=0.5, generator=g).unique().tolist()) == {1}
+    assert set(sample_next(logits, top_p=0.7, generator=g).unique().tolist()) == {1, 3}
+    assert set(sample_next(logits, top_p=0.9, generator=g).unique().tolist()) == {1, 2, 3}
+    assert set(sample_next(logits, top_p=1.0, generator=g).unique().tolist()) == {0, 1, 2, 3}
+    draws = sample_next(logits, generator=g)
+    assert draws.shape == (2000, 1)
+    freq = torch.bincount(draws[:, 0], minlength=4) / 2000
+    torch.testing.assert_close(freq, probs, atol=0.04, rtol=0)
+
+
+def test_sample_next_uses_its_generator():
+    logits = torch.randn(4, 100)
+    a = sample_next(logits, generator=torch.Generator().manual_seed(1))
+    b = sample_next(logits, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+
+
+# --- sizes, FLOPs, optimizer ---------------------------------------------------------------
+
+def gpt2_small_on_meta(**overrides):
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        return GPT(GPTConfig(vocab_size=50257, bias=True, **overrides))
+
+
+def test_gpt2_small_parameter_counts():
+    model = gpt2_small_on_meta()
+    assert model.get_num_params(non_embedding=False) == 124_439_808
+    assert model.get_num_params() == 124_439_808 - 1024 * 768  # position embeddings left out
+    assert sum(p.numel() for p in model.transformer.h[0].parameters()) == 7_087_872
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_is_shape_preserving(backend):
+    config = GPTConfig(vocab_size=50257, attn_backend=backend)
+    with torch.device("meta"):
+        block = Block(config)
+        x = torch.empty(8, 1024, 768)
+        assert block(x).shape == (8, 1024, 768)
+    small = Block(tiny_config(attn_backend=backend))
+    assert small(torch.randn(3, 10, 16)).shape == (3, 10, 16)
+
+
+def test_flops_and_mfu():
+    model = gpt2_small_on_meta()
+    n = model.get_num_params()
+    assert model.flops_per_token() == 6 * n + 12 * 12 * 12 * 64 * 1024
+    mfu = model.estimate_mfu(fwdbwd_per_iter=4, dt=2.0, peak_flops=1e15)
+    assert mfu == pytest.approx(model.flops_per_token() * 1024 * 4 / 2.0 / 1e15)
+    with pytest.raises(ValueError):
+        model.estimate_mfu(1, 0.0, 1e15)
+
+
+def test_configure_optimizers_decays_only_matrices():
+    model = tiny_model()
+    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=3e-4, betas=(0.9, 0.95), device_type="cpu")
+    assert isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    grouped = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert grouped == {id(p) for p in model.parameters()}  # tied head appears once
+    assert len(decay["params"]) == 2 + 4 * 2  # wte, wpe, 4 matrices per block
+    assert not decay["fused"] and decay["lr"] == 3e-4 and decay["betas"] == (0.9, 0.95)
+
+
+def test_crop_block_size():
+    model = tiny_model()
+    model.crop_block_size(8)
+    assert model.config.block_size == 8 and model.transformer.wpe.weight.shape == (8, 16)
+    assert model(random_idx(1, 8))[0].shape == (1, 8, 61)
+    with pytest.raises(ValueError):
+        model(random_idx(1, 9))
+    with pytest.raises(ValueError):
+        model.crop_block_size(9)
+
+
+@pytest.mark.gpu
+def test_cuda_backends_cache_and_fused_optimizer():
+    model = tiny_model().cuda()
+    naive = GPT(tiny_config(attn_backend="naive")).cuda().eval()
+    naive.load_state_dict(model.state_dict())
+    idx = random_idx(2, 32).cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(naive(idx)[0], model(idx)[0], atol=1e-4, rtol=1e-4)
+    short = idx[:, :5]
+    cached = model.generate(short, 40, temperature=0)
+    assert torch.equal(cached, model.generate(short, 40, temperature=0, use_cache=False))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert model.generate(short, 4, temperature=0).shape == (2, 9)
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")
+    assert opt.param_groups[0]["fused"]
