@@ -349,33 +349,52 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                 generator=None, eot_token=None) -> torch.Tensor:
+                 generator=None, eot_token=None, window_shift=1, vocab_size=None) -> torch.Tensor:
         """Continue idx (B, T) by up to max_new_tokens -> (B, T + new). Call model.eval() first.
 
-        Sampling is sample_next's (temperature 0 is greedy). The model sees the last block_size
-        tokens. use_cache=True decodes with a KV cache; use_cache=False recomputes every step;
-        both give the same tokens. With eot_token, a row stops after emitting it and is padded
-        with eot_token; generation ends early once every row has stopped.
+        Sampling is sample_next's (temperature 0 is greedy). use_cache=True decodes with a KV
+        cache; use_cache=False recomputes every step; both give the same tokens, also past
+        block_size. With eot_token, a row stops after emitting it and is padded with eot_token;
+        generation ends early once every row has stopped. vocab_size: draw only ids below it (a
+        padded vocabulary, 50304 for GPT-2's 50257, has ids no tokenizer can decode).
+
+        Past block_size the context window slides. Learned positions mean every cached key is
+        stale once the window moves, so the cache is refilled each time it does; window_shift is
+        how far it moves at once. 1 (the default) is nanoGPT's rule: the model sees exactly the
+        last block_size tokens, and with a cache every step past block_size costs a full
+        forward. block_size // 2 refills once per block_size // 2 tokens and keeps decoding fast;
+        the model then sees between block_size - window_shift + 1 and block_size tokens.
         """
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache,
-                                        generator, eot_token))
+                                        generator, eot_token, window_shift, vocab_size))
         return torch.cat([idx, *new], dim=1)
 
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                        generator=None, eot_token=None) -> Iterator[torch.Tensor]:
+                        generator=None, eot_token=None, window_shift=1, vocab_size=None) -> Iterator[torch.Tensor]:
         """Like generate, but yields each new token as a (B, 1) tensor as soon as it is sampled."""
         check_sampling_args(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        return self._stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token)
+        if not 1 <= window_shift <= self.config.block_size:
+            raise ValueError(f"window_shift must be in [1, block_size={self.config.block_size}], got {window_shift}")
+        if vocab_size is not None and not 1 <= vocab_size <= self.config.vocab_size:
+            raise ValueError(f"vocab_size must be in [1, {self.config.vocab_size}], got {vocab_size}")
+        return self._stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token,
+                            window_shift, vocab_size)
 
     @torch.no_grad()
-    def _stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token):
-        max_len = min(self.config.block_size, idx.size(1) + max_new_tokens)
-        cache = self.new_kv_cache(idx.size(0), max_len) if use_cache else None
+    def _stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token,
+                window_shift, vocab_size):
+        block_size = self.config.block_size
+        cache = self.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if use_cache else None
+        start = max(0, idx.size(1) - block_size)  # the context window is idx[:, start:]
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
         for _ in range(max_new_tokens):
-            logits = self._next_logits(idx, cache)  # (B, vocab)
+            if idx.size(1) - start > block_size:
+                start = max(start + window_shift, idx.size(1) - block_size)
+                if cache is not None:
+                    cache.reset()  # every token moved to a new position: the cached keys are stale
+            logits = self._next_logits(idx[:, start:], cache)[:, :vocab_size]  # (B, vocab)
             token = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             if eot_token is not None:
                 token = token.masked_fill(done[:, None], eot_token)
@@ -385,17 +404,12 @@ class GPT(nn.Module):
             if eot_token is not None and bool(done.all()):
                 return
 
-    def _next_logits(self, idx, cache):
-        """Logits for the token after idx, from the model seeing idx's last block_size tokens."""
-        window = idx[:, -self.config.block_size:]  # (B, <= block_size)
+    def _next_logits(self, window, cache):
+        """Logits (B, vocab) for the token after window (B, <= block_size); with a cache only the
+        tokens not cached yet go through the model."""
         if cache is None:
             return self(window)[0][:, -1, :]
-        if idx.size(1) > self.config.block_size:
-            # The window slid by one: every token moved to a new position embedding, so every
-            # cached key and value is stale. Recompute the whole window, exactly as without a cache.
-            cache.reset()
-        logits, _ = self(window[:, cache.pos:], kv_cache=cache)  # only the tokens not cached yet
-        return logits[:, -1, :]
+        return self(window[:, cache.pos:], kv_cache=cache)[0][:, -1, :]
 
     def get_num_params(self, non_embedding=True) -> int:
         """Parameter count; the tied wte/lm_head matrix counts once.

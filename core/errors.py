@@ -1,4 +1,5 @@
 """User-facing failures: one clear line and a non-zero exit, never a traceback."""
+import os
 import sys
 from typing import Callable, NoReturn, Sequence
 
@@ -24,4 +25,7 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # stdout closed early, e.g. `| head`: not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     sys.exit(0)

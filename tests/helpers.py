@@ -144,3 +144,71 @@ def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> N
     assert last.startswith("error: "), result.stderr
     for fragment in fragments:
         assert fragment in last, f"{fragment!r} not in {last!r}"
+
+
+def run_many(commands: list[list[str]], parallel: int = 3, env: dict | None = None,
+             timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """run_script for each command ([script, *args]), `parallel` at a time, results in order: many
+    short runs finish in about (count / parallel) times the wall time of one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(parallel) as pool:
+        return list(pool.map(lambda cmd: run_script(*cmd, env=env, timeout=timeout), commands))
+
+
+def run_main(main, argv: list[str]) -> subprocess.CompletedProcess:
+    """A script's main(argv) run in-process through core.errors.run_cli, as the command line would run
+    it: exit code, stdout and stderr come back as a CompletedProcess (for assert_user_error). Faster
+    than a subprocess, and monkeypatches apply. Signal handlers are restored as in train_tiny."""
+    import io
+    from core.errors import run_cli
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = None
+    try:
+        with one_thread(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            run_cli(main, [str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def child_pids(pid: int) -> list[int]:
+    """The ids of the processes whose parent is `pid`, read from /proc (Linux): e.g. torchrun's workers."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        # /proc/PID/stat is "pid (comm) state ppid ...", and comm may itself hold spaces or ')'.
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            children.append(int(entry.name))
+    return children
+
+
+def process_env(pid: int) -> dict[str, str]:
+    """The environment `pid` was started with (Linux /proc), e.g. a torchrun worker's RANK."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+
+
+def flip_a_weight_bit(path) -> None:
+    """Flip one bit in the middle of the largest tensor of a torch.save file (a zip archive): the
+    damage torch.load alone would not notice, loading a wrong weight."""
+    import struct
+    import zipfile
+
+    data = bytearray(Path(path).read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+    # A zip local header is 30 bytes, then the file name and the extra field, then the data.
+    name_len, extra_len = struct.unpack("<HH", data[record.header_offset + 26: record.header_offset + 30])
+    data[record.header_offset + 30 + name_len + extra_len + record.file_size // 2] ^= 0x10
+    Path(path).write_bytes(data)

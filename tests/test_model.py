@@ -205,14 +205,41 @@ def test_kv_cache_capacity_and_reset():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(top_k=1)])
-def test_cached_and_uncached_greedy_agree_past_block_size(backend, sampling):
+@pytest.mark.parametrize("window_shift", [1, 5, 8])
+def test_cached_and_uncached_greedy_agree_past_block_size(backend, sampling, window_shift):
     model = tiny_model(attn_backend=backend, block_size=16)
     idx = random_idx(2, 5)
-    cached = model.generate(idx, 40, use_cache=True, **sampling)
-    uncached = model.generate(idx, 40, use_cache=False, **sampling)
+    cached = model.generate(idx, 40, use_cache=True, window_shift=window_shift, **sampling)
+    uncached = model.generate(idx, 40, use_cache=False, window_shift=window_shift, **sampling)
     assert cached.shape == (2, 45)
     assert torch.equal(cached, uncached)
     assert torch.equal(cached[:, :5], idx)
+
+
+def test_window_shift_1_sees_exactly_the_last_block_size_tokens():
+    """nanoGPT's rule: each token past block_size is the greedy choice given the last block_size tokens."""
+    model = tiny_model(block_size=8)
+    out = model.generate(random_idx(1, 3), 20, temperature=0, window_shift=1)
+    for n in range(3, 23):
+        expected = model(out[:, max(0, n - 8):n])[0][:, -1].argmax(-1)
+        assert out[0, n] == expected
+
+
+def test_window_shift_moves_the_window_in_steps():
+    """With window_shift=4 the context after a shift is the last 8 - 4 + 1 = 5 tokens, then grows back to 8."""
+    model = tiny_model(block_size=8)
+    out = model.generate(random_idx(1, 8), 8, temperature=0, window_shift=4)
+    starts = [0, 4, 4, 4, 4, 8, 8, 8]  # window start for the token at position 8 + i
+    for i, start in enumerate(starts):
+        n = 8 + i
+        assert out[0, n] == model(out[:, start:n])[0][:, -1].argmax(-1), i
+
+
+def test_vocab_size_keeps_padded_ids_out():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    out = model.generate(random_idx(4, 2), 50, temperature=50.0, vocab_size=5, generator=g)
+    assert int(out[:, 2:].max()) < 5
 
 
 def test_prompt_longer_than_block_size():

@@ -1,0 +1,282 @@
+"""Sample from a trained model: a checkpoint in out_dir, or GPT-2 weights. Decodes with the KV cache.
+
+    python sample.py --out_dir=out-shakespeare-char                           # 10 samples from its ckpt.pt
+    python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=1   # streams as it decodes
+    python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0   # greedy
+    python sample.py --init_from=gpt2 --start="Hello, I'm a language model," --top_p=0.9 --stop_at_eot=True
+    python sample.py --init_from=path/to/dir   # a directory written by GPT.save_pretrained (or transformers)
+
+The samples go to stdout, each followed by a line of dashes; what was loaded and the tokens/s go to
+stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer is the one the
+checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
+"""
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from core import checkpoint, runtime
+from core.config import parse_args
+from core.errors import UserError, run_cli
+from core.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
+from model import GPT, GPT2_HUB_NAMES
+
+SEPARATOR = "---------------"
+
+
+@dataclasses.dataclass
+class SampleConfig:
+    init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a save_pretrained directory
+    out_dir: str = "out"             # where init_from=resume finds ckpt.pt
+    start: str = "\n"                # the prompt, or FILE:path to read it from a file
+    num_samples: int = 10            # decoded together, as one batch
+    max_new_tokens: int = 500
+    temperature: float = 0.8         # < 1 sharper, > 1 more random; 0 is greedy (always the most likely token)
+    top_k: int | None = 200          # sample among the k most likely tokens; None: all
+    top_p: float | None = None       # then among the fewest tokens holding this probability; None: all
+    seed: int = 1337                 # the same seed, model, prompt, flags and device give the same text
+    stop_at_eot: bool = False        # end a sample at <|endoftext|> (GPT-2 BPE; char vocabularies have none)
+    truncate_prompt: bool = False    # a prompt longer than the context keeps its last block_size tokens
+    use_cache: bool = True           # False recomputes the whole context for every token (slow; for checks)
+    window_shift: int | None = None  # past block_size the window slides this many tokens at once (model.generate);
+                                     # None: block_size // 2, so the cache stays fast; 1: nanoGPT's exact sliding
+    stream: bool | None = None       # print tokens as they are produced; None: only when num_samples == 1
+    device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
+    dtype: str = "auto"              # auto, float32, bfloat16, float16
+    compile: bool = False            # torch.compile the model (recompiles for each new input shape at first)
+
+    def validate(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise UserError(f"temperature must be >= 0 (0 is greedy decoding), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"top_k must be at least 1, or None for no limit; got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], or None for no limit; got {self.top_p}")
+        if self.num_samples < 1:
+            raise UserError(f"num_samples must be at least 1, got {self.num_samples}")
+        if self.max_new_tokens < 0:
+            raise UserError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.window_shift is not None and self.window_shift < 1:
+            raise UserError(f"window_shift must be at least 1 (or None for block_size // 2), got {self.window_shift}")
+        if self.stream and self.num_samples != 1:
+            raise UserError(f"stream=True prints one sample as it is decoded; use --num_samples=1 "
+                            f"(got {self.num_samples}) or --stream=False")
+        if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
+            raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
+                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+
+
+# -----------------------------------------------------------------------------
+# the prompt
+
+
+def read_prompt(start: str) -> str:
+    """The prompt text: `start` itself, or the contents of the file named by `FILE:path`."""
+    if not start.startswith("FILE:"):
+        return start
+    path = Path(start[len("FILE:"):])
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"prompt file '{path}' is not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"cannot read prompt file '{path}' (--start=FILE:{path}): {e.strerror}") from None
+
+
+def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = False) -> list[int]:
+    """The prompt's token ids: at least one, at most block_size (the model's context).
+
+    An empty prompt starts from <|endoftext|> where the tokenizer has one (how GPT-2 samples
+    unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens.
+    """
+    try:
+        ids = tok.encode(text)
+    except UserError as e:  # a char vocabulary names the characters it lacks
+        raise UserError(f"the prompt cannot be encoded: {e}") from None
+    if not ids:
+        if tok.eot_token is None:
+            raise UserError("the prompt is empty and this vocabulary has no <|endoftext|> to start from; "
+                            "pass some text with --start=...")
+        return [tok.eot_token]
+    if len(ids) > block_size:
+        if not truncate:
+            raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size}; "
+                            f"shorten it, or pass --truncate_prompt=True to keep its last {block_size} tokens")
+        ids = ids[-block_size:]
+    return ids
+
+
+# -----------------------------------------------------------------------------
+# the model and its tokenizer
+
+
+def load_resume(out_dir: Path) -> tuple[GPT, Tokenizer, str]:
+    """The model and tokenizer of out_dir/ckpt.pt, exactly that file: a damaged one is an error."""
+    path, prev = out_dir / checkpoint.CKPT_NAME, out_dir / checkpoint.PREV_NAME
+    # ckpt.prev.pt is the complete checkpoint saved before ckpt.pt; name it rather than silently
+    # sampling from an older model than the user thinks.
+    hint = ""
+    if prev.is_file():
+        hint = f"; {prev} holds the checkpoint saved before it: copy it to {path} to sample from it"
+    if not path.is_file():
+        raise UserError(f"no checkpoint in {out_dir}: {path} not found; train one first "
+                        f"(python train.py ... --out_dir={out_dir}) or pass --out_dir=...{hint}")
+    try:
+        state = checkpoint.load_checkpoint(path)
+    except UserError as e:
+        raise UserError(f"{e}{hint}") from None
+    meta = state["meta"]
+    if not isinstance(meta.get("tokenizer"), dict):
+        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be decoded")
+    tok = tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
+    try:
+        model = checkpoint.model_from_checkpoint(state, dropout=0.0)
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"checkpoint {path} does not fit this model.py ({reason})") from None
+    return model, tok, f"{path} (iter {meta.get('iter_num')})"
+
+
+def load_pretrained(name_or_dir: str) -> tuple[GPT, Tokenizer, str]:
+    """GPT-2 weights (a hub name, or a save_pretrained directory) and GPT-2's BPE."""
+    tok = GPT2Tokenizer()  # first: without the BPE file there is nothing to decode with
+    try:
+        model = GPT.from_pretrained(name_or_dir)
+    except (OSError, ValueError) as e:  # offline, unknown name, not a GPT-2 directory, unsupported variant
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"could not load GPT-2 weights '{name_or_dir}': {reason}") from None
+    return model, tok, name_or_dir
+
+
+def load_model(cfg: SampleConfig) -> tuple[GPT, Tokenizer, str]:
+    model, tok, source = load_resume(Path(cfg.out_dir)) if cfg.init_from == "resume" else load_pretrained(cfg.init_from)
+    if tok.vocab_size > model.config.vocab_size:
+        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
+                        f"{model.config.vocab_size}; they do not belong together")
+    return model, tok, source
+
+
+# -----------------------------------------------------------------------------
+# decoding and printing
+
+
+class StreamDecoder:
+    """Turn token ids, fed one at a time, into text that can be printed as it comes.
+
+    A byte-level BPE token can end inside a multi-byte UTF-8 character (an emoji is often two or
+    three tokens), and decoding it alone gives U+FFFD. Ids are held back while their text ends in
+    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids).
+    """
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        self.pending.append(token)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd"):
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
+def cut_at_eot(ids: list[int], eot_token: int | None) -> list[int]:
+    """The ids before the first eot_token (all of them when eot_token is None or absent)."""
+    return ids[:ids.index(eot_token)] if eot_token is not None and eot_token in ids else ids
+
+
+def write_stream(tokens, tok: Tokenizer, prompt: str, eot: int | None) -> int:
+    """Print one sample as `tokens` yields its ids, each (1, 1); returns how many were generated."""
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+    decoder, steps = StreamDecoder(tok), 0
+    for token in tokens:
+        steps += 1
+        token_id = token.item()
+        if token_id == eot:
+            break
+        out.write(decoder.push(token_id))
+        out.flush()
+    out.write(decoder.flush() + "\n" + SEPARATOR + "\n")
+    out.flush()
+    return steps
+
+
+def write_batch(rows: list[list[int]], tok: Tokenizer, prompt: str, eot: int | None) -> int:
+    """Print each sample of a generated batch; returns how many tokens each row was given."""
+    for row in rows:
+        sys.stdout.write(prompt + tok.decode(cut_at_eot(row, eot)) + "\n" + SEPARATOR + "\n")
+    sys.stdout.flush()
+    return len(rows[0])
+
+
+def window_shift(cfg: SampleConfig, block_size: int) -> int:
+    """How far the context window slides at once past block_size: cfg's, or half the window."""
+    shift = cfg.window_shift or max(1, block_size // 2)
+    if shift > block_size:
+        raise UserError(f"window_shift {shift} is larger than the model's block_size {block_size}")
+    return shift
+
+
+def main(argv: Sequence[str]) -> None:
+    cfg = parse_args(SampleConfig, argv)
+    rt = runtime.setup(cfg.device, cfg.dtype)
+    model, tok, source = load_model(cfg)
+    eot = tok.eot_token if cfg.stop_at_eot else None
+    if cfg.stop_at_eot and eot is None:
+        raise UserError("stop_at_eot=True needs an end-of-text token, and this checkpoint's char vocabulary has "
+                        "none; use --stop_at_eot=False")
+    text = read_prompt(cfg.start)
+    context = encode_prompt(tok, text, model.config.block_size, cfg.truncate_prompt)
+    shift = window_shift(cfg, model.config.block_size)
+    if len(tok.encode(text)) > len(context):
+        print(f"note: kept the prompt's last {len(context)} tokens (--truncate_prompt=True)", file=sys.stderr)
+    shown_prompt = tok.decode(context) if text else ""  # not the <|endoftext|> an empty prompt starts from
+
+    model.eval().to(rt.device)
+    if cfg.compile:
+        model.compile()
+    print(f"sampling from {source}: {model.get_num_params() / 1e6:.2f}M parameters, "
+          f"{tok.meta()['tokenizer']} tokenizer, {rt.device} {rt.dtype}", file=sys.stderr)
+
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator(device=rt.device).manual_seed(cfg.seed)
+    idx = torch.tensor([context] * cfg.num_samples, dtype=torch.long, device=rt.device)  # (B, T)
+    args = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                use_cache=cfg.use_cache, generator=generator, eot_token=eot,
+                window_shift=shift,
+                vocab_size=tok.vocab_size)  # a padded vocabulary's extra ids are never drawn
+    stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1
+    try:
+        t0 = time.perf_counter()
+        with rt.autocast():
+            if stream:
+                steps = write_stream(model.generate_stream(idx, **args), tok, shown_prompt, eot)
+            else:
+                new = model.generate(idx, **args)[:, idx.size(1):]  # (B, steps)
+                steps = write_batch(new.tolist(), tok, shown_prompt, eot)
+        rt.synchronize()
+        dt = time.perf_counter() - t0
+    except BrokenPipeError:
+        # The reader went away (`python sample.py | head`): stop quietly, and point stdout at
+        # /dev/null so that Python's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return
+    total = cfg.num_samples * steps
+    print(f"{total} tokens ({cfg.num_samples} x {steps}) in {dt:.2f}s: {total / max(dt, 1e-9):.1f} tokens/s "
+          f"({'KV cache' if cfg.use_cache else 'no cache'})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_cli(main)
