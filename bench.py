@@ -1,0 +1,661 @@
+"""Performance, measured side by side in one run: training step, attention memory, decoding, data preparation.
+
+    python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
+    python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
+    python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
+    python bench.py --sections=attention,decode        # only some of train, attention, decode, prepare
+    python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
+    TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
+    python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
+        --device=cuda --dtype=bfloat16                 # the same training model, flag by flag
+
+Every time is the median of `repeats` timed runs after `warmup` untimed ones; every ratio compares two
+figures from the same run. Weights are random (speed does not depend on them) and decoding is greedy.
+The tables go to stdout in Markdown, and the same figures with the machine's description to --out (JSON).
+
+How each figure is measured:
+  train      forward + backward + AdamW step on a fixed random batch; MFU = model.estimate_mfu against
+             runtime.peak_flops (GPU: the datasheet; CPU: a measured float32 matmul, so CPU MFU is
+             relative to what a plain matmul reaches here). Compiled: torch.compile of the same model;
+             its first step (the build) is timed apart, and a failure is reported in the table.
+  attention  peak memory above the inputs while one causal attention runs, without grad (forward) and
+             with grad (forward + backward): model.scaled_dot_product_attention (the naive reference,
+             which forms the (B, nh, T, T) scores) against torch's fused F.scaled_dot_product_attention.
+             CUDA: torch.cuda.max_memory_allocated. CPU: the allocation and free events that
+             torch.profiler(profile_memory=True) records from torch's CPU allocator, summed in time
+             order, the peak of that running total (kernels' scratch buffers included).
+  decode     per-token latency at each context length: no cache = one forward over the whole context
+             (what generate(use_cache=False) does per token); cache = one token through a KV cache
+             already holding the context. Then a whole generate() run each way, timed token by token,
+             past the context moving the window as sample.py does (block_size // 2 at a time; see
+             --gen_window_shift).
+  prepare    core.data.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path):
+             read, encode, write train.bin / val.bin / meta.json to a temporary folder.
+"""
+import contextlib
+import dataclasses
+import datetime
+import io
+import math
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from core import runtime
+from core.config import apply_overrides, parse_args, read_config_file, to_dict
+from core.data import TextPrepareConfig, prepare_text_corpus
+from core.errors import UserError, run_cli
+from core.fileio import write_json
+from core.tokenizer import GPT2Tokenizer
+from model import GPT, GPTConfig, scaled_dot_product_attention
+from sample import SampleConfig, window_shift
+
+SECTIONS = ("train", "attention", "decode", "prepare")
+# THREADS: one torch thread by default. On the shared 2-core machines this project runs on, two OpenMP
+# threads spin-wait for each other whenever another process holds a core: the default CPU run took
+# 313 s with 2 threads against 180 s with 1 (load average ~3, 2026-11-29), and its figures jumped around
+# (no-cache decoding 616 ms/token at context 64 but 251 ms at 128). On a machine of your own, --threads=0.
+DEFAULT_CORPUS = "../shared/data/tinyshakespeare.txt"
+GENERATED_CHARS = 1_000_000  # the stand-in corpus when DEFAULT_CORPUS is absent: about Tiny Shakespeare's size
+MiB = 2**20
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    preset: str = "cpu"        # "cpu": the defaults below; "gpt2": GPT-2 small sizes for a GPU (PRESETS)
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 1           # torch intra-op threads; 0 keeps torch's default (one per core). See THREADS.
+    seed: int = 1337
+    sections: str = "train,attention,decode,prepare"
+    out: str = "bench.json"
+    warmup: int = 1            # untimed runs before each timed figure
+    repeats: int = 3           # timed runs; each figure is their median
+    # 1. training step: the baby GPT (data/shakespeare_char, 65 characters) at batch 4
+    batch_size: int = 4
+    block_size: int = 256      # 4 batch * 256 context = 1,024 tokens per step
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    vocab_size: int = 65
+    bias: bool = False
+    compile: bool = True
+    # 2. attention memory: one layer's attention of the same model, B=1, over a range of T
+    attn_batch_size: int = 1
+    attn_n_head: int = 6
+    attn_head_size: int = 64
+    attn_lengths: str = "256,512,1024,2048,4096"
+    attn_repeats: int = 1      # memory is deterministic for a given allocator; more repeats only cost time
+    # 3. decoding: the model of issue 5's claim (6 layers, 384 wide, 6 heads, 256-token context)
+    decode_n_layer: int = 6
+    decode_n_head: int = 6
+    decode_n_embd: int = 384
+    decode_block_size: int = 256
+    decode_vocab_size: int = 65
+    decode_batch_size: int = 1
+    decode_contexts: str = "64,128,256"
+    gen_prompt_len: int = 1    # generate(): a 1-token prompt, like sample.py's default start
+    gen_new_tokens: int = 500
+    gen_window_shift: int | None = None  # past the context the window jumps this far at once; None: sample.py's
+                                         # default (block_size // 2); 1: nanoGPT's rule (every step a full forward)
+    gen_repeats: int = 1       # a no-cache run of 500 tokens takes about a minute on 2 CPU cores
+    # 4. data preparation
+    corpus: str | None = None  # a text file; None: DEFAULT_CORPUS if it exists, else a generated text
+
+    def check(self) -> None:
+        unknown = set(section_list(self)) - set(SECTIONS)
+        if unknown:
+            raise UserError(f"--sections: unknown {', '.join(sorted(unknown))}; use some of {','.join(SECTIONS)}")
+        for key in ("warmup", "threads"):
+            if getattr(self, key) < 0:
+                raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("repeats", "attn_repeats", "gen_repeats", "gen_prompt_len", "gen_new_tokens"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        int_list(self.attn_lengths, "attn_lengths")
+        contexts = int_list(self.decode_contexts, "decode_contexts")
+        if max(contexts) > self.decode_block_size:
+            raise UserError(f"decode_contexts go up to {max(contexts)}, "
+                            f"past decode_block_size {self.decode_block_size}")
+        if self.gen_window_shift is not None and not 1 <= self.gen_window_shift <= self.decode_block_size:
+            raise UserError(f"gen_window_shift must be in [1, decode_block_size={self.decode_block_size}] or None, "
+                            f"got {self.gen_window_shift}")
+        if self.gen_prompt_len > self.decode_block_size:
+            raise UserError(f"gen_prompt_len {self.gen_prompt_len} is longer than "
+                            f"decode_block_size {self.decode_block_size}")
+        for name, (n_embd, n_head) in {"": (self.n_embd, self.n_head),
+                                       "decode_": (self.decode_n_embd, self.decode_n_head)}.items():
+            if n_embd % n_head:
+                raise UserError(f"{name}n_embd ({n_embd}) must be divisible by {name}n_head ({n_head})")
+
+
+PRESETS = {
+    "cpu": {},
+    # GPT-2 small (124M) in its own vocabulary; attention to 16k; decoding GPT-2 small to its 1024 context.
+    "gpt2": dict(
+        batch_size=8, block_size=1024, n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=True,
+        warmup=3, repeats=10,
+        attn_n_head=12, attn_lengths="256,512,1024,2048,4096,8192,16384", attn_repeats=3,
+        decode_n_layer=12, decode_n_head=12, decode_n_embd=768, decode_block_size=1024, decode_vocab_size=50304,
+        decode_contexts="128,256,512,1024", gen_repeats=3, threads=0,
+    ),
+}
+
+
+def load_config(argv: Sequence[str]) -> BenchConfig:
+    """Defaults, then the preset, then config files and --key=value: what you pass beats the preset."""
+    cfg = parse_args(BenchConfig, argv)  # checks every key and type, and finds the preset
+    if cfg.preset not in PRESETS:
+        raise UserError(f"unknown preset '{cfg.preset}'; use one of {', '.join(PRESETS)}")
+    given = set()
+    for arg in argv:
+        given |= {arg[2:].partition("=")[0]} if arg.startswith("--") else set(read_config_file(arg))
+    preset = {key: value for key, value in PRESETS[cfg.preset].items() if key not in given}
+    cfg = apply_overrides(cfg, preset, f"preset {cfg.preset}")
+    cfg.check()
+    return cfg
+
+
+def int_list(text: str, key: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{key} must be comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{key} must list positive integers, got '{text}'")
+    return values
+
+
+def section_list(cfg: BenchConfig) -> list[str]:
+    return [s.strip() for s in cfg.sections.split(",") if s.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+
+
+def median_time(fn: Callable[[], object], warmup: int, repeats: int,
+                synchronize: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of `repeats` calls of fn, after `warmup` untimed calls.
+
+    synchronize waits for queued device work (GPU kernels run asynchronously), so each time
+    covers the work fn launched, not just the launching.
+    """
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak CUDA memory allocated while fn runs, above what was allocated when it started (bytes)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int]:
+    """For each named run: peak CPU memory allocated while it runs, above what was allocated when it started.
+
+    With profile_memory=True, torch.profiler records every allocation and free of torch's CPU
+    allocator (kernels' scratch buffers included) as a "[memory]" event of +/- bytes; their running
+    sum in time order is the memory held. The runs share one profile, each inside a record_function
+    window named after it (every profiler start and stop logs a line to stderr). The per-op
+    summaries lose the order of events, so this reads the raw event list.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        for name, fn in runs.items():
+            with torch.profiler.record_function(name):
+                fn()
+    events = prof.profiler.kineto_results.events()
+    windows = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in runs}
+    memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"), key=lambda m: m[0])
+    peaks = {}
+    for name, (start, end) in windows.items():
+        before = sum(n for t, n in memory if t < start)
+        running = peak = before
+        for t, n in memory:
+            if start <= t <= end:
+                running += n
+                peak = max(peak, running)
+        peaks[name] = peak - before
+    return peaks
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. training step
+
+
+def model_text(c: GPTConfig, batch_size: int) -> str:
+    return (f"{c.n_layer} layers, {c.n_embd} wide, {c.n_head} heads, block_size {c.block_size}, "
+            f"vocab {c.vocab_size}, batch {batch_size}")
+
+
+def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    torch.manual_seed(cfg.seed)
+    mc = GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                   n_embd=cfg.n_embd, dropout=0.0, bias=cfg.bias)
+    model = GPT(mc).to(rt.device)
+    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
+    scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == "float16")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x, y = (torch.randint(mc.vocab_size, (cfg.batch_size, mc.block_size), generator=gen).to(rt.device)
+            for _ in range(2))
+
+    def step(m: torch.nn.Module) -> None:
+        with rt.autocast():
+            _, loss = m(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    peak, peak_source = peak_flops_with_source(rt)
+    tokens = cfg.batch_size * mc.block_size
+
+    def row(mode: str, m: torch.nn.Module, build_s: float | None = None) -> dict:
+        if rt.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        dt = median_time(lambda: step(m), cfg.warmup, cfg.repeats, rt.synchronize)
+        r = {"mode": mode, "step_s": dt, "tokens_per_s": tokens / dt,
+             "mfu": model.estimate_mfu(cfg.batch_size, dt, peak) if peak else None}
+        if build_s is not None:
+            r["build_s"] = build_s
+        if rt.device_type == "cuda":
+            r["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+        return r
+
+    rows = [row("eager", model)]
+    if cfg.compile:
+        try:
+            compiled = torch.compile(model)
+            t0 = time.perf_counter()
+            step(compiled)  # the first call traces and builds the kernels
+            rt.synchronize()
+            rows.append(row("compiled", compiled, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - any compiler failure is a result to report, not a crash
+            rows.append({"mode": "compiled", "error": f"compile failed: {one_line(e)}"})
+    result = {"model": model_text(mc, cfg.batch_size), "params": model.get_num_params(),
+              "tokens_per_step": tokens, "flops_per_token": model.flops_per_token(),
+              "peak_flops": peak, "peak_flops_source": peak_source, "rows": rows}
+    if len(rows) == 2 and "error" not in rows[1]:
+        result["compiled_over_eager"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return result
+
+
+def peak_flops_with_source(rt: runtime.Runtime) -> tuple[float | None, str]:
+    peak = runtime.peak_flops(rt)
+    if rt.device_type == "cpu":
+        return peak, "measured float32 1024x1024 matmul, median of 5 (core.runtime.cpu_matmul_peak_flops)"
+    if peak is None:
+        return None, f"no datasheet figure for {rt.device}; MFU not reported"
+    return peak, f"datasheet dense {rt.dtype} for {torch.cuda.get_device_name(rt.device)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. attention memory
+
+
+def naive_attention(q, k, v):
+    return scaled_dot_product_attention(q, k, v, causal=True)  # the reference: forms (B, nh, T, T)
+
+
+def fused_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # what the sdpa backend calls for a full block
+
+
+def attention_run(attn: Callable, shape: tuple[int, ...], rt: runtime.Runtime, backward: bool) -> Callable[[], None]:
+    """A closure running one attention over fresh random q, k, v of `shape` (allocated now, outside it)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(shape, generator=gen).to(rt.device, rt.ptdtype) for _ in range(4))
+    if not backward:
+        def run() -> None:
+            with torch.no_grad():
+                attn(q, k, v)
+        return run
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def run_backward() -> None:
+        attn(q, k, v).backward(grad)
+        q.grad = k.grad = v.grad = None  # after the peak: the gradients count, but only once
+    return run_backward
+
+
+def sdpa_kernels(shape: tuple[int, ...], rt: runtime.Runtime) -> str:
+    """Which aten kernel(s) F.scaled_dot_product_attention dispatched to, read from a profile."""
+    run = attention_run(fused_attention, shape, rt, backward=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    kernels = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")
+    names = {e.name for e in prof.events() if e.name.startswith(kernels)}
+    return ", ".join(sorted(names)) or "unknown"
+
+
+def bench_attention(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    lengths = int_list(cfg.attn_lengths, "attn_lengths")
+    B, nh, hs = cfg.attn_batch_size, cfg.attn_n_head, cfg.attn_head_size
+    itemsize = torch.empty(0, dtype=rt.ptdtype).element_size()
+    variants = {f"{name}_{mode}_bytes": (attn, mode == "forward_backward")
+                for name, attn in (("naive", naive_attention), ("sdpa", fused_attention))
+                for mode in ("forward", "forward_backward")}
+    for attn, backward in variants.values():  # warm-up: one-time buffers (thread pools, kernels) are not attention's
+        attention_run(attn, (B, nh, min(lengths), hs), rt, backward)()
+    runs = {f"{key} T={T} #{i}": attention_run(attn, (B, nh, T, hs), rt, backward)
+            for T in lengths for key, (attn, backward) in variants.items() for i in range(cfg.attn_repeats)}
+    if rt.device_type == "cuda":
+        peaks = {name: cuda_peak_extra_bytes(run) for name, run in runs.items()}
+        method = "torch.cuda.max_memory_allocated above memory_allocated before the call"
+    elif rt.device_type == "cpu":
+        peaks = cpu_peak_extra_bytes(runs)
+        method = "torch.profiler(profile_memory=True): the CPU allocator's alloc/free events summed in time order"
+    else:
+        raise UserError(f"attention memory is measured on cuda or cpu, not {rt.device_type}; "
+                        f"leave attention out of --sections there")
+    del runs
+    rows = []
+    for T in lengths:
+        row = {"T": T, "score_matrix_bytes": B * nh * T * T * itemsize}
+        for key in variants:
+            row[key] = statistics.median(peaks[f"{key} T={T} #{i}"] for i in range(cfg.attn_repeats))
+        row["naive_over_sdpa"] = row["naive_forward_backward_bytes"] / row["sdpa_forward_backward_bytes"]
+        rows.append(row)
+    result = {"shape": f"B={B}, {nh} heads, head size {hs}, {rt.dtype}, causal", "method": method,
+              "sdpa_kernel": sdpa_kernels((B, nh, min(lengths), hs), rt), "rows": rows}
+    if len(lengths) > 1:
+        first, last = rows[0], rows[-1]
+        span = math.log(last["T"] / first["T"])
+        result["growth_exponent"] = {  # memory ~ T^exponent between the shortest and the longest T
+            key: math.log(last[key] / first[key]) / span for key in variants}
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. decoding
+
+
+def token_times(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bool, shift: int,
+                rt: runtime.Runtime) -> list[float]:
+    """Seconds until each new token of a greedy generate_stream run was ready, token by token."""
+    times = []
+    with rt.autocast():
+        t0 = time.perf_counter()
+        for _ in model.generate_stream(prompt, new_tokens, temperature=0.0, use_cache=use_cache, window_shift=shift):
+            rt.synchronize()
+            t = time.perf_counter()
+            times.append(t - t0)
+            t0 = t
+    return times
+
+
+def bench_decode(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    torch.manual_seed(cfg.seed)
+    mc = GPTConfig(block_size=cfg.decode_block_size, vocab_size=cfg.decode_vocab_size, n_layer=cfg.decode_n_layer,
+                   n_head=cfg.decode_n_head, n_embd=cfg.decode_n_embd, dropout=0.0, bias=cfg.bias)
+    model = GPT(mc).to(rt.device).eval()
+    B = cfg.decode_batch_size
+    gen = torch.Generator().manual_seed(cfg.seed)
+    tokens = torch.randint(mc.vocab_size, (B, mc.block_size), generator=gen).to(rt.device)  # (B, block_size)
+
+    rows = []
+    with torch.no_grad(), rt.autocast():
+        cache = model.new_kv_cache(B)
+        for C in int_list(cfg.decode_contexts, "decode_contexts"):
+            no_cache_s = median_time(lambda: model(tokens[:, :C]), cfg.warmup, cfg.repeats, rt.synchronize)
+            cache.reset()
+            if C > 1:
+                model(tokens[:, :C - 1], kv_cache=cache)  # the cache holds the first C - 1 tokens
+
+            def cached_step() -> None:
+                cache.pos = C - 1  # the explicit position: token C goes in at C - 1, every time
+                model(tokens[:, C - 1:C], kv_cache=cache)
+            cache_s = median_time(cached_step, cfg.warmup, cfg.repeats, rt.synchronize)
+            rows.append({"context": C, "no_cache_ms": no_cache_s * 1e3, "cache_ms": cache_s * 1e3,
+                         "no_cache_tokens_per_s": B / no_cache_s, "cache_tokens_per_s": B / cache_s,
+                         "speedup": no_cache_s / cache_s})
+    result = {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows,
+              "generation": bench_generation(cfg, model, tokens[:, :cfg.gen_prompt_len], rt)}
+    return result
+
+
+def bench_generation(cfg: BenchConfig, model: GPT, prompt: torch.Tensor, rt: runtime.Runtime) -> dict:
+    """generate() end to end, as sample.py calls it, cache against no cache, split where the window first moves.
+
+    Once prompt + generated tokens pass block_size the window of tokens the model sees moves on, by
+    window_shift tokens at a time. With learned positions every cached key is then stale, so the cache
+    is refilled at each move: with window_shift=1 every step past the context is a full forward,
+    cache or not; with block_size // 2 (sample.py's default) one refill serves block_size // 2 tokens.
+    """
+    P, N, block = prompt.size(1), cfg.gen_new_tokens, model.config.block_size
+    shift = window_shift(SampleConfig(window_shift=cfg.gen_window_shift), block)
+    inside = min(N, block - P + 1)  # tokens sampled while the whole sequence still fits the window
+    for use_cache in (False, True):  # warm-up: a few tokens each way
+        token_times(model, prompt, min(N, 4), use_cache, shift, rt)
+    runs = {mode: [token_times(model, prompt, N, use_cache, shift, rt) for _ in range(cfg.gen_repeats)]
+            for mode, use_cache in (("no_cache", False), ("cache", True))}
+    spans = {"inside_context": (0, inside), "past_context": (inside, N), "all": (0, N)}
+    if inside == N:  # everything fits the window: the other two rows would be empty or repeat this one
+        spans = {"inside_context": (0, N)}
+    parts = {}
+    for name, (lo, hi) in spans.items():
+        part = {"tokens": hi - lo}
+        for mode, mode_runs in runs.items():
+            part[f"{mode}_s"] = statistics.median(sum(run[lo:hi]) for run in mode_runs)
+            part[f"{mode}_tokens_per_s"] = (hi - lo) * prompt.size(0) / part[f"{mode}_s"]
+        part["speedup"] = part["no_cache_s"] / part["cache_s"]
+        parts[name] = part
+    return {"prompt_tokens": P, "new_tokens": N, "block_size": block, "window_shift": shift,
+            "repeats": cfg.gen_repeats, "parts": parts}
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. data preparation
+
+
+def generated_text(n_chars: int, seed: int = 0) -> str:
+    """A deterministic stand-in corpus: lines of pseudo-words with a Zipf-like frequency."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("etaoinshrdlcumwfgypbvkjxqz") for _ in range(rng.randint(1, 9))) for _ in range(5000)]
+    weights = [1 / (rank + 1) for rank in range(len(words))]
+    lines, size = [], 0
+    while size < n_chars:
+        line = " ".join(rng.choices(words, weights, k=rng.randint(3, 14))).capitalize() + rng.choice(".,;?!") + "\n"
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)[:n_chars]
+
+
+def bench_prepare(cfg: BenchConfig) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        if cfg.corpus is not None:
+            if not Path(cfg.corpus).is_file():
+                raise UserError(f"--corpus file '{cfg.corpus}' not found")
+            path, source = Path(cfg.corpus), cfg.corpus
+        elif Path(DEFAULT_CORPUS).is_file():
+            path, source = Path(DEFAULT_CORPUS), DEFAULT_CORPUS
+        else:
+            path, source = Path(tmp) / "generated.txt", f"generated text ({DEFAULT_CORPUS} not found)"
+            path.write_text(generated_text(GENERATED_CHARS), encoding="utf-8")
+        prep = TextPrepareConfig(input=str(path), out_dir=str(Path(tmp) / "out"))
+
+        def run() -> dict:
+            with contextlib.redirect_stdout(io.StringIO()):  # its one-line summary would break the tables
+                return prepare_text_corpus(prep, lambda text: GPT2Tokenizer(), __file__)
+
+        meta = run()  # the first run is a warm-up too: it reads the file into the page cache
+        dt = median_time(run, max(0, cfg.warmup - 1), cfg.repeats)
+        chars = len(path.read_text(encoding="utf-8"))
+    tokens = meta["train_tokens"] + meta["val_tokens"]
+    return {"corpus": source, "path": "core.data.prepare_text_corpus + GPT2Tokenizer (data/shakespeare/prepare.py)",
+            "chars": chars, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_info(rt: runtime.Runtime) -> dict:
+    cpu = cpu_model()
+    return {
+        "cpu": cpu, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "device": rt.device, "device_name": torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else cpu,
+        "dtype": rt.dtype, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        # Thread settings change CPU results a lot on a shared machine: OpenMP threads that spin
+        # waiting for a descheduled peer make small ops many times slower.
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS") if k in os.environ},
+    }
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table, columns padded to line up in a terminal too."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"  # right-aligned columns
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def mib(n: float) -> str:
+    return f"{n / MiB:,.1f} MiB" if n >= MiB / 10 else f"{n / 1024:,.1f} KiB"
+
+
+def num(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def format_train(r: dict) -> str:
+    peak = f"{r['peak_flops'] / 1e9:,.1f} GFLOP/s" if r["peak_flops"] else "n/a"
+    with_memory = any("peak_memory_bytes" in row for row in r["rows"])  # CUDA only
+    rows = []
+    for row in r["rows"]:
+        if "error" in row:
+            rows.append([row["mode"], "-", row["error"], "-", "-"] + ["-"] * with_memory)
+            continue
+        mfu = f"{row['mfu'] * 100:.1f}%" if row["mfu"] is not None else "n/a"
+        build = num(row["build_s"], 1) if "build_s" in row else "-"
+        rows.append([row["mode"], build, num(row["step_s"] * 1e3, 1), num(row["tokens_per_s"]), mfu]
+                    + ([mib(row["peak_memory_bytes"])] if with_memory else []))
+    text = (f"### Training step (forward + backward + AdamW)\n{r['model']}; {r['params'] / 1e6:.2f}M parameters, "
+            f"{r['tokens_per_step']:,} tokens per step\npeak for MFU: {peak} ({r['peak_flops_source']})\n\n"
+            + table(["mode", "build s (1st step)", "step ms", "tokens/s", "MFU"] + ["peak memory"] * with_memory, rows))
+    if "compiled_over_eager" in r:
+        text += f"\n\ncompiled / eager tokens/s: {r['compiled_over_eager']:.2f}x"
+    return text
+
+
+def format_attention(r: dict) -> str:
+    rows = [[row["T"], mib(row["score_matrix_bytes"]), mib(row["naive_forward_bytes"]),
+             mib(row["naive_forward_backward_bytes"]), mib(row["sdpa_forward_bytes"]),
+             mib(row["sdpa_forward_backward_bytes"]), f"{row['naive_over_sdpa']:.1f}x"] for row in r["rows"]]
+    text = (f"### Attention memory vs context length\none causal attention, {r['shape']}; peak memory above the "
+            f"inputs, measured with {r['method']}; fused kernel: {r['sdpa_kernel']}\n\n"
+            + table(["T", "scores B·nh·T² (theory)", "naive fwd", "naive fwd+bwd", "sdpa fwd", "sdpa fwd+bwd",
+                     "naive/sdpa fwd+bwd"], rows))
+    if "growth_exponent" in r:
+        g = r["growth_exponent"]
+        text += (f"\n\ngrowth as T^k from T={r['rows'][0]['T']} to {r['rows'][-1]['T']}: naive k = "
+                 f"{g['naive_forward_bytes']:.2f} (fwd), {g['naive_forward_backward_bytes']:.2f} (fwd+bwd); sdpa k = "
+                 f"{g['sdpa_forward_bytes']:.2f} (fwd), {g['sdpa_forward_backward_bytes']:.2f} (fwd+bwd)")
+    return text
+
+
+def format_decode(r: dict) -> str:
+    rows = [[row["context"], num(row["no_cache_ms"], 2), num(row["cache_ms"], 2), num(row["no_cache_tokens_per_s"], 1),
+             num(row["cache_tokens_per_s"], 1), f"{row['speedup']:.1f}x"] for row in r["rows"]]
+    g = r["generation"]
+    gen_rows = [[name.replace("_", " "), p["tokens"], num(p["no_cache_s"], 2), num(p["cache_s"], 2),
+                 num(p["no_cache_tokens_per_s"], 1), num(p["cache_tokens_per_s"], 1), f"{p['speedup']:.1f}x"]
+                for name, p in g["parts"].items()]
+    return (f"### Decoding, KV cache vs recomputing\n{r['model']}; {r['params'] / 1e6:.2f}M parameters\n\n"
+            "per-token latency at each context length: the step that reads `context` tokens and predicts the next\n\n"
+            + table(["context", "no cache ms/token", "cache ms/token", "no cache tokens/s", "cache tokens/s",
+                     "speedup"], rows)
+            + f"\n\ngenerate(): {g['prompt_tokens']}-token prompt, {g['new_tokens']} new tokens, greedy, "
+              f"block_size {g['block_size']}, median of {g['repeats']} run(s); past the context the window moves "
+              f"{g['window_shift']} token(s) at a time and the cache is refilled at each move:\n\n"
+            + table(["part", "tokens", "no cache s", "cache s", "no cache tokens/s", "cache tokens/s", "speedup"],
+                    gen_rows))
+
+
+def format_prepare(r: dict) -> str:
+    return (f"### Data preparation (GPT-2 BPE)\n{r['path']}, corpus: {r['corpus']}\n\n"
+            + table(["chars", "tokens", "seconds", "tokens/s"],
+                    [[num(r["chars"]), num(r["tokens"]), num(r["seconds"], 3), num(r["tokens_per_s"])]]))
+
+
+FORMATTERS = {"train": format_train, "attention": format_attention, "decode": format_decode,
+              "prepare": format_prepare}
+
+
+def main(argv: Sequence[str]) -> dict:
+    start = time.perf_counter()
+    cfg = load_config(argv)
+    rt = runtime.setup(cfg.device, cfg.dtype)
+    if "prepare" in section_list(cfg):
+        GPT2Tokenizer()  # fail now, not after minutes of measuring, if the BPE file cannot be loaded
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or threads)
+    try:
+        result = run(cfg, rt)
+    finally:
+        torch.set_num_threads(threads)  # main() called in-process (tests) leaves the count as it was
+    result["wall_s"] = time.perf_counter() - start
+    result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    write_json(cfg.out, result)
+    print(f"\n{result['wall_s']:.0f} s in all; wrote {cfg.out}")
+    return result
+
+
+def run(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    """Measure the chosen sections in order, printing each table as it is done."""
+    result = {"machine": machine_info(rt), "config": to_dict(cfg)}
+    m = result["machine"]
+    print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
+          f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
+    runners = {"train": lambda: bench_train(cfg, rt), "attention": lambda: bench_attention(cfg, rt),
+               "decode": lambda: bench_decode(cfg, rt), "prepare": lambda: bench_prepare(cfg)}
+    for name in SECTIONS:
+        if name in section_list(cfg):
+            t0 = time.perf_counter()
+            result[name] = runners[name]()
+            result[name]["section_s"] = time.perf_counter() - t0
+            print(f"\n{FORMATTERS[name](result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    run_cli(main)
