@@ -245,8 +245,9 @@ def _nucleus(logits, top_p):
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, vocab)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-    # The most likely token always stays (its mass_before is 0 < top_p).
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+    drop = mass_before >= top_p
+    drop[:, 0] = False  # the most likely token always stays, even when top_p rounds to 0 in float32
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return sorted_logits.scatter(-1, order, sorted_logits)  # back to vocabulary order
 
 

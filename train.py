@@ -94,10 +94,15 @@ class TrainConfig:
             raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.attn_backend not in ("sdpa", "naive"):
             raise UserError(f"attn_backend must be 'sdpa' or 'naive', got '{self.attn_backend}'")
-        if self.learning_rate <= 0 or not 0 <= self.min_lr <= self.learning_rate:
+        if not 0 < self.learning_rate < math.inf or not 0 <= self.min_lr <= self.learning_rate:
             raise UserError(f"need 0 < learning_rate and 0 <= min_lr <= learning_rate, got {self.learning_rate}, {self.min_lr}")
         if self.warmup_iters < 0 or self.checkpoint_interval < 0:
             raise UserError("warmup_iters and checkpoint_interval must not be negative")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.weight_decay < 0:
+            raise UserError(f"need 0 <= beta1, beta2 < 1 and weight_decay >= 0, got {self.beta1}, {self.beta2}, "
+                            f"{self.weight_decay}")
+        if not self.dist_timeout_s > 0:
+            raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         if self.init_from not in ("scratch", "resume", *GPT2_NAMES) and not Path(self.init_from).is_dir():
             raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, "
                             f"{', '.join(GPT2_NAMES)}, or a directory written by save_pretrained")
@@ -151,8 +156,13 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None) ->
             raise UserError(f"the dataset in {cfg.data_dir} uses tokenizer {data_meta.get('tokenizer')!r} with vocab "
                             f"{data_meta.get('vocab_size')}, but the checkpoint was trained on {tok.get('tokenizer')!r} "
                             f"with vocab {tok.get('vocab_size')}; use the same dataset")
+        if tok != tokenizer_meta(data_meta):  # e.g. two character vocabularies of the same size
+            raise UserError(f"the dataset in {cfg.data_dir} maps tokens differently from the checkpoint's "
+                            f"{tok.get('tokenizer')!r} vocabulary of the same size; use the dataset it was trained on")
     elif cfg.init_from == "scratch":
-        vocab = cfg.vocab_size or data_meta["vocab_size"]
+        vocab = cfg.vocab_size or data_meta.get("vocab_size")
+        if not isinstance(vocab, int):
+            raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
         margs = {k: getattr(cfg, k) for k in MODEL_KEYS if k != "vocab_size"} | {"vocab_size": vocab}
         model = GPT(GPTConfig(**margs))
         tok = tokenizer_meta(data_meta)
@@ -257,12 +267,21 @@ class JsonLog:
             # Keep only the iterations before the checkpoint: the resumed run redoes the rest, and
             # the log then reads as one run. A line cut short by a kill is dropped with them.
             kept = [line for line in path.read_text().splitlines() if _record_iter(line) < resume_iter]
-            with atomic_path(path) as tmp:
-                tmp.write_text("".join(line + "\n" for line in kept))
+            try:
+                with atomic_path(path) as tmp:
+                    tmp.write_text("".join(line + "\n" for line in kept))
+            except OSError as e:
+                raise self._error(e) from None
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # disk full: stop with one line, the last checkpoint is intact
+            raise self._error(e) from None
+
+    def _error(self, e: OSError) -> UserError:
+        return UserError(f"could not write {self.path}: {e.strerror or e}; the last checkpoint is intact")
 
 
 def _record_iter(line: str) -> float:

@@ -10,17 +10,22 @@ unwrapped) module, so no '_orig_mod.' or 'module.' prefixes ever appear.
 Two files live in out_dir: ckpt.pt (the newest) and ckpt.prev.pt (the one before).
 A save first makes ckpt.prev.pt a copy of the current ckpt.pt, then replaces
 ckpt.pt atomically, so at every instant both names hold complete checkpoints.
+Loading checks every record's CRC-32 (torch.load does not), so a truncated or
+bit-flipped file is an error, never silently wrong weights.
 """
 import json
 import os
+import pickle
+import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from core.errors import UserError
-from core.fileio import atomic_path
+from core.fileio import atomic_path, remove_orphaned_temps
 from model import GPT, GPTConfig
 
 FORMAT = "nanogpt-checkpoint/1"
@@ -49,6 +54,7 @@ def save_checkpoint(out_dir: str | os.PathLike, meta: dict[str, Any], model: dic
     path = Path(out_dir) / CKPT_NAME
     state = {"format": FORMAT, "meta": json.dumps(meta), "model": model,
              "optimizer": optimizer, "scaler": scaler, "rng": rng}
+    remove_orphaned_temps(out_dir)  # left by a run killed mid-save
     _keep_previous(path)
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
@@ -64,11 +70,18 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ... --out_dir={path.parent})")
+    _verify_archive(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, bad pickle opcode, disallowed global, ...
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({reason[:200]})") from None
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):
+            raise UserError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)})") from None
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = found.group(1) if found else "objects other than tensors and plain containers"
+        raise UserError(f"{path} holds pickled Python objects ({what}), which are never loaded: unpickling them "
+                        f"could run any code. It is not a checkpoint written by this project's train.py") from None
+    except Exception as e:  # anything else torch.load rejects
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{path} is not a checkpoint written by this project's train.py")
     try:
@@ -76,6 +89,28 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     except (KeyError, TypeError, json.JSONDecodeError):
         raise UserError(f"checkpoint {path} has unreadable metadata") from None
     return state
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _verify_archive(path: Path) -> None:
+    """Check that `path` is a complete zip archive (what torch.save writes) whose records match their
+    CRC-32s. torch.load skips this check: a flipped bit in a tensor would load as a wrong weight.
+    It reads the file once more, at disk or page-cache speed (~1 s for GPT-2's 1.5 GB checkpoint)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.CRC == 0 and info.file_size:
+                    continue  # written with torch.serialization.set_crc32_options(False): nothing to check
+                with archive.open(info) as record:
+                    while record.read(1 << 24):  # zipfile raises BadZipFile at the end on a CRC mismatch
+                        pass
+    except (zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)}); it cannot be "
+                        f"loaded") from None
 
 
 def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], Path]:
@@ -89,7 +124,10 @@ def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], 
     except UserError as e:
         if not prev.exists():
             raise
-        state = load_checkpoint(prev)
+        try:
+            state = load_checkpoint(prev)
+        except UserError as e_prev:
+            raise UserError(f"no intact checkpoint in {out_dir}: {e}; and {e_prev}") from None
         log(f"warning: {e}; using the older complete checkpoint {prev} (iter {state['meta'].get('iter_num')})")
         return state, prev
 

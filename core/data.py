@@ -287,10 +287,10 @@ def read_text_source(input_path: str | None, out_dir: str | os.PathLike, url: st
         path = Path(input_path)
         if not path.is_file():
             raise UserError(f"--input file '{input_path}' not found")
-        return path.read_text(encoding="utf-8")
+        return _read_utf8(path)
     local = Path(out_dir) / "input.txt"
     if local.is_file():
-        return local.read_text(encoding="utf-8")
+        return _read_utf8(local)
     print(f"downloading {url} to {local}")
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -305,14 +305,30 @@ def read_text_source(input_path: str | None, out_dir: str | os.PathLike, url: st
     return data.decode("utf-8")
 
 
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); pass a text file") from None
+
+
 def split_text(text: str, train_fraction: float = 0.9) -> tuple[str, str]:
     n = int(len(text) * train_fraction)
     return text[:n], text[n:]
 
 
 def script_out_dir(out_dir: str | None, script_file: str) -> Path:
-    """--out_dir, or by default the folder of the prepare.py that is running."""
-    return Path(out_dir) if out_dir is not None else Path(script_file).resolve().parent
+    """--out_dir, or by default the folder of the prepare.py that is running. Checked now, without
+    creating anything: a folder that cannot be made (a path through a file, no permission) is an
+    error before any download or tokenizing, not after."""
+    path = Path(out_dir) if out_dir is not None else Path(script_file).resolve().parent
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"cannot write to the output folder '{path}': {existing} is a file; choose another --out_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to the output folder '{path}': {existing} is not writable; "
+                        f"choose another --out_dir")
+    return path
 
 
 @dataclasses.dataclass
@@ -348,6 +364,9 @@ def prepare_text_corpus(cfg: TextPrepareConfig, make_tokenizer: Callable[[str], 
     start = time.perf_counter()
     tok = make_tokenizer(text)
     train, val = split_text(text, 0.9)
+    if not train or not val:
+        raise UserError(f"the input text has {len(text)} characters, too few for a train and a val split "
+                        f"(90/10); pass a longer --input")
     meta = write_dataset(out_dir, tok.meta(), {"train": tok.encode(train), "val": tok.encode(val)},
                          source=cfg.input or str(out_dir / "input.txt"))
     seconds = time.perf_counter() - start

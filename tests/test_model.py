@@ -394,3 +394,8 @@ def test_cuda_backends_cache_and_fused_optimizer():
         assert model.generate(short, 4, temperature=0).shape == (2, 9)
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")
     assert opt.param_groups[0]["fused"]
+
+
+def test_tiny_top_p_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    assert sample_next(logits, temperature=1.0, top_p=1e-300, generator=torch.Generator().manual_seed(0)).item() == 1

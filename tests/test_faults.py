@@ -1,0 +1,474 @@
+"""Fault injection: kills, signals, damaged checkpoints, a non-finite loss, a full disk, a dead rank.
+
+    python -m pytest tests/test_faults.py              # ~1.5 min on two busy CPU cores
+    python -m pytest tests/test_faults.py -m "not slow"   # the in-process ones, a few seconds
+
+Every run is a tiny float32 model on the CPU. Kills and signals hit real `python train.py` (and
+`torchrun`) subprocesses; faults that need a precise moment (a NaN at iteration k, a disk that fills
+during the second save) are injected in-process by monkeypatching, and run through core.errors.run_cli
+exactly as the command line does. The guarantee under test is always the same: a run either continues
+exactly as if nothing had happened, or stops with one clear line, and the last good checkpoint is intact.
+"""
+import errno
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as modellib
+import train
+from core import checkpoint
+from core.checkpoint import load_checkpoint
+from core.errors import UserError
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, child_pids, flip_a_weight_bit,
+                           make_char_dataset, process_env, run_main, train_tiny)
+
+TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
+
+
+def losses(out_dir) -> dict[int, float]:
+    """iter -> training loss in out_dir/log.jsonl; where an iteration was logged twice, the last record."""
+    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+    return {r["iter"]: r["loss"] for r in records if "loss" in r}
+
+
+def train_argv(**cfg) -> list[str]:
+    return [f"--{key}={value}" for key, value in (TINY_TRAIN | cfg).items()]
+
+
+def start_train(out_dir, data_dir, log_name: str, launcher=(), **cfg) -> subprocess.Popen:
+    """`python [launcher] train.py --key=value ...` in the background; stdout and stderr go to
+    out_dir/../<log_name>.out|.err (files, not pipes: a killed run's output is kept, and a full pipe
+    can never block it)."""
+    logs = Path(out_dir).parent
+    argv = train_argv(out_dir=out_dir, data_dir=data_dir, **cfg)
+    with open(logs / f"{log_name}.out", "w") as out, open(logs / f"{log_name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, *launcher, "train.py", *argv], cwd=REPO_ROOT, stdout=out, stderr=err,
+                                env=os.environ | ONE_THREAD_ENV)
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float, poll: float = 0.002) -> bool:
+    """Poll `condition()` until it holds (True) or `proc` exits (False); past `timeout`, fail the test."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {condition.__doc__ or condition}")
+
+
+def logged_iters(out_dir) -> int:
+    """How many training iterations out_dir/log.jsonl holds (0 while it does not exist)."""
+    try:
+        return sum('"loss"' in line for line in (Path(out_dir) / "log.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def temp_files(out_dir, pid: int | None = None, prefix: str = ".") -> list[str]:
+    """The atomic-write temporaries in out_dir: of process `pid` only and names starting with
+    `prefix` (".ckpt": checkpoints), if given."""
+    try:
+        names = os.listdir(out_dir)
+    except FileNotFoundError:
+        return []
+    return [n for n in names if n.startswith(prefix) and ".tmp-" in n and (pid is None or n.endswith(f".tmp-{pid}"))]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    make_char_dataset(d, TEXT)
+    return d
+
+
+# --- SIGKILL -----------------------------------------------------------------------------------
+
+# Two layers of width 128 on 2 x 16 tokens: each step is quick and each save writes ~5 MB (weights
+# plus AdamW's two moments), so saving is most of an iteration and random kills often land in one.
+KILL_RUN = dict(n_layer=2, n_head=4, n_embd=128, block_size=16, batch_size=2, dropout=0.1, max_iters=30,
+                lr_decay_iters=30, warmup_iters=4, log_interval=1, eval_interval=1000, eval_iters=1)
+
+
+def last_logged_iter(out_dir) -> int:
+    try:
+        return max(losses(out_dir), default=-1)
+    except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a line being written
+        return -1
+
+
+def kill_at_a_random_moment(proc: subprocess.Popen, out_dir: Path, in_write: bool, rng: random.Random) -> bool:
+    """SIGKILL `proc` a random 2-6 iterations into its training (counted in iterations, not seconds, so
+    that a faster machine does not finish first): then at once, inside its next checkpoint write
+    (in_write), or after up to 50 ms more. Returns whether it was killed (not already finished)."""
+    def saving() -> bool:
+        """proc writing a checkpoint"""
+        return bool(temp_files(out_dir, proc.pid, prefix=".ckpt"))
+
+    # Its first save: training has started, and log.jsonl holds this run's records, not a killed one's.
+    if not wait_for(saving, proc, timeout=60):
+        return False
+    target = last_logged_iter(out_dir) + rng.randint(2, 6)
+
+    def reached() -> bool:
+        """the random target iteration"""
+        return last_logged_iter(out_dir) >= target
+
+    if not wait_for(reached, proc, timeout=60, poll=0.005):
+        return False
+    if in_write:
+        if not wait_for(saving, proc, timeout=10, poll=0.0005):
+            return False
+    else:
+        time.sleep(rng.uniform(0.0, 0.05))
+    proc.kill()
+    proc.wait(timeout=30)
+    return True
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_and_mid_save_then_resume_is_exact(tmp_path, data_dir):
+    """Three SIGKILLs (seeded random moments; two of them inside a checkpoint write), each followed by
+    --init_from=resume: every resume loads the complete ckpt.pt, and the finished run's per-iteration
+    losses and weights equal an uninterrupted run's bit for bit."""
+    rng = random.Random(7)
+    out = tmp_path / "killed"
+    cfg = KILL_RUN | dict(checkpoint_interval=1)  # a save every iteration: kills keep landing in them
+    kills, kills_in_write, saved_iters = 0, 0, []
+    t_start = time.monotonic()
+    for launch in range(12):
+        resume = (out / "ckpt.pt").exists()  # killed before its first save: start again from scratch
+        proc = start_train(out, data_dir, f"launch{launch}", **cfg, init_from="resume" if resume else "scratch")
+        try:
+            if kills < 3:
+                in_write = kills % 2 == 0
+                killed = kill_at_a_random_moment(proc, out, in_write, rng)
+                kills += killed
+                if killed:
+                    # A kill inside a write leaves its temporary file behind (the next save removes it).
+                    kills_in_write += bool(temp_files(out, proc.pid, prefix=".ckpt"))
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stdout = (tmp_path / f"launch{launch}.out").read_text()
+        stderr = (tmp_path / f"launch{launch}.err").read_text()
+        if resume:  # never a partial file: no fallback to ckpt.prev.pt was ever needed
+            assert f"resuming from {out / 'ckpt.pt'}" in stdout and "warning" not in stdout, stdout + stderr
+        for name in ("ckpt.pt", "ckpt.prev.pt"):  # both names always hold complete checkpoints
+            if (out / name).exists():
+                load_checkpoint(out / name)
+        if (out / "ckpt.pt").exists():
+            saved_iters.append(load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"])
+        print(f"launch {launch}: exit {proc.returncode} at {time.monotonic() - t_start:.1f}s, ckpt iters {saved_iters}, "
+              f"kills {kills} ({kills_in_write} in a write)")
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, f"exit {proc.returncode}\n{stderr[-2000:]}"
+    assert kills == 3 and kills_in_write >= 1, (kills, kills_in_write)
+    assert saved_iters == sorted(saved_iters) and saved_iters[-1] == KILL_RUN["max_iters"]
+    assert temp_files(out) == []  # what the kills left mid-write was cleaned up by later saves
+
+    train_tiny(tmp_path / "uninterrupted", data_dir, **KILL_RUN)
+    assert losses(out) == losses(tmp_path / "uninterrupted")  # every iteration, bit for bit
+    assert sorted(losses(out)) == list(range(KILL_RUN["max_iters"]))
+    final, ref = load_checkpoint(out / "ckpt.pt"), load_checkpoint(tmp_path / "uninterrupted" / "ckpt.pt")
+    for name, tensor in ref["model"].items():
+        assert torch.equal(tensor, final["model"][name]), name
+
+
+# --- SIGTERM / SIGINT --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sigterm_and_sigint_save_exit_zero_and_resume_exactly(tmp_path, data_dir):
+    """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) finish the current step, save, and exit 0
+    within seconds; resuming continues exactly as the uninterrupted run."""
+    endless = dict(max_iters=10**6, lr_decay_iters=100, log_interval=1, dropout=0.1)
+    procs = {sig: start_train(tmp_path / sig.name, data_dir, sig.name, **endless)
+             for sig in (signal.SIGTERM, signal.SIGINT)}
+    sent, stopped = {}, {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(stopped) < len(procs):  # signal each once it has trained a few steps; time its exit
+            assert time.monotonic() < deadline, f"no exit after signals {list(sent)}"
+            for sig, proc in procs.items():
+                if sig not in sent and logged_iters(tmp_path / sig.name) >= 3:
+                    proc.send_signal(sig)
+                    sent[sig] = time.monotonic()
+                if sig not in stopped and proc.poll() is not None:
+                    assert sig in sent, (tmp_path / f"{sig.name}.err").read_text()[-2000:]
+                    stopped[sig] = time.monotonic() - sent[sig]
+            time.sleep(0.01)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    ends = {}
+    for sig, proc in procs.items():
+        out, stdout = tmp_path / sig.name, (tmp_path / f"{sig.name}.out").read_text()
+        assert proc.returncode == 0, (tmp_path / f"{sig.name}.err").read_text()
+        assert stopped[sig] < 5.0, f"{sig.name}: took {stopped[sig]:.1f}s to save and exit"
+        iter_num = load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"]
+        assert f"stopped by {sig.name}" in stdout and f"stopped at iter {iter_num};" in stdout
+        assert max(losses(out)) == iter_num - 1  # the step under way was finished, then saved
+        ends[sig] = iter_num + 5
+        train_tiny(out, data_dir, **(endless | dict(init_from="resume", max_iters=ends[sig])))
+    train_tiny(tmp_path / "uninterrupted", data_dir, **(endless | dict(max_iters=max(ends.values()))))
+    reference = losses(tmp_path / "uninterrupted")
+    for sig, end in ends.items():
+        assert losses(tmp_path / sig.name) == {it: reference[it] for it in range(end)}, sig.name
+
+
+# --- damaged checkpoints -----------------------------------------------------------------------
+
+SHORT_RUN = dict(max_iters=6, lr_decay_iters=10, log_interval=1, checkpoint_interval=2, dropout=0.1)
+
+
+def damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+        return
+    flip_a_weight_bit(path)
+
+
+@pytest.fixture(scope="module")
+def reference_10(tmp_path_factory, data_dir):
+    """Per-iteration losses of an uninterrupted SHORT_RUN to 10 iterations."""
+    out = tmp_path_factory.mktemp("reference_10")
+    train_tiny(out, data_dir, **(SHORT_RUN | dict(max_iters=10)))
+    return losses(out)
+
+
+@pytest.mark.parametrize("how", ["truncated", "bit_flipped"])
+def test_damaged_checkpoint_is_refused_and_resume_uses_the_previous_one(tmp_path, data_dir, reference_10, how):
+    train_tiny(tmp_path, data_dir, **SHORT_RUN)  # ckpt.pt at iter 6, ckpt.prev.pt at iter 4
+    damage(tmp_path / "ckpt.pt", how)
+    with pytest.raises(UserError, match="ckpt.pt is truncated or corrupt"):  # loading exactly this file
+        load_checkpoint(tmp_path / "ckpt.pt")
+
+    result = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir,
+                                             **(SHORT_RUN | dict(max_iters=10, init_from="resume"))))
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "ckpt.pt is truncated or corrupt" in warning[0], result.stdout
+    assert f"using the older complete checkpoint {tmp_path / 'ckpt.prev.pt'} (iter 4)" in warning[0]
+    assert losses(tmp_path) == reference_10  # iterations 4 and 5 were redone, exactly
+
+
+def test_no_intact_checkpoint_is_one_clear_error(tmp_path, data_dir):
+    train_tiny(tmp_path, data_dir, **SHORT_RUN)
+    argv = train_argv(out_dir=tmp_path, data_dir=data_dir, **(SHORT_RUN | dict(max_iters=10, init_from="resume")))
+    damage(tmp_path / "ckpt.pt", "truncated")
+    damage(tmp_path / "ckpt.prev.pt", "bit_flipped")
+    assert_user_error(run_main(train.main, argv), "no intact checkpoint", "ckpt.pt is truncated",
+                      "ckpt.prev.pt is truncated or corrupt")
+    (tmp_path / "ckpt.prev.pt").unlink()  # and with no older checkpoint at all
+    assert_user_error(run_main(train.main, argv), "ckpt.pt is truncated or corrupt")
+
+
+# --- a non-finite loss -------------------------------------------------------------------------
+
+def test_nonfinite_loss_stops_before_the_optimizer_step(tmp_path, data_dir, monkeypatch):
+    """A NaN loss at iteration 5 (injected into the model's forward pass): exit 2 with the iteration
+    and the value in one line, no optimizer step on it, and the checkpoint saved just before it
+    (iteration 5) byte for byte as it was written."""
+    bad_iter, forward = 5, modellib.GPT.forward
+    calls = {"train_forward": 0, "optimizer_step": 0}
+
+    def forward_with_nan_at_bad_iter(self, idx, targets=None, **kwargs):
+        logits, loss = forward(self, idx, targets, **kwargs)
+        if self.training:  # one micro-step per iteration; eval passes run with training=False
+            if calls["train_forward"] == bad_iter:
+                loss = loss * float("nan")
+            calls["train_forward"] += 1
+        return logits, loss
+
+    optimizer_step = train.optimizer_step
+
+    def counted_optimizer_step(*args):
+        calls["optimizer_step"] += 1
+        return optimizer_step(*args)
+
+    saved = []
+    save_checkpoint = checkpoint.save_checkpoint
+
+    def recorded_save(*args, **kwargs):
+        path = save_checkpoint(*args, **kwargs)
+        saved.append(path.read_bytes())
+        return path
+
+    monkeypatch.setattr(modellib.GPT, "forward", forward_with_nan_at_bad_iter)
+    monkeypatch.setattr(train, "optimizer_step", counted_optimizer_step)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", recorded_save)
+    result = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, max_iters=20, checkpoint_interval=1))
+    assert_user_error(result, "loss is nan at iter 5", "stopped before the optimizer step")
+    assert calls["optimizer_step"] == bad_iter  # iterations 0..4 stepped; 5 did not
+    assert (tmp_path / "ckpt.pt").read_bytes() == saved[-1]
+    state = load_checkpoint(tmp_path / "ckpt.pt")
+    assert state["meta"]["iter_num"] == bad_iter
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+# --- a full disk -------------------------------------------------------------------------------
+
+def no_space(path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "previous_copy", "log"])
+def test_disk_full_keeps_the_previous_checkpoint(tmp_path, data_dir, reference_10, monkeypatch, where):
+    """The disk fills after the save at iteration 2: while torch.save writes the next checkpoint, while
+    the previous one is copied aside (a filesystem without hard links), or while the log is appended.
+    The run stops with one line naming the cause; ckpt.pt is byte-identical to the last good save and
+    no temporary file is left; once there is space again, resume continues exactly."""
+    real_save, real_copy, real_open = torch.save, shutil.copyfile, open
+    saved = []
+    save_checkpoint = checkpoint.save_checkpoint
+
+    def recorded_save(*args, **kwargs):
+        path = save_checkpoint(*args, **kwargs)
+        saved.append(path.read_bytes())
+        return path
+
+    def torch_save_fills_disk(obj, f, *args, **kwargs):
+        if not saved:
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        Path(f).write_bytes(buffer.getvalue()[: buffer.tell() // 3])  # part of it fits, then the disk is full
+        raise no_space(f)
+
+    def link_unsupported(src, dst, *args, **kwargs):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM), str(dst))
+
+    def copy_fills_disk(src, dst, *args, **kwargs):
+        Path(dst).write_bytes(Path(src).read_bytes()[:1000])
+        raise no_space(dst)
+
+    def open_log_fills_disk(file, mode="r", *args, **kwargs):
+        if saved and "a" in mode and Path(file).name == "log.jsonl":
+            raise no_space(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", recorded_save)
+    if where == "checkpoint":
+        monkeypatch.setattr(torch, "save", torch_save_fills_disk)
+    elif where == "previous_copy":
+        monkeypatch.setattr(os, "link", link_unsupported)
+        monkeypatch.setattr(shutil, "copyfile", copy_fills_disk)
+    else:
+        monkeypatch.setattr(train, "open", open_log_fills_disk, raising=False)
+    result = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, **SHORT_RUN))
+    assert_user_error(result, "No space left on device")
+    if where != "log":
+        assert "the previous checkpoint is intact" in result.stderr
+    assert len(saved) == 1 and (tmp_path / "ckpt.pt").read_bytes() == saved[0]
+    assert load_checkpoint(tmp_path / "ckpt.pt")["meta"]["iter_num"] == 2
+    assert temp_files(tmp_path) == []
+
+    monkeypatch.undo()  # space again
+    train_tiny(tmp_path, data_dir, **(SHORT_RUN | dict(max_iters=10, init_from="resume")))
+    assert losses(tmp_path) == reference_10
+
+
+# --- an unwritable out_dir ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["under_a_file", "is_a_file"])
+def test_unwritable_out_dir_fails_before_any_training(tmp_path, data_dir, monkeypatch, where):
+    """Tests run as root, whom chmod does not stop; a path through a regular file stops everyone."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory\n")
+    out_dir = blocker / "out" if where == "under_a_file" else blocker
+    built = []
+    monkeypatch.setattr(train, "build_model", lambda *args: built.append(args))
+    result = run_main(train.main, train_argv(out_dir=out_dir, data_dir=data_dir))
+    assert_user_error(result, f"cannot write to out_dir '{out_dir}'", "choose a writable --out_dir")
+    assert built == [] and result.stdout == ""
+    assert blocker.read_text() == "not a directory\n"
+
+
+# --- torchrun: a rank dies ---------------------------------------------------------------------
+
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.1")
+DDP_RUN = dict(gradient_accumulation_steps=2, max_iters=30, lr_decay_iters=30, log_interval=1, eval_interval=1000,
+               checkpoint_interval=1, dist_timeout_s=30.0)
+
+
+def kill_rank(proc: subprocess.Popen, rank: int, out_dir: Path, after_iter: int) -> None:
+    """SIGKILL torchrun's worker of `rank` once out_dir/log.jsonl reaches iteration `after_iter`."""
+    def reached() -> bool:
+        """the job to reach the iteration"""
+        return last_logged_iter(out_dir) >= after_iter
+
+    assert wait_for(reached, proc, timeout=120, poll=0.02), "the job ended before the kill"
+    workers = {int(process_env(pid).get("RANK", -1)): pid for pid in child_pids(proc.pid)}
+    os.kill(workers[rank], signal.SIGKILL)
+
+
+def stop_job(proc: subprocess.Popen) -> None:
+    """Kill torchrun and its workers (each in a session of its own) if the test left them running."""
+    if proc.poll() is None:
+        workers = child_pids(proc.pid)
+        proc.kill()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_torchrun_rank_killed_ends_the_job_or_restarts_it_from_the_checkpoint(tmp_path, data_dir):
+    """torchrun with 2 gloo processes, one SIGKILLed. With --max-restarts=0 the job ends within seconds,
+    non-zero, naming the dead rank. Relaunched with --init_from=resume --max-restarts=1 and killed
+    again, torchrun restarts both workers, which resume from the newest checkpoint and complete the
+    run: its losses match one process accumulating both micro-batches. Nothing hangs: every wait here
+    is bounded, and dist_timeout_s bounds any collective a dead peer would block."""
+    out = tmp_path / "ddp"
+    job = start_train(out, data_dir, "no_restart", launcher=(*TORCHRUN, "--max-restarts=0"), **DDP_RUN)
+    try:
+        kill_rank(job, rank=1, out_dir=out, after_iter=4)
+        killed = time.monotonic()
+        job.wait(timeout=60)
+        assert time.monotonic() - killed < 45
+    finally:
+        stop_job(job)
+    stderr = (tmp_path / "no_restart.err").read_text()
+    assert job.returncode != 0
+    assert "Root Cause" in stderr and "rank      : 1" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+    first_stop = load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"]
+
+    job = start_train(out, data_dir, "restart", launcher=(*TORCHRUN, "--max-restarts=1"), **DDP_RUN,
+                      init_from="resume")
+    try:
+        kill_rank(job, rank=0, out_dir=out, after_iter=first_stop + 3)
+        job.wait(timeout=180)
+    finally:
+        stop_job(job)
+    stdout = (tmp_path / "restart.out").read_text()
+    assert job.returncode == 0, (tmp_path / "restart.err").read_text()[-3000:]
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("resuming from")]
+    assert len(resumed) == 2 and first_stop <= resumed[0] < resumed[1], stdout  # the restart used a newer save
+    assert load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"] == DDP_RUN["max_iters"]
+    assert temp_files(out) == []
+
+    train_tiny(tmp_path / "single", data_dir, **DDP_RUN)
+    ddp, single = losses(out), losses(tmp_path / "single")
+    assert sorted(ddp) == sorted(single) == list(range(DDP_RUN["max_iters"]))
+    for it in single:  # two processes all-reduce in another order than one accumulating: float rounding
+        assert ddp[it] == pytest.approx(single[it], rel=1e-4, abs=1e-5), it
