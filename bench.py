@@ -309,7 +309,7 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
 def peak_flops_with_source(rt: runtime.Runtime) -> tuple[float | None, str]:
     peak = runtime.peak_flops(rt)
     if rt.device_type == "cpu":
-        return peak, "measured float32 1024x1024 matmul, median of 5 (core.runtime.cpu_matmul_peak_flops)"
+        return peak, "measured float32 1024x1024 matmul, fastest of 10 (core.runtime.cpu_matmul_peak_flops)"
     if peak is None:
         return None, f"no datasheet figure for {rt.device}; MFU not reported"
     return peak, f"datasheet dense {rt.dtype} for {torch.cuda.get_device_name(rt.device)}"

@@ -282,6 +282,19 @@ def test_no_intact_checkpoint_is_one_clear_error(tmp_path, data_dir):
 
 # --- a non-finite loss -------------------------------------------------------------------------
 
+def record_saves(monkeypatch) -> list[bytes]:
+    """Make every checkpoint.save_checkpoint also append the bytes it wrote to the returned list."""
+    saved, save_checkpoint = [], checkpoint.save_checkpoint
+
+    def recorded_save(*args, **kwargs):
+        path = save_checkpoint(*args, **kwargs)
+        saved.append(path.read_bytes())
+        return path
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", recorded_save)
+    return saved
+
+
 def test_nonfinite_loss_stops_before_the_optimizer_step(tmp_path, data_dir, monkeypatch):
     """A NaN loss at iteration 5 (injected into the model's forward pass): exit 2 with the iteration
     and the value in one line, no optimizer step on it, and the checkpoint saved just before it
@@ -303,17 +316,9 @@ def test_nonfinite_loss_stops_before_the_optimizer_step(tmp_path, data_dir, monk
         calls["optimizer_step"] += 1
         return optimizer_step(*args)
 
-    saved = []
-    save_checkpoint = checkpoint.save_checkpoint
-
-    def recorded_save(*args, **kwargs):
-        path = save_checkpoint(*args, **kwargs)
-        saved.append(path.read_bytes())
-        return path
-
+    saved = record_saves(monkeypatch)
     monkeypatch.setattr(modellib.GPT, "forward", forward_with_nan_at_bad_iter)
     monkeypatch.setattr(train, "optimizer_step", counted_optimizer_step)
-    monkeypatch.setattr(checkpoint, "save_checkpoint", recorded_save)
     result = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, max_iters=20, checkpoint_interval=1))
     assert_user_error(result, "loss is nan at iter 5", "stopped before the optimizer step")
     assert calls["optimizer_step"] == bad_iter  # iterations 0..4 stepped; 5 did not
@@ -336,13 +341,7 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, data_dir, reference_1
     The run stops with one line naming the cause; ckpt.pt is byte-identical to the last good save and
     no temporary file is left; once there is space again, resume continues exactly."""
     real_save, real_copy, real_open = torch.save, shutil.copyfile, open
-    saved = []
-    save_checkpoint = checkpoint.save_checkpoint
-
-    def recorded_save(*args, **kwargs):
-        path = save_checkpoint(*args, **kwargs)
-        saved.append(path.read_bytes())
-        return path
+    saved = record_saves(monkeypatch)
 
     def torch_save_fills_disk(obj, f, *args, **kwargs):
         if not saved:
@@ -364,7 +363,6 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, data_dir, reference_1
             raise no_space(file)
         return real_open(file, mode, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save_checkpoint", recorded_save)
     if where == "checkpoint":
         monkeypatch.setattr(torch, "save", torch_save_fills_disk)
     elif where == "previous_copy":
