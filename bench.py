@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from core import runtime
 from core.config import apply_overrides, parse_args, read_config_file, to_dict
 from core.data import TextPrepareConfig, prepare_text_corpus
-from core.errors import UserError, run_cli
+from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
 from core.tokenizer import GPT2Tokenizer
 from model import GPT, GPTConfig, scaled_dot_product_attention
@@ -240,8 +240,7 @@ def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    text = f"{type(e).__name__}: {first_line(e, limit)}" if str(e).strip() else type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

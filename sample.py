@@ -21,7 +21,7 @@ import torch
 
 from core import checkpoint, runtime
 from core.config import parse_args
-from core.errors import UserError, run_cli
+from core.errors import UserError, first_line, run_cli
 from core.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
 from model import GPT, GPT2_HUB_NAMES
 
@@ -136,8 +136,7 @@ def load_resume(out_dir: Path) -> tuple[GPT, Tokenizer, str]:
     try:
         model = checkpoint.model_from_checkpoint(state, dropout=0.0)
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"checkpoint {path} does not fit this model.py ({reason})") from None
+        raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
     return model, tok, f"{path} (iter {meta.get('iter_num')})"
 
 
@@ -147,8 +146,7 @@ def load_pretrained(name_or_dir: str) -> tuple[GPT, Tokenizer, str]:
     try:
         model = GPT.from_pretrained(name_or_dir)
     except (OSError, ValueError) as e:  # offline, unknown name, not a GPT-2 directory, unsupported variant
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UserError(f"could not load GPT-2 weights '{name_or_dir}': {reason}") from None
+        raise UserError(f"could not load GPT-2 weights '{name_or_dir}': {first_line(e)}") from None
     return model, tok, name_or_dir
 
 

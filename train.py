@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import checkpoint, config as configlib, runtime
 from core.data import TokenData, batch_generator, read_meta
-from core.errors import UserError, run_cli
+from core.errors import UserError, first_line, run_cli
 from core.fileio import atomic_path, write_json
 from model import GPT, GPTConfig
 
@@ -173,7 +173,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None) ->
         try:
             model = GPT.from_pretrained(cfg.init_from, {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend})
         except (OSError, ValueError) as e:
-            raise UserError(f"could not load GPT-2 weights '{cfg.init_from}': {str(e).splitlines()[0][:200]}") from None
+            raise UserError(f"could not load GPT-2 weights '{cfg.init_from}': {first_line(e)}") from None
         tok = tokenizer_meta(data_meta)
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from core.errors import UserError
+from core.errors import UserError, first_line
 from core.fileio import atomic_path, remove_orphaned_temps
 from model import GPT, GPTConfig
 
@@ -75,13 +75,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" not in str(e):
-            raise UserError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)})") from None
+            raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)})") from None
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = found.group(1) if found else "objects other than tensors and plain containers"
         raise UserError(f"{path} holds pickled Python objects ({what}), which are never loaded: unpickling them "
                         f"could run any code. It is not a checkpoint written by this project's train.py") from None
     except Exception as e:  # anything else torch.load rejects
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)})") from None
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{path} is not a checkpoint written by this project's train.py")
     try:
@@ -89,11 +89,6 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     except (KeyError, TypeError, json.JSONDecodeError):
         raise UserError(f"checkpoint {path} has unreadable metadata") from None
     return state
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def _verify_archive(path: Path) -> None:
@@ -109,7 +104,7 @@ def _verify_archive(path: Path) -> None:
                     while record.read(1 << 24):  # zipfile raises BadZipFile at the end on a CRC mismatch
                         pass
     except (zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({_first_line(e)}); it cannot be "
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)}); it cannot be "
                         f"loaded") from None
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
-from core.errors import UserError
+from core.errors import UserError, first_line
 from core.fileio import atomic_path, fsync_dir, write_json
 from core.tokenizer import GPT2Tokenizer, Tokenizer
 
@@ -401,8 +401,7 @@ def load_text_dataset(hub_name: str, hub_config: str | None, data_files: str | N
     try:
         ds = datasets.load_dataset(**args, split="train", num_proc=num_proc, cache_dir=cache_dir)
     except Exception as e:  # network, hub, or file format: one line, and how to go local
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"could not load {source}: {type(e).__name__}: {first}; "
+        raise UserError(f"could not load {source}: {type(e).__name__}: {first_line(e)}; "
                         f"to use local files pass --data_files=a.parquet,b.parquet") from None
     if "text" not in ds.column_names:
         raise UserError(f"{source} has columns {ds.column_names}, but no 'text' column")

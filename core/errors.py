@@ -10,6 +10,12 @@ class UserError(Exception):
     """A problem the user can fix. Its message says what is wrong and what to do."""
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (its type's name when it has none), for a one-line error."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
 def fail(message: str) -> NoReturn:
     raise UserError(message)
 
