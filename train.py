@@ -137,6 +137,19 @@ def tokenizer_meta(meta: dict) -> dict:
     return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos", "stoi", "eot_token") if k in meta}
 
 
+def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
+    """A resumed model must read the dataset through the tokenizer it was trained with."""
+    if tok == tokenizer_meta(data_meta):
+        return
+    kind, vocab = data_meta.get("tokenizer"), data_meta.get("vocab_size")
+    if (tok.get("tokenizer"), tok.get("vocab_size")) != (kind, vocab):
+        raise UserError(f"the dataset in {data_dir} uses tokenizer {kind!r} with vocab {vocab}, but the checkpoint "
+                        f"was trained on {tok.get('tokenizer')!r} with vocab {tok.get('vocab_size')}; use the same dataset")
+    # e.g. two character vocabularies of the same size
+    raise UserError(f"the dataset in {data_dir} maps tokens differently from the checkpoint's {kind!r} vocabulary "
+                    "of the same size; use the dataset it was trained on")
+
+
 def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None) -> tuple[GPT, dict]:
     """The model for cfg.init_from, and the tokenizer metadata it is trained with."""
     if resume_state is not None:
@@ -152,13 +165,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None) ->
                             f"resume with --block_size={margs['block_size']} or smaller")
         model = checkpoint.model_from_checkpoint(resume_state, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
         tok = saved["tokenizer"]
-        if tok.get("tokenizer") != data_meta.get("tokenizer") or tok.get("vocab_size") != data_meta.get("vocab_size"):
-            raise UserError(f"the dataset in {cfg.data_dir} uses tokenizer {data_meta.get('tokenizer')!r} with vocab "
-                            f"{data_meta.get('vocab_size')}, but the checkpoint was trained on {tok.get('tokenizer')!r} "
-                            f"with vocab {tok.get('vocab_size')}; use the same dataset")
-        if tok != tokenizer_meta(data_meta):  # e.g. two character vocabularies of the same size
-            raise UserError(f"the dataset in {cfg.data_dir} maps tokens differently from the checkpoint's "
-                            f"{tok.get('tokenizer')!r} vocabulary of the same size; use the dataset it was trained on")
+        check_same_tokenizer(tok, data_meta, cfg.data_dir)
     elif cfg.init_from == "scratch":
         vocab = cfg.vocab_size or data_meta.get("vocab_size")
         if not isinstance(vocab, int):

@@ -16,10 +16,6 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
-def fail(message: str) -> NoReturn:
-    raise UserError(message)
-
-
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
     """Run a script's main(argv); turn a UserError into `error: ...` on stderr and exit 2."""
     argv = sys.argv[1:] if argv is None else argv

@@ -7,8 +7,8 @@ no-op and the same code path runs.
 import contextlib
 import dataclasses
 import datetime
-import math
 import gc
+import math
 import os
 import time
 
