@@ -94,8 +94,12 @@ class TrainConfig:
             raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.attn_backend not in ("sdpa", "naive"):
             raise UserError(f"attn_backend must be 'sdpa' or 'naive', got '{self.attn_backend}'")
-        if not 0 < self.learning_rate < math.inf or not 0 <= self.min_lr <= self.learning_rate:
-            raise UserError(f"need 0 < learning_rate and 0 <= min_lr <= learning_rate, got {self.learning_rate}, {self.min_lr}")
+        if not 0 < self.learning_rate < math.inf:
+            raise UserError(f"need 0 < learning_rate < inf, got {self.learning_rate}")
+        # min_lr is where the cosine decay ends; with decay_lr=False the rate stays at learning_rate.
+        if self.decay_lr and not 0 <= self.min_lr <= self.learning_rate:
+            raise UserError(f"need 0 <= min_lr <= learning_rate with decay_lr=True, got min_lr={self.min_lr}, "
+                            f"learning_rate={self.learning_rate}")
         if self.warmup_iters < 0 or self.checkpoint_interval < 0:
             raise UserError("warmup_iters and checkpoint_interval must not be negative")
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.weight_decay < 0:

@@ -1,0 +1,102 @@
+"""Every shipped config/*.py: it parses and validates, and it trains (or evaluates) a few steps.
+
+    python -m pytest tests/test_configs.py
+
+Each file runs as written, with only its sizes shrunk on the command line (a tiny model, a short
+run, CPU float32) and its data_dir replaced by a small prepared set of the kind it names: character
+Shakespeare or GPT-2 BPE. init_from=gpt2* goes through a save_pretrained folder of a tiny random
+transformers GPT-2 with GPT-2's 1024 positions, cropped to the tiny block_size as a real fine-tune
+crops it.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from core import config as configlib
+from core.checkpoint import load_checkpoint
+from tests.helpers import (REPO_ROOT, make_char_dataset, make_gpt2_dataset, needs_transformers, run_main,
+                           use_gpt2_bpe)
+
+CONFIGS = sorted((REPO_ROOT / "config").glob("*.py"))
+# The tokenizer of each dataset a config may name (what its data/<name>/prepare.py writes).
+DATA_KINDS = {"data/shakespeare_char": "char", "data/shakespeare": "gpt2", "data/fineweb": "gpt2",
+              "data/openwebtext": "gpt2"}
+TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_iters=2, eval_interval=2,
+            eval_iters=2, log_interval=1, device="cpu", dtype="float32", compile=False)
+TEXT = "O Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n" * 20
+
+
+def config_of(path: Path) -> train.TrainConfig:
+    return configlib.parse_args(train.TrainConfig, [str(path)])
+
+
+def test_there_are_configs():
+    assert len(CONFIGS) >= 9, CONFIGS
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_parses_and_validates(path):
+    cfg = config_of(path)  # a UserError here is the bug a new user would meet first
+    assert cfg.data_dir in DATA_KINDS, f"{path.name}: add {cfg.data_dir} to DATA_KINDS with its tokenizer"
+    assert cfg.out_dir != train.TrainConfig.out_dir, f"{path.name} should write to its own out_dir"
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """A small prepared dataset per tokenizer kind, made on first use."""
+    root, made = tmp_path_factory.mktemp("data"), {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            if kind == "char":
+                make_char_dataset(root / kind, TEXT)
+            else:
+                use_gpt2_bpe()
+                make_gpt2_dataset(root / kind, [TEXT])
+            made[kind] = root / kind
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A save_pretrained folder standing in for OpenAI's GPT-2: its vocabulary and 1024 positions, tiny width."""
+    transformers = needs_transformers()
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=1024))
+    path = tmp_path_factory.mktemp("gpt2")
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_runs_a_few_steps(path, tmp_path, datasets, request):
+    cfg = config_of(path)
+    overrides = TINY | {"out_dir": str(tmp_path / "out"), "data_dir": str(datasets(DATA_KINDS[cfg.data_dir]))}
+    if cfg.gradient_accumulation_steps > 4:
+        overrides["gradient_accumulation_steps"] = 4  # the same code path, fewer micro-steps
+    if cfg.init_from != "scratch":
+        overrides["init_from"] = str(request.getfixturevalue("gpt2_dir"))
+    result = run_main(train.main, [str(path), *(f"--{k}={v}" for k, v in overrides.items())])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+    records = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "val_loss" in r]
+    assert evals and all(torch.isfinite(torch.tensor(r["val_loss"])) for r in evals)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key, value in configlib.to_dict(cfg).items():  # the file's own settings survive, only sizes changed
+        if key not in overrides:
+            assert written[key] == value, key
+    if cfg.eval_only:
+        assert [r["iter"] for r in records] == [0] and not (tmp_path / "out" / "ckpt.pt").exists()
+        return
+    assert [r["iter"] for r in records if "loss" in r] == [0, 1]
+    meta = load_checkpoint(tmp_path / "out" / "ckpt.pt")["meta"]
+    assert meta["iter_num"] == 2 and meta["model_args"]["block_size"] == 16
+    if cfg.init_from != "scratch":
+        assert meta["model_args"]["vocab_size"] == 50257  # GPT-2's own, from the folder
