@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core import checkpoint, config as configlib, runtime
+from core import checkpoint, config as configlib, memory, runtime
 from core.data import TokenData, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import atomic_path, write_json
@@ -154,8 +154,10 @@ def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
                     "of the same size; use the dataset it was trained on")
 
 
-def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None) -> tuple[GPT, dict]:
-    """The model for cfg.init_from, and the tokenizer metadata it is trained with."""
+def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
+                rt: runtime.Runtime) -> tuple[GPT, dict]:
+    """The model for cfg.init_from, and the tokenizer metadata it is trained with. Where its shape is
+    known before building (scratch, resume), a run that plainly does not fit in memory stops first."""
     if resume_state is not None:
         saved = resume_state["meta"]
         margs = saved["model_args"]
@@ -167,6 +169,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None) ->
         if cfg.block_size > margs["block_size"]:
             raise UserError(f"block_size {cfg.block_size} is larger than the checkpoint's {margs['block_size']}; "
                             f"resume with --block_size={margs['block_size']} or smaller")
+        check_memory(GPTConfig(**margs), cfg, rt)
         model = checkpoint.model_from_checkpoint(resume_state, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
         tok = saved["tokenizer"]
         check_same_tokenizer(tok, data_meta, cfg.data_dir)
@@ -175,6 +178,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None) ->
         if not isinstance(vocab, int):
             raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
         margs = {k: getattr(cfg, k) for k in MODEL_KEYS if k != "vocab_size"} | {"vocab_size": vocab}
+        check_memory(GPTConfig(**margs), cfg, rt)
         model = GPT(GPTConfig(**margs))
         tok = tokenizer_meta(data_meta)
     else:  # GPT-2 weights from the hub or a save_pretrained directory
@@ -186,11 +190,26 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None) ->
         except (OSError, ValueError) as e:
             raise UserError(f"could not load GPT-2 weights '{cfg.init_from}': {first_line(e)}") from None
         tok = tokenizer_meta(data_meta)
+    data_vocab = data_meta.get("vocab_size")
+    if not isinstance(data_vocab, int):
+        raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
+    if data_vocab > model.config.vocab_size:
+        raise UserError(f"{cfg.data_dir}/meta.json has vocab_size {data_vocab}, larger than the model's vocab_size "
+                        f"{model.config.vocab_size}; token ids would index past the embedding table")
     if cfg.block_size < model.config.block_size:
         model.crop_block_size(cfg.block_size)
     elif cfg.block_size > model.config.block_size:
         raise UserError(f"block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     return model, tok
+
+
+def check_memory(config: GPTConfig, cfg: TrainConfig, rt: runtime.Runtime) -> None:
+    """One line, before any allocation, when weights, optimizer and activations plainly exceed free memory."""
+    est = memory.estimate_training_memory(config, cfg.batch_size, "adamw", compute_dtype=rt.ptdtype,
+                                          seq_len=cfg.block_size)
+    # Processes on one machine share its RAM; each GPU has its own memory.
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.device_type == "cpu" else 1
+    memory.check_fits(est, rt.device, sharing, f" for batch_size {cfg.batch_size} x block_size {cfg.block_size}")
 
 
 def gather_rng(rt: runtime.Runtime) -> dict:
@@ -307,6 +326,10 @@ def main(argv) -> None:
     rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s)
     try:
         train(cfg, rt)
+    except RuntimeError as e:  # torch.OutOfMemoryError included
+        if not memory.is_out_of_memory(e):
+            raise
+        raise memory.out_of_memory_error(e, rt.device, f"(checkpoints already in {cfg.out_dir} are intact)") from None
     finally:
         runtime.teardown(rt)
 
@@ -335,9 +358,11 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     if cfg.init_from == "resume":
         resume_state, path = checkpoint.load_latest(out_dir, log=log)
         log(f"resuming from {path} at iter {resume_state['meta']['iter_num']}")
+    # The data first: a missing file or a block_size longer than the data is found in a second,
+    # before a model of that block_size is built.
+    data = {split: TokenData(cfg.data_dir, split, cfg.block_size) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
-    model, tok_meta = build_model(cfg, data_meta, resume_state)
-    data = {split: TokenData(cfg.data_dir, split, cfg.block_size, model.config.vocab_size) for split in ("train", "val")}
+    model, tok_meta = build_model(cfg, data_meta, resume_state, rt)
     model.to(rt.device)
     raw_model = model  # what is saved: never the compiled or DDP-wrapped module
 

@@ -1,0 +1,142 @@
+"""Training memory: a rough estimate from the model's shape alone, what a device has free, and
+out-of-memory errors turned into one line.
+
+    est = estimate_training_memory(GPTConfig(...), batch_size=12, optimizer="adamw")
+    est.total, est.params, est.grads, est.optimizer, est.activations   # bytes
+
+The estimate is a pure function of the config: the parameter count is exact (the model is built on
+the meta device, so every GPTConfig switch counts), weights, gradients and optimizer state follow
+from it, and activations use the per-layer count of Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", section 4.1), which is rough. It is used to refuse runs
+that plainly do not fit, never to tune one.
+"""
+import dataclasses
+import os
+
+import torch
+
+from core.errors import UserError, first_line
+
+# fp32 state tensors the optimizer keeps per parameter: AdamW's two moments; Muon's momentum for
+# the hidden matrices (its embeddings, head and gains go to AdamW, two each); plain SGD none.
+ADAMW_SLOTS = 2
+MUON_SLOTS = 1
+OPTIMIZERS = ("adamw", "muon", "sgd")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one process needs to train a model: its parts and their total."""
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def _params_on_meta(config) -> list[tuple[str, torch.Tensor]]:
+    from model import GPT  # model imports nothing from core: no cycle
+
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        return list(GPT(config).named_parameters())  # a tied matrix appears once
+
+
+def optimizer_slots(name: str, param: torch.Tensor, optimizer: str) -> int:
+    if optimizer == "adamw":
+        return ADAMW_SLOTS
+    if optimizer == "muon":
+        return MUON_SLOTS if name.startswith("transformer.h.") and param.dim() == 2 else ADAMW_SLOTS
+    return 0
+
+
+def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
+                             param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
+                             seq_len: int | None = None) -> MemoryEstimate:
+    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (default block_size) tokens.
+
+    Weights and gradients are param_dtype; optimizer state is fp32; activations are compute_dtype
+    (autocast's, default param_dtype). One micro-batch's activations are alive at a time, so
+    gradient accumulation does not change the estimate.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    params = _params_on_meta(config)
+    n = sum(p.numel() for _, p in params)
+    weight = torch.empty((), dtype=param_dtype).element_size()
+    state = sum(p.numel() * optimizer_slots(name, p, optimizer) for name, p in params) * 4
+    act = torch.empty((), dtype=compute_dtype or param_dtype).element_size()
+    B, T, C = batch_size, seq_len or config.block_size, config.n_embd
+    # Korthikanti et al.: a layer keeps 34 * B*T*C bytes at 2 bytes an element, i.e. 17 elements per
+    # (token, channel); attention that forms the (T, T) scores (the naive backend) keeps 5 * nh * T
+    # more bytes per token. Fused sdpa kernels do not keep the scores.
+    per_layer = 17 * B * T * C * act
+    if getattr(config, "attn_backend", "sdpa") == "naive":
+        per_layer += 5 * B * config.n_head * T * T * act // 2
+    # The logits and the gradient of the cross-entropy with respect to them, in fp32.
+    logits = 2 * B * T * config.vocab_size * 4
+    return MemoryEstimate(params=n * weight, grads=n * weight, optimizer=state,
+                          activations=config.n_layer * per_layer + logits)
+
+
+def available_bytes(device: str) -> int | None:
+    """Free memory a new allocation on `device` can use; None where it cannot be told (mps)."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    if kind == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:  # not Linux: free pages (an underestimate: the page cache could be reclaimed)
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_fits(est: MemoryEstimate, device: str, processes_sharing: int = 1, what: str = "") -> None:
+    """Refuse with one line when the estimate plainly exceeds what the device has free.
+
+    processes_sharing: processes on this machine drawing from the same memory (CPU ranks share RAM).
+    """
+    free = available_bytes(device)
+    needed = est.total * processes_sharing
+    if free is None or needed <= free:
+        return
+    share = f" x {processes_sharing} processes" if processes_sharing > 1 else ""
+    raise UserError(
+        f"training needs about {format_bytes(needed)}{share} on {device} (weights {format_bytes(est.params)}, "
+        f"gradients {format_bytes(est.grads)}, optimizer {format_bytes(est.optimizer)}, activations "
+        f"{format_bytes(est.activations)}{what}) but only {format_bytes(free)} is available; use a smaller "
+        f"batch_size (with more gradient_accumulation_steps), block_size or model")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """torch's out-of-memory errors: CUDA's OutOfMemoryError, and the RuntimeErrors of the CPU and
+    MPS allocators, which have no class of their own."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("DefaultCPUAllocator", "can't allocate memory", "out of memory"))
+
+
+def out_of_memory_error(e: BaseException, device: str, where: str) -> UserError:
+    return UserError(f"out of memory on {device} {where}: {first_line(e, 160)}; use a smaller batch_size "
+                     f"(with more gradient_accumulation_steps), block_size or model")

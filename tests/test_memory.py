@@ -1,0 +1,138 @@
+"""Memory: the training-memory estimate, refusing a run that plainly does not fit, and out-of-memory
+as one line at build and at the first step.
+
+    python -m pytest tests/test_memory.py
+"""
+import pytest
+import torch
+
+import bench
+import train
+from core import memory
+from model import GPT, GPTConfig
+from tests.helpers import assert_user_error, make_char_dataset, run_main, run_scripts
+
+GPT2_SMALL_PARAMS = 124_439_808  # vocab 50257, bias, tied head (GPT-2's published count)
+TEXT = "To be, or not to be, that is the question.\n" * 40
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    make_char_dataset(d, TEXT)
+    return d
+
+
+def test_weights_grads_and_optimizer_of_gpt2_small():
+    est = memory.estimate_training_memory(GPTConfig(vocab_size=50257), batch_size=1, seq_len=1)
+    assert est.params == est.grads == GPT2_SMALL_PARAMS * 4
+    assert est.optimizer == GPT2_SMALL_PARAMS * 8  # AdamW: two fp32 moments
+    bf16 = memory.estimate_training_memory(GPTConfig(vocab_size=50257), 1, param_dtype=torch.bfloat16, seq_len=1)
+    assert bf16.params == GPT2_SMALL_PARAMS * 2 and bf16.optimizer == est.optimizer
+    sgd = memory.estimate_training_memory(GPTConfig(vocab_size=50257), 1, "sgd", seq_len=1)
+    assert sgd.optimizer == 0
+    # Muon: one momentum for the 48 block matrices (12 layers x 4 of 768-wide shapes), AdamW's two for the rest.
+    muon = memory.estimate_training_memory(GPTConfig(vocab_size=50257), 1, "muon", seq_len=1)
+    block_matrices = 12 * (768 * 2304 + 768 * 768 + 768 * 3072 + 3072 * 768)
+    assert muon.optimizer == (block_matrices + 2 * (GPT2_SMALL_PARAMS - block_matrices)) * 4
+    with pytest.raises(ValueError, match="optimizer"):
+        memory.estimate_training_memory(GPTConfig(), 1, "adam")
+
+
+def test_activations_grow_with_batch_and_length_as_written():
+    c = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=100)
+    a = memory.estimate_training_memory(c, batch_size=3, seq_len=128)
+    assert a.activations == 2 * 17 * 3 * 128 * 64 * 4 + 2 * 3 * 128 * 100 * 4
+    naive = memory.estimate_training_memory(GPTConfig(**{**c.__dict__, "attn_backend": "naive"}), 3, seq_len=128)
+    assert naive.activations - a.activations == 2 * 5 * 3 * 4 * 128 * 128 * 4 // 2  # the (T, T) scores
+    assert a.total == a.params + a.grads + a.optimizer + a.activations
+
+
+def test_activation_estimate_is_within_1_5x_of_a_measured_step():
+    """The estimate against torch's allocator, measured: forward and backward of one micro-batch."""
+    torch.manual_seed(0)
+    c = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=512)
+    model = GPT(c)
+    x = torch.randint(0, 512, (8, 128))
+
+    def step():
+        _, loss = model(x, x)
+        loss.backward()
+
+    step()  # gradients exist from now on, as in every later step
+    measured = bench.cpu_peak_extra_bytes({"step": step})["step"]
+    est = memory.estimate_training_memory(c, batch_size=8).activations
+    assert est / 1.5 < measured < est * 1.5, (measured, est)  # 26.3 MB measured, 22.0 MB estimated
+
+
+def test_available_bytes_reads_this_machine():
+    free = memory.available_bytes("cpu")
+    assert free is not None and 2**26 < free < 2**50
+    assert memory.format_bytes(3 * 2**30) == "3.0 GiB" and memory.format_bytes(512) == "512 B"
+
+
+def test_out_of_memory_errors_are_recognised():
+    with pytest.raises(RuntimeError) as real:
+        torch.empty(2**60, dtype=torch.uint8)  # past any address space: the CPU allocator refuses at once
+    assert memory.is_out_of_memory(real.value)
+    assert memory.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"))
+    assert not memory.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+@pytest.mark.slow
+def test_a_model_or_block_size_that_cannot_fit_is_one_line(tmp_path, data_dir):
+    """The issue's command: the data check (before any model is built) refuses a block_size longer than
+    the data; a model far too large for this machine is refused by the estimate, naming both sizes."""
+    common = ["--device=cpu", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}"]
+    long_block, huge_model = run_scripts(
+        ["train.py", "config/train_shakespeare_char.py", *common, "--block_size=100000000"],
+        ["train.py", "config/train_shakespeare_char.py", *common, "--block_size=64", "--n_embd=1048576",
+         "--n_head=1", "--n_layer=1"])
+    assert_user_error(long_block, "fewer than block_size + 1 = 100000001")
+    assert_user_error(huge_model, "training needs about", "TiB", "is available", "smaller")
+    for result in (long_block, huge_model):
+        assert result.stderr.count("\n") == 1, result.stderr
+
+
+def tiny_argv(tmp_path, data_dir, **overrides):
+    args = dict(device="cpu", dtype="float32", compile=False, n_layer=1, n_head=2, n_embd=16, block_size=16,
+                batch_size=2, max_iters=2, eval_interval=10, eval_iters=1, gradient_accumulation_steps=1,
+                out_dir=tmp_path / "out", data_dir=data_dir) | overrides
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def test_estimate_refuses_before_building(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1000)
+    built = []
+    monkeypatch.setattr(train, "GPT", lambda *a: built.append(a))
+    result = run_main(train.main, tiny_argv(tmp_path, data_dir))
+    assert_user_error(result, "training needs about", "but only 1000 B is available", "batch_size 2 x block_size 16")
+    assert built == []
+
+
+def test_out_of_memory_at_build_is_one_line(tmp_path, data_dir, monkeypatch):
+    def allocate(config):
+        torch.empty(2**60, dtype=torch.uint8)  # a real allocator error
+
+    monkeypatch.setattr(train, "GPT", allocate)
+    result = run_main(train.main, tiny_argv(tmp_path, data_dir))
+    assert_user_error(result, "out of memory on cpu", "can't allocate memory", "smaller batch_size")
+    assert result.stderr.count("\n") == 1
+
+
+def test_out_of_memory_at_the_first_step_is_one_line(tmp_path, data_dir, monkeypatch):
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(train, "train_step", oom)
+    result = run_main(train.main, tiny_argv(tmp_path, data_dir))
+    assert_user_error(result, "out of memory on cpu", "Tried to allocate 20.00 GiB", "intact")
+
+
+def test_other_runtime_errors_are_not_hidden(tmp_path, data_dir, monkeypatch):
+    def bug(*args):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(train, "train_step", bug)
+    with pytest.raises(RuntimeError, match="mat1"):
+        run_main(train.main, tiny_argv(tmp_path, data_dir))
