@@ -180,3 +180,122 @@ def test_mig_uuid_in_cuda_visible_devices_is_a_slice(fake_gpus, monkeypatch):
     fake_gpus(count=1, name="NVIDIA H100 80GB HBM3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4f9e2b7c-0000-5a3e-9a71-1c2d3e4f5a6b")
     assert runtime.peak_flops(runtime.Runtime("cuda:0", "cuda", "bfloat16")) is None
+
+
+# --- rank 0 alone fails or is slow: torchrun, 2 gloo processes on the CPU --------------------------
+
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.1")
+TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
+DDP_RUN = TINY_TRAIN | dict(gradient_accumulation_steps=2, max_iters=10**6, lr_decay_iters=100, log_interval=1,
+                            eval_interval=10**6, checkpoint_interval=4, dropout=0.1)
+
+# train.py with rank 0's first checkpoint write taking SLEEP seconds: a slow filesystem.
+SLOW_FIRST_SAVE = '''
+import sys, time
+sys.path.insert(0, {repo!r})
+import train
+from core import checkpoint
+from core.errors import run_cli
+
+real_save, slept = checkpoint.save_checkpoint, []
+def slow_save(*args, **kwargs):
+    if not slept:
+        slept.append(time.sleep({sleep}))
+    return real_save(*args, **kwargs)
+checkpoint.save_checkpoint = slow_save
+run_cli(train.main)
+'''
+
+
+def start_torchrun(script, tmp_path, name, **cfg) -> subprocess.Popen:
+    argv = [f"--{k}={v}" for k, v in (DDP_RUN | cfg).items()]
+    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, *TORCHRUN, str(script), *argv], cwd=REPO_ROOT, stdout=out, stderr=err,
+                                env=os.environ | ONE_THREAD_ENV)
+
+
+def finish(job: subprocess.Popen, timeout: float) -> None:
+    from tests.helpers import child_pids
+    try:
+        job.wait(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            workers = child_pids(job.pid)
+            job.kill()
+            for pid in workers:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            job.wait()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    make_char_dataset(d, TEXT)
+    return d
+
+
+@pytest.mark.slow
+def test_rank0_write_failure_stops_every_rank_at_once_with_the_same_line(tmp_path, data_dir):
+    """Rank 0 cannot write its checkpoint (ckpt.pt is a directory). Both ranks stop with the same
+    one-line error and exit 2, within seconds: long before dist_timeout_s, and without a traceback."""
+    out = tmp_path / "out"
+    (out / "ckpt.pt").mkdir(parents=True)
+    (out / "ckpt.pt" / "keep").write_text("a directory in the way\n")
+    started = time.monotonic()
+    job = start_torchrun("train.py", tmp_path, "fail", out_dir=out, data_dir=data_dir, dist_timeout_s=120.0)
+    finish(job, timeout=100)
+    assert time.monotonic() - started < 60  # imports and 4 steps included; a timeout would take 120 s
+    stderr = (tmp_path / "fail.err").read_text()
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and errors[0] == errors[1], stderr[-3000:]
+    assert errors[0].startswith(f"error: could not save a checkpoint in {out}"), errors
+    assert 'train.py", line' not in stderr and 'core/runtime.py", line' not in stderr, stderr[-3000:]
+    assert job.returncode != 0
+    assert "exitcode  : 2" in stderr  # the user error's exit status, not a kill or a timeout
+
+
+@pytest.mark.slow
+def test_slow_rank0_save_and_sigterm_to_one_rank(tmp_path, data_dir):
+    """Rank 0's first save takes 8 s, past dist_timeout_s (4 s): the other rank waits for it without a
+    timeout. Then SIGTERM reaches rank 1 only: both ranks stop at the same iteration, rank 0 saves once,
+    and the job exits 0. The ranks drew different dropout masks: their RNG states differ."""
+    from tests.helpers import child_pids, process_env
+
+    script = tmp_path / "slow_first_save.py"
+    script.write_text(SLOW_FIRST_SAVE.format(repo=str(REPO_ROOT), sleep=8))
+    out = tmp_path / "out"
+    job = start_torchrun(script, tmp_path, "slow", out_dir=out, data_dir=data_dir, dist_timeout_s=4.0)
+    try:
+        deadline = time.monotonic() + 120
+        while "saved checkpoint at iter 4" not in (tmp_path / "slow.out").read_text():
+            assert job.poll() is None, (tmp_path / "slow.err").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)  # a few more steps
+        workers = {int(process_env(pid).get("RANK", -1)): pid for pid in child_pids(job.pid)}
+        os.kill(workers[1], 15)
+    finally:
+        finish(job, timeout=60)
+    stdout, stderr = (tmp_path / "slow.out").read_text(), (tmp_path / "slow.err").read_text()
+    assert job.returncode == 0, stderr[-3000:]
+    from core.checkpoint import load_checkpoint
+    state = load_checkpoint(out / "ckpt.pt")
+    stopped = state["meta"]["iter_num"]
+    assert stopped > 4 and stdout.count("(stopped by a signal to another process)") == 1, stdout
+    assert f"stopped at iter {stopped};" in stdout
+    assert not torch.equal(state["rng"]["cpu"][0], state["rng"]["cpu"][1])  # dropout seeded per rank
+
+
+def test_resume_memory_maps_the_checkpoint(tmp_path, data_dir, monkeypatch):
+    """Every rank loads the checkpoint on resume: mmap=True reads tensors from the file as they are
+    used instead of copying the whole file into each process's memory."""
+    from core import checkpoint
+    from tests.helpers import train_tiny
+    train_tiny(tmp_path, data_dir, max_iters=2)
+    real_load, seen = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: seen.append(kw) or real_load(*a, **kw))
+    checkpoint.load_latest(tmp_path)
+    assert seen and seen[0].get("mmap") is True
