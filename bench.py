@@ -272,7 +272,7 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-    peak, peak_source = peak_flops_with_source(rt)
+    peak, peak_source = runtime.peak_flops_with_source(rt)
     tokens = cfg.batch_size * mc.block_size
 
     def row(mode: str, m: torch.nn.Module, build_s: float | None = None) -> dict:
@@ -303,15 +303,6 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     if len(rows) == 2 and "error" not in rows[1]:
         result["compiled_over_eager"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     return result
-
-
-def peak_flops_with_source(rt: runtime.Runtime) -> tuple[float | None, str]:
-    peak = runtime.peak_flops(rt)
-    if rt.device_type == "cpu":
-        return peak, "measured float32 1024x1024 matmul, fastest of 10 (core.runtime.cpu_matmul_peak_flops)"
-    if peak is None:
-        return None, f"no datasheet figure for {rt.device}; MFU not reported"
-    return peak, f"datasheet dense {rt.dtype} for {torch.cuda.get_device_name(rt.device)}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -338,13 +338,15 @@ def prepare_out_dir(cfg: TrainConfig, rt: runtime.Runtime) -> Path:
     """Create out_dir and write the resolved config, before any training: an unwritable
     directory is found now, not at the first checkpoint."""
     out_dir = Path(cfg.out_dir)
-    if rt.is_master:
+
+    def write() -> None:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_json(out_dir / "config.json", configlib.to_dict(cfg) | {"world_size": rt.world_size,
                                                                           "device": rt.device, "dtype": rt.dtype})
         except OSError as e:
             raise UserError(f"cannot write to out_dir '{out_dir}': {e.strerror}; choose a writable --out_dir") from None
+    rt.on_master(write)
     return out_dir
 
 
@@ -363,11 +365,13 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     data = {split: TokenData(cfg.data_dir, split, cfg.block_size) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model, tok_meta = build_model(cfg, data_meta, resume_state, rt)
+    # Then dropout masks of their own per rank (batches come from their own generators, never from this).
+    torch.manual_seed(cfg.seed + rt.rank)
     model.to(rt.device)
     raw_model = model  # what is saved: never the compiled or DDP-wrapped module
 
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), rt.device_type)
-    scaler = torch.amp.GradScaler(rt.device_type, enabled=(rt.dtype == "float16"))
+    scaler = rt.grad_scaler()
     iter_num, best_val_loss = 0, float("inf")
     if resume_state is not None:
         optimizer.load_state_dict(resume_state["optimizer"])
@@ -386,23 +390,17 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in {rt.dtype} "
         f"| {tokens_per_iter:,} tokens per iteration")
-    jlog = JsonLog(out_dir / "log.jsonl", iter_num if cfg.init_from == "resume" else None) if rt.is_master else None
-    wandb_run = None
-    if cfg.wandb_log and rt.is_master:
-        try:
-            import wandb  # optional dependency, only when asked for
-        except ImportError:
-            raise UserError("wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)") from None
-        wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=configlib.to_dict(cfg))
-    peak = runtime.peak_flops(rt)
+    jlog = rt.on_master(JsonLog, out_dir / "log.jsonl", iter_num if cfg.init_from == "resume" else None)
+    wandb_run = rt.on_master(start_wandb, cfg) if cfg.wandb_log else None
+    peak, peak_source = runtime.peak_flops_with_source(rt)
+    log(f"MFU against {peak_source}")
 
-    def save(reason: str) -> None:
-        if not all_finite(raw_model):
-            raise UserError(f"the model has non-finite weights at iter {iter_num}; not saving over the last good "
-                            f"checkpoint in {out_dir}")
-        rng = gather_rng(rt)  # collective: every rank takes part
-        if not rt.is_master:
-            return
+    def write_log(record: dict, wandb_record: dict) -> None:
+        jlog.write(record)
+        if wandb_run:
+            wandb_run.log(wandb_record)
+
+    def save(reason: str, rng: dict) -> None:  # rank 0 only
         meta = {"iter_num": iter_num, "best_val_loss": best_val_loss, "model_args": dataclasses.asdict(raw_model.config),
                 "config": configlib.to_dict(cfg), "tokenizer": tok_meta, "world_size": rt.world_size,
                 "loader": {"seed": cfg.seed, "next_iter": iter_num}}
@@ -414,14 +412,23 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
                             f"the previous checkpoint is intact") from None
         log(f"saved checkpoint at iter {iter_num} to {path} ({reason})")
 
+    def save_everywhere(reason: str) -> None:
+        """save() with every rank waiting for rank 0's write, and failing with it."""
+        if not all_finite(raw_model):
+            raise UserError(f"the model has non-finite weights at iter {iter_num}; not saving over the last good "
+                            f"checkpoint in {out_dir}")
+        rng = gather_rng(rt)  # collective: every rank takes part
+        rt.on_master(save, reason, rng)
+
     stop = StopFlag()
     stop.install()
     stop_requested = False
     last_saved = iter_num if cfg.init_from == "resume" else -1
-    mfu_avg, steps_run, t0 = -1.0, 0, time.perf_counter()
+    batches = TrainBatches(data["train"], cfg, rt, accum)
+    mfu_avg, steps_run = -1.0, 0
     while True:
         if stop_requested:
-            save(f"stopped by {stop.signal_name or 'a signal to another process'}")
+            save_everywhere(f"stopped by {stop.signal_name or 'a signal to another process'}")
             log(f"stopped at iter {iter_num}; continue with --init_from=resume --out_dir={out_dir}")
             return
         lr = get_lr(iter_num, cfg)
@@ -432,10 +439,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
         if iter_num % cfg.eval_interval == 0 or cfg.eval_only:
             losses = estimate_loss(model, data, cfg, rt)
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            if jlog:
-                jlog.write({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr})
-            if wandb_run:
-                wandb_run.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+            rt.on_master(write_log, {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr},
+                         {"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
             if cfg.eval_only:
                 return
             want_save |= losses["val"] < best_val_loss or cfg.always_save_checkpoint
@@ -443,28 +448,29 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
         if iter_num >= cfg.max_iters:
             want_save = True
         if want_save and iter_num > max(last_saved, 0):
-            save("end of training" if iter_num >= cfg.max_iters else "scheduled")
+            save_everywhere("end of training" if iter_num >= cfg.max_iters else "scheduled")
             last_saved = iter_num
         if iter_num >= cfg.max_iters:
             return
 
-        loss_sum = train_step(model, optimizer, scaler, data["train"], cfg, rt, iter_num, accum)
-        # One collective per step: the global loss (for the log and the non-finite check)
-        # and whether any process was asked to stop.
-        flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.signal_name is not None), device=rt.device)])
-        if rt.ddp:
-            dist.all_reduce(flags)
-        loss, stop_requested = flags[0].item() / rt.world_size, flags[1].item() > 0
-        if not math.isfinite(loss):
+        t0 = time.perf_counter()  # after any eval or save: the step's time is the step's alone
+        loss_sum = train_step(model, scaler, batches, rt, iter_num, accum)
+        # The one host sync per step: the non-finite guard must see this step's loss before its update.
+        # The next step's first batch is already on its way (TrainBatches), so the device is not left idle.
+        finite = math.isfinite(loss_sum.item())
+        stop_requested, any_bad = rt.any_rank(stop.signal_name is not None, not finite)
+        logging = (iter_num + 1) % cfg.log_interval == 0
+        if any_bad or logging:
+            loss = global_mean(loss_sum, rt)  # a device collective, only where the number is used
+        if any_bad:
             raise UserError(f"loss is {loss} at iter {iter_num}; stopped before the optimizer step, the last "
                             f"checkpoint in {out_dir} is untouched. Lower learning_rate or check the data")
         optimizer_step(model, optimizer, scaler, cfg)
+        dt = time.perf_counter() - t0
         iter_num += 1
         steps_run += 1
 
-        t1 = time.perf_counter()
-        dt, t0 = t1 - t0, t1
-        if iter_num % cfg.log_interval == 0 and rt.is_master:
+        if logging:
             if peak and steps_run > 5:  # the first steps include warm-up and compilation
                 mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, peak)
                 mfu_avg = mfu if mfu_avg < 0 else 0.9 * mfu_avg + 0.1 * mfu
@@ -473,36 +479,71 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
             mfu_text = f", mfu {mfu_avg * 100:.2f}%" if mfu_avg >= 0 else ""
             log(f"iter {iter_num - 1}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                 f"{tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
-            jlog.write(record)
-            if wandb_run:
-                wandb_run.log({"iter": iter_num - 1, "train/loss_step": loss, "lr": lr, "mfu": record["mfu"]})
+            rt.on_master(write_log, record, {"iter": iter_num - 1, "train/loss_step": loss, "lr": lr,
+                                             "mfu": record["mfu"]})
 
 
-def train_step(model, optimizer, scaler, train_data: TokenData, cfg: TrainConfig, rt: runtime.Runtime,
-               iter_num: int, accum: int) -> torch.Tensor:
-    """Forward and backward over this process's micro-batches; returns its share of the loss.
+def start_wandb(cfg: TrainConfig):
+    try:
+        import wandb  # optional dependency, only when asked for
+    except ImportError:
+        raise UserError("wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)") from None
+    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=configlib.to_dict(cfg))
 
-    Micro-batch g of the global batch (g = rank * accum + micro) is drawn from
-    (seed, iter, g) alone, so the global batch does not depend on how many processes
-    share it, and a resumed run reads exactly the batches the first run would have.
+
+def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:
+    """The mean of every rank's loss_sum (each already averaged over its micro-steps)."""
+    if rt.ddp:
+        loss_sum = loss_sum.clone()
+        dist.all_reduce(loss_sum)
+    return loss_sum.item() / rt.world_size
+
+
+class TrainBatches:
+    """The training micro-batches in order, each fetched (and on CUDA copied asynchronously) while
+    the previous one computes, across iterations too.
+
+    Micro-batch g of the global batch (g = rank * accum + micro) is drawn from (seed, iter, g)
+    alone, so the global batch does not depend on how many processes share it, and a resumed run
+    reads exactly the batches the first run would have.
     """
-    def batch(micro: int):
-        gen = batch_generator(cfg.seed, "train", iter_num, rt.rank * accum + micro)
-        return train_data.get_batch(cfg.batch_size, gen, rt.device)
 
-    loss_sum = torch.zeros((), device=rt.device)
-    x, y = batch(0)
+    def __init__(self, data: TokenData, cfg: TrainConfig, rt: runtime.Runtime, accum: int):
+        self.data, self.cfg, self.rt, self.accum = data, cfg, rt, accum
+        self.ahead = None  # ((iter_num, micro), (x, y))
+
+    def get(self, iter_num: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (iter_num, micro)
+        if self.ahead is not None and self.ahead[0] == key:
+            return self.ahead[1]
+        return self._fetch(key)
+
+    def prefetch_after(self, iter_num: int, micro: int) -> None:
+        key = (iter_num, micro + 1) if micro + 1 < self.accum else (iter_num + 1, 0)
+        self.ahead = (key, self._fetch(key))
+
+    def _fetch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        iter_num, micro = key
+        gen = batch_generator(self.cfg.seed, "train", iter_num, self.rt.rank * self.accum + micro)
+        return self.data.get_batch(self.cfg.batch_size, gen, self.rt.device)
+
+
+def train_step(model, scaler, batches: TrainBatches, rt: runtime.Runtime, iter_num: int,
+               accum: int) -> torch.Tensor:
+    """Forward and backward over this process's micro-batches; returns its mean loss (on the device)."""
+    loss_sum = None
     for micro in range(accum):
+        x, y = batches.get(iter_num, micro)
         # Gradients are all-reduced once, on the last micro-step.
         sync = contextlib.nullcontext() if not rt.ddp or micro == accum - 1 else model.no_sync()
         with sync:
             with rt.autocast():
-                _, loss = model(x, y)
-                loss = loss / accum
-            if micro + 1 < accum:
-                x, y = batch(micro + 1)  # prefetch while the device works
+                # Only the loss is kept: holding the logits too would keep a (B, T, vocab) tensor
+                # alive through backward (1.2 GB for GPT-2 at 12 x 1024 in bfloat16).
+                loss = model(x, y)[1] / accum
+            batches.prefetch_after(iter_num, micro)  # read the next batch while the device works
             scaler.scale(loss).backward()
-        loss_sum += loss.detach()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     return loss_sum
 
 

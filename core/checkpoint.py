@@ -72,7 +72,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ... --out_dir={path.parent})")
     _verify_archive(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: tensors are read from the file as they are used, not all copied into host RAM at once
+        # (every rank loads the checkpoint on resume).
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" not in str(e):
             raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)})") from None

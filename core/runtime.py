@@ -3,6 +3,12 @@
 `setup(device, dtype)` returns a Runtime. Distributed training is detected from
 torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE): with one process it is a
 no-op and the same code path runs.
+
+Two small host-side (gloo) process groups sit beside the training one, so that agreeing
+on control flow never waits for the GPU: `any_rank` (did any rank see a signal or a bad
+loss; dist_timeout_s bounds it) and `on_master` (rank 0 writes a file; the others wait
+for its outcome with a long timeout, since a checkpoint save may take minutes, and all
+ranks raise the same one-line error if it failed).
 """
 import contextlib
 import dataclasses
@@ -15,17 +21,26 @@ import time
 import torch
 import torch.distributed as dist
 
-from core.errors import UserError
+from core.errors import UserError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Dense (no sparsity) peak FLOP/s from the vendors' datasheets, for MFU.
-DATASHEET_PEAK_FLOPS = {
-    # substring of torch.cuda.get_device_name(): {dtype: FLOP/s}
-    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
-}
+# Dense peak FLOP/s for MFU: NVIDIA's datasheet figures, whose tensor-core numbers are quoted with
+# 2:4 sparsity and are halved here. "tf32" is a float32 run with TF32 matmuls (setup() turns them on);
+# "float32" is the plain CUDA-core figure. Looked up by substring of torch.cuda.get_device_name(),
+# most specific first: "NVIDIA H100 NVL" and "NVIDIA H100 PCIe" must not match the SXM "H100" row.
+DATASHEET_PEAK_FLOPS = (
+    ("H200 NVL", {"bfloat16": 1671e12 / 2, "float16": 1671e12 / 2, "tf32": 835e12 / 2, "float32": 60e12}),
+    ("H200", {"bfloat16": 1979e12 / 2, "float16": 1979e12 / 2, "tf32": 989e12 / 2, "float32": 67e12}),
+    ("H100 NVL", {"bfloat16": 1671e12 / 2, "float16": 1671e12 / 2, "tf32": 835e12 / 2, "float32": 60e12}),
+    ("H100 PCIe", {"bfloat16": 1513e12 / 2, "float16": 1513e12 / 2, "tf32": 756e12 / 2, "float32": 51e12}),
+    ("H100", {"bfloat16": 1979e12 / 2, "float16": 1979e12 / 2, "tf32": 989e12 / 2, "float32": 67e12}),  # SXM
+    ("A100", {"bfloat16": 624e12 / 2, "float16": 624e12 / 2, "tf32": 312e12 / 2, "float32": 19.5e12}),
+)
+# How long the other ranks wait for rank 0's file writes (on_master): a checkpoint of a large model
+# on a slow filesystem takes minutes, far past a collective's dist_timeout_s. A rank 0 that dies
+# meanwhile ends the job at once (torchrun stops the others); only a hung rank 0 waits this long.
+MASTER_WORK_TIMEOUT = datetime.timedelta(hours=2)
 
 
 @dataclasses.dataclass
@@ -36,6 +51,8 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    flag_group: object = dataclasses.field(default=None, repr=False, compare=False)    # gloo, dist_timeout_s
+    master_group: object = dataclasses.field(default=None, repr=False, compare=False)  # gloo, MASTER_WORK_TIMEOUT
 
     @property
     def ddp(self) -> bool:
@@ -49,6 +66,10 @@ class Runtime:
     def ptdtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """Loss scaling for float16, whose narrow exponent flushes small gradients to zero; a no-op otherwise."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
+
     def autocast(self):
         """Mixed precision for the forward pass; float32 runs as is."""
         if self.dtype == "float32":
@@ -61,25 +82,71 @@ class Runtime:
         elif self.device_type == "mps":
             torch.mps.synchronize()
 
+    def any_rank(self, *flags: bool) -> list[bool]:
+        """Each flag, true if it is true on any rank: one host-side all-reduce, no GPU sync."""
+        if not self.ddp:
+            return list(flags)
+        t = torch.tensor([float(f) for f in flags])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.flag_group)
+        return [bool(v) for v in t.tolist()]
 
-def resolve_device(name: str) -> str:
-    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here."""
+    def on_master(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on rank 0 only (a file write); every rank returns once it is done.
+
+        If it fails, every rank raises the same one-line UserError: the others would otherwise
+        wait in their next collective until dist_timeout_s, and end with a timeout, not the cause.
+        """
+        error, result = None, None
+        if self.is_master:
+            try:
+                result = fn(*args, **kwargs)
+            except UserError as e:
+                error = str(e)
+            except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here as it is
+                if not self.ddp:
+                    raise
+                error = f"rank 0 failed: {type(e).__name__}: {first_line(e)}"
+                self._tell_outcome(error)
+                raise
+        if self.ddp:
+            error = self._tell_outcome(error)
+        if error is not None:
+            raise UserError(error)
+        return result
+
+    def _tell_outcome(self, error: str | None) -> str | None:
+        box = [error]
+        dist.broadcast_object_list(box, src=0, group=self.master_group)
+        return box[0]
+
+
+def resolve_device(name: str, local_rank: int | None = None) -> str:
+    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here.
+
+    CUDA devices always come back indexed ("cuda:1"): torch.cuda.set_device refuses a bare "cuda".
+    Under torchrun (local_rank given) a bare "cuda" or "auto" means this process's GPU, cuda:LOCAL_RANK.
+    """
     if name == "auto":
         if torch.cuda.is_available():
-            return "cuda"
+            return resolve_device("cuda", local_rank)
         if torch.backends.mps.is_available():
             return "mps"
         return "cpu"
-    kind = name.split(":")[0]
+    kind, _, index_text = name.partition(":")
     if kind == "cpu":
         return name
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise UserError(f"device '{name}' was asked for but this machine has no CUDA GPU; use --device=cpu or --device=auto")
-        index = int(name.split(":")[1]) if ":" in name else 0
-        if index >= torch.cuda.device_count():
-            raise UserError(f"device '{name}' does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        return name
+        count = torch.cuda.device_count()
+        if not index_text and local_rank is not None:
+            return f"cuda:{local_gpu(local_rank, count)}"
+        if index_text and not index_text.isdigit():
+            raise UserError(f"unknown device '{name}'; use auto, cpu, cuda, cuda:N or mps")
+        index = int(index_text or 0)
+        if index >= count:
+            raise UserError(f"device '{name}' does not exist: this machine has {count} CUDA device(s)")
+        return f"cuda:{index}"
     if kind == "mps":
         if not torch.backends.mps.is_available():
             raise UserError(f"device '{name}' was asked for but MPS is not available here; use --device=cpu")
@@ -87,11 +154,37 @@ def resolve_device(name: str) -> str:
     raise UserError(f"unknown device '{name}'; use auto, cpu, cuda, cuda:N or mps")
 
 
-def resolve_dtype(name: str, device_type: str) -> str:
-    """'auto' is bfloat16 on GPUs that support it, else float16 on CUDA, else float32."""
+def local_gpu(local_rank: int, count: int) -> int:
+    """The GPU index of torchrun's LOCAL_RANK among the `count` visible ones.
+
+    One visible GPU with LOCAL_RANK > 0 is a scheduler giving each task its own GPU
+    (SLURM --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per task): that one is ours.
+    """
+    if local_rank < count:
+        return local_rank
+    if count == 1:
+        return 0
+    raise UserError(f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                    f"start at most {count} processes per node (torchrun --nproc_per_node={count})")
+
+
+def native_bf16(device: str) -> bool:
+    """Whether the GPU computes bfloat16 in hardware: Ampere (sm80) and newer, or AMD.
+
+    torch.cuda.is_bf16_supported() also says yes for emulated bfloat16 (V100, T4), which runs
+    matmuls many times slower than float16 there.
+    """
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def resolve_dtype(name: str, device_type: str, device: str = "cuda:0") -> str:
+    """'auto' is bfloat16 on GPUs with native bf16, else float16 on CUDA (with a GradScaler), else float32."""
     if name == "auto":
         if device_type == "cuda":
-            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+            return "bfloat16" if native_bf16(device) else "float16"
         return "float32"
     if name not in DTYPES:
         raise UserError(f"unknown dtype '{name}'; use float32, bfloat16, float16 or auto")
@@ -99,8 +192,10 @@ def resolve_dtype(name: str, device_type: str) -> str:
         # CPU autocast runs, but these CPUs have no fast bf16 (~100x slower matmuls) and
         # float16 needs a GradScaler path we only support on CUDA.
         raise UserError(f"dtype {name} is not supported on {device_type}; use --dtype=float32 there")
-    if name == "bfloat16" and not torch.cuda.is_bf16_supported():
-        raise UserError("dtype bfloat16 is not supported by this GPU; use --dtype=float16")
+    if name == "bfloat16" and not native_bf16(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UserError(f"{torch.cuda.get_device_name(device)} (sm{major}{minor}) has no native bfloat16 (it would be "
+                        f"emulated, many times slower); use --dtype=float16 or --dtype=auto")
     return name
 
 
@@ -114,16 +209,19 @@ def dist_env() -> tuple[int, int, int]:
 def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0) -> Runtime:
     """Pick device and dtype; join the process group when launched by torchrun."""
     rank, local_rank, world_size = dist_env()
-    device = resolve_device(device)
+    device = resolve_device(device, local_rank if world_size > 1 else None)
     device_type = device.split(":")[0]
-    if world_size > 1 and device_type == "cuda":
-        device = f"cuda:{local_rank}"
-    dtype = resolve_dtype(dtype, device_type)
+    if world_size > 1 and device_type == "cuda" and device != f"cuda:{local_gpu(local_rank, torch.cuda.device_count())}":
+        raise UserError(f"--device={device} under torchrun: each process uses its own GPU (cuda:LOCAL_RANK); "
+                        f"use --device=cuda or --device=auto")
     if device_type == "cuda":
+        # Before anything touches CUDA (the dtype probe included): otherwise every rank opens a context on GPU 0.
         torch.cuda.set_device(device)
         # TF32 matmuls: ~8x the float32 throughput on Ampere+ at a precision training tolerates.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    dtype = resolve_dtype(dtype, device_type, device)
+    flag_group = master_group = None
     if world_size > 1:
         # A finite timeout: a dead peer ends the job with an error instead of a hang.
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -134,7 +232,10 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0) -
             device_id=torch.device(device) if device_type == "cuda" else None,
             **(dict(store=store, rank=rank, world_size=world_size) if store is not None else {}),
         )
-    return Runtime(device, device_type, dtype, rank, local_rank, world_size)
+        # Host-side groups (see the module docstring); on CPU the default group is already gloo.
+        flag_group = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else None
+        master_group = dist.new_group(backend="gloo", timeout=max(timeout, MASTER_WORK_TIMEOUT))
+    return Runtime(device, device_type, dtype, rank, local_rank, world_size, flag_group, master_group)
 
 
 def _torchrun_attempt_store(world_size: int, timeout: datetime.timedelta) -> "dist.Store | None":
@@ -179,12 +280,23 @@ def cpu_matmul_peak_flops(n: int = 1024, repeats: int = 10) -> float:
 
 def peak_flops(rt: Runtime) -> float | None:
     """Peak FLOP/s for MFU: the datasheet for known GPUs, a measured matmul on CPU, else None."""
-    if rt.device_type == "cuda":
-        name = torch.cuda.get_device_name(rt.device)
-        for key, table in DATASHEET_PEAK_FLOPS.items():
-            if key in name:
-                return table[rt.dtype]
-        return None
+    return peak_flops_with_source(rt)[0]
+
+
+def peak_flops_with_source(rt: Runtime) -> tuple[float | None, str]:
+    """(peak FLOP/s or None, which figure it is): None, saying why, where MFU would be wrong."""
     if rt.device_type == "cpu":
-        return cpu_matmul_peak_flops()
-    return None
+        return cpu_matmul_peak_flops(), "measured float32 1024x1024 matmul, fastest of 10 (cpu_matmul_peak_flops)"
+    if rt.device_type != "cuda":
+        return None, f"no peak figure for {rt.device_type}; MFU not reported"
+    name = torch.cuda.get_device_name(rt.device)
+    # A MIG slice has a fraction of the GPU's SMs, which its name does not say reliably.
+    if "MIG" in name or os.environ.get("CUDA_VISIBLE_DEVICES", "").startswith("MIG-"):
+        return None, f"{name} is a MIG slice, a fraction of the GPU; MFU not reported"
+    kind = rt.dtype
+    if kind == "float32" and torch.backends.cuda.matmul.allow_tf32:
+        kind = "tf32"
+    for key, table in DATASHEET_PEAK_FLOPS:
+        if key.lower() in name.lower():
+            return table[kind], f"datasheet dense {kind} of {key} ({name}): {table[kind] / 1e12:.1f} TFLOP/s"
+    return None, f"no datasheet figure for {name}; MFU not reported"
