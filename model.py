@@ -438,13 +438,14 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on matrices and embeddings (>= 2-D) only, not on biases and
-        LayerNorm gains, which set scales and offsets rather than store features. Fused on CUDA."""
+        LayerNorm gains, which set scales and offsets rather than store features. Fused (one kernel for
+        all tensors) on CUDA and CPU: on 2 CPU cores the per-tensor loop took 4x as long, ~10% of a small step."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu"))
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for the matmuls with weights (2 forward, 4 backward) plus
