@@ -3,7 +3,7 @@
     python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
-    python bench.py --sections=attention,decode        # only some of train, attention, decode, prepare
+    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
@@ -11,20 +11,26 @@
 
 Every time is the median of `repeats` timed runs after `warmup` untimed ones; every ratio compares two
 figures from the same run. Weights are random (speed does not depend on them) and decoding is greedy.
-The tables go to stdout in Markdown, and the same figures with the machine's description to --out (JSON).
+The tables go to stdout in Markdown, and the same figures with the machine's description to --out (JSON),
+rewritten after each section. A figure that runs out of device memory reads "OOM"; the rest still run.
 
 How each figure is measured:
   train      forward + backward + AdamW step on a fixed random batch; MFU = model.estimate_mfu against
              runtime.peak_flops (GPU: the datasheet; CPU: a measured float32 matmul, so CPU MFU is
              relative to what a plain matmul reaches here). Compiled: torch.compile of the same model;
              its first step (the build) is timed apart, and a failure is reported in the table.
+  loop       train.py's training iteration (train.iteration: its batches, non-finite guard, stop flags) against
+             a plain loop of the same model and data written as nanoGPT's train.py does it (np.memmap batches,
+             forward, backward, clip, AdamW): the CPU quick start's config (--loop_config), the same threads,
+             chunks of loop_steps iterations alternating between the two, median ms per iteration of each.
   attention  peak memory above the inputs while one causal attention runs, without grad (forward) and
              with grad (forward + backward): model.scaled_dot_product_attention (the naive reference,
              which forms the (B, nh, T, T) scores) against torch's fused F.scaled_dot_product_attention.
              CUDA: torch.cuda.max_memory_allocated. CPU: the allocation and free events that
              torch.profiler(profile_memory=True) records from torch's CPU allocator, summed in time
              order, the peak of that running total (kernels' scratch buffers included).
-  decode     per-token latency at each context length: no cache = one forward over the whole context
+  decode     the model cast once to --dtype, as sample.py decodes (sample.prepare_model); decode_batch_size
+             rows at once. Per-token latency at each context length: no cache = one forward over the whole context
              (what generate(use_cache=False) does per token); cache = one token through a KV cache
              already holding the context. Then a whole generate() run each way, timed token by token,
              past the context moving the window as sample.py does (block_size // 2 at a time; see
@@ -56,9 +62,10 @@ from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
 from core.tokenizer import GPT2Tokenizer
 from model import GPT, GPTConfig, scaled_dot_product_attention
-from sample import SampleConfig, window_shift
+from sample import SampleConfig, prepare_model, window_shift
 
-SECTIONS = ("train", "attention", "decode", "prepare")
+SECTIONS = ("train", "loop", "attention", "decode", "prepare")
+OOM = "OOM"  # a figure that did not fit in device memory
 # THREADS: one torch thread by default. On the shared 2-core machines this project runs on, two OpenMP
 # threads spin-wait for each other whenever another process holds a core: the default CPU run took
 # 313 s with 2 threads against 180 s with 1 (load average ~3, 2026-11-29), and its figures jumped around
@@ -75,7 +82,7 @@ class BenchConfig:
     dtype: str = "auto"
     threads: int = 1           # torch intra-op threads; 0 keeps torch's default (one per core). See THREADS.
     seed: int = 1337
-    sections: str = "train,attention,decode,prepare"
+    sections: str = "train,loop,attention,decode,prepare"
     out: str = "bench.json"
     warmup: int = 1            # untimed runs before each timed figure
     repeats: int = 3           # timed runs; each figure is their median
@@ -88,6 +95,9 @@ class BenchConfig:
     vocab_size: int = 65
     bias: bool = False
     compile: bool = True
+    # 1b. train.py's iteration against a plain loop: this config file's model, batch and optimizer
+    loop_config: str = "config/train_shakespeare_char_cpu.py"
+    loop_steps: int = 20       # iterations per timed chunk; `repeats` chunks of each, alternating
     # 2. attention memory: one layer's attention of the same model, B=1, over a range of T
     attn_batch_size: int = 1
     attn_n_head: int = 6
@@ -117,7 +127,7 @@ class BenchConfig:
         for key in ("warmup", "threads"):
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("repeats", "attn_repeats", "gen_repeats", "gen_prompt_len", "gen_new_tokens"):
+        for key in ("repeats", "attn_repeats", "gen_repeats", "gen_prompt_len", "gen_new_tokens", "loop_steps"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
         int_list(self.attn_lengths, "attn_lengths")
@@ -145,7 +155,7 @@ PRESETS = {
         warmup=3, repeats=10,
         attn_n_head=12, attn_lengths="256,512,1024,2048,4096,8192,16384", attn_repeats=3,
         decode_n_layer=12, decode_n_head=12, decode_n_embd=768, decode_block_size=1024, decode_vocab_size=50304,
-        decode_contexts="128,256,512,1024", gen_repeats=3, threads=0,
+        decode_contexts="128,256,512,1024", gen_repeats=3, threads=0, loop_config="config/train_shakespeare_char.py",
     ),
 }
 
@@ -239,6 +249,16 @@ def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int
     return peaks
 
 
+def or_oom(fn: Callable[[], object], rt: runtime.Runtime):
+    """fn(), or OOM when it runs out of device memory: one figure lost, not the whole run."""
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        if rt.device_type == "cuda":
+            torch.cuda.empty_cache()
+        return OOM
+
+
 def one_line(e: BaseException, limit: int = 200) -> str:
     text = f"{type(e).__name__}: {first_line(e, limit)}" if str(e).strip() else type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -259,14 +279,14 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                    n_embd=cfg.n_embd, dropout=0.0, bias=cfg.bias)
     model = GPT(mc).to(rt.device)
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
-    scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == "float16")
+    scaler = rt.grad_scaler()
     gen = torch.Generator().manual_seed(cfg.seed)
     x, y = (torch.randint(mc.vocab_size, (cfg.batch_size, mc.block_size), generator=gen).to(rt.device)
             for _ in range(2))
 
     def step(m: torch.nn.Module) -> None:
         with rt.autocast():
-            _, loss = m(x, y)
+            loss = m(x, y)[1]  # as train.py: the logits are not held through backward
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
@@ -278,7 +298,10 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     def row(mode: str, m: torch.nn.Module, build_s: float | None = None) -> dict:
         if rt.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        dt = median_time(lambda: step(m), cfg.warmup, cfg.repeats, rt.synchronize)
+        dt = or_oom(lambda: median_time(lambda: step(m), cfg.warmup, cfg.repeats, rt.synchronize), rt)
+        if dt == OOM:
+            optimizer.zero_grad(set_to_none=True)
+            return {"mode": mode, "error": OOM}
         r = {"mode": mode, "step_s": dt, "tokens_per_s": tokens / dt,
              "mfu": model.estimate_mfu(cfg.batch_size, dt, peak) if peak else None}
         if build_s is not None:
@@ -292,17 +315,120 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         try:
             compiled = torch.compile(model)
             t0 = time.perf_counter()
-            step(compiled)  # the first call traces and builds the kernels
-            rt.synchronize()
-            rows.append(row("compiled", compiled, time.perf_counter() - t0))
+            if or_oom(lambda: step(compiled), rt) == OOM:  # the first call traces and builds the kernels
+                rows.append({"mode": "compiled", "error": OOM})
+            else:
+                rt.synchronize()
+                rows.append(row("compiled", compiled, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - any compiler failure is a result to report, not a crash
             rows.append({"mode": "compiled", "error": f"compile failed: {one_line(e)}"})
     result = {"model": model_text(mc, cfg.batch_size), "params": model.get_num_params(),
               "tokens_per_step": tokens, "flops_per_token": model.flops_per_token(),
               "peak_flops": peak, "peak_flops_source": peak_source, "rows": rows}
-    if len(rows) == 2 and "error" not in rows[1]:
+    if len(rows) == 2 and "error" not in rows[0] and "error" not in rows[1]:
         result["compiled_over_eager"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. train.py's iteration against a plain training loop
+
+
+def loop_dataset(out_dir: Path) -> tuple[str, int]:
+    """A character dataset of DEFAULT_CORPUS (or a generated text) in out_dir; (its source, vocab size)."""
+    from core.data import write_dataset
+    from core.tokenizer import CharTokenizer
+
+    if Path(DEFAULT_CORPUS).is_file():
+        text, source = Path(DEFAULT_CORPUS).read_text(encoding="utf-8"), DEFAULT_CORPUS
+    else:
+        text, source = generated_text(GENERATED_CHARS), "generated text"
+    tok = CharTokenizer.from_text(text)
+    n = int(0.9 * len(text))
+    meta = write_dataset(out_dir, tok.meta(), {"train": tok.encode(text[:n]), "val": tok.encode(text[n:])})
+    return source, meta["vocab_size"]
+
+
+def nanogpt_batch(path: Path, block_size: int, batch_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's get_batch: a fresh memmap, random starts from torch's global generator."""
+    import numpy as np
+
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    ix = torch.randint(len(data) - block_size, (batch_size,))
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    return x.to(device), y.to(device)
+
+
+def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    """ms per iteration: train.py's (train.iteration) and a plain loop, same model, data, optimizer, threads."""
+    import train
+
+    if rt.ddp:
+        raise UserError("the loop section runs on one process; start bench.py without torchrun")
+    with tempfile.TemporaryDirectory() as tmp:
+        source, vocab = loop_dataset(Path(tmp))
+        overrides = read_config_file(cfg.loop_config) | dict(data_dir=tmp, device=rt.device, dtype=rt.dtype,
+                                                             out_dir=str(Path(tmp) / "out"), vocab_size=vocab)
+        tcfg = apply_overrides(train.TrainConfig(), overrides, cfg.loop_config)
+        torch.manual_seed(cfg.seed)
+        margs = {k: getattr(tcfg, k) for k in train.MODEL_KEYS}
+        model = GPT(GPTConfig(**margs)).to(rt.device).train()
+        optimizer = model.configure_optimizers(tcfg.weight_decay, tcfg.learning_rate, (tcfg.beta1, tcfg.beta2),
+                                               rt.device_type)
+        scaler, accum = rt.grad_scaler(), train.local_accum_steps(tcfg, 1)
+        batches = train.TrainBatches(train.TokenData(tmp, "train", tcfg.block_size, vocab), tcfg, rt, accum)
+        stop, state = train.StopFlag(), {"it": 0, "xy": None}  # the flag is never installed: never set
+        # nanoGPT's optimizer: AdamW, fused only on CUDA (the per-tensor loop elsewhere)
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+        plain_optimizer = torch.optim.AdamW(groups, lr=tcfg.learning_rate,
+                                            betas=(tcfg.beta1, tcfg.beta2), fused=rt.device_type == "cuda")
+
+        def ours(n: int) -> None:
+            for _ in range(n):
+                it = state["it"]
+                for group in optimizer.param_groups:
+                    group["lr"] = train.get_lr(it, tcfg)
+                train.iteration(model, optimizer, scaler, batches, tcfg, rt, it, accum, stop)
+                state["it"] += 1
+
+        def plain(n: int) -> None:  # nanoGPT's train.py loop, without its eval, checkpoints and logging
+            x, y = state["xy"] or nanogpt_batch(Path(tmp) / "train.bin", tcfg.block_size, tcfg.batch_size, rt.device)
+            for _ in range(n):
+                it = state["it"]
+                for group in plain_optimizer.param_groups:
+                    group["lr"] = train.get_lr(it, tcfg)
+                for _ in range(accum):
+                    with rt.autocast():
+                        loss = model(x, y)[1] / accum
+                    x, y = nanogpt_batch(Path(tmp) / "train.bin", tcfg.block_size, tcfg.batch_size, rt.device)
+                    scaler.scale(loss).backward()
+                if tcfg.grad_clip > 0:
+                    scaler.unscale_(plain_optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+                scaler.step(plain_optimizer)
+                scaler.update()
+                plain_optimizer.zero_grad(set_to_none=True)
+                if it % tcfg.log_interval == 0:
+                    loss.item()
+                state["it"] += 1
+            state["xy"] = (x, y)
+
+        for fn in (plain, ours):
+            fn(max(1, cfg.warmup) * 2)
+        times = {"plain": [], "train_py": []}
+        for _ in range(cfg.repeats):  # alternating, so that load from other processes hits both alike
+            for name, fn in (("plain", plain), ("train_py", ours)):
+                rt.synchronize()
+                t0 = time.perf_counter()
+                fn(cfg.loop_steps)
+                rt.synchronize()
+                times[name].append((time.perf_counter() - t0) / cfg.loop_steps)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {"config": cfg.loop_config, "corpus": source, "model": model_text(model.config, tcfg.batch_size),
+            "accum": accum, "steps_per_chunk": cfg.loop_steps, "chunks": cfg.repeats,
+            "plain_ms": ms["plain"], "train_py_ms": ms["train_py"], "train_py_over_plain": ms["train_py"] / ms["plain"],
+            "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,13 +479,19 @@ def bench_attention(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                 for mode in ("forward", "forward_backward")}
     for attn, backward in variants.values():  # warm-up: one-time buffers (thread pools, kernels) are not attention's
         attention_run(attn, (B, nh, min(lengths), hs), rt, backward)()
-    runs = {f"{key} T={T} #{i}": attention_run(attn, (B, nh, T, hs), rt, backward)
+    runs = {f"{key} T={T} #{i}": or_oom(lambda: attention_run(attn, (B, nh, T, hs), rt, backward), rt)
             for T in lengths for key, (attn, backward) in variants.items() for i in range(cfg.attn_repeats)}
+    runs = {name: (lambda: OOM) if run == OOM else run for name, run in runs.items()}  # its inputs did not fit
     if rt.device_type == "cuda":
-        peaks = {name: cuda_peak_extra_bytes(run) for name, run in runs.items()}
+        peaks = {name: or_oom(lambda: cuda_peak_extra_bytes(run), rt) for name, run in runs.items()}
         method = "torch.cuda.max_memory_allocated above memory_allocated before the call"
     elif rt.device_type == "cpu":
-        peaks = cpu_peak_extra_bytes(runs)
+        out_of_memory = set()
+
+        def guarded(name: str, run: Callable[[], None]) -> Callable[[], None]:
+            return lambda: or_oom(run, rt) == OOM and out_of_memory.add(name)
+        peaks = cpu_peak_extra_bytes({name: guarded(name, run) for name, run in runs.items()})
+        peaks |= {name: OOM for name in out_of_memory}
         method = "torch.profiler(profile_memory=True): the CPU allocator's alloc/free events summed in time order"
     else:
         raise UserError(f"attention memory is measured on cuda or cpu, not {rt.device_type}; "
@@ -369,13 +501,16 @@ def bench_attention(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     for T in lengths:
         row = {"T": T, "score_matrix_bytes": B * nh * T * T * itemsize}
         for key in variants:
-            row[key] = statistics.median(peaks[f"{key} T={T} #{i}"] for i in range(cfg.attn_repeats))
-        row["naive_over_sdpa"] = row["naive_forward_backward_bytes"] / row["sdpa_forward_backward_bytes"]
+            values = [peaks[f"{key} T={T} #{i}"] for i in range(cfg.attn_repeats)]
+            row[key] = OOM if OOM in values else statistics.median(values)
+        naive, sdpa = row["naive_forward_backward_bytes"], row["sdpa_forward_backward_bytes"]
+        row["naive_over_sdpa"] = naive / sdpa if OOM not in (naive, sdpa) else None
         rows.append(row)
     result = {"shape": f"B={B}, {nh} heads, head size {hs}, {rt.dtype}, causal", "method": method,
               "sdpa_kernel": sdpa_kernels((B, nh, min(lengths), hs), rt), "rows": rows}
-    if len(lengths) > 1:
-        first, last = rows[0], rows[-1]
+    measured = [row for row in rows if OOM not in row.values()]
+    if len(measured) > 1:
+        first, last = measured[0], measured[-1]
         span = math.log(last["T"] / first["T"])
         result["growth_exponent"] = {  # memory ~ T^exponent between the shortest and the longest T
             key: math.log(last[key] / first[key]) / span for key in variants}
@@ -390,13 +525,12 @@ def token_times(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bo
                 rt: runtime.Runtime) -> list[float]:
     """Seconds until each new token of a greedy generate_stream run was ready, token by token."""
     times = []
-    with rt.autocast():
-        t0 = time.perf_counter()
-        for _ in model.generate_stream(prompt, new_tokens, temperature=0.0, use_cache=use_cache, window_shift=shift):
-            rt.synchronize()
-            t = time.perf_counter()
-            times.append(t - t0)
-            t0 = t
+    t0 = time.perf_counter()
+    for _ in model.generate_stream(prompt, new_tokens, temperature=0.0, use_cache=use_cache, window_shift=shift):
+        rt.synchronize()
+        t = time.perf_counter()
+        times.append(t - t0)
+        t0 = t
     return times
 
 
@@ -404,30 +538,38 @@ def bench_decode(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     torch.manual_seed(cfg.seed)
     mc = GPTConfig(block_size=cfg.decode_block_size, vocab_size=cfg.decode_vocab_size, n_layer=cfg.decode_n_layer,
                    n_head=cfg.decode_n_head, n_embd=cfg.decode_n_embd, dropout=0.0, bias=cfg.bias)
-    model = GPT(mc).to(rt.device).eval()
+    model = prepare_model(GPT(mc), rt)  # as sample.py: weights cast once, float32 next-token logits
     B = cfg.decode_batch_size
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(mc.vocab_size, (B, mc.block_size), generator=gen).to(rt.device)  # (B, block_size)
 
     rows = []
-    with torch.no_grad(), rt.autocast():
-        cache = model.new_kv_cache(B)
+    with torch.no_grad():
+        cache = or_oom(lambda: model.new_kv_cache(B), rt)
         for C in int_list(cfg.decode_contexts, "decode_contexts"):
-            no_cache_s = median_time(lambda: model(tokens[:, :C]), cfg.warmup, cfg.repeats, rt.synchronize)
-            cache.reset()
-            if C > 1:
-                model(tokens[:, :C - 1], kv_cache=cache)  # the cache holds the first C - 1 tokens
+            rows.append(or_oom(lambda: decode_row(cfg, model, tokens, cache, C, rt), rt))
+            if rows[-1] == OOM:
+                rows[-1] = {"context": C, "error": OOM}
+    generation = or_oom(lambda: bench_generation(cfg, model, tokens[:, :cfg.gen_prompt_len], rt), rt)
+    return {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows,
+            "generation": {"error": OOM} if generation == OOM else generation}
 
-            def cached_step() -> None:
-                cache.pos = C - 1  # the explicit position: token C goes in at C - 1, every time
-                model(tokens[:, C - 1:C], kv_cache=cache)
-            cache_s = median_time(cached_step, cfg.warmup, cfg.repeats, rt.synchronize)
-            rows.append({"context": C, "no_cache_ms": no_cache_s * 1e3, "cache_ms": cache_s * 1e3,
-                         "no_cache_tokens_per_s": B / no_cache_s, "cache_tokens_per_s": B / cache_s,
-                         "speedup": no_cache_s / cache_s})
-    result = {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows,
-              "generation": bench_generation(cfg, model, tokens[:, :cfg.gen_prompt_len], rt)}
-    return result
+
+def decode_row(cfg: BenchConfig, model: GPT, tokens: torch.Tensor, cache, C: int, rt: runtime.Runtime) -> dict:
+    """Latency of the step that reads C tokens and predicts the next, without and with the KV cache."""
+    B = tokens.size(0)
+    no_cache_s = median_time(lambda: model(tokens[:, :C], last_only=True), cfg.warmup, cfg.repeats, rt.synchronize)
+    cache.reset()
+    if C > 1:
+        model(tokens[:, :C - 1], kv_cache=cache, last_only=True)  # the cache holds the first C - 1 tokens
+
+    def cached_step() -> None:
+        cache.pos = C - 1  # the explicit position: token C goes in at C - 1, every time
+        model(tokens[:, C - 1:C], kv_cache=cache, last_only=True)
+    cache_s = median_time(cached_step, cfg.warmup, cfg.repeats, rt.synchronize)
+    return {"context": C, "no_cache_ms": no_cache_s * 1e3, "cache_ms": cache_s * 1e3,
+            "no_cache_tokens_per_s": B / no_cache_s, "cache_tokens_per_s": B / cache_s,
+            "speedup": no_cache_s / cache_s}
 
 
 def bench_generation(cfg: BenchConfig, model: GPT, prompt: torch.Tensor, rt: runtime.Runtime) -> dict:
@@ -539,7 +681,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
-def mib(n: float) -> str:
+def mib(n: float | str) -> str:
+    if n == OOM:
+        return OOM
     return f"{n / MiB:,.1f} MiB" if n >= MiB / 10 else f"{n / 1024:,.1f} KiB"
 
 
@@ -567,10 +711,19 @@ def format_train(r: dict) -> str:
     return text
 
 
+def format_loop(r: dict) -> str:
+    rows = [["plain loop (nanoGPT's)", num(r["plain_ms"], 2), "1.00x"],
+            ["train.py (train.iteration)", num(r["train_py_ms"], 2), f"{r['train_py_over_plain']:.2f}x"]]
+    return (f"### Training iteration: train.py against a plain loop\n{r['config']}: {r['model']}, "
+            f"accumulation {r['accum']}; median of {r['chunks']} chunks of {r['steps_per_chunk']} iterations each, "
+            f"alternating\n\n" + table(["loop", "ms / iteration", "vs plain"], rows))
+
+
 def format_attention(r: dict) -> str:
     rows = [[row["T"], mib(row["score_matrix_bytes"]), mib(row["naive_forward_bytes"]),
              mib(row["naive_forward_backward_bytes"]), mib(row["sdpa_forward_bytes"]),
-             mib(row["sdpa_forward_backward_bytes"]), f"{row['naive_over_sdpa']:.1f}x"] for row in r["rows"]]
+             mib(row["sdpa_forward_backward_bytes"]),
+             f"{row['naive_over_sdpa']:.1f}x" if row["naive_over_sdpa"] else "-"] for row in r["rows"]]
     text = (f"### Attention memory vs context length\none causal attention, {r['shape']}; peak memory above the "
             f"inputs, measured with {r['method']}; fused kernel: {r['sdpa_kernel']}\n\n"
             + table(["T", "scores B·nh·T² (theory)", "naive fwd", "naive fwd+bwd", "sdpa fwd", "sdpa fwd+bwd",
@@ -584,9 +737,14 @@ def format_attention(r: dict) -> str:
 
 
 def format_decode(r: dict) -> str:
-    rows = [[row["context"], num(row["no_cache_ms"], 2), num(row["cache_ms"], 2), num(row["no_cache_tokens_per_s"], 1),
+    rows = [[row["context"], OOM, OOM, OOM, OOM, "-"] if "error" in row else
+            [row["context"], num(row["no_cache_ms"], 2), num(row["cache_ms"], 2), num(row["no_cache_tokens_per_s"], 1),
              num(row["cache_tokens_per_s"], 1), f"{row['speedup']:.1f}x"] for row in r["rows"]]
     g = r["generation"]
+    if "error" in g:
+        return (f"### Decoding, KV cache vs recomputing\n{r['model']}; {r['params'] / 1e6:.2f}M parameters\n\n"
+                + table(["context", "no cache ms/token", "cache ms/token", "no cache tokens/s", "cache tokens/s",
+                         "speedup"], rows) + f"\n\ngenerate(): {OOM}")
     gen_rows = [[name.replace("_", " "), p["tokens"], num(p["no_cache_s"], 2), num(p["cache_s"], 2),
                  num(p["no_cache_tokens_per_s"], 1), num(p["cache_tokens_per_s"], 1), f"{p['speedup']:.1f}x"]
                 for name, p in g["parts"].items()]
@@ -607,7 +765,7 @@ def format_prepare(r: dict) -> str:
                     [[num(r["chars"]), num(r["tokens"]), num(r["seconds"], 3), num(r["tokens_per_s"])]]))
 
 
-FORMATTERS = {"train": format_train, "attention": format_attention, "decode": format_decode,
+FORMATTERS = {"train": format_train, "loop": format_loop, "attention": format_attention, "decode": format_decode,
               "prepare": format_prepare}
 
 
@@ -636,7 +794,7 @@ def run(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     m = result["machine"]
     print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
           f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
-    runners = {"train": lambda: bench_train(cfg, rt), "attention": lambda: bench_attention(cfg, rt),
+    runners = {"train": lambda: bench_train(cfg, rt), "loop": lambda: bench_loop(cfg, rt), "attention": lambda: bench_attention(cfg, rt),
                "decode": lambda: bench_decode(cfg, rt), "prepare": lambda: bench_prepare(cfg)}
     for name in SECTIONS:
         if name in section_list(cfg):
@@ -644,6 +802,7 @@ def run(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
             result[name] = runners[name]()
             result[name]["section_s"] = time.perf_counter() - t0
             print(f"\n{FORMATTERS[name](result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
+            write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
     return result
 
 

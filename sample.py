@@ -227,6 +227,19 @@ def window_shift(cfg: SampleConfig, block_size: int) -> int:
     return shift
 
 
+def prepare_model(model: GPT, rt: runtime.Runtime, compile: bool = False) -> GPT:
+    """The model as it decodes: on the device, in eval mode, its weights cast once to the run's dtype.
+
+    Not autocast: it keeps float32 weights and casts each one again at every token (with --compile
+    too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), and
+    the KV cache takes the weights' dtype.
+    """
+    model = model.eval().to(rt.device, rt.ptdtype)
+    if compile:
+        model.compile()
+    return model
+
+
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
@@ -242,9 +255,7 @@ def main(argv: Sequence[str]) -> None:
         print(f"note: kept the prompt's last {len(context)} tokens (--truncate_prompt=True)", file=sys.stderr)
     shown_prompt = tok.decode(context) if text else ""  # not the <|endoftext|> an empty prompt starts from
 
-    model.eval().to(rt.device)
-    if cfg.compile:
-        model.compile()
+    model = prepare_model(model, rt, cfg.compile)
     print(f"sampling from {source}: {model.get_num_params() / 1e6:.2f}M parameters, "
           f"{tok.meta()['tokenizer']} tokenizer, {rt.device} {rt.dtype}", file=sys.stderr)
 
@@ -256,14 +267,21 @@ def main(argv: Sequence[str]) -> None:
                 window_shift=shift,
                 vocab_size=tok.vocab_size)  # a padded vocabulary's extra ids are never drawn
     stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1
+    warmup = ""
+    if cfg.compile and cfg.max_new_tokens:
+        # Compiling takes seconds to minutes; a short run with its own generator does it before the clock starts.
+        t0 = time.perf_counter()
+        model.generate(idx, **(args | dict(max_new_tokens=min(3, cfg.max_new_tokens),
+                                     generator=torch.Generator(device=rt.device).manual_seed(0))))
+        rt.synchronize()
+        warmup = f"; compiling took {time.perf_counter() - t0:.1f}s before, not counted"
     try:
         t0 = time.perf_counter()
-        with rt.autocast():
-            if stream:
-                steps = write_stream(model.generate_stream(idx, **args), tok, shown_prompt, eot)
-            else:
-                new = model.generate(idx, **args)[:, idx.size(1):]  # (B, steps)
-                steps = write_batch(new.tolist(), tok, shown_prompt, eot)
+        if stream:
+            steps = write_stream(model.generate_stream(idx, **args), tok, shown_prompt, eot)
+        else:
+            new = model.generate(idx, **args)[:, idx.size(1):]  # (B, steps)
+            steps = write_batch(new.tolist(), tok, shown_prompt, eot)
         rt.synchronize()
         dt = time.perf_counter() - t0
     except BrokenPipeError:
@@ -273,7 +291,7 @@ def main(argv: Sequence[str]) -> None:
         return
     total = cfg.num_samples * steps
     print(f"{total} tokens ({cfg.num_samples} x {steps}) in {dt:.2f}s: {total / max(dt, 1e-9):.1f} tokens/s "
-          f"({'KV cache' if cfg.use_cache else 'no cache'})", file=sys.stderr)
+          f"({'KV cache' if cfg.use_cache else 'no cache'}{warmup})", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -454,23 +454,12 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
             return
 
         t0 = time.perf_counter()  # after any eval or save: the step's time is the step's alone
-        loss_sum = train_step(model, scaler, batches, rt, iter_num, accum)
-        # The one host sync per step: the non-finite guard must see this step's loss before its update.
-        # The next step's first batch is already on its way (TrainBatches), so the device is not left idle.
-        finite = math.isfinite(loss_sum.item())
-        stop_requested, any_bad = rt.any_rank(stop.signal_name is not None, not finite)
-        logging = (iter_num + 1) % cfg.log_interval == 0
-        if any_bad or logging:
-            loss = global_mean(loss_sum, rt)  # a device collective, only where the number is used
-        if any_bad:
-            raise UserError(f"loss is {loss} at iter {iter_num}; stopped before the optimizer step, the last "
-                            f"checkpoint in {out_dir} is untouched. Lower learning_rate or check the data")
-        optimizer_step(model, optimizer, scaler, cfg)
+        loss, stop_requested = iteration(model, optimizer, scaler, batches, cfg, rt, iter_num, accum, stop)
         dt = time.perf_counter() - t0
         iter_num += 1
         steps_run += 1
 
-        if logging:
+        if loss is not None:  # a logging iteration
             if peak and steps_run > 5:  # the first steps include warm-up and compilation
                 mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, peak)
                 mfu_avg = mfu if mfu_avg < 0 else 0.9 * mfu_avg + 0.1 * mfu
@@ -481,6 +470,27 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
                 f"{tokens_per_iter / dt:,.0f} tok/s{mfu_text}")
             rt.on_master(write_log, record, {"iter": iter_num - 1, "train/loss_step": loss, "lr": lr,
                                              "mfu": record["mfu"]})
+
+
+def iteration(model, optimizer, scaler, batches: "TrainBatches", cfg: TrainConfig, rt: runtime.Runtime, iter_num: int,
+              accum: int, stop: StopFlag) -> tuple[float | None, bool]:
+    """One training step at the set learning rate: forward and backward, the non-finite guard, the update.
+
+    Returns the global mean loss on logging iterations (None on the others) and whether any rank
+    was asked to stop. The one host sync per step is the guard's: it must see this step's loss
+    before its update. The next step's first batch is already on its way (TrainBatches), and the
+    stop flags travel on a host-side group, so the device is not left waiting.
+    """
+    loss_sum = train_step(model, scaler, batches, rt, iter_num, accum)
+    finite = math.isfinite(loss_sum.item())
+    stop_requested, any_bad = rt.any_rank(stop.signal_name is not None, not finite)
+    logging = (iter_num + 1) % cfg.log_interval == 0
+    loss = global_mean(loss_sum, rt) if any_bad or logging else None  # a device collective: only when used
+    if any_bad:
+        raise UserError(f"loss is {loss} at iter {iter_num}; stopped before the optimizer step, the last "
+                        f"checkpoint in {cfg.out_dir} is untouched. Lower learning_rate or check the data")
+    optimizer_step(model, optimizer, scaler, cfg)
+    return loss, stop_requested
 
 
 def start_wandb(cfg: TrainConfig):

@@ -365,7 +365,7 @@ def test_configure_optimizers_decays_only_matrices():
     grouped = {id(p) for g in opt.param_groups for p in g["params"]}
     assert grouped == {id(p) for p in model.parameters()}  # tied head appears once
     assert len(decay["params"]) == 2 + 4 * 2  # wte, wpe, 4 matrices per block
-    assert not decay["fused"] and decay["lr"] == 3e-4 and decay["betas"] == (0.9, 0.95)
+    assert decay["fused"] and decay["lr"] == 3e-4 and decay["betas"] == (0.9, 0.95)
 
 
 def test_crop_block_size():

@@ -1,0 +1,172 @@
+"""Mixed precision on the CPU: bfloat16 autocast training, bfloat16 decoding through sample.py's inference
+path, the float16 GradScaler, torch.compile training, and what the training step keeps in memory.
+
+    python -m pytest tests/test_mixed_precision.py
+    python -m pytest tests/test_mixed_precision.py -m "not slow"    # without the torch.compile run
+
+The command line refuses bfloat16 and float16 on the CPU (slow there); these tests build the Runtime
+directly, so the code paths a GPU run takes are exercised here with the CPU's autocast and GradScaler.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+import bench
+import sample
+import train
+from core import runtime
+from core.checkpoint import load_checkpoint
+from model import GPT, GPTConfig
+from tests.helpers import TINY_TRAIN, make_char_dataset, one_thread, train_tiny
+
+TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
+BF16 = runtime.Runtime("cpu", "cpu", "bfloat16")
+FP16 = runtime.Runtime("cpu", "cpu", "float16")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    make_char_dataset(d, TEXT)
+    return d
+
+
+def run_train(rt, out_dir, data_dir, **overrides):
+    """train.train with a directly built Runtime (train.main would refuse half precision on CPU)."""
+    cfg = train.TrainConfig(**(TINY_TRAIN | dict(out_dir=str(out_dir), data_dir=str(data_dir)) | overrides))
+    with one_thread():
+        train.train(cfg, rt)
+
+
+def log_records(out_dir):
+    return [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
+
+
+def test_bf16_autocast_training_step(tmp_path, data_dir, monkeypatch):
+    """The forward runs in bfloat16 (the head's output is bf16), the weights and the checkpoint stay
+    float32, and the loss falls."""
+    seen = set()
+    real_forward = GPT.forward
+
+    def spy(self, *args, **kwargs):
+        if self.training and not hasattr(self, "_spied"):
+            self._spied = self.lm_head.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+        return real_forward(self, *args, **kwargs)
+    monkeypatch.setattr(GPT, "forward", spy)
+    run_train(BF16, tmp_path, data_dir, max_iters=30, lr_decay_iters=30, log_interval=1)
+    assert seen == {torch.bfloat16}
+    losses = [r["loss"] for r in log_records(tmp_path) if "loss" in r]
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    state = load_checkpoint(tmp_path / "ckpt.pt")
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):
+    """A tiny model trained on TEXT (float32): its greedy text follows the lines, many different tokens."""
+    out = tmp_path_factory.mktemp("trained")
+    ckpt = train_tiny(out, data_dir, max_iters=150, lr_decay_iters=150, eval_interval=150)
+    return load_checkpoint(ckpt)
+
+
+def test_bf16_decoding_through_sample_inference_path(trained):
+    """sample.prepare_model casts the weights once to bfloat16; the KV cache is bfloat16, the next-token
+    logits float32 (not rounded to bf16), and cached and uncached greedy decoding agree, past the
+    context window too."""
+    from core.checkpoint import model_from_checkpoint
+    model = sample.prepare_model(model_from_checkpoint(trained), BF16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
+    assert model.new_kv_cache(2).k.dtype == torch.bfloat16
+    stoi = trained["meta"]["tokenizer"]["stoi"]
+    idx = torch.tensor([[stoi[c] for c in "First Cit"], [stoi[c] for c in "All: Spea"]])  # (2, 9)
+    logits = model._next_logits(idx, None)
+    assert logits.dtype == torch.float32 and logits.shape == (2, model.config.vocab_size)
+    assert not torch.equal(logits, logits.bfloat16().float())  # finer than bfloat16's 8-bit mantissa
+    cached = model.generate(idx, 60, temperature=0.0, use_cache=True, window_shift=8)
+    uncached = model.generate(idx, 60, temperature=0.0, use_cache=False, window_shift=8)
+    assert torch.equal(cached, uncached)
+    assert all(len(set(row[9:].tolist())) > 8 for row in cached)  # real text, not one token repeated
+    reference = model_from_checkpoint(trained).eval().generate(idx, 60, temperature=0.0, window_shift=8)
+    assert (cached == reference).float().mean() > 0.9  # bf16 weights decode nearly the float32 text
+
+
+def test_next_logits_equal_the_full_forward_last_position(trained):
+    from core.checkpoint import model_from_checkpoint
+    model = model_from_checkpoint(trained).eval()
+    idx = torch.randint(model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(idx)[0][:, -1, :]
+        last, _ = model(idx, last_only=True)
+    assert last.shape == (3, 1, model.config.vocab_size)
+    torch.testing.assert_close(last[:, 0], full, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_grad_scaler_skips_an_inf_step_and_survives_resume(tmp_path, data_dir, monkeypatch):
+    """float16 with torch.amp.GradScaler("cpu"): an inf gradient at iteration 3 (an overflow in the
+    backward pass) skips that update and halves the scale; the loss itself is finite, so training goes
+    on. The checkpoint holds the lowered scale, and a resumed run starts from it (not from 2**16)."""
+    snapshots, real_step = {}, train.optimizer_step
+    calls = {"n": 0}
+
+    def step_with_inf_at_3(model, optimizer, scaler, cfg):
+        it = calls["n"]
+        calls["n"] += 1
+        if it == 3:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        real_step(model, optimizer, scaler, cfg)
+        snapshots[it] = (all(torch.equal(a, p) for a, p in zip(before, model.parameters())), scaler.get_scale())
+    monkeypatch.setattr(train, "optimizer_step", step_with_inf_at_3)
+    assert FP16.grad_scaler().is_enabled()
+    run_train(FP16, tmp_path, data_dir, max_iters=6, lr_decay_iters=10, grad_clip=1.0)
+    assert snapshots[3] == (True, 2.0**15)  # skipped, scale halved from 2**16
+    assert all(not unchanged for it, (unchanged, _) in snapshots.items() if it != 3)
+    assert all(scale == 2.0**15 for it, (_, scale) in snapshots.items() if it > 3)
+    saved = load_checkpoint(tmp_path / "ckpt.pt")["scaler"]
+    assert saved["scale"] == 2.0**15 and saved["_growth_tracker"] == 2
+
+    snapshots.clear()
+    calls["n"] = -100  # no more infs
+    run_train(FP16, tmp_path, data_dir, max_iters=8, lr_decay_iters=10, grad_clip=1.0, init_from="resume")
+    assert [scale for _, scale in snapshots.values()] == [2.0**15, 2.0**15]
+    assert load_checkpoint(tmp_path / "ckpt.pt")["scaler"]["_growth_tracker"] == 4
+
+
+def test_training_step_does_not_hold_the_logits(data_dir):
+    """train_step keeps only the loss: its peak memory is below that of the same step holding the
+    (B, T, vocab) logits by at least the logits' size."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=4096, n_layer=1, n_head=2, n_embd=32))
+    rt = runtime.Runtime("cpu", "cpu", "float32")
+    cfg = train.TrainConfig(**(TINY_TRAIN | dict(data_dir=str(data_dir), batch_size=16)))
+    data = train.TokenData(data_dir, "train", 32, 4096)
+    batches = train.TrainBatches(data, cfg, rt, accum=1)
+    x, y = batches.get(0, 0)
+    logits_bytes = 16 * 32 * 4096 * 4
+
+    def holding():
+        logits, loss = model(x, y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def step():
+        train.train_step(model, rt.grad_scaler(), batches, rt, 0, 1)
+        model.zero_grad(set_to_none=True)
+    with one_thread():
+        holding(), step()  # warm-up
+        peaks = bench.cpu_peak_extra_bytes({"holding": holding, "train_step": step})
+    assert peaks["holding"] - peaks["train_step"] >= 0.9 * logits_bytes, peaks
+
+
+@pytest.mark.slow
+def test_compiled_training_on_cpu(tmp_path, data_dir):
+    """torch.compile (inductor, CPU) trains the tiny model; the checkpoint is the plain module's."""
+    ckpt = train_tiny(tmp_path, data_dir, compile=True, max_iters=4, log_interval=1, eval_interval=4)
+    state = load_checkpoint(ckpt)
+    assert not [k for k in state["model"] if "_orig_mod" in k]
+    assert set(state["model"]) == set(GPT(GPTConfig(**state["meta"]["model_args"])).state_dict())
+    losses = [r["loss"] for r in log_records(tmp_path) if "loss" in r]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
