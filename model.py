@@ -582,14 +582,11 @@ class GPT(nn.Module):
         return n
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW with weight decay on matrices and embeddings (>= 2-D) only, not on biases and
-        LayerNorm gains, which set scales and offsets rather than store features. Fused on CUDA."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+        """nanoGPT's AdamW (weight decay on matrices and embeddings only, fused on CUDA); the
+        groups, and Muon, live in core/optim.py."""
+        from core.optim import build_optimizer  # core imports model, so not at the top
+
+        return build_optimizer(self, "adamw", learning_rate, weight_decay, betas, device_type)
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for the matmuls with weights (2 forward, 4 backward) plus
