@@ -22,6 +22,9 @@ from torch.nn import functional as F
 
 ATTN_BACKENDS = ("sdpa", "naive")
 GELU_APPROXIMATIONS = ("tanh", "none")
+POS_EMBEDDINGS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "relu2", "swiglu")
 GPT2_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
 CONV1D_SUFFIXES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -40,6 +43,15 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2; False is a bit better and faster
     attn_backend: str = "sdpa"  # "sdpa": torch's fused kernel; "naive": the reference below, can return weights
     gelu_approximate: str = "tanh"  # GPT-2 uses GELU's tanh approximation ("gelu_new"); "none" is the exact erf form
+    # The modern recipe, one switch each (README "Modern recipe"); every default is GPT-2.
+    pos_embedding: str = "learned"  # "learned": a wpe table; "rope": rotary q and k (Su et al. 2021), no wpe
+    rope_base: float = 10000.0  # RoPE's frequencies are rope_base^(-2i/hs)
+    norm: str = "layernorm"  # "rmsnorm": scale only, no mean and no bias (Zhang & Sennrich 2019)
+    qk_norm: bool = False  # RMS-normalise q and k per head: bounded scores, stable at high learning rates
+    mlp: str = "gelu"  # "relu2": ReLU squared (So et al. 2021); "swiglu": gated, GELU's parameter count (Shazeer 2020)
+    n_kv_head: int | None = None  # None: n_head; fewer: grouped-query attention (Ainslie et al. 2023), smaller KV cache
+    tie_embeddings: bool = True  # False: the head gets its own matrix
+    logit_softcap: float | None = None  # c: logits = c * tanh(logits / c), bounded in (-c, c)
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -54,6 +66,37 @@ class GPTConfig:
             raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         if self.gelu_approximate not in GELU_APPROXIMATIONS:
             raise ValueError(f"gelu_approximate must be one of {GELU_APPROXIMATIONS}, got {self.gelu_approximate!r}")
+        for name, allowed in (("pos_embedding", POS_EMBEDDINGS), ("norm", NORMS), ("mlp", MLPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        kv = self.n_kv_head
+        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.n_head % kv):
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv}); each key/value head "
+                             f"serves n_head // n_kv_head query heads")
+        if self.pos_embedding == "rope" and self.head_size % 2:
+            raise ValueError(f"rope rotates pairs of channels and needs an even head size, got n_embd // n_head = "
+                             f"{self.head_size}; change n_embd or n_head")
+        if not self.rope_base > 1:
+            raise ValueError(f"rope_base must be > 1, got {self.rope_base!r}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive or None, got {self.logit_softcap!r}")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    def non_gpt2_fields(self) -> list[str]:
+        """The recipe switches set away from GPT-2, as 'name=value': what transformers' GPT-2 cannot hold."""
+        gpt2 = GPTConfig()
+        fields = ("pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "logit_softcap")
+        changed = [f"{f}={getattr(self, f)!r}" for f in fields if getattr(self, f) != getattr(gpt2, f)]
+        if self.kv_heads != self.n_head:
+            changed.append(f"n_kv_head={self.n_kv_head}")
+        return changed
 
 
 def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
@@ -93,32 +136,77 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return attention_weights(q, k, causal) @ v
 
 
+def rope_angles(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (T, hs/2), of the rotary angles positions * base^(-2i/hs), i < hs/2.
+
+    Computed in float64 where the device has it: a position's angle then stays exact far past
+    block_size, so a key rotated at position p scores the same against any later query.
+    """
+    dtype = torch.float32 if positions.device.type == "mps" else torch.float64
+    inv_freq = base ** -(torch.arange(0, head_size, 2, device=positions.device, dtype=dtype) / head_size)  # (hs/2,)
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]  # (T, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + hs/2) of x (B, nh, T, hs) by the angles (T, hs/2).
+
+    A rotation by angle(p) on q and angle(p') on k leaves q.k depending on p - p' only: the
+    scores see relative positions, and no position table bounds the sequence length.
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, nh, T, hs)
+
+
+def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
+    """The normalisation layer every Block and the final ln_f use: GPT-2's LayerNorm, or RMSNorm."""
+    dim = dim or config.n_embd
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=1e-5)
+    return nn.LayerNorm(dim, bias=config.bias)
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with one fused q/k/v projection."""
+    """Multi-head causal self-attention with one fused q/k/v projection.
+
+    With n_kv_head < n_head (grouped-query attention) the projection makes n_head query heads
+    but only n_kv_head key/value heads, each shared by n_head // n_kv_head query heads.
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head, self.head_size = config.n_head, config.kv_heads, config.head_size
         self.backend = config.attn_backend
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        kv_dim = self.n_kv_head * self.head_size
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
+        # qk_norm: the score q.k/sqrt(hs) of unit-RMS q and k is at most sqrt(hs) times the gains.
+        self.q_norm = nn.RMSNorm(self.head_size, eps=1e-5) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_size, eps=1e-5) if config.qk_norm else nn.Identity()
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, kv=None, pos=0, attn_out=None):
+    def forward(self, x, kv=None, pos=0, attn_out=None, rope=None):
         """x (B, T, C) -> (B, T, C).
 
-        kv: this layer's (k, v) cache buffers (B, nh, max_len, hs); the chunk's keys and values
-        are written at [pos:pos+T] and the queries attend to [0:pos+T].
+        kv: this layer's (k, v) cache buffers (B, nkv, max_len, hs); the chunk's keys and values
+        are written at [pos:pos+T] and the queries attend to [0:pos+T] (see _write_cache past max_len).
         attn_out: a list; the naive backend appends this layer's weights (B, nh, T, Tk) to it.
+        rope: (cos, sin) of the chunk's positions, each (T, hs/2), for pos_embedding="rope".
         """
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        kv_dim = self.n_kv_head * self.head_size
+        q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)  # (B, T, C), 2 x (B, T, nkv * hs)
         # Heads are a view: split C into (nh, hs) and move nh next to B, so every head is a batch entry.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = (t.view(B, T, self.n_kv_head, self.head_size).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv is not None:
-            k, v = self._write_cache(kv, pos, k, v)  # (B, nh, pos+T, hs)
+            k, v = self._write_cache(kv, pos, k, v)  # (B, nkv, pos+T, hs)
         if self.backend == "sdpa":
             y = self._sdpa(q, k, v)
         else:
@@ -129,41 +217,75 @@ class CausalSelfAttention(nn.Module):
     @staticmethod
     def _write_cache(kv, pos, k, v):
         k_cache, v_cache = kv
-        T = k.size(2)
+        T, max_len = k.size(2), k_cache.size(2)
+        if pos + T > max_len:
+            # A full rolling cache (rotary positions, one token at a time, see KVCache): the new key
+            # replaces the oldest. Attention sums over keys in any order and a rotary key carries
+            # its own position, so the slots need no reordering.
+            k_cache[:, :, pos % max_len] = k[:, :, 0]
+            v_cache[:, :, pos % max_len] = v[:, :, 0]
+            return k_cache, v_cache  # (B, nkv, max_len, hs)
         k_cache[:, :, pos:pos + T] = k
         v_cache[:, :, pos:pos + T] = v
-        return k_cache[:, :, :pos + T], v_cache[:, :, :pos + T]  # (B, nh, pos+T, hs)
+        return k_cache[:, :, :pos + T], v_cache[:, :, :pos + T]  # (B, nkv, pos+T, hs)
 
     def _sdpa(self, q, k, v):
         Tq, Tk = q.size(2), k.size(2)
         dropout_p = self.dropout if self.training else 0.0
+        gqa = self.n_kv_head != self.n_head  # torch repeats each k/v head for its group of query heads
         if Tq == Tk:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
         # One new token is the last position and sees every key: no mask, which keeps decoding
         # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
         mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # (B, nh, T, hs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              enable_gqa=gqa)  # (B, nh, T, hs)
 
     def _naive(self, q, k, v, attn_out):
+        group = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
         att = attention_weights(q, k, causal=True)  # (B, nh, T, Tk)
         if attn_out is not None:
             attn_out.append(att)
         return self.attn_dropout(att) @ v  # (B, nh, T, hs)
 
 
+def swiglu_hidden(n_embd: int) -> int:
+    """SwiGLU's hidden width H: its three C x H matrices hold as many weights as GELU's two C x 4C
+    when H = 8C/3. Rounded to a multiple of 64 (matmul tiles) when that stays within 1%."""
+    exact = 8 * n_embd / 3
+    tiled = 64 * round(exact / 64)
+    return tiled if tiled and abs(tiled - exact) <= 0.01 * exact else round(exact)
+
+
 class MLP(nn.Module):
-    """Position-wise feed-forward: expand 4x, GELU, project back."""
+    """Position-wise feed-forward: expand, nonlinearity, project back.
+
+    "gelu": GPT-2's 4x GELU. "relu2": relu(x)^2, as cheap as ReLU and better than GELU at equal
+    size (Primer, So et al. 2021). "swiglu": silu(gate) * up, the gate and up halves from one
+    c_fc, H = swiglu_hidden(C) wide (Shazeer 2020).
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.kind = config.mlp
+        hidden = swiglu_hidden(config.n_embd) if self.kind == "swiglu" else 4 * config.n_embd
+        fc_out = 2 * hidden if self.kind == "swiglu" else hidden
+        self.c_fc = nn.Linear(config.n_embd, fc_out, bias=config.bias)
         self.gelu = nn.GELU(approximate=config.gelu_approximate)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        x = self.gelu(self.c_fc(x))  # (B, T, 4C)
-        return self.dropout(self.c_proj(x))  # (B, T, C)
+        h = self.c_fc(x)  # (B, T, 4C), or (B, T, 2H) for swiglu
+        if self.kind == "gelu":
+            h = self.gelu(h)
+        elif self.kind == "relu2":
+            h = F.relu(h).square()
+        else:
+            gate, up = h.chunk(2, dim=-1)  # (B, T, H) each
+            h = F.silu(gate) * up
+        return self.dropout(self.c_proj(h))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -175,13 +297,13 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv=None, pos=0, attn_out=None):
-        x = x + self.attn(self.ln_1(x), kv, pos, attn_out)  # (B, T, C)
+    def forward(self, x, kv=None, pos=0, attn_out=None, rope=None):
+        x = x + self.attn(self.ln_1(x), kv, pos, attn_out, rope)  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
@@ -190,13 +312,18 @@ class KVCache:
 
     `pos` is the number of positions already written. In GPT.forward each layer writes its chunk
     of T keys/values at [pos:pos+T] and attends to [0:pos+T]; after the last layer the forward
-    advances pos by T, once. For inference: the buffers are overwritten in place.
+    advances pos by T, once. For inference: the buffers are overwritten in place. There are
+    n_kv_head heads, so grouped-query attention shrinks the cache by n_head // n_kv_head.
+
+    Rolling (rotary positions only): once full, a model with pos_embedding="rope" may feed one
+    token at a time past max_len; it overwrites the oldest slot, so the queries attend to the
+    last max_len keys (a sliding window). pos keeps counting: it is the new token's rotary position.
     """
 
     def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32):
         shape = (n_layer, batch_size, n_head, max_len, head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nkv, max_len, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nkv, max_len, hs)
         self.pos = 0
 
     @property
@@ -208,7 +335,7 @@ class KVCache:
         return self.k.size(3)
 
     def layer(self, i: int):
-        """Layer i's (k, v) buffers, each (B, nh, max_len, hs)."""
+        """Layer i's (k, v) buffers, each (B, nkv, max_len, hs)."""
         return self.k[i], self.v[i]
 
     def advance(self, n: int):
@@ -261,22 +388,28 @@ def check_sampling_args(temperature, top_k, top_p):
 
 
 class GPT(nn.Module):
-    """GPT-2: token + position embeddings -> n_layer Blocks -> LayerNorm -> vocabulary head."""
+    """GPT-2: token + position embeddings -> n_layer Blocks -> LayerNorm -> vocabulary head.
+
+    The recipe switches of GPTConfig change one piece each: rotary positions instead of wpe,
+    RMSNorm, q/k norm, the MLP's nonlinearity, fewer k/v heads, an untied head, a logit soft-cap.
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        learned = config.pos_embedding == "learned"
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if learned else {}),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=make_norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Weight tying (Press & Wolf 2017): the head scores a token by its similarity to the
-        # token's embedding. GPT-2 does it, and it saves vocab_size * n_embd parameters.
-        self.lm_head.weight = self.transformer.wte.weight
+        if config.tie_embeddings:
+            # Weight tying (Press & Wolf 2017): the head scores a token by its similarity to the
+            # token's embedding. GPT-2 does it, and it saves vocab_size * n_embd parameters.
+            self.lm_head.weight = self.transformer.wte.weight
         self.init_weights()
 
     @torch.no_grad()
@@ -293,7 +426,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-            if isinstance(module, nn.LayerNorm):
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for block in self.transformer.h:
@@ -313,15 +446,20 @@ class GPT(nn.Module):
         B, T = idx.size()
         pos = self._check_input(B, T, kv_cache, return_attn)
         positions = torch.arange(pos, pos + T, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))  # (B, T, C)
+        x, rope = self.transformer.wte(idx), None  # (B, T, C)
+        if self.config.pos_embedding == "learned":
+            x = x + self.transformer.wpe(positions)
+        else:
+            rope = rope_angles(positions, self.config.head_size, self.config.rope_base)  # 2 x (T, hs/2)
+        x = self.transformer.drop(x)
         attn = [] if return_attn else None
         for i, block in enumerate(self.transformer.h):
-            x = block(x, None if kv_cache is None else kv_cache.layer(i), pos, attn)  # (B, T, C)
+            x = block(x, None if kv_cache is None else kv_cache.layer(i), pos, attn, rope)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:
             return self._last_logits(x), None
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        logits = self._softcap(self.lm_head(self.transformer.ln_f(x)))  # (B, T, vocab)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -336,16 +474,25 @@ class GPT(nn.Module):
         """
         h = self.transformer.ln_f(x[:, -1:, :])  # (B, 1, C)
         with torch.autocast(h.device.type, enabled=False):
-            return F.linear(h.float(), self.lm_head.weight.float())  # (B, 1, vocab)
+            return self._softcap(F.linear(h.float(), self.lm_head.weight.float()))  # (B, 1, vocab)
+
+    def _softcap(self, logits):
+        """c * tanh(logits / c) with c = logit_softcap (Gemma 2): bounds the logits smoothly, so no
+        token can become arbitrarily confident; the identity when logit_softcap is None."""
+        c = self.config.logit_softcap
+        return logits if c is None else c * torch.tanh(logits / c)
 
     def _check_input(self, B, T, kv_cache, return_attn) -> int:
         """The position of idx's first token; raise ValueError if the model cannot take the chunk."""
         pos = 0 if kv_cache is None else kv_cache.pos
-        if pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {pos + T} tokens exceeds block_size {self.config.block_size}")
+        seen = pos + T  # keys the last query attends to
+        if kv_cache is not None and self.config.pos_embedding == "rope" and T == 1 and pos >= kv_cache.max_len:
+            seen = kv_cache.max_len  # a full rotary cache rolls: the oldest key makes room (see KVCache)
+        if seen > self.config.block_size:
+            raise ValueError(f"sequence of {seen} tokens exceeds block_size {self.config.block_size}")
         if kv_cache is not None and B != kv_cache.batch_size:
             raise ValueError(f"batch of {B} rows fed to a KV cache made for {kv_cache.batch_size}")
-        if kv_cache is not None and pos + T > kv_cache.max_len:
+        if kv_cache is not None and seen > kv_cache.max_len:
             raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {pos} used, {T} more do not fit")
         if return_attn and self.config.attn_backend != "naive":
             raise ValueError("return_attn needs attn_backend='naive' (the fused sdpa kernel never forms the weights)")
@@ -360,12 +507,12 @@ class GPT(nn.Module):
         if dtype is None and torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
         c = self.config
-        return KVCache(c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.n_embd // c.n_head,
+        return KVCache(c.n_layer, batch_size, c.kv_heads, max_len or c.block_size, c.head_size,
                        device=weight.device, dtype=dtype or weight.dtype)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                 generator=None, eot_token=None, window_shift=1, vocab_size=None) -> torch.Tensor:
+                 generator=None, eot_token=None, window_shift=1, vocab_size=None, rolling_cache=False) -> torch.Tensor:
         """Continue idx (B, T) by up to max_new_tokens -> (B, T + new). Call model.eval() first.
 
         Sampling is sample_next's (temperature 0 is greedy). use_cache=True decodes with a KV
@@ -380,13 +527,21 @@ class GPT(nn.Module):
         last block_size tokens, and with a cache every step past block_size costs a full
         forward. block_size // 2 refills once per block_size // 2 tokens and keeps decoding fast;
         the model then sees between block_size - window_shift + 1 and block_size tokens.
+
+        rolling_cache=True (pos_embedding="rope", window_shift=1): past block_size keep every cached
+        key and overwrite only the oldest (KVCache's rolling mode), at cached speed. Rotary keys stay
+        valid in the first layer, but a deeper layer's key was computed from the context its token
+        saw, reaching back past the window: with n_layer > 1 this is sliding-window attention (as
+        Mistral's), not nanoGPT's rule, and the tokens may differ from use_cache=False. With one
+        layer they are the same.
         """
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache,
-                                        generator, eot_token, window_shift, vocab_size))
+                                        generator, eot_token, window_shift, vocab_size, rolling_cache))
         return torch.cat([idx, *new], dim=1)
 
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                        generator=None, eot_token=None, window_shift=1, vocab_size=None) -> Iterator[torch.Tensor]:
+                        generator=None, eot_token=None, window_shift=1, vocab_size=None,
+                        rolling_cache=False) -> Iterator[torch.Tensor]:
         """Like generate, but yields each new token as a (B, 1) tensor as soon as it is sampled."""
         check_sampling_args(temperature, top_k, top_p)
         if max_new_tokens < 0:
@@ -395,22 +550,27 @@ class GPT(nn.Module):
             raise ValueError(f"window_shift must be in [1, block_size={self.config.block_size}], got {window_shift}")
         if vocab_size is not None and not 1 <= vocab_size <= self.config.vocab_size:
             raise ValueError(f"vocab_size must be in [1, {self.config.vocab_size}], got {vocab_size}")
+        if rolling_cache and (self.config.pos_embedding != "rope" or window_shift != 1):
+            raise ValueError("rolling_cache needs pos_embedding='rope' and window_shift=1: learned positions make "
+                             "every cached key stale when the window moves")
         return self._stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token,
-                            window_shift, vocab_size)
+                            window_shift, vocab_size, rolling_cache)
 
     @torch.no_grad()
     def _stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token,
-                window_shift, vocab_size):
+                window_shift, vocab_size, rolling_cache):
         block_size = self.config.block_size
         cache = self.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if use_cache else None
         start = max(0, idx.size(1) - block_size)  # the context window is idx[:, start:]
+        origin = start  # idx[:, origin] is the cache's position 0
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block_size:
                 start = max(start + window_shift, idx.size(1) - block_size)
-                if cache is not None:
+                if cache is not None and not rolling_cache:
                     cache.reset()  # every token moved to a new position: the cached keys are stale
-            logits = self._next_logits(idx[:, start:], cache)[:, :vocab_size]  # (B, vocab)
+                    origin = start
+            logits = self._next_logits(idx, start, origin, cache)[:, :vocab_size]  # (B, vocab)
             token = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             if eot_token is not None:
                 token = token.masked_fill(done[:, None], eot_token)
@@ -420,12 +580,12 @@ class GPT(nn.Module):
             if eot_token is not None and bool(done.all()):
                 return
 
-    def _next_logits(self, window, cache):
-        """Logits (B, vocab) for the token after window (B, <= block_size); with a cache only the
-        tokens not cached yet go through the model."""
+    def _next_logits(self, idx, start, origin, cache):
+        """Logits (B, vocab) for the token after idx (B, T) seen through the window idx[:, start:];
+        with a cache (position 0 at idx[:, origin]) only the tokens not cached yet go through the model."""
         if cache is None:
-            return self(window, last_only=True)[0][:, -1, :]
-        return self(window[:, cache.pos:], kv_cache=cache, last_only=True)[0][:, -1, :]
+            return self(idx[:, start:], last_only=True)[0][:, -1, :]
+        return self(idx[:, origin + cache.pos:], kv_cache=cache, last_only=True)[0][:, -1, :]
 
     def get_num_params(self, non_embedding=True) -> int:
         """Parameter count; the tied wte/lm_head matrix counts once.
@@ -434,18 +594,16 @@ class GPT(nn.Module):
         embeddings stay in, since they are also the output head's weights).
         """
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        return n
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW with weight decay on matrices and embeddings (>= 2-D) only, not on biases and
-        LayerNorm gains, which set scales and offsets rather than store features. Fused (one kernel for
-        all tensors) on CUDA and CPU: on 2 CPU cores the per-tensor loop took 4x as long, ~10% of a small step."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu"))
+        """nanoGPT's AdamW (weight decay on matrices and embeddings only); the groups, and Muon,
+        live in core/optim.py."""
+        from core.optim import build_optimizer  # core imports model, so not at the top
+
+        return build_optimizer(self, "adamw", learning_rate, weight_decay, betas, device_type)
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for the matmuls with weights (2 forward, 4 backward) plus
@@ -466,7 +624,8 @@ class GPT(nn.Module):
         if not 1 <= block_size <= self.config.block_size:
             raise ValueError(f"block_size must be in [1, {self.config.block_size}], got {block_size}")
         self.config = replace(self.config, block_size=block_size)
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
+        if "wpe" in self.transformer:  # rotary positions have no table to crop
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
 
     @classmethod
     def from_pretrained(cls, name_or_dir, override_args=None) -> "GPT":
@@ -502,6 +661,9 @@ class GPT(nn.Module):
         from transformers import GPT2Config
 
         c = self.config
+        if c.non_gpt2_fields():
+            raise ValueError(f"save_pretrained writes GPT-2, which cannot hold {', '.join(c.non_gpt2_fields())}; "
+                             f"save a checkpoint instead (train.py writes ckpt.pt)")
         # GPT-2's 50256 <|endoftext|> only exists in a GPT-2-sized vocabulary.
         special = 50256 if c.vocab_size > 50256 else None
         GPT2Config(

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core import checkpoint, config as configlib, memory, runtime
+from core import checkpoint, config as configlib, memory, optim, runtime
 from core.data import TokenData, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import atomic_path, write_json
@@ -33,6 +33,8 @@ from model import GPT, GPTConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attn_backend")
+# The modern-recipe switches (GPTConfig's fields of the same names; README "Modern recipe").
+RECIPE_KEYS = ("pos_embedding", "rope_base", "norm", "qk_norm", "mlp", "n_kv_head", "tie_embeddings", "logit_softcap")
 
 
 @dataclasses.dataclass
@@ -63,6 +65,19 @@ class TrainConfig:
     bias: bool = True
     attn_backend: str = "sdpa"
     vocab_size: int | None = None          # None: the dataset's meta.json vocab_size
+    # the modern recipe, one switch each (see model.GPTConfig); the defaults are GPT-2
+    pos_embedding: str = "learned"         # learned | rope
+    rope_base: float = 10000.0
+    norm: str = "layernorm"                # layernorm | rmsnorm
+    qk_norm: bool = False
+    mlp: str = "gelu"                      # gelu | relu2 | swiglu
+    n_kv_head: int | None = None           # None: n_head; fewer: grouped-query attention
+    tie_embeddings: bool = True
+    logit_softcap: float | None = None
+    optimizer: str = "adamw"               # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    muon_lr: float = 0.02                  # Muon's peak lr; learning_rate stays AdamW's, the schedule scales both
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
     # AdamW
     learning_rate: float = 6e-4
     max_iters: int = 600000
@@ -94,6 +109,15 @@ class TrainConfig:
             raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.attn_backend not in ("sdpa", "naive"):
             raise UserError(f"attn_backend must be 'sdpa' or 'naive', got '{self.attn_backend}'")
+        try:  # the recipe switches and their combinations: GPTConfig is their one judge
+            GPTConfig(**{k: getattr(self, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"})
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if self.optimizer not in optim.OPTIMIZERS:
+            raise UserError(f"optimizer must be one of {', '.join(optim.OPTIMIZERS)}, got '{self.optimizer}'")
+        if not (self.muon_lr > 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0):
+            raise UserError(f"need muon_lr > 0, 0 <= muon_momentum < 1, muon_weight_decay >= 0, got {self.muon_lr}, "
+                            f"{self.muon_momentum}, {self.muon_weight_decay}")
         if not 0 < self.learning_rate < math.inf:
             raise UserError(f"need 0 < learning_rate < inf, got {self.learning_rate}")
         # min_lr is where the cosine decay ends; with decay_lr=False the rate stays at learning_rate.
@@ -161,10 +185,13 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
     if resume_state is not None:
         saved = resume_state["meta"]
         margs = saved["model_args"]
-        for key in ("n_layer", "n_head", "n_embd", "bias", "vocab_size"):
-            mine = getattr(cfg, key)
-            if mine is not None and mine != margs[key]:
-                raise UserError(f"config {key}={mine} differs from the checkpoint's {margs[key]}; resume with the "
+        gpt2 = GPTConfig()
+        for key in ("n_layer", "n_head", "n_embd", "bias", "vocab_size") + RECIPE_KEYS:
+            mine, theirs = getattr(cfg, key), margs.get(key, getattr(gpt2, key))
+            if key == "n_kv_head":  # None and n_head are the same attention
+                mine, theirs = mine or cfg.n_head, theirs or margs["n_head"]
+            if mine is not None and mine != theirs:
+                raise UserError(f"config {key}={mine} differs from the checkpoint's {theirs}; resume with the "
                                 "config the run started with, or use a new out_dir")
         if cfg.block_size > margs["block_size"]:
             raise UserError(f"block_size {cfg.block_size} is larger than the checkpoint's {margs['block_size']}; "
@@ -177,7 +204,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         vocab = cfg.vocab_size or data_meta.get("vocab_size")
         if not isinstance(vocab, int):
             raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
-        margs = {k: getattr(cfg, k) for k in MODEL_KEYS if k != "vocab_size"} | {"vocab_size": vocab}
+        margs = {k: getattr(cfg, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"} | {"vocab_size": vocab}
         check_memory(GPTConfig(**margs), cfg, rt)
         model = GPT(GPTConfig(**margs))
         tok = tokenizer_meta(data_meta)
@@ -185,6 +212,10 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         if data_meta.get("tokenizer") != "gpt2":
             raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
                             f"{cfg.data_dir} uses {data_meta.get('tokenizer')!r}")
+        switched = GPTConfig(**{k: getattr(cfg, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"}).non_gpt2_fields()
+        if switched:
+            raise UserError(f"init_from={cfg.init_from} loads GPT-2's architecture, which has none of "
+                            f"{', '.join(switched)}; drop those settings (or config/modern.py) to fine-tune it")
         try:
             model = GPT.from_pretrained(cfg.init_from, {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend})
         except (OSError, ValueError) as e:
@@ -205,7 +236,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
 
 def check_memory(config: GPTConfig, cfg: TrainConfig, rt: runtime.Runtime) -> None:
     """One line, before any allocation, when weights, optimizer and activations plainly exceed free memory."""
-    est = memory.estimate_training_memory(config, cfg.batch_size, "adamw", compute_dtype=rt.ptdtype,
+    est = memory.estimate_training_memory(config, cfg.batch_size, cfg.optimizer, compute_dtype=rt.ptdtype,
                                           seq_len=cfg.block_size)
     # Processes on one machine share its RAM; each GPU has its own memory.
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.device_type == "cpu" else 1
@@ -370,11 +401,12 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     model.to(rt.device)
     raw_model = model  # what is saved: never the compiled or DDP-wrapped module
 
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), rt.device_type)
+    optimizer = optim.build_optimizer(raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+                                      rt.device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay)
     scaler = rt.grad_scaler()
     iter_num, best_val_loss = 0, float("inf")
     if resume_state is not None:
-        optimizer.load_state_dict(resume_state["optimizer"])
+        optim.load_state(optimizer, resume_state["optimizer"])
         if resume_state["scaler"]:
             scaler.load_state_dict(resume_state["scaler"])
         iter_num = resume_state["meta"]["iter_num"]
@@ -432,8 +464,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
             log(f"stopped at iter {iter_num}; continue with --init_from=resume --out_dir={out_dir}")
             return
         lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optim.set_lr(optimizer, lr / cfg.learning_rate)
 
         want_save = bool(cfg.checkpoint_interval) and iter_num % cfg.checkpoint_interval == 0
         if iter_num % cfg.eval_interval == 0 or cfg.eval_only:

@@ -82,7 +82,7 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     assert model.new_kv_cache(2).k.dtype == torch.bfloat16
     stoi = trained["meta"]["tokenizer"]["stoi"]
     idx = torch.tensor([[stoi[c] for c in "First Cit"], [stoi[c] for c in "All: Spea"]])  # (2, 9)
-    logits = model._next_logits(idx, None)
+    logits = model(idx, last_only=True)[0][:, -1, :]  # what generation reads for the next token
     assert logits.dtype == torch.float32 and logits.shape == (2, model.config.vocab_size)
     assert not torch.equal(logits, logits.bfloat16().float())  # finer than bfloat16's 8-bit mantissa
     cached = model.generate(idx, 60, temperature=0.0, use_cache=True, window_shift=8)

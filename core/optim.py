@@ -1,0 +1,127 @@
+"""The optimizer: AdamW, or Muon for the hidden matrices with AdamW for the rest. One home for the
+parameter groups, used by train.py, bench.py and the recipe comparison.
+
+    optimizer = build_optimizer(model, "muon", adamw_lr=1e-3, muon_lr=0.02, ...)
+    set_lr(optimizer, get_lr(it, cfg) / cfg.learning_rate)   # the schedule scales every group's own lr
+
+Muon (Jordan et al. 2024, torch.optim.Muon) orthogonalises each 2-D update with a Newton-Schulz
+iteration, so every direction of a weight matrix moves at the same rate. It is meant for the
+hidden matrices only: the embedding is a lookup table (one row per token, not a linear map), the
+head's rows are read one per token too, and gains and biases are vectors. Those stay on AdamW
+(modded-nanogpt, nanochat do the same).
+"""
+import torch
+import torch.nn as nn
+
+from core.errors import UserError
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+class MultiOptimizer:
+    """Several torch optimizers stepped as one: the loop, GradScaler and checkpoints see one object.
+
+    param_groups is every optimizer's groups in order (GradScaler unscales through it), and
+    state_dict holds each optimizer's state under its name, so a resume restores all of them.
+    """
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.optimizers):
+            raise UserError(f"the checkpoint holds optimizer state for {sorted(state)}, this run builds "
+                            f"{sorted(self.optimizers)}; resume with the optimizer the run started with")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state[name])
+
+
+def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Named parameters by role: "hidden" (the weights of Linear layers inside transformer.h),
+    "matrix" (other >= 2-D parameters: embeddings, an untied head) and "vector" (gains, biases)."""
+    hidden = {id(m.weight) for block in model.transformer.h for m in block.modules() if isinstance(m, nn.Linear)}
+    groups = {"hidden": [], "matrix": [], "vector": []}
+    for name, p in model.named_parameters():  # a tied head is the same Parameter as wte: listed once
+        if not p.requires_grad:
+            continue
+        role = "hidden" if id(p) in hidden else "matrix" if p.dim() >= 2 else "vector"
+        groups[role].append((name, p))
+    return groups
+
+
+def check_muon_params(named: list[tuple[str, nn.Parameter]]) -> None:
+    """Muon orthogonalises matrices; anything else is a one-line error naming the parameter."""
+    for name, p in named:
+        if p.dim() != 2:
+            raise UserError(f"optimizer=muon takes only 2-D matrices, but {name} has shape {tuple(p.shape)}; "
+                            f"give it to AdamW (core/optim.py split_params) or use optimizer=adamw")
+
+
+def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_decay: float,
+                    betas: tuple[float, float], device_type: str, muon_lr: float = 0.02,
+                    muon_momentum: float = 0.95, muon_weight_decay: float = 0.0):
+    """AdamW (a torch.optim.AdamW), or Muon + AdamW (a MultiOptimizer of "muon" and "adamw").
+
+    AdamW decays only matrices and embeddings (>= 2-D), not biases and gains, which set scales and
+    offsets rather than store features. Every group records its own peak learning rate as
+    "base_lr"; set_lr scales them all by the schedule.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    groups = split_params(model)
+    muon_ids = {id(p) for _, p in groups["hidden"]} if optimizer == "muon" else set()
+    # Matrices in model.parameters() order, as checkpoints of earlier versions of this file hold them.
+    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in muon_ids]
+    adamw_groups = [
+        {"params": matrices, "weight_decay": weight_decay, "base_lr": adamw_lr},
+        {"params": [p for _, p in groups["vector"]], "weight_decay": 0.0, "base_lr": adamw_lr},
+    ]
+    # Fused (one kernel for all tensors) on CUDA and CPU: on 2 CPU cores the per-tensor loop took 4x
+    # as long, ~10% of a small step.
+    adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=betas, fused=device_type in ("cuda", "cpu"))
+    if optimizer == "adamw":
+        return adamw
+    check_muon_params(groups["hidden"])
+    # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr
+    # is the rate of a square matrix whatever the layer's aspect ratio.
+    muon = torch.optim.Muon([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
+                            momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original")
+    return MultiOptimizer({"muon": muon, "adamw": adamw})
+
+
+def load_state(optimizer, state: dict) -> None:
+    """Restore a checkpoint's optimizer state into a freshly built optimizer of the same kind.
+
+    The learning rates stay the ones this run was configured with (torch's load_state_dict would
+    bring back the saved groups' settings): a resume may change learning_rate, as before.
+    """
+    saved_kind = "muon" if set(state) == {"muon", "adamw"} else "adamw"
+    kind = "muon" if isinstance(optimizer, MultiOptimizer) else "adamw"
+    if saved_kind != kind:
+        raise UserError(f"the checkpoint was trained with optimizer={saved_kind}, this run uses optimizer={kind}; "
+                        f"resume with --optimizer={saved_kind}, or start a new out_dir")
+    base_lrs = [g["base_lr"] for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, base_lr in zip(optimizer.param_groups, base_lrs):
+        group["base_lr"] = base_lr
+
+
+def set_lr(optimizer, scale: float) -> None:
+    """Set every group's learning rate to scale * its base_lr (scale: the schedule, 1 at the peak)."""
+    for group in optimizer.param_groups:
+        group["lr"] = scale * group["base_lr"]
