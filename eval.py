@@ -88,7 +88,8 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
 
 def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples)
-    r = evaluate.evaluate_hellaswag(model, examples, tok, rt.device, rt.autocast, rt.rank, rt.world_size)
+    rendered = evaluate.render_examples(examples, tok, model.config.block_size)
+    r = evaluate.evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
     return f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | {r['examples']} examples"
 
 

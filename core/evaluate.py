@@ -78,6 +78,7 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     stride = stride or T
     jobs = [(path, w) for path, n in zip(data.paths, data.sizes) for w in split_windows(n, T, stride)]
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, tokens scored)
+    was_training = model.training
     model.eval()
     for i in range(rank * batch_size, len(jobs), world_size * batch_size):
         x, y = _window_batch(data, jobs[i:i + batch_size], T)
@@ -87,6 +88,7 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
         sums += torch.stack([losses.double().sum(), (y >= 0).sum().double()])
     if world_size > 1:
         dist.all_reduce(sums)
+    model.train(was_training)
     loss = sums[0].item() / sums[1].item()
     return SplitResult(loss, math.exp(loss), int(sums[1].item()))
 
@@ -192,25 +194,32 @@ def ending_losses(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     return total, total / mask[:, 1:].sum(dim=1)
 
 
+def render_examples(examples: list[HellaSwagExample], tok: Tokenizer, block_size: int) -> list[tuple]:
+    """(tokens, mask, label) per example: encode once, before any scoring, so a tokenizer that
+    cannot encode the file fails at the start of a run, not at its first eval."""
+    return [(*render_example(ex, tok, block_size), ex.label) for ex in examples]
+
+
 @torch.no_grad()
-def evaluate_hellaswag(model, examples: list[HellaSwagExample], tok: Tokenizer, device="cpu", autocast=None,
-                       rank: int = 0, world_size: int = 1) -> dict[str, float]:
-    """acc, acc_norm and the number of examples. With world_size > 1 each rank scores every
-    world_size-th example and the counts are all-reduced; every rank runs the same number of
-    forwards (a rank short of one scores a spare it does not count), as sharded models need."""
+def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None, rank: int = 0,
+                       world_size: int = 1) -> dict[str, float]:
+    """acc, acc_norm and the number of examples, from render_examples' output. With world_size > 1
+    each rank scores every world_size-th example and the counts are all-reduced; every rank runs
+    the same number of forwards (a rank short of one scores a spare it does not count), which
+    sharded models need. The model is left in the mode it came in."""
+    was_training = model.training
     model.eval()
-    block_size = model.config.block_size
-    counts = torch.zeros(3, dtype=torch.float64, device=device)  # (correct by sum, correct by mean, examples)
-    for step in range(math.ceil(len(examples) / world_size)):
+    counts = torch.zeros(3, dtype=torch.float64, device=device)  # (right by sum, right by mean, examples)
+    for step in range(math.ceil(len(rendered) / world_size)):
         index = step * world_size + rank
-        ex = examples[min(index, len(examples) - 1)]
-        tokens, mask = render_example(ex, tok, block_size)
+        tokens, mask, label = rendered[min(index, len(rendered) - 1)]
         with autocast() if autocast else contextlib.nullcontext():
             total, mean = ending_losses(model, tokens.to(device), mask.to(device))
-        if index < len(examples):
-            counts += torch.tensor([int(total.argmin()) == ex.label, int(mean.argmin()) == ex.label, 1.0],
+        if index < len(rendered):
+            counts += torch.tensor([int(total.argmin()) == label, int(mean.argmin()) == label, 1.0],
                                    dtype=torch.float64, device=device)
     if world_size > 1:
         dist.all_reduce(counts)
-    correct, correct_norm, n = counts.tolist()
-    return {"acc": correct / n, "acc_norm": correct_norm / n, "examples": int(n)}
+    model.train(was_training)
+    right, right_norm, n = counts.tolist()
+    return {"acc": right / n, "acc_norm": right_norm / n, "examples": int(n)}
