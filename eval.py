@@ -58,6 +58,15 @@ class EvalConfig:
                             f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
 
 
+def load_model(init_from: str, out_dir: str):
+    """(model, tokenizer, description) of out_dir/ckpt.pt (init_from='resume') or of GPT-2 weights."""
+    model, tok, source = load_resume(Path(out_dir)) if init_from == "resume" else load_pretrained(init_from)
+    if tok.vocab_size > model.config.vocab_size:
+        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
+                        f"{model.config.vocab_size}; they do not belong together")
+    return model, tok, source
+
+
 def run_data_dir(cfg: EvalConfig) -> str:
     """--data_dir, else the data_dir the checkpoint's run trained on."""
     if cfg.data_dir is not None:
@@ -97,11 +106,7 @@ def main(argv: Sequence[str]) -> str:
     cfg = parse_args(EvalConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
     try:
-        model, tok, source = load_resume(Path(cfg.out_dir)) if cfg.init_from == "resume" \
-            else load_pretrained(cfg.init_from)
-        if tok.vocab_size > model.config.vocab_size:
-            raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
-                            f"{model.config.vocab_size}; they do not belong together")
+        model, tok, source = load_model(cfg.init_from, cfg.out_dir)
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
         model.to(rt.device)
