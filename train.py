@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core import checkpoint, config as configlib, memory, optim, runtime
+from core import checkpoint, config as configlib, evaluate, memory, optim, runtime
 from core.data import TokenData, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import atomic_path, write_json
+from core.tokenizer import tokenizer_from_meta
 from model import GPT, GPTConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -45,6 +46,7 @@ class TrainConfig:
     log_interval: int = 1
     eval_iters: int = 200
     eval_only: bool = False
+    hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
     init_from: str = "scratch"            # 'scratch', 'resume', a GPT-2 name, or a save_pretrained dir
@@ -398,6 +400,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     model, tok_meta = build_model(cfg, data_meta, resume_state, rt)
     # Then dropout masks of their own per rank (batches come from their own generators, never from this).
     torch.manual_seed(cfg.seed + rt.rank)
+    hellaswag = None if cfg.hellaswag_file is None else evaluate.render_examples(
+        evaluate.load_hellaswag(cfg.hellaswag_file), tokenizer_from_meta(tok_meta), model.config.block_size)
     model.to(rt.device)
     raw_model = model  # what is saved: never the compiled or DDP-wrapped module
 
@@ -469,9 +473,16 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
         want_save = bool(cfg.checkpoint_interval) and iter_num % cfg.checkpoint_interval == 0
         if iter_num % cfg.eval_interval == 0 or cfg.eval_only:
             losses = estimate_loss(model, data, cfg, rt)
-            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            rt.on_master(write_log, {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr},
-                         {"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+            scores = {}
+            if hellaswag:  # the plain module: examples vary in length, which compiled code would recompile for
+                hs = evaluate.evaluate_hellaswag(raw_model, hellaswag, rt.device, rt.autocast, rt.rank, rt.world_size)
+                scores = {"hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"]}
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                + "".join(f", {k} {v:.4f}" for k, v in scores.items()))
+            rt.on_master(write_log, {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr}
+                         | scores,
+                         {"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
+                         | {k.replace("_", "/", 1): v for k, v in scores.items()})
             if cfg.eval_only:
                 return
             want_save |= losses["val"] < best_val_loss or cfg.always_save_checkpoint

@@ -1,0 +1,225 @@
+"""Judging a model: perplexity on a whole split, and HellaSwag.
+
+Perplexity: every token of a prepared split is scored exactly once, from up to block_size tokens
+of context, in a fixed order, so the figure is deterministic and comparable across runs (the
+training loop's estimate_loss samples eval_iters random batches instead, for speed). Windows of
+block_size inputs start every `stride` tokens; a window scores only the targets that no earlier
+window scored. stride == block_size gives non-overlapping windows (fast; a token's context is
+whatever precedes it in its window, 1 to block_size tokens); a smaller stride gives every token
+scored after the first window at least block_size - stride + 1 tokens of context, for
+block_size / stride times the compute (the sliding window of Hugging Face's perplexity guide).
+
+HellaSwag (Zellers et al. 2019, https://github.com/rowanz/hellaswag): each example is a context
+and 4 endings; the model picks the ending whose tokens, after context + " " + ending, have the
+lowest loss. `acc` ranks by the summed loss of the ending's tokens, `acc_norm` by their mean, as
+build-nanogpt's hellaswag.py and llm.c do (completion style, not the multiple-choice prompt of
+the Eleuther harness).
+"""
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from core.data import TokenData
+from core.errors import UserError
+from core.tokenizer import Tokenizer
+
+
+def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each target, x (B, T) -> (B, T) float32; 0 where y is -1."""
+    logits, _ = model(x, y)  # with targets the model returns logits at every position, (B, T, vocab)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none").view_as(y)
+
+
+# -----------------------------------------------------------------------------
+# perplexity on a whole split
+
+
+def split_windows(n_tokens: int, block_size: int, stride: int) -> list[tuple[int, int, int]]:
+    """The windows that score tokens 1..n_tokens-1 of a stream once each: (begin, end, new).
+
+    A window feeds tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new`
+    targets are scored, the ones no earlier window scored.
+    """
+    if not 1 <= stride <= block_size:
+        raise UserError(f"stride must be in [1, block_size={block_size}], got {stride}")
+    windows, scored = [], 0  # targets tokens[1:scored+1] are done
+    for begin in range(0, max(n_tokens - 1, 0), stride):
+        end = min(begin + block_size, n_tokens - 1)
+        windows.append((begin, end, end - scored))
+        scored = end
+        if end == n_tokens - 1:
+            break
+    return windows
+
+
+@dataclass
+class SplitResult:
+    loss: float        # mean cross-entropy per token, in nats
+    perplexity: float  # exp(loss)
+    tokens: int        # tokens scored
+
+
+@torch.no_grad()
+def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
+                   autocast=None, rank: int = 0, world_size: int = 1) -> SplitResult:
+    """Score every token of `data` (one split; each .bin file is its own stream) once.
+
+    stride None means block_size: non-overlapping windows. With world_size > 1 each rank scores
+    every world_size-th batch of windows and the sums are all-reduced.
+    """
+    T = data.block_size
+    stride = stride or T
+    jobs = [(path, w) for path, n in zip(data.paths, data.sizes) for w in split_windows(n, T, stride)]
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, tokens scored)
+    was_training = model.training
+    model.eval()
+    for i in range(rank * batch_size, len(jobs), world_size * batch_size):
+        x, y = _window_batch(data, jobs[i:i + batch_size], T)
+        x, y = x.to(device), y.to(device)
+        with autocast() if autocast else contextlib.nullcontext():
+            losses = token_losses(model, x, y)  # (B, T)
+        sums += torch.stack([losses.double().sum(), (y >= 0).sum().double()])
+    if world_size > 1:
+        dist.all_reduce(sums)
+    model.train(was_training)
+    loss = sums[0].item() / sums[1].item()
+    return SplitResult(loss, math.exp(loss), int(sums[1].item()))
+
+
+def _window_batch(data: TokenData, jobs, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs (B, T) and targets (B, T), -1 where a target is not scored or past a short window.
+    Padding at the end of a row is harmless: causal attention never lets it reach earlier positions."""
+    x = np.zeros((len(jobs), T), dtype=np.int64)
+    y = np.full((len(jobs), T), -1, dtype=np.int64)
+    for row, (path, (begin, end, new)) in enumerate(jobs):
+        mm = np.memmap(path, dtype=data.dtype, mode="r")
+        chunk = np.asarray(mm[begin:end + 1], dtype=np.int64)
+        del mm
+        n = end - begin
+        x[row, :n] = chunk[:-1]
+        y[row, n - new:n] = chunk[1:][n - new:]
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+# -----------------------------------------------------------------------------
+# HellaSwag
+
+
+@dataclass
+class HellaSwagExample:
+    line: int           # 1-based line number in the file, for error messages
+    context: str
+    endings: list[str]  # 4
+    label: int          # index of the right ending
+
+
+def load_hellaswag(path: str | Path, limit: int = 0) -> list[HellaSwagExample]:
+    """Examples of a HellaSwag jsonl file (keys ctx, endings, label); limit > 0 keeps the first `limit`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"HellaSwag file {path} not found; run python data/hellaswag/prepare.py "
+                        f"(or pass --input=path/to/hellaswag_val.jsonl to it)")
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            examples.append(_parse_example(line, number, path))
+            if limit and len(examples) == limit:
+                break
+    if not examples:
+        raise UserError(f"HellaSwag file {path} holds no examples")
+    return examples
+
+
+def _parse_example(line: str, number: int, path: Path) -> HellaSwagExample:
+    where = f"{path} line {number}"
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where} is not valid JSON ({e.msg}); re-run data/hellaswag/prepare.py") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{where} is a JSON {type(d).__name__}, expected an object with ctx, endings and label")
+    endings, label = d.get("endings"), d.get("label")
+    if not isinstance(d.get("ctx"), str) or not d["ctx"]:
+        raise UserError(f"{where} has no non-empty string 'ctx'")
+    if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+        raise UserError(f"{where}: 'endings' must be a list of 4 strings")
+    if isinstance(label, str) and label.isdigit():
+        label = int(label)
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
+        raise UserError(f"{where}: 'label' must be 0, 1, 2 or 3, got {d.get('label')!r}")
+    return HellaSwagExample(number, d["ctx"], endings, label)
+
+
+def render_example(ex: HellaSwagExample, tok: Tokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4 candidate rows: tokens (4, L) of context + " " + ending, zero-padded, and mask (4, L),
+    1 on the ending's tokens. A row longer than block_size keeps its last block_size tokens."""
+    try:
+        ctx = tok.encode(ex.context)
+        ends = [tok.encode(" " + e) for e in ex.endings]
+    except UserError as e:  # e.g. characters a char vocabulary lacks: the wrong tokenizer for this data
+        raise UserError(f"HellaSwag line {ex.line} cannot be encoded with the model's tokenizer: {e}") from None
+    rows, masks = [], []
+    for end in ends:
+        if len(end) >= block_size:
+            raise UserError(f"HellaSwag line {ex.line}: an ending of {len(end)} tokens leaves no context in the "
+                            f"model's block_size {block_size}")
+        row = (ctx + end)[-block_size:]
+        rows.append(row)
+        masks.append([0] * (len(row) - len(end)) + [1] * len(end))
+    L = max(len(r) for r in rows)
+    tokens = torch.zeros(4, L, dtype=torch.long)
+    mask = torch.zeros(4, L, dtype=torch.long)
+    for i, (row, m) in enumerate(zip(rows, masks)):
+        tokens[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(m)] = torch.tensor(m)
+    return tokens, mask
+
+
+@torch.no_grad()
+def ending_losses(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed and mean loss of each row's ending tokens: tokens, mask (4, L) -> (4,), (4,)."""
+    x = tokens[:, :-1]
+    y = tokens[:, 1:].masked_fill(mask[:, 1:] == 0, -1)  # target t+1 is scored when token t+1 is an ending token
+    losses = token_losses(model, x, y)  # (4, L-1)
+    total = losses.sum(dim=1)
+    return total, total / mask[:, 1:].sum(dim=1)
+
+
+def render_examples(examples: list[HellaSwagExample], tok: Tokenizer, block_size: int) -> list[tuple]:
+    """(tokens, mask, label) per example: encode once, before any scoring, so a tokenizer that
+    cannot encode the file fails at the start of a run, not at its first eval."""
+    return [(*render_example(ex, tok, block_size), ex.label) for ex in examples]
+
+
+@torch.no_grad()
+def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None, rank: int = 0,
+                       world_size: int = 1) -> dict[str, float]:
+    """acc, acc_norm and the number of examples, from render_examples' output. With world_size > 1
+    each rank scores every world_size-th example and the counts are all-reduced; every rank runs
+    the same number of forwards (a rank short of one scores a spare it does not count), which
+    sharded models need. The model is left in the mode it came in."""
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(3, dtype=torch.float64, device=device)  # (right by sum, right by mean, examples)
+    for step in range(math.ceil(len(rendered) / world_size)):
+        index = step * world_size + rank
+        tokens, mask, label = rendered[min(index, len(rendered) - 1)]
+        with autocast() if autocast else contextlib.nullcontext():
+            total, mean = ending_losses(model, tokens.to(device), mask.to(device))
+        if index < len(rendered):
+            counts += torch.tensor([int(total.argmin()) == label, int(mean.argmin()) == label, 1.0],
+                                   dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    model.train(was_training)
+    right, right_norm, n = counts.tolist()
+    return {"acc": right / n, "acc_norm": right_norm / n, "examples": int(n)}

@@ -1,0 +1,123 @@
+"""Evaluate a checkpoint or GPT-2 weights: perplexity on every token of a split, or HellaSwag.
+
+    python eval.py --out_dir=out-shakespeare-char-cpu                       # val split of the run's data_dir
+    python eval.py --out_dir=out-shakespeare-char-cpu --stride=32           # sliding window: more context per token
+    python eval.py --init_from=gpt2 --data_dir=data/fineweb --split=val     # GPT-2 weights (from the hub)
+    python eval.py --init_from=gpt2 --task=hellaswag                        # after data/hellaswag/prepare.py
+    torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
+
+Perplexity scores each token once, in a fixed order (core/evaluate.py explains the windows), so
+two runs evaluated on the same split and block_size compare directly. The result is one line on
+stdout; what was loaded goes to stderr.
+"""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from core import evaluate, runtime
+from core.config import parse_args
+from core.data import TokenData, read_meta
+from core.errors import UserError, run_cli
+from model import GPT2_HUB_NAMES
+from sample import load_pretrained, load_resume
+from train import check_same_tokenizer
+
+TASKS = ("perplexity", "hellaswag")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a save_pretrained directory
+    out_dir: str = "out"             # where init_from=resume finds ckpt.pt and config.json
+    task: str = "perplexity"         # perplexity | hellaswag
+    data_dir: str | None = None      # perplexity: a prepared dataset; None: the run's own (out_dir/config.json)
+    split: str = "val"
+    block_size: int | None = None    # window length; None: the model's block_size
+    stride: int | None = None        # a new window every stride tokens; None: block_size (non-overlapping)
+    batch_size: int = 8              # windows per forward
+    hellaswag_file: str = "data/hellaswag/hellaswag_val.jsonl"
+    max_examples: int = 0            # hellaswag: the first N examples only; 0: all
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def validate(self) -> None:
+        if self.task not in TASKS:
+            raise UserError(f"task must be one of {', '.join(TASKS)}, got '{self.task}'")
+        for key in ("block_size", "stride", "batch_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise UserError(f"{key} must be at least 1, got {value}")
+        if self.max_examples < 0:
+            raise UserError(f"max_examples must be >= 0 (0: all), got {self.max_examples}")
+        if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
+            raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
+                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+
+
+def load_model(init_from: str, out_dir: str):
+    """(model, tokenizer, description) of out_dir/ckpt.pt (init_from='resume') or of GPT-2 weights."""
+    model, tok, source = load_resume(Path(out_dir)) if init_from == "resume" else load_pretrained(init_from)
+    if tok.vocab_size > model.config.vocab_size:
+        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
+                        f"{model.config.vocab_size}; they do not belong together")
+    return model, tok, source
+
+
+def run_data_dir(cfg: EvalConfig) -> str:
+    """--data_dir, else the data_dir the checkpoint's run trained on."""
+    if cfg.data_dir is not None:
+        return cfg.data_dir
+    config_path = Path(cfg.out_dir) / "config.json"
+    if cfg.init_from == "resume" and config_path.is_file():
+        try:
+            return json.loads(config_path.read_text())["data_dir"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    raise UserError("no dataset to evaluate on: pass --data_dir=data/<name> (a folder prepared by its prepare.py)")
+
+
+def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
+    data_dir = run_data_dir(cfg)
+    check_same_tokenizer(tok.meta(), read_meta(data_dir), data_dir)
+    block_size = cfg.block_size or model.config.block_size
+    if block_size > model.config.block_size:
+        raise UserError(f"block_size {block_size} is larger than the model's {model.config.block_size}")
+    data = TokenData(data_dir, cfg.split, block_size, model.config.vocab_size)
+    stride = cfg.stride or block_size
+    if stride > block_size:
+        raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens")
+    r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size)
+    return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.tokens:,} tokens "
+            f"(block_size {block_size}, stride {stride})")
+
+
+def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
+    examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples)
+    rendered = evaluate.render_examples(examples, tok, model.config.block_size)
+    r = evaluate.evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
+    return f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | {r['examples']} examples"
+
+
+def main(argv: Sequence[str]) -> str:
+    cfg = parse_args(EvalConfig, argv)
+    rt = runtime.setup(cfg.device, cfg.dtype)
+    try:
+        model, tok, source = load_model(cfg.init_from, cfg.out_dir)
+        if rt.is_master:
+            print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
+        model.to(rt.device)
+        line = (perplexity if cfg.task == "perplexity" else hellaswag)(cfg, model, tok, rt)
+        if rt.is_master:
+            print(line)
+        return line
+    finally:
+        runtime.teardown(rt)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    run_cli(main)

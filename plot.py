@@ -1,0 +1,343 @@
+"""Pictures of runs and models: loss curves from out_dir/log.jsonl, and attention maps.
+
+    python plot.py out-shakespeare-char-cpu                      # -> out-shakespeare-char-cpu/loss.png
+    python plot.py out-a out-b --out=compare.png                 # runs overlaid, labelled by what differs
+    python plot.py out-a out-b --x=tokens                        # against tokens seen (runs of different batch)
+    python plot.py attention --out_dir=out-shakespeare-char-cpu --prompt="ROMEO: But soft" --layer=1
+    python plot.py attention --init_from=gpt2 --prompt="The cat sat on the mat because it" --summary=entropy
+
+Loss: train loss per logged step (faint), train and val loss at each eval, and the learning rate
+below; tokens seen (batch_size x block_size x gradient_accumulation_steps per iteration, from
+each run's config.json) on the top axis. A run still going or resumed is read as written: a
+last line cut short is skipped, and where an iteration appears twice the later record wins.
+
+Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
+key columns), from the naive attention backend (the fused kernel never forms them); and beside
+it, <out>_summary.png: per layer and head, the mean distance (in tokens) from a query to what it
+attends to, or the entropy of its attention.
+"""
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from core.config import parse_args
+from core.errors import UserError, run_cli
+
+# Keys that say where or how a run was logged, not what was trained: never a label.
+UNLABELLED = {"out_dir", "wandb_log", "wandb_project", "wandb_run_name", "log_interval", "eval_only",
+              "always_save_checkpoint", "checkpoint_interval", "dist_timeout_s", "hellaswag_file"}
+
+
+@dataclasses.dataclass
+class LossPlotConfig:
+    out: str | None = None   # the PNG; None: loss.png in the first out_dir
+    x: str = "iter"          # iter: iterations below, tokens seen on top; tokens: tokens seen below
+    title: str | None = None
+    ymax: float | None = None  # clip the loss axis (the first iterations' loss can dwarf the rest)
+
+    def validate(self) -> None:
+        if self.x not in ("iter", "tokens"):
+            raise UserError(f"x must be 'iter' or 'tokens', got '{self.x}'")
+
+
+@dataclasses.dataclass
+class AttentionConfig:
+    init_from: str = "resume"    # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a save_pretrained directory
+    out_dir: str = "out"
+    prompt: str = "\n"           # or FILE:path
+    layer: int = 0               # the layer drawn head by head (0 is the first; -1 the last)
+    summary: str = "distance"    # distance | entropy, per layer and head
+    out: str | None = None       # None: attention.png in out_dir (resume) or here (GPT-2)
+    max_tokens: int = 48         # longer prompts make unreadable panels
+
+    def validate(self) -> None:
+        if self.summary not in ("distance", "entropy"):
+            raise UserError(f"summary must be 'distance' or 'entropy', got '{self.summary}'")
+
+
+# -----------------------------------------------------------------------------
+# log.jsonl
+
+
+@dataclasses.dataclass
+class RunLog:
+    out_dir: Path
+    config: dict
+    steps: dict[int, dict]   # iter -> {"loss", "lr", ...}, one per logged iteration
+    evals: dict[int, dict]   # iter -> {"train_loss", "val_loss", "lr", ...}
+
+    @property
+    def tokens_per_iter(self) -> int | None:
+        c = self.config
+        keys = ("batch_size", "block_size", "gradient_accumulation_steps")
+        return math.prod(c[k] for k in keys) if all(isinstance(c.get(k), int) for k in keys) else None
+
+
+def read_log(out_dir: str | Path) -> RunLog:
+    """A run's log.jsonl and config.json. A last line cut short (a run writing or killed) is skipped;
+    a bad line before it is an error naming it."""
+    out_dir = Path(out_dir)
+    path = out_dir / "log.jsonl"
+    if not out_dir.is_dir():
+        raise UserError(f"{out_dir} is not a folder; pass the out_dir of a training run")
+    if not path.is_file():
+        raise UserError(f"{out_dir} has no log.jsonl; is it a training run's out_dir? (train.py writes it there)")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    steps, evals = {}, {}
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+            it = record["iter"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if number == len(lines):
+                continue  # cut short while being written
+            raise UserError(f"{path} line {number} is not a log record: {line[:60]!r}") from None
+        (evals if "val_loss" in record else steps)[it] = record  # a later record of an iteration wins
+    if not steps and not evals:
+        raise UserError(f"{path} has no logged iterations yet; wait for the first log_interval or eval")
+    config_path = out_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        print(f"note: {config_path} is missing or unreadable; {out_dir.name} is drawn without tokens seen",
+              file=sys.stderr)
+        config = {}
+    return RunLog(out_dir, config, dict(sorted(steps.items())), dict(sorted(evals.items())))
+
+
+def run_labels(runs: list[RunLog]) -> list[str]:
+    """Each run's folder name and, with several runs, the config values that differ between them."""
+    names = [r.out_dir.resolve().name for r in runs]
+    if len(runs) == 1:
+        c, tpi = runs[0].config, runs[0].tokens_per_iter
+        shape = f"{c['n_layer']}L {c['n_head']}H {c['n_embd']}d" if all(k in c for k in ("n_layer", "n_head", "n_embd")) else ""
+        detail = ", ".join(s for s in (shape, f"{tpi:,} tok/iter" if tpi else "") if s)
+        return [f"{names[0]} ({detail})" if detail else names[0]]
+    keys = sorted({k for r in runs for k in r.config} - UNLABELLED)
+    differ = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
+    if "init_from" in differ and any(r.config.get("init_from") == "resume" for r in runs):
+        differ.remove("init_from")  # a resumed run rewrites config.json with init_from=resume
+    labels = []
+    for name, r in zip(names, runs):
+        detail = ", ".join(f"{k}={r.config.get(k)}" for k in differ[:4])
+        labels.append(f"{name} ({detail})" if detail else name)
+    return labels
+
+
+# -----------------------------------------------------------------------------
+# the loss picture
+
+
+def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, ymax: float | None = None):
+    """The figure: loss (top) and learning rate (bottom) of every run against iterations or tokens."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import EngFormatter
+
+    fig, (ax, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(9, 6.5), height_ratios=[3, 1], layout="constrained")
+    tpis = [r.tokens_per_iter for r in runs]
+    if x == "tokens" and None in tpis:
+        raise UserError(f"--x=tokens needs batch_size, block_size and gradient_accumulation_steps in each run's "
+                        f"config.json; {runs[tpis.index(None)].out_dir} has none")
+    for i, (run, label) in enumerate(zip(runs, run_labels(runs))):
+        color = f"C{i}"
+        scale = run.tokens_per_iter if x == "tokens" else 1
+        step_it, evals = list(run.steps), list(run.evals)
+        if step_it:
+            ax.plot([s * scale for s in step_it], [run.steps[s]["loss"] for s in step_it], color=color, lw=0.8,
+                    alpha=0.35)
+        if evals:
+            ax.plot([s * scale for s in evals], [run.evals[s]["val_loss"] for s in evals], color=color, lw=1.8,
+                    marker="o", ms=3, label=label)
+            ax.plot([s * scale for s in evals], [run.evals[s]["train_loss"] for s in evals], color=color, lw=1.2,
+                    ls="--")
+        else:
+            ax.plot([], [], color=color, lw=1.8, label=label)
+        lr = run.steps or run.evals
+        ax_lr.plot([s * scale for s in lr], [lr[s]["lr"] for s in lr], color=color, lw=1.2)
+    ax.set_ylabel("loss (cross-entropy, nats/token)")
+    if ymax is not None:
+        ax.set_ylim(top=ymax)
+    ax.grid(alpha=0.3)
+    runs_legend = ax.legend(loc="upper right", fontsize=8, title="run", title_fontsize=8)
+    ax.add_artist(runs_legend)
+    kinds = [Line2D([], [], color="gray", lw=1.8, marker="o", ms=3), Line2D([], [], color="gray", lw=1.2, ls="--"),
+             Line2D([], [], color="gray", lw=0.8, alpha=0.5)]
+    ax.legend(kinds, ["val loss (eval)", "train loss (eval)", "train loss (each logged step)"], loc="upper center",
+              fontsize=8)
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    ax_lr.grid(alpha=0.3)
+    ax_lr.set_xlabel("tokens seen" if x == "tokens" else "iteration")
+    if x == "tokens":
+        ax_lr.xaxis.set_major_formatter(EngFormatter())
+    elif len(set(tpis)) == 1 and tpis[0]:
+        tpi = tpis[0]
+        top = ax.secondary_xaxis("top", functions=(lambda it: it * tpi, lambda tok: tok / tpi))
+        top.set_xlabel(f"tokens seen ({tpi:,} per iteration)")
+        top.xaxis.set_major_formatter(EngFormatter())
+    else:
+        print("note: the runs see different numbers of tokens per iteration; the top axis is left out "
+              "(--x=tokens plots against tokens seen)", file=sys.stderr)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def loss_main(argv: Sequence[str]) -> Path:
+    dirs = [a for a in argv if not a.startswith("-")]
+    cfg = parse_args(LossPlotConfig, [a for a in argv if a.startswith("-")])
+    if not dirs:
+        raise UserError("pass one or more out_dirs: python plot.py out-a [out-b ...] [--out=loss.png]")
+    runs = [read_log(d) for d in dirs]
+    fig = plot_losses(runs, cfg.x, cfg.title, cfg.ymax)
+    out = Path(cfg.out) if cfg.out else Path(dirs[0]) / "loss.png"
+    save(fig, out)
+    return out
+
+
+def save(fig, out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    print(f"wrote {out}")
+
+
+# -----------------------------------------------------------------------------
+# attention
+
+
+def attention_maps(model, ids: list[int]):
+    """Attention weights (n_layer, n_head, T, T) of the prompt `ids`, from a naive-backend copy of model."""
+    import torch
+    from model import GPT
+
+    naive = GPT(dataclasses.replace(model.config, attn_backend="naive", dropout=0.0))
+    naive.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        _, _, att = naive.eval()(torch.tensor([ids]), return_attn=True)  # (L, 1, nh, T, T)
+    return att[:, 0]
+
+
+def mean_distance(att):
+    """(..., T, T) -> (...): how far back, in tokens, a query's attention reaches on average,
+    averaged over queries 1..T-1 (query 0 can only attend to itself)."""
+    import torch
+
+    T = att.size(-1)
+    pos = torch.arange(T)
+    dist = (pos[:, None] - pos[None, :]).clamp(min=0).to(att.dtype)  # (T, T): i - j on and below the diagonal
+    return (att * dist).sum(-1)[..., 1:].mean(-1)
+
+
+def entropy(att):
+    """(..., T, T) -> (...): entropy of each query's attention in nats, averaged over queries 1..T-1;
+    0 is one key, log(i + 1) is uniform over all i + 1 visible keys."""
+    import torch
+
+    plogp = torch.where(att > 0, att * att.clamp(min=1e-30).log(), torch.zeros_like(att))
+    return (-plogp.sum(-1))[..., 1:].mean(-1)
+
+
+def token_labels(tok, ids: list[int]) -> list[str]:
+    """Each token's own text, whitespace made visible."""
+    return [tok.decode([i]).replace(" ", "\u2423").replace("\n", "\\n").replace("\t", "\\t") or "\u2205" for i in ids]
+
+
+def plot_heads(att_layer, labels: list[str], title: str):
+    """One panel per head: att_layer (nh, T, T), query tokens down, key tokens across."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    nh, T = att_layer.shape[0], att_layer.shape[-1]
+    cols = math.ceil(math.sqrt(nh))  # 4 heads: 2 x 2; 12: 4 x 3
+    rows = math.ceil(nh / cols)
+    side = max(3.0, 0.2 * T + 1.2)  # inches per panel: room for T tick labels
+    fig, axes = plt.subplots(rows, cols, figsize=(side * cols + 1, side * rows + 0.6), squeeze=False,
+                             layout="constrained")
+    upper = np.triu(np.ones((T, T), dtype=bool), k=1)  # keys after the query: never attended
+    fontsize = 8 if T <= 32 else 6
+    for h, ax in enumerate(axes.flat):
+        if h >= nh:
+            ax.axis("off")
+            continue
+        image = ax.imshow(np.ma.masked_array(att_layer[h].numpy(), upper), cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_title(f"head {h}", fontsize=10)
+        ax.set_xticks(range(T), labels, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(T), labels, fontsize=fontsize)
+        ax.set_xlabel("key (attended to)", fontsize=8)
+        ax.set_ylabel("query", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle(title)
+    return fig
+
+
+def plot_summary(values, kind: str, title: str):
+    """Heatmap of (n_layer, n_head) values, each cell written in."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L, nh = values.shape
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.7 * nh + 2.5), max(3.0, 0.45 * L + 1.8)), layout="constrained")
+    image = ax.imshow(values.numpy(), cmap="magma", aspect="auto")
+    for layer in range(L):
+        for h in range(nh):
+            v = float(values[layer, h])
+            bright = v > float(values.min()) + 0.6 * float(values.max() - values.min())
+            ax.text(h, layer, f"{v:.1f}" if kind == "distance" else f"{v:.2f}", ha="center", va="center",
+                    fontsize=7, color="black" if bright else "white")
+    ax.set_xticks(range(nh))
+    ax.set_yticks(range(L))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    what = "mean attention distance (tokens)" if kind == "distance" else "attention entropy (nats)"
+    fig.colorbar(image, ax=ax, label=what)
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
+    from eval import load_model  # the one loader of checkpoints and GPT-2 weights for judging a model
+    from sample import encode_prompt, read_prompt
+
+    cfg = parse_args(AttentionConfig, argv)
+    model, tok, source = load_model(cfg.init_from, cfg.out_dir)
+    L = model.config.n_layer
+    if not -L <= cfg.layer < L:
+        raise UserError(f"layer {cfg.layer} does not exist: the model has {L} layers (0 to {L - 1}, or -1 for the last)")
+    ids = encode_prompt(tok, read_prompt(cfg.prompt), model.config.block_size)
+    if not 2 <= len(ids) <= cfg.max_tokens:
+        raise UserError(f"the prompt is {len(ids)} tokens; draw 2 to {cfg.max_tokens} (--max_tokens=N raises the "
+                        f"limit, at the cost of smaller labels)")
+    att = attention_maps(model, ids)  # (L, nh, T, T)
+    layer = cfg.layer % L
+    labels = token_labels(tok, ids)
+    out = Path(cfg.out) if cfg.out else (Path(cfg.out_dir) if cfg.init_from == "resume" else Path()) / "attention.png"
+    save(plot_heads(att[layer], labels, f"{source}: attention of layer {layer} ({len(ids)} tokens)"), out)
+    values = mean_distance(att) if cfg.summary == "distance" else entropy(att)
+    summary_out = out.with_name(out.stem + "_summary.png")
+    save(plot_summary(values, cfg.summary, f"{source}, {len(ids)}-token prompt"), summary_out)
+    return out, summary_out
+
+
+def main(argv: Sequence[str]):
+    if argv and argv[0] == "attention":
+        return attention_main(argv[1:])
+    return loss_main(argv)
+
+
+if __name__ == "__main__":
+    run_cli(main)

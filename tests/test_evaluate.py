@@ -1,0 +1,220 @@
+"""Whole-split perplexity and HellaSwag (core/evaluate.py, eval.py, train.py's hellaswag_file).
+
+    python -m pytest tests/test_evaluate.py
+
+The model is a tiny one trained for a second or two on a repetitive text, so its predictions are
+sharp and a wrong shift or a wrong window shows in the numbers. Independent figures come from
+transformers' GPT2LMHeadModel on the same weights (through save_pretrained), one token at a time.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+import eval as eval_script
+from core import evaluate
+from core.data import TokenData
+from core.errors import UserError
+from core.tokenizer import CharTokenizer
+from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, run_main, train_tiny,
+                           use_gpt2_bpe)
+
+transformers = pytest.importorskip("transformers", reason="the independent figures need transformers")
+
+TEXT = "the cat sat on the mat. the dog ate the bone. a bird sang in the tree. " * 30
+# Right endings follow their context in TEXT; the wrong ones use the same characters in orders it never has.
+EXAMPLES = [
+    ("the cat sat on the", ["bone.", "mat.", "tree.", "ate."], 1),
+    ("the dog ate the", ["bone.", "mat.", "sang.", "the cat"], 0),
+    ("a bird sang in the", ["mat.", "bone.", "cat.", "tree."], 3),
+    ("the dog", ["sat on", "sang in", "ate the", "in the"], 2),
+    ("a bird", ["ate the", "sang in", "sat on", "on the mat"], 1),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A trained tiny char model: (out_dir, data_dir, our GPT, the same weights in transformers)."""
+    tmp = tmp_path_factory.mktemp("run")
+    make_char_dataset(tmp / "data", TEXT, val_fraction=0.1)
+    train_tiny(tmp / "out", tmp / "data", max_iters=120, lr_decay_iters=120, eval_interval=120)
+    from sample import load_resume
+    model, tok, _ = load_resume(tmp / "out")
+    model.eval().save_pretrained(tmp / "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp / "hf").eval()
+    return tmp / "out", tmp / "data", model, tok, hf
+
+
+def write_hellaswag(path, examples, extra_lines=()):
+    lines = [json.dumps({"ind": i, "ctx": c, "endings": e, "label": label, "activity_label": "test"})
+             for i, (c, e, label) in enumerate(examples)]
+    path.write_text("\n".join([*lines, *extra_lines]) + "\n")
+    return path
+
+
+def hf_token_loss(hf, context: list[int], target: int) -> float:
+    with torch.no_grad():
+        logits = hf(torch.tensor([context])).logits[0, -1]
+    return F.cross_entropy(logits, torch.tensor(target)).item()
+
+
+# -----------------------------------------------------------------------------
+# perplexity
+
+
+@pytest.mark.parametrize("n,T,stride", [(10, 4, 4), (10, 4, 1), (11, 4, 3), (5, 4, 4), (4, 8, 8), (40, 8, 5)])
+def test_windows_score_every_token_once_with_enough_context(n, T, stride):
+    scored = []
+    for begin, end, new in evaluate.split_windows(n, T, stride):
+        assert 0 < end - begin <= T and 0 < new <= end - begin
+        for j in range(end - new + 1, end + 1):  # target token j, predicted from tokens[begin:j]
+            assert j - begin >= min(j, T - stride + 1)
+            scored.append(j)
+    assert scored == list(range(1, n))
+
+
+def test_perplexity_equals_a_per_token_computation_in_transformers(run):
+    """Each token j once, from the context its window gives it: tokens[k*stride : j] with k the first
+    window whose targets reach j (k = ceil((j - T) / stride), at least 0)."""
+    _, data_dir, model, _, hf = run
+    T = 16
+    data = TokenData(data_dir, "val", T)
+    tokens = torch.from_numpy(np.fromfile(data.paths[0], dtype=data.dtype).astype(np.int64))
+    n = len(tokens)
+    for stride in (T, 5, 1):
+        ours = evaluate.evaluate_split(model, data, stride=stride, batch_size=3)
+        losses = []
+        for j in range(1, n):
+            k = max(0, math.ceil((j - T) / stride))
+            losses.append(hf_token_loss(hf, tokens[k * stride:j].tolist(), int(tokens[j])))
+        assert ours.tokens == n - 1
+        assert ours.loss == pytest.approx(sum(losses) / len(losses), abs=1e-5)
+        assert ours.perplexity == pytest.approx(math.exp(ours.loss))
+    assert ours.loss < 1.0  # the model has learned the text: a wrong target or context would show
+
+
+def test_eval_command_reports_loss_perplexity_and_tokens(run):
+    out_dir, data_dir, model, _, _ = run
+    expected = evaluate.evaluate_split(model, TokenData(data_dir, "val", 32), stride=8)
+    result = run_main(eval_script.main, [f"--out_dir={out_dir}", "--device=cpu", "--stride=8"])
+    assert result.returncode == 0, result.stderr
+    n = TokenData(data_dir, "val", 32).num_tokens
+    assert result.stdout.strip() == (f"{data_dir} val: loss {expected.loss:.4f} | perplexity {expected.perplexity:.3f}"
+                                     f" | {n - 1:,} tokens (block_size 32, stride 8)")
+
+
+def test_bad_perplexity_input_is_one_line(run, tmp_path):
+    out_dir, data_dir, _, _, _ = run
+    make_char_dataset(tmp_path / "short", TEXT, val_fraction=0.005)  # 10 val tokens < block_size + 1
+    make_char_dataset(tmp_path / "other", "ABCDEFGHIJKLMNOPQRSTUVWXYZ .," * 30)  # another vocabulary
+    common = [f"--out_dir={out_dir}", "--device=cpu"]
+    cases = [
+        ([f"--data_dir={tmp_path / 'missing'}"], "meta.json not found"),
+        ([f"--data_dir={tmp_path / 'short'}"], "fewer than block_size + 1"),
+        ([f"--data_dir={tmp_path / 'other'}"], "tokenizer"),
+        ([f"--data_dir={data_dir}", "--stride=33"], "stride 33 is larger than block_size 32"),
+        ([f"--data_dir={data_dir}", "--block_size=64"], "larger than the model's 32"),
+        (["--task=mmlu"], "task must be one of"),
+    ]
+    for args, fragment in cases:
+        assert_user_error(run_main(eval_script.main, common + args), fragment)
+    assert_user_error(run_main(eval_script.main, [f"--out_dir={tmp_path}", "--device=cpu"]), "no checkpoint")
+
+
+@pytest.mark.slow
+def test_gpt2_weights_on_a_bpe_split(tmp_path):
+    """eval.py --init_from=<save_pretrained dir> with GPT-2's BPE; a char dataset is refused."""
+    use_gpt2_bpe()
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32)).eval()
+    hf.save_pretrained(tmp_path / "gpt2")
+    make_gpt2_dataset(tmp_path / "bpe", ["Hello world, this is a small test document for perplexity."] * 8)
+    make_char_dataset(tmp_path / "char", TEXT)
+    ok = run_main(eval_script.main, [f"--init_from={tmp_path / 'gpt2'}", f"--data_dir={tmp_path / 'bpe'}",
+                                     "--device=cpu"])
+    assert ok.returncode == 0, ok.stderr
+    n = TokenData(tmp_path / "bpe", "val", 32).num_tokens
+    assert f"| {n - 1:,} tokens (block_size 32, stride 32)" in ok.stdout
+    loss = float(ok.stdout.split("loss ")[1].split()[0])
+    assert abs(loss - math.log(50257)) < 0.5  # random weights: near-uniform over GPT-2's vocabulary
+    bad = run_main(eval_script.main, [f"--init_from={tmp_path / 'gpt2'}", f"--data_dir={tmp_path / 'char'}",
+                                      "--device=cpu"])
+    assert_user_error(bad, "tokenizer 'char'")
+
+
+# -----------------------------------------------------------------------------
+# HellaSwag
+
+
+def test_hellaswag_scores_equal_transformers(run, tmp_path):
+    """Summed and mean loss of each ending's tokens, after context + " " + ending, as GPT2LMHeadModel gives them."""
+    _, _, model, tok, hf = run
+    examples = evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES))
+    right, right_norm = 0, 0
+    for ex, (tokens, mask, label) in zip(examples, evaluate.render_examples(examples, tok, 32)):
+        total, mean = evaluate.ending_losses(model, tokens, mask)
+        ctx = tok.encode(ex.context)
+        expected = []
+        for i, ending in enumerate(ex.endings):
+            ids = ctx + tok.encode(" " + ending)
+            assert tokens[i, :len(ids)].tolist() == ids
+            losses = [hf_token_loss(hf, ids[:j], ids[j]) for j in range(len(ctx), len(ids))]
+            expected.append((sum(losses), sum(losses) / len(losses)))
+        torch.testing.assert_close(total, torch.tensor([e[0] for e in expected]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(mean, torch.tensor([e[1] for e in expected]), atol=1e-5, rtol=0)
+        right += min(range(4), key=lambda i: expected[i][0]) == label
+        right_norm += min(range(4), key=lambda i: expected[i][1]) == label
+    scores = evaluate.evaluate_hellaswag(model, evaluate.render_examples(examples, tok, 32))
+    assert scores == {"acc": right / 5, "acc_norm": right_norm / 5, "examples": 5}
+
+
+def test_hellaswag_picks_the_endings_the_model_has_seen(run, tmp_path):
+    out_dir, _, _, _, _ = run
+    path = write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)
+    result = run_main(eval_script.main, [f"--out_dir={out_dir}", "--task=hellaswag", f"--hellaswag_file={path}",
+                                         "--device=cpu"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"hellaswag {path}: acc 1.0000 | acc_norm 1.0000 | 5 examples"
+    swapped = [(c, e, (label + 1) % 4) for c, e, label in EXAMPLES]  # every label now names a wrong ending
+    result = run_main(eval_script.main, [f"--out_dir={out_dir}", "--task=hellaswag", "--device=cpu",
+                                         f"--hellaswag_file={write_hellaswag(tmp_path / 'bad.jsonl', swapped)}"])
+    assert "acc 0.0000 | acc_norm 0.0000 | 5 examples" in result.stdout
+
+
+def test_bad_hellaswag_input_is_one_line(run, tmp_path):
+    out_dir, _, _, _, _ = run
+    good = json.dumps({"ctx": "the cat", "endings": ["sat", "mat", "a", "b"], "label": 0})
+    cases = [
+        (["{not json"], "line 2 is not valid JSON"),
+        ([json.dumps({"ctx": "the cat", "endings": ["a", "b", "c"], "label": 0})], "line 2: 'endings' must be"),
+        ([json.dumps({"ctx": "the cat", "endings": ["a", "b", "c", "d"], "label": 4})], "line 2: 'label' must be"),
+        ([json.dumps({"ctx": "", "endings": ["a", "b", "c", "d"], "label": 0})], "line 2 has no non-empty"),
+        ([json.dumps({"ctx": "QUERY", "endings": ["a", "b", "c", "d"], "label": 0})],
+         "HellaSwag line 2 cannot be encoded with the model's tokenizer"),
+    ]
+    for i, (lines, fragment) in enumerate(cases):
+        path = tmp_path / f"case{i}.jsonl"
+        path.write_text("\n".join([good, *lines]) + "\n")
+        result = run_main(eval_script.main, [f"--out_dir={out_dir}", "--task=hellaswag", f"--hellaswag_file={path}",
+                                             "--device=cpu"])
+        assert_user_error(result, fragment)
+    missing = run_main(eval_script.main, [f"--out_dir={out_dir}", "--task=hellaswag", "--device=cpu",
+                                          f"--hellaswag_file={tmp_path / 'none.jsonl'}"])
+    assert_user_error(missing, "not found; run python data/hellaswag/prepare.py")
+    with pytest.raises(UserError, match="line 1: an ending of 40 tokens leaves no context"):
+        evaluate.render_example(evaluate.HellaSwagExample(1, "the", ["a" * 39, "b", "c", "d"], 0),
+                                CharTokenizer.from_text(TEXT + "b"), 32)
+
+
+def test_hellaswag_inside_training_is_logged(run, tmp_path):
+    _, data_dir, _, _, _ = run
+    path = write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)
+    train_tiny(tmp_path / "out", data_dir, max_iters=120, lr_decay_iters=120, eval_interval=60,
+               hellaswag_file=str(path))
+    evals = [r for r in map(json.loads, (tmp_path / "out" / "log.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["iter"] for r in evals] == [0, 60, 120]
+    assert all(0.0 <= r["hellaswag_acc"] <= 1.0 and 0.0 <= r["hellaswag_acc_norm"] <= 1.0 for r in evals)
+    assert evals[-1]["hellaswag_acc_norm"] == 1.0  # the same training as the fixture's model, which gets all 5
