@@ -263,6 +263,13 @@ def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
                 raise UserError(f"checkpoint {path} is corrupt ({name} does not match its CRC-32); it cannot be loaded")
         except OSError as e:
             raise UserError(f"checkpoint {path} is incomplete ({name}: {e.strerror}); it cannot be loaded") from None
+    try:  # before DCP reads it: DCP would log the refusal as a traceback and go on to another error
+        _check_metadata(path / ".metadata")
+    except pickle.UnpicklingError as e:
+        raise UserError(f"{path}/.metadata {e}: unpickling it could run any code. It is not a checkpoint written "
+                        f"by this project's train.py") from None
+    except (OSError, EOFError, ValueError) as e:
+        raise UserError(f"checkpoint {path} has an unreadable .metadata ({first_line(e)})") from None
     return meta
 
 
@@ -334,14 +341,20 @@ class _MetadataUnpickler(pickle.Unpickler):
             found = super().find_class(module, name)
             if allowed is not None or isinstance(found, type):
                 return found
-        raise pickle.UnpicklingError(f"the checkpoint's .metadata asks for {module}.{name}, which is never loaded")
+        raise pickle.UnpicklingError(f"holds a pickled {module}.{name}, which is never loaded")
+
+
+def _check_metadata(path: Path) -> None:
+    """Unpickle DCP's metadata file through the allowlist; raises pickle.UnpicklingError on any other global."""
+    with open(path, "rb") as f:
+        _MetadataUnpickler(f).load()
 
 
 class _SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            _MetadataUnpickler(f).load()  # raises on any other global; then DCP's own reader is safe
-        return super().read_metadata(*args, **kwargs)
+        rank = kwargs.get("rank")  # DCP first asks for per-rank metadata files, which we never write
+        _check_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        return super().read_metadata(*args, **kwargs)  # now known to hold only allowed globals
 
 
 class _SafePlanner(dcp.DefaultLoadPlanner):
