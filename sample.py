@@ -117,12 +117,14 @@ def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = F
 def load_resume(out_dir: Path) -> tuple[GPT, Tokenizer, str]:
     """The model and tokenizer of out_dir/ckpt.pt, exactly that file: a damaged one is an error."""
     path, prev = out_dir / checkpoint.CKPT_NAME, out_dir / checkpoint.PREV_NAME
+    if not path.exists() and (out_dir / checkpoint.SHARDED_NAME).exists():  # saved by --parallel=fsdp
+        path, prev = out_dir / checkpoint.SHARDED_NAME, out_dir / checkpoint.PREV_SHARDED_NAME
     # ckpt.prev.pt is the complete checkpoint saved before ckpt.pt; name it rather than silently
     # sampling from an older model than the user thinks.
     hint = ""
-    if prev.is_file():
+    if prev.exists():
         hint = f"; {prev} holds the checkpoint saved before it: copy it to {path} to sample from it"
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"no checkpoint in {out_dir}: {path} not found; train one first "
                         f"(python train.py ... --out_dir={out_dir}) or pass --out_dir=...{hint}")
     try:

@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py
     torchrun --nnodes=2 --node_rank=0 --rdzv_endpoint=HOST:29500 --nproc_per_node=8 train.py config/gpt2_small.py
     python train.py config/train_shakespeare_char.py --init_from=resume   # continue from out_dir/ckpt.pt
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded, see core/parallel.py
 
 Configuration: the TrainConfig defaults below, overridden by config files (Python
 files that assign names), overridden by --key=value. The resolved config is written
@@ -12,7 +13,6 @@ to out_dir/config.json, and every logged iteration and eval to out_dir/log.jsonl
 
 SIGTERM or SIGINT (Ctrl-C) finishes the current step, saves a checkpoint and exits 0.
 """
-import contextlib
 import dataclasses
 import json
 import math
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core import checkpoint, config as configlib, evaluate, memory, optim, runtime
+from core import checkpoint, config as configlib, evaluate, memory, optim, parallel, runtime
 from core.data import TokenData, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import atomic_path, write_json
@@ -98,6 +97,8 @@ class TrainConfig:
     compile: bool | None = None            # None: on for CUDA, off elsewhere
     seed: int = 1337
     dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
+    parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/parallel.py)
+    activation_checkpointing: bool = False  # recompute each Block in the backward pass: less memory, more compute
 
     def validate(self) -> None:
         positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
@@ -131,6 +132,7 @@ class TrainConfig:
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.weight_decay < 0:
             raise UserError(f"need 0 <= beta1, beta2 < 1 and weight_decay >= 0, got {self.beta1}, {self.beta2}, "
                             f"{self.weight_decay}")
+        parallel.check_parallel(self.parallel, self.dtype)
         if not self.dist_timeout_s > 0:
             raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         if self.init_from not in ("scratch", "resume", *GPT2_NAMES) and not Path(self.init_from).is_dir():
@@ -271,8 +273,14 @@ def restore_rng(rng: dict | None, rt: runtime.Runtime, log) -> None:
         torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
 
 
-def all_finite(module: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+def all_finite(module: torch.nn.Module, rt: runtime.Runtime) -> bool:
+    """Whether every weight is finite, on every rank (fsdp: each holds a shard, so all must agree)."""
+    finite = all(bool(torch.isfinite(parallel.local(p)).all()) for p in module.parameters())
+    if not parallel.is_sharded(module):
+        return finite
+    flag = torch.tensor(float(finite), device=rt.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 # -----------------------------------------------------------------------------
@@ -290,11 +298,14 @@ def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runti
     model.eval()
     for split, ds in data.items():
         total = torch.zeros(2, device=rt.device)  # (sum of losses, count)
-        for k in range(rt.rank, cfg.eval_iters, rt.world_size):
-            x, y = ds.get_batch(cfg.batch_size, batch_generator(cfg.seed, "eval", split, k), rt.device)
+        # Every rank runs as many forwards: under fsdp each one is a collective (its all-gathers).
+        padded = -(-cfg.eval_iters // rt.world_size) * rt.world_size
+        for k in range(rt.rank, padded, rt.world_size):
+            x, y = ds.get_batch(cfg.batch_size, batch_generator(cfg.seed, "eval", split, k % cfg.eval_iters), rt.device)
             with rt.autocast():
                 _, loss = model(x, y)
-            total += torch.stack([loss.float(), torch.ones((), device=rt.device)])
+            if k < cfg.eval_iters:
+                total += torch.stack([loss.float(), torch.ones((), device=rt.device)])
         if rt.ddp:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
@@ -390,9 +401,18 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     data_meta = read_meta(cfg.data_dir)
 
     resume_state = None
-    if cfg.init_from == "resume":
+    if cfg.init_from == "resume" and cfg.parallel == "fsdp":  # weights and optimizer load after sharding
+        saved_meta, path = checkpoint.load_latest_sharded(out_dir, log=log)
+        resume_state = {"meta": saved_meta, "model": None}
+    elif cfg.init_from == "resume":
         resume_state, path = checkpoint.load_latest(out_dir, log=log)
+    if resume_state is not None:
         log(f"resuming from {path} at iter {resume_state['meta']['iter_num']}")
+        saved_world = resume_state["meta"].get("world_size", rt.world_size)
+        if saved_world != rt.world_size:
+            log(f"note: the checkpoint was saved by {saved_world} process(es) and resumes on {rt.world_size}: "
+                f"the same global batch ({cfg.gradient_accumulation_steps} micro-batches) split differently, so "
+                f"losses match the uninterrupted run to float rounding, not bit for bit")
     # The data first: a missing file or a block_size longer than the data is found in a second,
     # before a model of that block_size is built.
     data = {split: TokenData(cfg.data_dir, split, cfg.block_size) for split in ("train", "val")}
@@ -403,25 +423,26 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     hellaswag = None if cfg.hellaswag_file is None else evaluate.render_examples(
         evaluate.load_hellaswag(cfg.hellaswag_file), tokenizer_from_meta(tok_meta), model.config.block_size)
     model.to(rt.device)
-    raw_model = model  # what is saved: never the compiled or DDP-wrapped module
+    raw_model = model  # what is saved: never the compiled or DDP-wrapped module (fsdp shards it in place)
+    compile = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
+    model = parallel.parallelize(raw_model, rt, cfg.parallel, cfg.activation_checkpointing, compile)
 
+    # built after sharding: fully_shard replaces the parameters with their shards
     optimizer = optim.build_optimizer(raw_model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                       rt.device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay)
     scaler = rt.grad_scaler()
     iter_num, best_val_loss = 0, float("inf")
     if resume_state is not None:
-        optim.load_state(optimizer, resume_state["optimizer"])
-        if resume_state["scaler"]:
+        if resume_state["model"] is None:
+            resume_state["rng"] = checkpoint.load_sharded(path, raw_model, optimizer)
+        else:
+            optim.load_state(optimizer, resume_state["optimizer"])
+        if resume_state.get("scaler"):
             scaler.load_state_dict(resume_state["scaler"])
         iter_num = resume_state["meta"]["iter_num"]
         best_val_loss = resume_state["meta"]["best_val_loss"]
         restore_rng(resume_state["rng"], rt, log)
         del resume_state
-
-    if cfg.compile if cfg.compile is not None else rt.device_type == "cuda":
-        model = torch.compile(model)
-    if rt.ddp:
-        model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
 
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in {rt.dtype} "
@@ -436,25 +457,31 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
         if wandb_run:
             wandb_run.log(wandb_record)
 
-    def save(reason: str, rng: dict) -> None:  # rank 0 only
+    def save(reason: str, rng: dict) -> None:  # rank 0 only; with fsdp every rank writes its shards
         meta = {"iter_num": iter_num, "best_val_loss": best_val_loss, "model_args": dataclasses.asdict(raw_model.config),
                 "config": configlib.to_dict(cfg), "tokenizer": tok_meta, "world_size": rt.world_size,
                 "loader": {"seed": cfg.seed, "next_iter": iter_num}}
         try:
-            path = checkpoint.save_checkpoint(out_dir, meta, raw_model.state_dict(), optimizer.state_dict(),
-                                              scaler.state_dict(), rng)
+            if cfg.parallel == "fsdp":  # collective: every rank writes its shards
+                path = checkpoint.save_sharded(out_dir, meta, raw_model, optimizer, rng)
+            else:
+                path = checkpoint.save_checkpoint(out_dir, meta, raw_model.state_dict(), optimizer.state_dict(),
+                                                  scaler.state_dict(), rng)
         except OSError as e:
             raise UserError(f"could not save a checkpoint in {out_dir}: {e.strerror or e}; "
                             f"the previous checkpoint is intact") from None
         log(f"saved checkpoint at iter {iter_num} to {path} ({reason})")
 
     def save_everywhere(reason: str) -> None:
-        """save() with every rank waiting for rank 0's write, and failing with it."""
-        if not all_finite(raw_model):
+        """save() with every rank waiting for rank 0's write, and failing with it (fsdp: every rank writes)."""
+        if not all_finite(raw_model, rt):
             raise UserError(f"the model has non-finite weights at iter {iter_num}; not saving over the last good "
                             f"checkpoint in {out_dir}")
         rng = gather_rng(rt)  # collective: every rank takes part
-        rt.on_master(save, reason, rng)
+        if cfg.parallel == "fsdp":
+            save(reason, rng)
+        else:
+            rt.on_master(save, reason, rng)
 
     stop = StopFlag()
     stop.install()
@@ -586,9 +613,8 @@ def train_step(model, scaler, batches: TrainBatches, rt: runtime.Runtime, iter_n
     loss_sum = None
     for micro in range(accum):
         x, y = batches.get(iter_num, micro)
-        # Gradients are all-reduced once, on the last micro-step.
-        sync = contextlib.nullcontext() if not rt.ddp or micro == accum - 1 else model.no_sync()
-        with sync:
+        # Gradients are reduced once, on the last micro-step.
+        with parallel.micro_step(model, rt, batches.cfg.parallel, last=micro == accum - 1):
             with rt.autocast():
                 # Only the loss is kept: holding the logits too would keep a (B, T, vocab) tensor
                 # alive through backward (1.2 GB for GPT-2 at 12 x 1024 in bfloat16).

@@ -12,20 +12,37 @@ A save first makes ckpt.prev.pt a copy of the current ckpt.pt, then replaces
 ckpt.pt atomically, so at every instant both names hold complete checkpoints.
 Loading checks every record's CRC-32 (torch.load does not), so a truncated or
 bit-flipped file is an error, never silently wrong weights.
+
+Sharded checkpoints (parallel="fsdp") are directories, ckpt.dcp and ckpt.prev.dcp, written by
+torch.distributed.checkpoint (DCP): each process writes its own shards, and they load into any
+number of processes (DCP re-splits them), or into one plain GPT for sample.py and save_pretrained:
+    __<rank>_0.distcp   each process's tensors (model and AdamW state), read with weights_only=True
+    .metadata           DCP's index of the shards: a pickle, read through an allowlist (see below)
+    rng.pt              every process's RNG states (torch.save of tensors, weights_only)
+    meta.json           {"format", "meta" (as above), "files": {name: CRC-32}}: written last
+The same guarantees as ckpt.pt: the save goes to a temporary directory that is renamed into place,
+ckpt.prev.dcp keeps the one before, and a load checks every file's CRC-32 before reading it.
 """
+import contextlib
+import io
 import json
 import os
 import pickle
 import re
 import shutil
+import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from core.errors import UserError, first_line
-from core.fileio import atomic_path, remove_orphaned_temps
+from core.fileio import atomic_path, fsync_dir, remove_orphaned_temps, write_json
 from model import GPT, GPTConfig
 
 FORMAT = "nanogpt-checkpoint/1"
@@ -68,6 +85,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     is not a checkpoint of this project.
     """
     path = Path(path)
+    if path.is_dir():  # a sharded checkpoint, e.g. out/ckpt.dcp
+        return load_sharded_full(path)
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}; train one first (python train.py ... --out_dir={path.parent})")
     _verify_archive(path)
@@ -133,5 +152,215 @@ def model_from_checkpoint(state: dict[str, Any], **overrides) -> GPT:
     """Rebuild the saved GPT (on the CPU) from a loaded checkpoint; overrides such as
     dropout or attn_backend change how it runs, not its weights."""
     model = GPT(GPTConfig(**(state["meta"]["model_args"] | overrides)))
-    model.load_state_dict(state["model"])
+    if state["model"] is not None:  # None: a sharded checkpoint, loaded after sharding (load_sharded)
+        model.load_state_dict(state["model"])
     return model
+
+
+# -----------------------------------------------------------------------------
+# sharded checkpoints (parallel="fsdp"): torch.distributed.checkpoint
+
+SHARDED_FORMAT = "nanogpt-sharded-checkpoint/1"
+SHARDED_NAME = "ckpt.dcp"
+PREV_SHARDED_NAME = "ckpt.prev.dcp"
+SHARDED_TEMP = ".ckpt.dcp.tmp"  # one name for every process; a run killed mid-save leaves it, the next save clears it
+META_NAME = "meta.json"
+RNG_NAME = "rng.pt"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def _one_process_quietly():
+    """DCP warns on every save and load without a process group; one process is a case we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _agree(ok: bool, error: str) -> None:
+    """Rank 0's outcome, on every rank: all raise together, none waits for a peer that gave up."""
+    if dist.is_initialized():
+        flag = [ok]
+        dist.broadcast_object_list(flag, src=0)
+        ok = flag[0]
+    if not ok:
+        raise OSError(error)
+
+
+def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, rng: dict | None = None) -> Path:
+    """Write out_dir/ckpt.dcp, keeping the previous one as ckpt.prev.dcp. Every process calls it.
+
+    Each process writes its own shards of `model` and `optimizer` (as get_state_dict returns them:
+    DTensor shards under fully_shard, full tensors on one process) into SHARDED_TEMP; rank 0 then adds
+    rng.pt and meta.json and renames the directory into place. Raises OSError with both earlier
+    checkpoints intact.
+    """
+    out_dir = Path(out_dir)
+    tmp = out_dir / SHARDED_TEMP
+    ok = True
+    if _rank() == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError:
+            ok = False
+    _agree(ok, f"could not create {tmp}")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _one_process_quietly():
+        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
+                 no_dist=not dist.is_initialized())
+    ok, error = True, ""
+    if _rank() == 0:
+        try:
+            if rng is not None:
+                torch.save(rng, tmp / RNG_NAME)
+            files = {p.name: _crc32(p) for p in sorted(tmp.iterdir())}
+            write_json(tmp / META_NAME, {"format": SHARDED_FORMAT, "meta": meta, "files": files})
+            fsync_dir(tmp)
+            _replace_dir(tmp, out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME)
+        except OSError as e:
+            ok, error = False, f"{e.strerror or e}"
+    _agree(ok, error)
+    return out_dir / SHARDED_NAME
+
+
+def _replace_dir(new: Path, path: Path, prev: Path) -> None:
+    """Rename `new` to `path`, the current `path` becoming `prev`. A kill at any moment leaves a complete
+    checkpoint at `path` or, between the two renames, at `prev` (load_latest_sharded falls back to it)."""
+    if path.exists():
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(path, prev)
+    os.replace(new, path)
+    fsync_dir(path.parent)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of the sharded checkpoint directory `path`, after checking every file against its CRC-32.
+
+    Raises UserError for a missing or incomplete directory, a changed file, or one not of this project."""
+    path = Path(path)
+    if not (path / META_NAME).is_file():
+        raise UserError(f"no sharded checkpoint at {path} (no {META_NAME}); train one first with --parallel=fsdp")
+    try:
+        record = json.loads((path / META_NAME).read_text())
+        files, meta = record["files"], record["meta"]
+        assert record["format"] == SHARDED_FORMAT and isinstance(files, dict) and isinstance(meta, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise UserError(f"{path} is not a sharded checkpoint written by this project's train.py") from None
+    for name, crc in files.items():
+        try:
+            if _crc32(path / name) != crc:
+                raise UserError(f"checkpoint {path} is corrupt ({name} does not match its CRC-32); it cannot be loaded")
+        except OSError as e:
+            raise UserError(f"checkpoint {path} is incomplete ({name}: {e.strerror}); it cannot be loaded") from None
+    try:  # before DCP reads it: DCP would log the refusal as a traceback and go on to another error
+        _check_metadata(path / ".metadata")
+    except pickle.UnpicklingError as e:
+        raise UserError(f"{path}/.metadata {e}: unpickling it could run any code. It is not a checkpoint written "
+                        f"by this project's train.py") from None
+    except (OSError, EOFError, ValueError) as e:
+        raise UserError(f"checkpoint {path} has an unreadable .metadata ({first_line(e)})") from None
+    return meta
+
+
+def load_latest_sharded(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], Path]:
+    """(meta, directory) of the newest intact sharded checkpoint in out_dir: ckpt.dcp, or if it is
+    damaged or missing (a kill between two renames), ckpt.prev.dcp, saying so."""
+    out_dir = Path(out_dir)
+    path, prev = out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME
+    if not path.exists() and not prev.exists():
+        other = " (it holds a ddp checkpoint, ckpt.pt: resume it with --parallel=ddp)" if (out_dir / CKPT_NAME).exists() else ""
+        raise UserError(f"no sharded checkpoint in {out_dir} (expected {SHARDED_NAME}){other}; train first or "
+                        "check --out_dir")
+    try:
+        return read_sharded_meta(path), path
+    except UserError as e:
+        if not prev.exists():
+            raise
+        try:
+            meta = read_sharded_meta(prev)
+        except UserError as e_prev:
+            raise UserError(f"no intact sharded checkpoint in {out_dir}: {e}; and {e_prev}") from None
+        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {meta.get('iter_num')})")
+        return meta, prev
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
+    """Load a sharded checkpoint into `model` (and `optimizer`), sharded or not, at any number of
+    processes; every process calls it. Returns the saved RNG states (rng.pt), or None."""
+    model_state, optim_state = get_state_dict(model, optimizer) if optimizer else (get_model_state_dict(model), None)
+    state = {"model": model_state} | ({"optimizer": optim_state} if optimizer else {})
+    try:
+        with _one_process_quietly():
+            dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=not dist.is_initialized())
+    except (pickle.UnpicklingError, dcp.api.CheckpointException, RuntimeError) as e:
+        raise UserError(f"checkpoint {path} cannot be loaded into this model ({first_line(e)})") from None
+    set_state_dict(model, optimizer or (), model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+    rng = path / RNG_NAME
+    return torch.load(rng, map_location="cpu", weights_only=True) if rng.exists() else None
+
+
+def load_sharded_full(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint as load_checkpoint returns a ckpt.pt (model weights, no optimizer), in one
+    process: what sample.py and GPT.save_pretrained need."""
+    path = Path(path)
+    meta = read_sharded_meta(path)
+    model = GPT(GPTConfig(**meta["model_args"]))
+    load_sharded(path, model, None)
+    return {"format": FORMAT, "meta": meta, "model": model.state_dict(), "optimizer": None, "scaler": None, "rng": None}
+
+
+# DCP's .metadata is a pickle that FileSystemReader would pickle.load, and DCP's planner reads
+# non-tensor values (the optimizer's hyperparameters) with torch.load(weights_only=False): either could
+# run any code from a crafted checkpoint. Here .metadata unpickles only DCP's own metadata classes and a
+# few torch value types, and other values load with weights_only=True.
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": None,  # any class of that module: dataclasses and enums
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = _SAFE_GLOBALS.get(module, set())
+        if module in _SAFE_GLOBALS and (allowed is None or name in allowed):
+            found = super().find_class(module, name)
+            if allowed is not None or isinstance(found, type):
+                return found
+        raise pickle.UnpicklingError(f"holds a pickled {module}.{name}, which is never loaded")
+
+
+def _check_metadata(path: Path) -> None:
+    """Unpickle DCP's metadata file through the allowlist; raises pickle.UnpicklingError on any other global."""
+    with open(path, "rb") as f:
+        _MetadataUnpickler(f).load()
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")  # DCP first asks for per-rank metadata files, which we never write
+        _check_metadata(Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        return super().read_metadata(*args, **kwargs)  # now known to hold only allowed globals
+
+
+class _SafePlanner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # raises on anything but plain values; then DCP's load is safe
+        value.seek(0)
+        super().load_bytes(read_item, value)

@@ -1,0 +1,174 @@
+"""Data parallelism, activation checkpointing and compile, applied to the model from outside.
+
+    model = parallel.parallelize(raw_model, rt, "fsdp", activation_checkpointing=True, compile=False)
+    optimizer = ...built from raw_model.parameters() AFTER this call (fsdp replaces them by shards)
+    with parallel.micro_step(model, rt, "fsdp", last=micro == accum - 1):
+        loss.backward()
+
+ddp   every process holds the full weights, gradients and optimizer state (16 bytes per parameter
+      with AdamW in float32); DistributedDataParallel all-reduces the gradients.
+fsdp  torch.distributed.fsdp.fully_shard (FSDP2) on each Block, then on the root: each process keeps
+      1/N of every parameter, gradient and optimizer state, as DTensors. A Block's full weights are
+      all-gathered just before it runs and freed after it; gradients are reduce-scattered. This is
+      torchtitan's recipe (models/llama3/infra/parallelize.py), with PyTorch's own sharding.
+One process: neither wrapper; plain training, the same code path.
+
+The model never knows: GPT's parameter names, forward and state_dict keys stay as they are.
+"""
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from core import runtime
+from core.errors import UserError
+
+PARALLELS = ("ddp", "fsdp")
+
+
+def check_parallel(parallel: str, dtype: str) -> None:
+    if parallel not in PARALLELS:
+        raise UserError(f"parallel must be 'ddp' or 'fsdp', got '{parallel}'")
+    if parallel == "fsdp" and dtype == "float16":
+        # torch.amp.GradScaler cannot unscale sharded (DTensor) gradients
+        raise UserError("parallel=fsdp runs in float32 or bfloat16, not float16; use --dtype=bfloat16 "
+                        "(or --parallel=ddp for float16)")
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Keep only each Block's input in the forward pass and recompute its insides in the backward pass.
+
+    checkpoint_wrapper (non-reentrant torch.utils.checkpoint) replaces each Block in the ModuleList;
+    its state_dict hooks drop the wrapper's prefix, so checkpoints keep GPT's names."""
+    blocks = model.transformer.h
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block)
+
+
+def parallelize(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, activation_checkpointing: bool,
+                compile: bool) -> torch.nn.Module:
+    """The module to call for training. `model` itself stays the one to save and to build the optimizer
+    from: with fsdp it is sharded in place (its parameters become DTensor shards)."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if parallel == "fsdp" and rt.ddp:
+        if compile:
+            # Per-Block compile (torchtitan's order: checkpointing, compile, then sharding): FSDP's
+            # all-gathers run between the compiled Blocks rather than as graph breaks inside one graph.
+            for block in model.transformer.h:
+                block.compile()
+        shard(model, rt)
+        return model
+    if compile:
+        model = torch.compile(model)
+    if rt.ddp:
+        model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
+    return model
+
+
+def shard(model: torch.nn.Module, rt: runtime.Runtime) -> None:
+    """fully_shard each Block, then the root (embeddings, final norm, and the head tied to wte)."""
+    kwargs = {}
+    if rt.device_type == "cuda" and rt.dtype == "bfloat16":
+        # bf16 copies for compute (what autocast would cast to anyway); the float32 shards stay the
+        # optimizer's master weights, and gradients are reduced in float32.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+@contextlib.contextmanager
+def micro_step(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, last: bool):
+    """Gradients are reduced across processes once per optimizer step, on the last micro-step.
+
+    ddp: DDP.no_sync() on the others. fsdp: no reduce-scatter and no resharding between micro-steps
+    (set_requires_gradient_sync / set_reshard_after_backward): the unsharded parameters and float32
+    gradients stay in memory until the last micro-step, trading that memory for N-1 fewer
+    all-gathers and reduce-scatters per step."""
+    if not rt.ddp or last and parallel == "ddp":
+        yield
+    elif parallel == "ddp":
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        yield
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# -----------------------------------------------------------------------------
+# memory accounting, for bench.py and the README's table
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this process holds for the tensors: a DTensor counts only its local shard."""
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Per-process bytes of parameters, gradients and optimizer state (tied weights counted once)."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    opt = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params), "optimizer": local_bytes(opt)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpt2Size:
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int = 50257
+    block_size: int = 1024
+
+    @property
+    def params(self) -> int:
+        """Parameters with the head tied to wte: embeddings + 12C^2 + 13C per block + final norm."""
+        C = self.n_embd
+        return self.vocab_size * C + self.block_size * C + self.n_layer * (12 * C * C + 13 * C) + 2 * C
+
+
+GPT2_SIZES = (Gpt2Size("gpt2", 12, 768, 12), Gpt2Size("gpt2-medium", 24, 1024, 16),
+              Gpt2Size("gpt2-large", 36, 1280, 20), Gpt2Size("gpt2-xl", 48, 1600, 25))
+
+
+def training_bytes(size: Gpt2Size, parallel: str, world_size: int, micro_batch: int = 1,
+                   activation_checkpointing: bool = False) -> dict[str, float]:
+    """Estimated per-GPU bytes to train `size` with AdamW under bf16 autocast / bf16 FSDP compute.
+
+    state: float32 weights (4 B) + float32 gradients (4 B) + AdamW's two float32 moments (8 B) =
+      16 B per parameter; ddp holds all of it on every GPU, fsdp 1/world_size of it, plus the bf16
+      all-gathered weights and gradients of one Block at a time (2 Blocks' worth with prefetch).
+    activations, per micro-batch of micro_batch x block_size tokens (Korthikanti et al. 2022, table 2,
+      16-bit, with a fused attention that never stores the T x T scores): 34 * tokens * C bytes per
+      layer; with activation checkpointing only each Block's input (2 * tokens * C) plus one Block
+      recomputed. Plus the logits: float32 logits and their gradient, 8 B * tokens * vocab.
+    Not counted: the CUDA context and allocator fragmentation (~1-3 GB), hence FITS_FRACTION.
+    """
+    C, L, tokens = size.n_embd, size.n_layer, micro_batch * size.block_size
+    state = 16 * size.params
+    if parallel == "fsdp":
+        block_bf16 = 2 * (12 * C * C + 13 * C)
+        state = state / world_size + 2 * 2 * block_bf16
+    per_layer = 34 * tokens * C
+    acts = (L * 2 * tokens * C + per_layer) if activation_checkpointing else L * per_layer
+    acts += 8 * tokens * size.vocab_size
+    return {"state": state, "activations": acts, "total": state + acts}
+
+
+FITS_FRACTION = 0.9  # of the GPU's memory: room for the CUDA context, workspaces and fragmentation

@@ -1,0 +1,311 @@
+"""FSDP2 sharding, sharded checkpoints and activation checkpointing, on the CPU with gloo.
+
+    python -m pytest tests/test_fsdp.py                 # ~1 min on two busy CPU cores
+    python -m pytest tests/test_fsdp.py -m "not slow"   # the in-process ones, a few seconds
+
+The slow tests launch real `torchrun --nproc_per_node=2 train.py` jobs (gloo, a tiny float32 model)
+and compare their per-iteration losses from log.jsonl. Batches depend only on (seed, iteration,
+micro-batch index in the global batch), so runs on any number of processes see the same data: only
+the order of float additions differs, hence approx where world sizes differ and == where they do not.
+"""
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench
+from core import checkpoint, parallel
+from core.errors import UserError
+from model import GPT, GPTConfig
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, child_pids, make_char_dataset, run_scripts,
+                           train_tiny)
+
+TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+# 2 Blocks (two fully_shard units and the root); 4 micro-batches per step, 2 per process under torchrun.
+RUN = dict(n_layer=2, n_head=2, n_embd=32, gradient_accumulation_steps=4, batch_size=4, max_iters=20,
+           lr_decay_iters=20, log_interval=1, eval_interval=20, eval_iters=2, checkpoint_interval=10,
+           dist_timeout_s=60.0)
+
+
+def argv(out_dir, data_dir, **cfg) -> list[str]:
+    return [f"--{k}={v}" for k, v in (TINY_TRAIN | RUN | {"out_dir": out_dir, "data_dir": data_dir} | cfg).items()]
+
+
+def losses(out_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+    return {r["iter"]: r["loss"] for r in records if "loss" in r}
+
+
+def assert_close(a: dict, b: dict, iters) -> None:
+    assert sorted(a) == sorted(b) == list(iters), (sorted(a), sorted(b))
+    for it in iters:  # another order of float additions across processes: rounding only
+        assert a[it] == pytest.approx(b[it], rel=1e-4, abs=1e-5), (it, a[it], b[it])
+
+
+def checked(results) -> list[subprocess.CompletedProcess]:
+    for r in results:
+        assert r.returncode == 0, f"{r.args}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    make_char_dataset(d, TEXT)
+    return d
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir):
+    """Three runs of the same 20 iterations, at once: 2-process fsdp (with activation checkpointing),
+    2-process ddp, and 1 process with parallel=fsdp (plain training). Each saves at 10 and 20."""
+    root = tmp_path_factory.mktemp("runs")
+    out = {name: root / name for name in ("fsdp2", "ddp2", "fsdp1")}
+    checked(run_scripts([*TORCHRUN, "train.py", *argv(out["fsdp2"], data_dir, parallel="fsdp",
+                                                      activation_checkpointing=True)],
+                        [*TORCHRUN, "train.py", *argv(out["ddp2"], data_dir)],
+                        ["train.py", *argv(out["fsdp1"], data_dir, parallel="fsdp")], timeout=300))
+    return out
+
+
+@pytest.mark.slow
+def test_two_process_fsdp_equals_one_process_and_ddp(runs):
+    assert_close(losses(runs["fsdp2"]), losses(runs["fsdp1"]), range(20))
+    assert_close(losses(runs["fsdp2"]), losses(runs["ddp2"]), range(20))
+    # The shards of the two processes assemble into the whole model (what sample.py reads), equal to ddp's.
+    sharded = checkpoint.load_checkpoint(runs["fsdp2"] / checkpoint.SHARDED_NAME)
+    full = checkpoint.load_checkpoint(runs["ddp2"] / checkpoint.CKPT_NAME)
+    assert sharded["meta"]["iter_num"] == full["meta"]["iter_num"] == 20
+    assert sharded["model"].keys() == full["model"].keys()
+    for name, tensor in full["model"].items():
+        mine = sharded["model"][name]
+        if name.endswith("attn.c_attn.bias"):
+            # The key bias has a zero gradient in exact arithmetic (softmax ignores a shift shared by
+            # all keys), so AdamW turns rounding noise into steps: ~1e-4 apart between any two runs.
+            key = slice(mine.numel() // 3, 2 * mine.numel() // 3)
+            torch.testing.assert_close(mine[key], tensor[key], rtol=0, atol=1e-3, msg=name)
+            mine, tensor = mine.clone(), tensor.clone()
+            mine[key] = tensor[key] = 0
+        torch.testing.assert_close(mine, tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert sorted(p.name for p in (runs["fsdp2"] / checkpoint.SHARDED_NAME).glob("__*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]  # one file of shards per process
+    assert read_json_meta(runs["fsdp2"] / checkpoint.PREV_SHARDED_NAME)["iter_num"] == 10  # the previous one kept
+
+
+def read_json_meta(path: Path) -> dict:
+    return json.loads((path / checkpoint.META_NAME).read_text())["meta"]
+
+
+def from_iter_10(src: Path, dst: Path) -> Path:
+    """A copy of src's iteration-10 checkpoint (ckpt.prev.dcp) as the newest one of a new out_dir."""
+    dst.mkdir()
+    shutil.copytree(src / checkpoint.PREV_SHARDED_NAME, dst / checkpoint.SHARDED_NAME)
+    shutil.copy(src / "log.jsonl", dst / "log.jsonl")
+    return dst
+
+
+@pytest.mark.slow
+def test_resume_two_processes_into_one_and_one_into_two(runs, data_dir, tmp_path):
+    """Iteration 10 of the 2-process run resumes on 1 process, and of the 1-process run on 2; each
+    finishes the last 10 iterations as the uninterrupted runs did, saying that the world size changed."""
+    two_to_one = from_iter_10(runs["fsdp2"], tmp_path / "2to1")
+    one_to_two = from_iter_10(runs["fsdp1"], tmp_path / "1to2")
+    a, b = checked(run_scripts(["train.py", *argv(two_to_one, data_dir, parallel="fsdp", init_from="resume")],
+                               [*TORCHRUN, "train.py", *argv(one_to_two, data_dir, parallel="fsdp", init_from="resume")],
+                               timeout=300))
+    assert "saved by 2 process(es) and resumes on 1" in a.stdout, a.stdout
+    assert "saved by 1 process(es) and resumes on 2" in b.stdout, b.stdout
+    assert_close(losses(two_to_one), losses(runs["fsdp2"]), range(20))
+    assert_close(losses(one_to_two), losses(runs["fsdp1"]), range(20))
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun's workers (each runs in a session of its own), then torchrun."""
+    for pid in child_pids(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def wait_until(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "the job ended before the kill"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, data_dir, tmp_path):
+    """2-process fsdp saving every iteration, SIGKILLed (all processes) once inside a save (its temporary
+    directory exists) and once between saves; each resume loads a complete checkpoint, and the finished
+    run's losses equal the uninterrupted 2-process run's bit for bit."""
+    out = tmp_path / "killed"
+    cfg = dict(parallel="fsdp", activation_checkpointing=True, checkpoint_interval=1)
+    temp = out / checkpoint.SHARDED_TEMP
+    newest = out / checkpoint.SHARDED_NAME / checkpoint.META_NAME
+
+    def launch(name: str, **extra) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.out", "w") as o, open(tmp_path / f"{name}.err", "w") as e:
+            return subprocess.Popen([sys.executable, *TORCHRUN, "train.py", *argv(out, data_dir, **cfg, **extra)],
+                                    cwd=REPO_ROOT, stdout=o, stderr=e, env=os.environ | ONE_THREAD_ENV | {"PYTHONUNBUFFERED": "1"})
+
+    job = launch("first")
+    try:
+        wait_until(lambda: newest.exists() and read_json_meta(newest.parent)["iter_num"] >= 3, job)
+        wait_until(temp.exists, job)  # the next save has begun: the processes are writing their shards
+        kill_job(job)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    assert temp.exists()  # killed mid-save
+    saved = checkpoint.read_sharded_meta(out / checkpoint.SHARDED_NAME)["iter_num"]  # intact
+    job = launch("second", init_from="resume")
+    try:
+        wait_until(lambda: read_json_meta(newest.parent)["iter_num"] >= saved + 3, job)
+        time.sleep(0.05)
+        kill_job(job)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    job = launch("third", init_from="resume")
+    try:
+        assert job.wait(timeout=180) == 0, (tmp_path / "third.err").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    for name in ("second", "third"):
+        text = (tmp_path / f"{name}.out").read_text()
+        assert "resuming from" in text and "warning" not in text, text
+    assert not temp.exists()
+    assert losses(out) == losses(runs["fsdp2"])
+
+
+def test_activation_checkpointing_same_losses_less_activation_memory(tmp_path):
+    """Checkpointing each Block gives the same loss and gradients, and the forward + backward's peak
+    memory (torch's CPU allocator events, as bench.py measures) is under half of the plain one's."""
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=128, vocab_size=64, n_layer=6, n_head=4, n_embd=64)
+    plain = GPT(config)
+    with torch.no_grad():  # sharper attention than the 0.02 init, so a wrong recompute would show
+        for block in plain.transformer.h:
+            block.attn.c_attn.weight.mul_(8)
+    ckpt = GPT(config)
+    ckpt.load_state_dict(plain.state_dict())
+    parallel.apply_activation_checkpointing(ckpt)
+    assert ckpt.state_dict().keys() == plain.state_dict().keys()  # checkpoints keep GPT's names
+    x = torch.randint(0, 64, (8, 128), generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        return lambda: model(x, x)[1].backward()
+
+    peaks = bench.cpu_peak_extra_bytes({"plain": step(plain), "checkpointed": step(ckpt)})
+    assert peaks["checkpointed"] < 0.5 * peaks["plain"], peaks
+    assert torch.equal(plain(x, x)[1], ckpt(x, x)[1])
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+    data = tmp_path / "data"
+    make_char_dataset(data, TEXT)
+    train_tiny(tmp_path / "plain", data, n_layer=2)
+    train_tiny(tmp_path / "ckpt", data, n_layer=2, activation_checkpointing=True)
+    assert losses(tmp_path / "plain") == losses(tmp_path / "ckpt")
+
+
+# --- sharded checkpoint files (one process, in-process) -----------------------------------------
+
+@pytest.fixture
+def sharded_out(tmp_path, data_dir):
+    """out_dir of a tiny 1-process fsdp run that saved at iterations 10 and 20."""
+    train_tiny(tmp_path / "out", data_dir, parallel="fsdp", checkpoint_interval=10)
+    return tmp_path / "out"
+
+
+def rewrite(path: Path, name: str, data: bytes) -> None:
+    """Replace one file of a sharded checkpoint and update its CRC-32 in meta.json, as an attacker could."""
+    (path / name).write_bytes(data)
+    record = json.loads((path / checkpoint.META_NAME).read_text())
+    record["files"][name] = zlib.crc32(data)
+    (path / checkpoint.META_NAME).write_text(json.dumps(record))
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_sharded_checkpoint_never_unpickles_arbitrary_objects(sharded_out, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = sharded_out / checkpoint.SHARDED_NAME
+    assert checkpoint.load_checkpoint(path)["meta"]["iter_num"] == 20  # intact, it loads
+    rewrite(path, ".metadata", pickle.dumps(_Payload()))
+    with pytest.raises(UserError, match="never loaded"):
+        checkpoint.load_checkpoint(path)
+    assert not (tmp_path / "PWNED").exists()
+    # a non-tensor value (what DCP stores for the optimizer's hyperparameters) is read weights_only
+    buf = io.BytesIO()
+    torch.save(_Payload(), buf)
+    with pytest.raises(pickle.UnpicklingError):
+        checkpoint._SafePlanner().load_bytes(None, io.BytesIO(buf.getvalue()))
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_damaged_sharded_checkpoint_falls_back_to_the_previous_one(sharded_out, data_dir):
+    path = sharded_out / checkpoint.SHARDED_NAME
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="CRC-32"):
+        checkpoint.load_checkpoint(path)
+    logged = []
+    meta, used = checkpoint.load_latest_sharded(sharded_out, log=logged.append)
+    assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 10 and "warning" in logged[0]
+
+
+def test_kill_between_the_two_renames_leaves_the_previous_checkpoint(sharded_out, monkeypatch):
+    """The save's last step renames ckpt.dcp to ckpt.prev.dcp, then the new one to ckpt.dcp; dying in
+    between leaves no ckpt.dcp, and resume uses ckpt.prev.dcp, the newest complete one."""
+    model = GPT(GPTConfig(**read_json_meta(sharded_out / checkpoint.SHARDED_NAME)["model_args"]))
+    optimizer = torch.optim.AdamW(model.parameters())
+    real_replace, calls = os.replace, []
+
+    def dies_on_second(src, dst):  # of the directory renames (meta.json is written through one too)
+        if Path(src).is_dir():
+            calls.append(dst)
+        if len(calls) == 2 and Path(src).is_dir():
+            raise OSError("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", dies_on_second)
+    with pytest.raises(OSError):
+        checkpoint.save_sharded(sharded_out, {"iter_num": 99}, model, optimizer)
+    assert not (sharded_out / checkpoint.SHARDED_NAME).exists()
+    meta, used = checkpoint.load_latest_sharded(sharded_out, log=lambda *a: None)
+    assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 20
+
+
+def test_gpt2_sizes_and_memory_estimate():
+    """The README's fit table comes from parallel.training_bytes: GPT-2's parameter counts are right."""
+    counts = {s.name: s.params for s in parallel.GPT2_SIZES}
+    assert counts["gpt2"] == 124_439_808  # transformers' GPT2LMHeadModel, tied head counted once
+    assert counts["gpt2-xl"] == 1_557_611_200
+    xl = parallel.GPT2_SIZES[-1]
+    assert parallel.training_bytes(xl, "ddp", 8)["state"] == 16 * counts["gpt2-xl"]
+    fsdp = parallel.training_bytes(xl, "fsdp", 8)["state"]
+    assert 16 * counts["gpt2-xl"] / 8 < fsdp < 16 * counts["gpt2-xl"] / 7
+    ac = parallel.training_bytes(xl, "ddp", 8, micro_batch=4, activation_checkpointing=True)["activations"]
+    assert ac < 0.5 * parallel.training_bytes(xl, "ddp", 8, micro_batch=4)["activations"]
