@@ -29,8 +29,17 @@ TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_ite
 TEXT = "O Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n" * 20
 
 
+# Overlays change a recipe, not a run: they compose after a base config, and are tested that way.
+OVERLAYS = {"modern.py"}
+OVERLAY_BASE = REPO_ROOT / "config" / "train_shakespeare_char_cpu.py"
+
+
+def config_files(path: Path) -> list[str]:
+    return [str(f) for f in ([OVERLAY_BASE, path] if path.name in OVERLAYS else [path])]
+
+
 def config_of(path: Path) -> train.TrainConfig:
-    return configlib.parse_args(train.TrainConfig, [str(path)])
+    return configlib.parse_args(train.TrainConfig, config_files(path))
 
 
 def test_there_are_configs():
@@ -82,7 +91,7 @@ def test_config_runs_a_few_steps(path, tmp_path, datasets, request):
         overrides["gradient_accumulation_steps"] = 4  # the same code path, fewer micro-steps
     if cfg.init_from != "scratch":
         overrides["init_from"] = str(request.getfixturevalue("gpt2_dir"))
-    result = run_main(train.main, [str(path), *(f"--{k}={v}" for k, v in overrides.items())])
+    result = run_main(train.main, [*config_files(path), *(f"--{k}={v}" for k, v in overrides.items())])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
     records = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
