@@ -478,7 +478,7 @@ def bench_attention(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                 for name, attn in (("naive", naive_attention), ("sdpa", fused_attention))
                 for mode in ("forward", "forward_backward")}
     for attn, backward in variants.values():  # warm-up: one-time buffers (thread pools, kernels) are not attention's
-        attention_run(attn, (B, nh, min(lengths), hs), rt, backward)()
+        or_oom(lambda: attention_run(attn, (B, nh, min(lengths), hs), rt, backward)(), rt)
     runs = {f"{key} T={T} #{i}": or_oom(lambda: attention_run(attn, (B, nh, T, hs), rt, backward), rt)
             for T in lengths for key, (attn, backward) in variants.items() for i in range(cfg.attn_repeats)}
     runs = {name: (lambda: OOM) if run == OOM else run for name, run in runs.items()}  # its inputs did not fit
@@ -507,7 +507,7 @@ def bench_attention(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         row["naive_over_sdpa"] = naive / sdpa if OOM not in (naive, sdpa) else None
         rows.append(row)
     result = {"shape": f"B={B}, {nh} heads, head size {hs}, {rt.dtype}, causal", "method": method,
-              "sdpa_kernel": sdpa_kernels((B, nh, min(lengths), hs), rt), "rows": rows}
+              "sdpa_kernel": or_oom(lambda: sdpa_kernels((B, nh, min(lengths), hs), rt), rt), "rows": rows}
     measured = [row for row in rows if OOM not in row.values()]
     if len(measured) > 1:
         first, last = measured[0], measured[-1]
