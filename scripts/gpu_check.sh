@@ -33,7 +33,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, keep its output, record its 
 }
 
 if [ "$dry" = "--cpu-dry-run" ]; then
-    device=(--device=cpu --dtype=float32)
+    device=(--device=cpu --dtype=float32 --threads=1)
     # tiny sizes; anything given on the command line overrides the preset
     tiny=(--batch_size=2 --block_size=64 --n_layer=1 --n_head=2 --n_embd=64 --vocab_size=512 --repeats=1 --warmup=1
           --loop_config=config/train_shakespeare_char_cpu.py --loop_steps=2 --attn_n_head=2 --attn_lengths=256,512
