@@ -357,6 +357,8 @@ def nanogpt_batch(path: Path, block_size: int, batch_size: int, device: str) -> 
     ix = torch.randint(len(data) - block_size, (batch_size,))
     x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 
@@ -478,7 +480,7 @@ def bench_attention(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                 for name, attn in (("naive", naive_attention), ("sdpa", fused_attention))
                 for mode in ("forward", "forward_backward")}
     for attn, backward in variants.values():  # warm-up: one-time buffers (thread pools, kernels) are not attention's
-        attention_run(attn, (B, nh, min(lengths), hs), rt, backward)()
+        or_oom(lambda: attention_run(attn, (B, nh, min(lengths), hs), rt, backward)(), rt)
     runs = {f"{key} T={T} #{i}": or_oom(lambda: attention_run(attn, (B, nh, T, hs), rt, backward), rt)
             for T in lengths for key, (attn, backward) in variants.items() for i in range(cfg.attn_repeats)}
     runs = {name: (lambda: OOM) if run == OOM else run for name, run in runs.items()}  # its inputs did not fit
@@ -507,7 +509,7 @@ def bench_attention(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         row["naive_over_sdpa"] = naive / sdpa if OOM not in (naive, sdpa) else None
         rows.append(row)
     result = {"shape": f"B={B}, {nh} heads, head size {hs}, {rt.dtype}, causal", "method": method,
-              "sdpa_kernel": sdpa_kernels((B, nh, min(lengths), hs), rt), "rows": rows}
+              "sdpa_kernel": or_oom(lambda: sdpa_kernels((B, nh, min(lengths), hs), rt), rt), "rows": rows}
     measured = [row for row in rows if OOM not in row.values()]
     if len(measured) > 1:
         first, last = measured[0], measured[-1]

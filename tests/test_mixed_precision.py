@@ -170,3 +170,19 @@ def test_compiled_training_on_cpu(tmp_path, data_dir):
     assert set(state["model"]) == set(GPT(GPTConfig(**state["meta"]["model_args"])).state_dict())
     losses = [r["loss"] for r in log_records(tmp_path) if "loss" in r]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+
+
+def test_sample_compile_warms_up_outside_the_timing_and_keeps_the_text(tmp_path, trained, monkeypatch):
+    """sample.py --compile runs a short warm-up before its clock starts and says so; the warm-up draws
+    from its own generator, so the sampled text equals the uncompiled run's. (torch.compile itself is
+    replaced by a no-op here: compiling on the CPU takes minutes; the compiled CLI run is in test_gpu.py.)"""
+    from core.checkpoint import save_checkpoint
+    from tests.helpers import run_main
+    save_checkpoint(tmp_path, trained["meta"], trained["model"])
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)
+    argv = [f"--out_dir={tmp_path}", "--device=cpu", "--start=First", "--num_samples=2", "--max_new_tokens=30"]
+    compiled, plain = (run_main(sample.main, argv + [f"--compile={c}"]) for c in (True, False))
+    assert compiled.returncode == plain.returncode == 0, compiled.stderr
+    assert "compiling took" in compiled.stderr and "not counted" in compiled.stderr
+    assert "compiling" not in plain.stderr
+    assert compiled.stdout == plain.stdout and "First" in plain.stdout

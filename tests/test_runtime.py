@@ -299,3 +299,50 @@ def test_resume_memory_maps_the_checkpoint(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(torch, "load", lambda *a, **kw: seen.append(kw) or real_load(*a, **kw))
     checkpoint.load_latest(tmp_path)
     assert seen and seen[0].get("mmap") is True
+
+
+# --- the training loop's timing and syncs ---------------------------------------------------------
+
+def test_step_time_excludes_eval_and_save(tmp_path, data_dir, monkeypatch):
+    """An eval and a save that take 0.4 s each do not show in the next step's ms (item: the step
+    after an eval or a save counted their time in its ms, tok/s and MFU)."""
+    import train
+    from tests.helpers import train_tiny
+    real_eval, real_save = train.estimate_loss, train.checkpoint.save_checkpoint
+
+    def slow_eval(*args):
+        time.sleep(0.4)
+        return real_eval(*args)
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.4)
+        return real_save(*args, **kwargs)
+    monkeypatch.setattr(train, "estimate_loss", slow_eval)
+    monkeypatch.setattr(train.checkpoint, "save_checkpoint", slow_save)
+    train_tiny(tmp_path, data_dir, max_iters=8, eval_interval=4, log_interval=1)
+    import json
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    ms = {r["iter"]: r["ms"] for r in records if "ms" in r}
+    assert sorted(ms) == list(range(8))
+    assert ms[4] < 300 and ms[0] < 300, ms  # iteration 4 follows an eval and a save
+
+
+def test_next_batch_is_prefetched_across_steps_and_loss_synced_only_to_log(tmp_path, data_dir, monkeypatch):
+    """After an iteration's forward and backward, the next iteration's first micro-batch is already
+    fetched (and used as is); the global loss is computed only on logging iterations."""
+    import train
+    from tests.helpers import train_tiny
+    real_step, real_mean = train.train_step, train.global_mean
+    seen, means = [], []
+
+    def spy_step(model, scaler, batches, rt, iter_num, accum):
+        loss = real_step(model, scaler, batches, rt, iter_num, accum)
+        key, (x, _) = batches.ahead
+        assert key == (iter_num + 1, 0)
+        assert batches.get(iter_num + 1, 0)[0] is x  # handed out, not fetched again
+        seen.append(iter_num)
+        return loss
+    monkeypatch.setattr(train, "train_step", spy_step)
+    monkeypatch.setattr(train, "global_mean", lambda *a: means.append(1) or real_mean(*a))
+    train_tiny(tmp_path, data_dir, max_iters=20, log_interval=5, gradient_accumulation_steps=2)
+    assert seen == list(range(20)) and len(means) == 4
