@@ -5,6 +5,7 @@
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,10 +115,107 @@ def test_cpu_memory_measure_sees_exact_allocations():
     assert peaks == {"two at once": 2**21, "one after another": 2**20, "kept": 2**20, "one": 2**20}
 
 
-def test_median_time_runs_warmup_then_repeats():
-    calls = []
-    seconds = bench.median_time(lambda: calls.append(1), warmup=2, repeats=3)
-    assert len(calls) == 5 and seconds >= 0
+class FakeClock:
+    """time.perf_counter for bench: returns the scripted readings in order."""
+
+    def __init__(self, readings):
+        self.readings = iter(readings)
+
+    def __call__(self):
+        return next(self.readings)
+
+
+def test_median_time_runs_warmup_then_times_each_repeat(monkeypatch):
+    """Three timed runs of 5, 1 and 6 s (scripted clock) after two untimed ones: the median is 5 (the mean
+    would be 4, the minimum 1); synchronize runs after the warm-up and after each timed call."""
+    events = []
+    monkeypatch.setattr(bench.time, "perf_counter", FakeClock([0, 5, 10, 11, 20, 26]))
+    seconds = bench.median_time(lambda: events.append("call"), warmup=2, repeats=3,
+                                synchronize=lambda: events.append("sync"))
+    assert seconds == 5
+    assert events == ["call", "call", "sync", "call", "sync", "call", "sync", "call", "sync"]
+
+
+def scripted(values):
+    """A stand-in for bench.median_time returning the given seconds, one per call, in order."""
+    values = iter(values)
+    return lambda *args, **kwargs: next(values)
+
+
+def test_train_rows_tokens_mfu_and_compile_ratio(tmp_path, monkeypatch):
+    """Step times 0.5 s (eager) and 0.2 s (compiled), a 1 TFLOP/s peak: the figures follow by arithmetic."""
+    monkeypatch.setattr(bench, "median_time", scripted([0.5, 0.2]))
+    monkeypatch.setattr(bench.runtime, "peak_flops", lambda rt: 1e12)
+    monkeypatch.setattr(bench.torch, "compile", lambda model: model)  # the compiled row, without a compiler
+    cfg = bench.load_config(tiny_argv(tmp_path, compile=True))
+    with one_thread():
+        result = bench.bench_train(cfg, runtime.setup("cpu", "float32"))
+    eager, compiled = result["rows"]
+    # 1 layer, 32 wide, vocab 64, no biases: wte + 12 C^2 + three LayerNorm gains (wpe left out).
+    n = 64 * 32 + 12 * 32 * 32 + 3 * 32
+    assert result["params"] == n == 14_432
+    flops_per_token = 6 * n + 12 * 1 * 2 * 16 * 16  # 6N + 12 * layers * heads * head size * block
+    assert result["flops_per_token"] == flops_per_token and result["tokens_per_step"] == 32
+    assert eager["step_s"] == 0.5 and eager["tokens_per_s"] == 64.0
+    assert eager["mfu"] == pytest.approx(flops_per_token * 32 / 0.5 / 1e12, rel=1e-12)
+    assert compiled["step_s"] == 0.2 and compiled["tokens_per_s"] == pytest.approx(160.0)
+    assert result["compiled_over_eager"] == pytest.approx(2.5)
+
+
+def test_attention_memory_medians_ratios_and_growth(monkeypatch):
+    """Scripted peaks (three repeats each, the middle one the median): naive 4 T^2 * (1, 3, 2) bytes, sdpa
+    100 T * (2, 1, 3). Each row holds the medians, naive_over_sdpa their ratio, and the growth exponents
+    between T = 16 and 64 are 2 and 1."""
+    scale = {"naive": (1, 3, 2), "sdpa": (2, 1, 3)}
+
+    def fake_peaks(runs):
+        out = {}
+        for name in runs:  # e.g. "naive_forward_backward_bytes T=32 #1"
+            key, T, rep = name.split(" ")
+            T, rep = int(T[2:]), int(rep[1:])
+            kind = key.split("_")[0]
+            out[name] = (4 * T * T if kind == "naive" else 100 * T) * scale[kind][rep]
+        return out
+
+    monkeypatch.setattr(bench, "cpu_peak_extra_bytes", fake_peaks)
+    cfg = bench.load_config(["--device=cpu", "--dtype=float32", "--attn_lengths=16,32,64", "--attn_repeats=3",
+                             "--attn_n_head=2", "--attn_head_size=8"])
+    with one_thread():
+        result = bench.bench_attention(cfg, runtime.setup("cpu", "float32"))
+    for row in result["rows"]:
+        T = row["T"]
+        assert row["naive_forward_bytes"] == row["naive_forward_backward_bytes"] == 2 * 4 * T * T
+        assert row["sdpa_forward_bytes"] == row["sdpa_forward_backward_bytes"] == 2 * 100 * T
+        assert row["naive_over_sdpa"] == pytest.approx(4 * T / 100)
+        assert row["score_matrix_bytes"] == 1 * 2 * T * T * 4
+    growth = result["growth_exponent"]
+    assert growth["naive_forward_backward_bytes"] == pytest.approx(2.0)
+    assert growth["sdpa_forward_bytes"] == pytest.approx(1.0)
+
+
+def test_decode_speedups_and_generation_medians(monkeypatch):
+    """Scripted times: per context, no cache 4 ms and cache 1 ms at C=4, 8 ms and 2 ms at C=16. Generation:
+    three runs per mode, each token 0.1 s (cache) or 0.3 s (no cache) times the run's factor (1, 5, 2),
+    so each part's median is the factor-2 run."""
+    monkeypatch.setattr(bench, "median_time", scripted([0.004, 0.001, 0.008, 0.002]))
+    factors = iter([1, 1, 1, 5, 2, 1, 5, 2])  # the two warm-up calls, then no_cache x 3, cache x 3
+
+    def fake_token_times(model, prompt, new_tokens, use_cache, shift, rt):
+        return [(0.1 if use_cache else 0.3) * next(factors)] * new_tokens
+
+    monkeypatch.setattr(bench, "token_times", fake_token_times)
+    cfg = bench.load_config(tiny_argv(Path("."), gen_repeats=3, decode_batch_size=2))
+    with one_thread():
+        result = bench.bench_decode(cfg, runtime.setup("cpu", "float32"))
+    rows = {r["context"]: r for r in result["rows"]}
+    assert rows[4]["no_cache_ms"] == pytest.approx(4.0) and rows[4]["cache_ms"] == pytest.approx(1.0)
+    assert rows[4]["speedup"] == pytest.approx(4.0) and rows[16]["speedup"] == pytest.approx(4.0)
+    assert rows[16]["cache_tokens_per_s"] == pytest.approx(2 / 0.002)  # batch of 2 tokens per step
+    parts = result["generation"]["parts"]  # 13 tokens inside the context, 7 past it
+    assert parts["inside_context"]["no_cache_s"] == pytest.approx(13 * 0.3 * 2)
+    assert parts["past_context"]["cache_s"] == pytest.approx(7 * 0.1 * 2)
+    assert parts["all"]["speedup"] == pytest.approx(3.0)
+    assert parts["all"]["cache_tokens_per_s"] == pytest.approx(20 * 2 / (20 * 0.1 * 2))
 
 
 def test_preset_fills_what_the_command_line_leaves():

@@ -3,6 +3,7 @@
     python -m pytest tests/test_data.py
 """
 import json
+import math
 import random
 import signal
 import subprocess
@@ -183,6 +184,33 @@ def test_windows_are_uniform_over_shards_and_never_cross_them(tmp_path):
     assert starts == set(range(0, 90)) | set(range(1000, 1290))  # every valid start, nothing else
     share = (x[:, 0] < 1000).float().mean().item()
     assert abs(share - 90 / 380) < 0.02  # proportional to each shard's windows
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square value exceeded with probability ~0.001 (z = 3.09) at df degrees of freedom
+    (Wilson-Hilferty: (X/df)^(1/3) is nearly normal)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_window_starts_are_uniform_within_each_shard(tmp_path):
+    """Pearson's chi-square of 40,000 seeded draws against a uniform distribution over each shard's
+    window starts, and the shards' shares against their window counts: under p = 0.001 with a fixed
+    seed. A start drawn as, e.g., the sum of two uniform halves (triangular), or one that favours the
+    first windows, is thousands over."""
+    shards = [np.arange(0, 100), np.arange(1000, 1300)]  # 90 and 290 windows of 10 + 1 tokens
+    data = TokenData(make_sharded(tmp_path, "train", shards), "train", block_size=10)
+    n = 40_000
+    starts = data.get_batch(n, batch_generator(0, "train"))[0][:, 0].numpy()
+    for first, count in ((0, 90), (1000, 290)):
+        inside = starts[(starts >= first) & (starts < first + count)] - first
+        observed = np.bincount(inside, minlength=count)
+        expected = len(inside) / count
+        chi2 = float(((observed - expected) ** 2 / expected).sum())
+        assert chi2 < chi_square_critical(count - 1), (first, chi2, chi_square_critical(count - 1))
+    in_first = float((starts < 1000).sum())
+    expected = np.array([n * 90 / 380, n * 290 / 380])
+    chi2 = float((((np.array([in_first, n - in_first]) - expected) ** 2) / expected).sum())
+    assert chi2 < 10.83, chi2  # df = 1, p = 0.001
 
 
 def test_token_data_reads_what_write_dataset_wrote(tmp_path):

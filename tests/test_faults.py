@@ -35,10 +35,11 @@ from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_er
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
 
-def losses(out_dir) -> dict[int, float]:
-    """iter -> training loss in out_dir/log.jsonl; where an iteration was logged twice, the last record."""
+def losses(out_dir) -> list[tuple[int, float]]:
+    """(iter, training loss) of each record in out_dir/log.jsonl, in file order: an iteration logged twice
+    (log.jsonl not trimmed on resume) shows twice, and comparing two runs' lists compares every record."""
     records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    return {r["iter"]: r["loss"] for r in records if "loss" in r}
+    return [(r["iter"], r["loss"]) for r in records if "loss" in r]
 
 
 def train_argv(**cfg) -> list[str]:
@@ -103,7 +104,7 @@ KILL_RUN = dict(n_layer=2, n_head=4, n_embd=128, block_size=16, batch_size=2, dr
 
 def last_logged_iter(out_dir) -> int:
     try:
-        return max(losses(out_dir), default=-1)
+        return max((it for it, _ in losses(out_dir)), default=-1)
     except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a line being written
         return -1
 
@@ -183,7 +184,7 @@ def test_sigkill_at_random_moments_and_mid_save_then_resume_is_exact(tmp_path, d
 
     train_tiny(tmp_path / "uninterrupted", data_dir, **KILL_RUN)
     assert losses(out) == losses(tmp_path / "uninterrupted")  # every iteration, bit for bit
-    assert sorted(losses(out)) == list(range(KILL_RUN["max_iters"]))
+    assert [it for it, _ in losses(out)] == list(range(KILL_RUN["max_iters"]))
     final, ref = load_checkpoint(out / "ckpt.pt"), load_checkpoint(tmp_path / "uninterrupted" / "ckpt.pt")
     for name, tensor in ref["model"].items():
         assert torch.equal(tensor, final["model"][name]), name
@@ -223,13 +224,13 @@ def test_sigterm_and_sigint_save_exit_zero_and_resume_exactly(tmp_path, data_dir
         assert stopped[sig] < 5.0, f"{sig.name}: took {stopped[sig]:.1f}s to save and exit"
         iter_num = load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"]
         assert f"stopped by {sig.name}" in stdout and f"stopped at iter {iter_num};" in stdout
-        assert max(losses(out)) == iter_num - 1  # the step under way was finished, then saved
+        assert losses(out)[-1][0] == iter_num - 1  # the step under way was finished, then saved
         ends[sig] = iter_num + 5
         train_tiny(out, data_dir, **(endless | dict(init_from="resume", max_iters=ends[sig])))
     train_tiny(tmp_path / "uninterrupted", data_dir, **(endless | dict(max_iters=max(ends.values()))))
     reference = losses(tmp_path / "uninterrupted")
     for sig, end in ends.items():
-        assert losses(tmp_path / sig.name) == {it: reference[it] for it in range(end)}, sig.name
+        assert losses(tmp_path / sig.name) == reference[:end], sig.name
 
 
 # --- damaged checkpoints -----------------------------------------------------------------------
@@ -467,6 +468,6 @@ def test_torchrun_rank_killed_ends_the_job_or_restarts_it_from_the_checkpoint(tm
 
     train_tiny(tmp_path / "single", data_dir, **DDP_RUN)
     ddp, single = losses(out), losses(tmp_path / "single")
-    assert sorted(ddp) == sorted(single) == list(range(DDP_RUN["max_iters"]))
-    for it in single:  # two processes all-reduce in another order than one accumulating: float rounding
-        assert ddp[it] == pytest.approx(single[it], rel=1e-4, abs=1e-5), it
+    assert [it for it, _ in ddp] == [it for it, _ in single] == list(range(DDP_RUN["max_iters"]))
+    for (it, d), (_, s) in zip(ddp, single):  # two processes all-reduce in another order than one: rounding
+        assert d == pytest.approx(s, rel=1e-4, abs=1e-5), it

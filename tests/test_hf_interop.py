@@ -3,6 +3,9 @@
     python -m pytest tests/test_hf_interop.py
 
 No weights are downloaded: each test builds a small random GPT-2 and saves it to a temporary folder.
+Its weights are scaled up until attention is sharp (at GPT-2's init scale it is nearly uniform, and
+swapping q and k or dropping the 1/sqrt(hs) would move the logits by ~1e-7); controls show that the
+comparison fails for exactly those mistakes. Where transformers is installed these tests run, never skip.
 """
 import json
 
@@ -10,8 +13,10 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from tests.helpers import needs_transformers
 
-transformers = pytest.importorskip("transformers", reason="GPT-2 interop needs transformers (requirements-dev.txt)")
+transformers = needs_transformers()
+TOL = dict(atol=1e-5, rtol=0)  # logits of std ~0.1; float32 rounding is ~3e-8, a broken attention 1e-2
 
 
 def tiny_hf_model(**overrides):
@@ -25,25 +30,86 @@ def random_idx(vocab_size, B=2, T=64):
     return torch.randint(0, vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
 
 
+def sharp_hf_model():
+    """tiny_hf_model with random biases and LayerNorms (a dropped bias would show) and q, k scaled
+    up 40x: attention scores of order 10, so each query attends to a few keys, not to all alike."""
+    hf = tiny_hf_model()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 1:  # LayerNorm gains near 1 (near 0 they would shrink every signal), biases near 0
+                p.normal_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0, 0.1)
+        for block in hf.transformer.h:
+            block.attn.c_attn.weight[:, :64].mul_(40)  # Conv1D (in, out): q | k | v along the columns
+            block.attn.c_attn.weight[:, 64:].mul_(2)
+    return hf
+
+
+def attention_peak(model: GPT, idx) -> float:
+    """Mean over queries past the 8th of the largest attention weight (1/T for uniform attention)."""
+    naive = GPT(model.config.__class__(**{**model.config.__dict__, "attn_backend": "naive"})).eval()
+    naive.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        att = naive(idx, return_attn=True)[2]  # (n_layer, B, nh, T, T)
+    return att[..., 8:, :].max(-1).values.mean().item()
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "naive"])
 def test_from_pretrained_matches_transformers(tmp_path, backend):
-    hf = tiny_hf_model()
-    with torch.no_grad():  # random biases and LayerNorms too, so a dropped bias would show
-        for p in hf.parameters():
-            if p.dim() == 1:
-                p.normal_(0, 0.1)
+    hf = sharp_hf_model()
     hf.save_pretrained(tmp_path)
     model = GPT.from_pretrained(str(tmp_path), override_args=dict(attn_backend=backend)).eval()
     assert model.config.vocab_size == 101 and model.config.block_size == 64 and model.config.bias
     idx = random_idx(101)
+    assert attention_peak(model, idx) > 0.5  # sharp: uniform attention over ~36 keys would be ~0.03
     with torch.no_grad():
-        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, **TOL)
+
+
+def swap_q_and_k(state: dict) -> dict:
+    out = dict(state)
+    for name, w in state.items():
+        if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
+            q, k, v = w.split(32, dim=-1)
+            out[name] = torch.cat([k, q, v], dim=-1)
+    return out
+
+
+def drop_the_scale(state: dict) -> dict:
+    """q multiplied by sqrt(hs) = 4: softmax(q k^T) instead of softmax(q k^T / sqrt(hs))."""
+    out = dict(state)
+    for name, w in state.items():
+        if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
+            q, kv = w.split([32, 64], dim=-1)
+            out[name] = torch.cat([q * 4, kv], dim=-1)
+    return out
+
+
+@pytest.mark.parametrize("break_it", [swap_q_and_k, drop_the_scale])
+def test_parity_check_fails_for_a_broken_attention(tmp_path, break_it):
+    """The control: the same comparison, against weights loaded as a broken loader or attention would,
+    fails by far more than the tolerance."""
+    hf = sharp_hf_model()
+    hf.save_pretrained(tmp_path)
+    model = GPT.from_pretrained(str(tmp_path)).eval()
+    model._load_gpt2_state_dict(break_it(hf.state_dict()))
+    idx = random_idx(101)
+    with torch.no_grad():
+        diff = (model(idx)[0] - hf(idx).logits).abs().max().item()
+    assert diff > 100 * TOL["atol"], diff  # 0.044 with q and k swapped, 0.011 without the scale
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, **TOL)
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(bias=False), dict(gelu_approximate="none")])
 def test_save_pretrained_loads_in_transformers(tmp_path, overrides):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=32, **overrides)).eval()
+    with torch.no_grad():  # sharp attention, and biases that matter
+        for name, p in model.named_parameters():
+            if name.endswith("c_attn.weight"):
+                p[:64].mul_(40)  # nn.Linear (out, in): q and k rows
+            elif p.dim() == 1:
+                p.normal_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0, 0.1)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     config = json.loads((tmp_path / "config.json").read_text())
@@ -52,12 +118,13 @@ def test_save_pretrained_loads_in_transformers(tmp_path, overrides):
     assert config["activation_function"] == ("gelu" if overrides.get("gelu_approximate") == "none" else "gelu_new")
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     idx = random_idx(97)
+    assert attention_peak(model, idx) > 0.5
     with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, model(idx)[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], **TOL)
 
 
 def test_round_trip_and_greedy_generation_match(tmp_path):
-    hf = tiny_hf_model()
+    hf = sharp_hf_model()
     hf.save_pretrained(tmp_path / "hf")
     model = GPT.from_pretrained(str(tmp_path / "hf")).eval()
     model.save_pretrained(tmp_path / "ours")
