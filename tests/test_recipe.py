@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import compare_recipe
 import train
-from core import optim
+from core import config as configlib, optim
 from core.checkpoint import load_checkpoint
 from core.errors import UserError
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
@@ -311,12 +311,13 @@ def test_bad_model_combinations(overrides, fragment):
 
 
 def test_bad_combinations_from_the_command_line():
-    results = [run_script("train.py", "--n_head=4", "--n_kv_head=3"),
-               run_script("train.py", "--n_embd=36", "--n_head=4", "--pos_embedding=rope"),
-               run_script("train.py", "--optimizer=sgd")]
-    assert_user_error(results[0], "n_kv_head (3)")
-    assert_user_error(results[1], "even head size")
-    assert_user_error(results[2], "optimizer must be one of adamw, muon")
+    assert_user_error(run_script("train.py", "--n_head=4", "--n_kv_head=3"), "n_kv_head (3)")  # exit 2, one line
+    for argv, fragment in ((["--n_embd=36", "--n_head=4", "--pos_embedding=rope"], "even head size"),
+                           (["--optimizer=sgd"], "optimizer must be one of adamw, muon"),
+                           (["--muon_lr=0"], "need muon_lr > 0")):
+        with pytest.raises(UserError, match=fragment) as e:
+            configlib.parse_args(train.TrainConfig, argv)
+        assert "\n" not in str(e.value)
 
 
 def test_muon_refuses_a_parameter_it_cannot_take():
@@ -416,3 +417,15 @@ def test_whole_split_loss_predicts_every_token_once():
         logits = torch.cat([model(tokens[s:min(s + 5, 22)][None])[0][0] for s in range(0, 22, 5)])
     expected = torch.nn.functional.cross_entropy(logits, tokens[1:]).item()
     assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_bench_rolling_section(tmp_path):
+    import bench
+
+    result = bench.main(["--sections=rolling", "--decode_n_layer=1", "--decode_n_embd=16", "--decode_n_head=2",
+                         "--decode_block_size=8", "--decode_contexts=4", "--roll_new_tokens=3", "--warmup=0",
+                         f"--out={tmp_path / 'bench.json'}"])
+    rows = result["rolling"]["rows"]
+    assert [r["way"] for r in rows] == ["learned, cache refilled", "rope, cache refilled", "rope, rolling cache"]
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    assert json.loads((tmp_path / "bench.json").read_text())["rolling"]["new_tokens"] == 3
