@@ -207,6 +207,30 @@ def test_rolling_cache_refuses_learned_positions():
         model(idx_of(1, 2), kv_cache=cache)
 
 
+# --- norms ------------------------------------------------------------------------------------
+
+def test_rmsnorm_replaces_every_layernorm():
+    model = GPT(config(norm="rmsnorm"))
+    norms = [m for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]
+    assert len(norms) == 2 * 2 + 1 and all(isinstance(m, nn.RMSNorm) for m in norms)
+    x = torch.randn(3, 16) + 5.0  # RMSNorm keeps the mean: only the scale is normalised
+    torch.testing.assert_close(model.transformer.ln_f(x), x / x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt())
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_q_and_k():
+    """Normalised q and k: scaling their projections by 100 leaves the layer's output as it was,
+    where plain attention turns into a near one-hot."""
+    for qk_norm in (True, False):
+        torch.manual_seed(0)
+        attn = CausalSelfAttention(config(qk_norm=qk_norm, bias=False)).double().eval()
+        x = torch.randn(2, 10, 16, dtype=torch.float64)
+        with torch.no_grad():
+            before = attn(x)
+            attn.c_attn.weight[:32].mul_(100.0)  # the q and k rows
+            after = attn(x)
+        assert torch.allclose(after, before, atol=1e-4) == qk_norm  # RMSNorm's eps: not exactly 0
+
+
 # --- GQA -------------------------------------------------------------------------------------
 
 def test_gqa_with_all_heads_equals_standard_attention():
