@@ -3,7 +3,7 @@
     python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
-    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare
+    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
@@ -35,6 +35,10 @@ How each figure is measured:
              already holding the context. Then a whole generate() run each way, timed token by token,
              past the context moving the window as sample.py does (block_size // 2 at a time; see
              --gen_window_shift).
+  rolling    decoding past the context with window_shift=1 (nanoGPT's rule: the window slides one token
+             per step), per token, on the decode model: learned positions (the cache is refilled at
+             every step), RoPE with the same refills, and RoPE with the rolling KV cache (one token
+             per step; sliding-window attention, see GPT.generate's rolling_cache).
   prepare    core.data.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path):
              read, encode, write train.bin / val.bin / meta.json to a temporary folder.
 """
@@ -64,7 +68,7 @@ from core.tokenizer import GPT2Tokenizer
 from model import GPT, GPTConfig, scaled_dot_product_attention
 from sample import SampleConfig, prepare_model, window_shift
 
-SECTIONS = ("train", "loop", "attention", "decode", "prepare")
+SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling")
 OOM = "OOM"  # a figure that did not fit in device memory
 # THREADS: one torch thread by default. On the shared 2-core machines this project runs on, two OpenMP
 # threads spin-wait for each other whenever another process holds a core: the default CPU run took
@@ -82,7 +86,7 @@ class BenchConfig:
     dtype: str = "auto"
     threads: int = 1           # torch intra-op threads; 0 keeps torch's default (one per core). See THREADS.
     seed: int = 1337
-    sections: str = "train,loop,attention,decode,prepare"
+    sections: str = "train,loop,attention,decode,prepare,rolling"
     out: str = "bench.json"
     warmup: int = 1            # untimed runs before each timed figure
     repeats: int = 3           # timed runs; each figure is their median
@@ -117,6 +121,7 @@ class BenchConfig:
     gen_window_shift: int | None = None  # past the context the window jumps this far at once; None: sample.py's
                                          # default (block_size // 2); 1: nanoGPT's rule (every step a full forward)
     gen_repeats: int = 1       # a no-cache run of 500 tokens takes about a minute on 2 CPU cores
+    roll_new_tokens: int = 48  # rolling: tokens decoded past the context, each way
     # 4. data preparation
     corpus: str | None = None  # a text file; None: DEFAULT_CORPUS if it exists, else a generated text
 
@@ -127,7 +132,8 @@ class BenchConfig:
         for key in ("warmup", "threads"):
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("repeats", "attn_repeats", "gen_repeats", "gen_prompt_len", "gen_new_tokens", "loop_steps"):
+        for key in ("repeats", "attn_repeats", "gen_repeats", "gen_prompt_len", "gen_new_tokens", "loop_steps",
+                    "roll_new_tokens"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
         int_list(self.attn_lengths, "attn_lengths")
@@ -604,6 +610,33 @@ def bench_generation(cfg: BenchConfig, model: GPT, prompt: torch.Tensor, rt: run
             "repeats": cfg.gen_repeats, "parts": parts}
 
 
+def bench_rolling(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    """ms per token past the context, the window sliding one token per step, three ways."""
+    ways = {"learned, cache refilled": ("learned", False), "rope, cache refilled": ("rope", False),
+            "rope, rolling cache": ("rope", True)}
+    base = GPTConfig(block_size=cfg.decode_block_size, vocab_size=cfg.decode_vocab_size, n_layer=cfg.decode_n_layer,
+                     n_head=cfg.decode_n_head, n_embd=cfg.decode_n_embd, dropout=0.0, bias=cfg.bias)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    prompt = torch.randint(base.vocab_size, (cfg.decode_batch_size, base.block_size), generator=gen).to(rt.device)
+    rows = []
+    for name, (pos, rolling) in ways.items():
+        torch.manual_seed(cfg.seed)
+        model = GPT(dataclasses.replace(base, pos_embedding=pos)).to(rt.device).eval()
+
+        def decode(n: int) -> list[float]:
+            times, t0 = [], time.perf_counter()
+            with rt.autocast():
+                for _ in model.generate_stream(prompt, n, temperature=0.0, window_shift=1, rolling_cache=rolling):
+                    rt.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+            return times[1:]  # the first token pays for the prefill
+        decode(3)  # warm-up
+        per_token = statistics.median(decode(cfg.roll_new_tokens + 1))
+        rows.append({"way": name, "ms_per_token": per_token * 1e3, "tokens_per_s": cfg.decode_batch_size / per_token})
+    return {"model": model_text(base, cfg.decode_batch_size), "new_tokens": cfg.roll_new_tokens, "rows": rows}
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. data preparation
 
@@ -767,8 +800,15 @@ def format_prepare(r: dict) -> str:
                     [[num(r["chars"]), num(r["tokens"]), num(r["seconds"], 3), num(r["tokens_per_s"])]]))
 
 
+def format_rolling(r: dict) -> str:
+    rows = [[row["way"], num(row["ms_per_token"], 2), num(row["tokens_per_s"], 1)] for row in r["rows"]]
+    return (f"### Decoding past the context, the window sliding one token per step\n{r['model']}; prompt = the "
+            f"whole context, then {r['new_tokens']} tokens, median ms per token\n\n"
+            + table(["way", "ms/token", "tokens/s"], rows))
+
+
 FORMATTERS = {"train": format_train, "loop": format_loop, "attention": format_attention, "decode": format_decode,
-              "prepare": format_prepare}
+              "prepare": format_prepare, "rolling": format_rolling}
 
 
 def main(argv: Sequence[str]) -> dict:
@@ -796,8 +836,9 @@ def run(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     m = result["machine"]
     print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
           f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
-    runners = {"train": lambda: bench_train(cfg, rt), "loop": lambda: bench_loop(cfg, rt), "attention": lambda: bench_attention(cfg, rt),
-               "decode": lambda: bench_decode(cfg, rt), "prepare": lambda: bench_prepare(cfg)}
+    runners = {"train": lambda: bench_train(cfg, rt), "loop": lambda: bench_loop(cfg, rt),
+               "attention": lambda: bench_attention(cfg, rt), "decode": lambda: bench_decode(cfg, rt),
+               "prepare": lambda: bench_prepare(cfg), "rolling": lambda: bench_rolling(cfg, rt)}
     for name in SECTIONS:
         if name in section_list(cfg):
             t0 = time.perf_counter()

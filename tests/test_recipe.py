@@ -1,0 +1,455 @@
+"""The modern-recipe switches: each alone and all together pass the model's correctness checks;
+RoPE, GQA, SwiGLU, the soft-cap and Muon do what they claim; variants survive checkpoints.
+
+    python -m pytest tests/test_recipe.py
+"""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compare_recipe
+import train
+from core import config as configlib, optim
+from core.checkpoint import load_checkpoint
+from core.errors import UserError
+from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
+from tests.helpers import TINY_TRAIN, assert_user_error, make_char_dataset, run_script, train_tiny
+
+ALL = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", n_kv_head=1, tie_embeddings=False,
+           logit_softcap=5.0)
+VARIANTS = {
+    "gpt2": {}, "rope": dict(pos_embedding="rope"), "rmsnorm": dict(norm="rmsnorm"), "qk_norm": dict(qk_norm=True),
+    "relu2": dict(mlp="relu2"), "swiglu": dict(mlp="swiglu"), "gqa": dict(n_kv_head=1),
+    "untied": dict(tie_embeddings=False), "softcap": dict(logit_softcap=5.0), "all": ALL,
+    "all_swiglu": ALL | dict(mlp="swiglu"),
+}
+TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 40
+
+
+def config(block_size=16, **overrides):
+    return GPTConfig(**dict(block_size=block_size, vocab_size=29, n_layer=2, n_head=2, n_embd=16) | overrides)
+
+
+@torch.no_grad()
+def sharpen(model: GPT) -> GPT:
+    """Weights where a wrong answer shows: unit-variance embeddings, matrices at twice the gain that
+    keeps activations' scale (so greedy decoding wanders instead of repeating one token), q/k
+    doubled again and qk_norm's gains raised so attention is peaked and a wrong mask, position
+    or head mapping changes the output instead of being averaged away."""
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            p.normal_(0.0, 1.0 if name.startswith(("transformer.wte", "transformer.wpe")) else 2.0 / math.sqrt(p.size(1)))
+        if name.endswith("c_attn.weight"):
+            p.mul_(2.0)
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            p.fill_(2.5)
+    return model
+
+
+def variant_model(overrides, seed=0, dtype=torch.float64, **cfg):
+    torch.manual_seed(seed)
+    return sharpen(GPT(config(**(overrides | cfg)))).to(dtype).eval()
+
+
+def idx_of(B, T, seed=1):
+    return torch.randint(0, 29, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    make_char_dataset(d, TEXT)
+    return d
+
+
+# --- the model checks, for every switch alone and all together ------------------------------
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_naive_and_fused_attention_agree(name):
+    fused = variant_model(VARIANTS[name])
+    naive = GPT(config(**VARIANTS[name], attn_backend="naive")).to(torch.float64).eval()
+    naive.load_state_dict(fused.state_dict())
+    idx = idx_of(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(naive(idx)[0], fused(idx)[0], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_no_information_from_the_future(name):
+    model = variant_model(VARIANTS[name])
+    idx = idx_of(2, 12)
+    changed = idx.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % 29
+    with torch.no_grad():
+        before, after = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(after[:, :7], before[:, :7], atol=1e-12, rtol=0)
+    assert not torch.allclose(after[:, 7:], before[:, 7:], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_chunked_kv_cache_equals_full_forward(name):
+    model = variant_model(VARIANTS[name])
+    idx = idx_of(2, 16)
+    with torch.no_grad():
+        full = model(idx)[0]
+        cache, chunks, start = model.new_kv_cache(2), [], 0
+        for size in (5, 1, 3, 1, 6):
+            chunks.append(model(idx[:, start:start + size], kv_cache=cache)[0])
+            start += size
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("window_shift", [1, 5])
+def test_cached_and_uncached_greedy_agree_past_block_size(name, window_shift):
+    model = variant_model(VARIANTS[name], block_size=8)
+    idx = idx_of(2, 3)
+    cached = model.generate(idx, 25, temperature=0, window_shift=window_shift)
+    uncached = model.generate(idx, 25, temperature=0, use_cache=False, window_shift=window_shift)
+    assert torch.equal(cached, uncached)
+    assert len(set(cached[:, 3:].flatten().tolist())) >= 4  # a sharp model, not one token repeated
+
+
+# --- RoPE ------------------------------------------------------------------------------------
+
+def test_rope_scores_depend_only_on_relative_position():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64), torch.randn(1, 1, 1, 16, generator=g,
+                                                                                  dtype=torch.float64)
+
+    def score(p_q, p_k):
+        rq = apply_rope(q, *rope_angles(torch.tensor([p_q]), 16, 10000.0))
+        rk = apply_rope(k, *rope_angles(torch.tensor([p_k]), 16, 10000.0))
+        return (rq * rk).sum().item()
+
+    for shift in (1, 7, 1000, 123457):
+        assert score(5 + shift, 2 + shift) == pytest.approx(score(5, 2), abs=1e-9)
+    assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-3)  # a different offset is a different score
+    assert score(9, 9) == pytest.approx((q * k).sum().item(), abs=1e-12)  # offset 0: no rotation left
+
+
+def test_rope_attention_output_is_shift_invariant():
+    """A whole attention layer with rotary positions gives the same output at positions 0..T-1 and
+    at 500..500+T-1: nothing in it knows absolute positions."""
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config(pos_embedding="rope", n_embd=32, n_head=4)).double().eval()
+    attn.c_attn.weight.data.mul_(4.0)
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    with torch.no_grad():
+        at0 = attn(x, rope=rope_angles(torch.arange(10), 8, 10000.0))
+        at500 = attn(x, rope=rope_angles(torch.arange(500, 510), 8, 10000.0))
+        unrotated = attn(x)
+    torch.testing.assert_close(at500, at0, atol=1e-10, rtol=0)
+    assert not torch.allclose(at0, unrotated, atol=1e-3)  # rope does act
+
+
+def test_rope_model_has_no_position_table():
+    model = GPT(config(pos_embedding="rope"))
+    assert "wpe" not in model.transformer
+    assert not any("wpe" in name for name in model.state_dict())
+
+
+def test_rolling_cache_equals_the_exact_rule_with_one_layer_and_never_refills():
+    """One layer: every cached rotary key stays valid as the window slides, so the rolling cache
+    gives nanoGPT's window_shift=1 tokens exactly, feeding one token per step past the context."""
+    model = variant_model(dict(pos_embedding="rope"), n_layer=1, block_size=8)
+    idx = idx_of(2, 3)
+    fed = []
+    hook = model.transformer.wte.register_forward_hook(lambda m, args, out: fed.append(args[0].size(1)))
+    rolling = model.generate(idx, 30, temperature=0, rolling_cache=True)
+    hook.remove()
+    exact = model.generate(idx, 30, temperature=0, use_cache=False, window_shift=1)
+    assert torch.equal(rolling, exact)
+    assert fed == [3] + [1] * 29  # one prefill, then one token at a time, also past block_size
+
+
+def test_rolling_cache_is_sliding_window_attention_with_more_layers():
+    """With two layers the rolling cache keeps each token's deeper keys as computed when it was
+    fed: its logits equal a hand-made sliding-window forward, step by step."""
+    model = variant_model(dict(pos_embedding="rope"), block_size=6)
+    idx = idx_of(1, 14)
+    cache = model.new_kv_cache(1)
+    with torch.no_grad():
+        rolled = torch.cat([model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(14)], dim=1)
+    band = torch.ones(14, 14, dtype=torch.bool).tril().triu(-5)  # each query sees the last 6 keys
+    assert cache.pos == 14
+    torch.testing.assert_close(rolled, sliding_window_forward(model, idx, band), atol=1e-10, rtol=0)
+
+
+def sliding_window_forward(model: GPT, idx, band):
+    """The rope model's forward over the whole sequence, each query limited to the keys in band."""
+    import torch.nn.functional as F
+
+    B, T = idx.shape
+    x = model.transformer.wte(idx)
+    rope = rope_angles(torch.arange(T), model.config.head_size, model.config.rope_base)
+    for block in model.transformer.h:
+        a, h = block.attn, block.ln_1(x)
+        q, k, v = a.c_attn(h).split(model.config.n_embd, dim=2)
+        q, k, v = (t.view(B, T, a.n_head, a.head_size).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=band).transpose(1, 2).reshape(B, T, -1)
+        x = x + a.c_proj(y)
+        x = x + block.mlp(block.ln_2(x))
+    return model.lm_head(model.transformer.ln_f(x))
+
+
+def test_rolling_cache_refuses_learned_positions():
+    with pytest.raises(ValueError, match="rolling_cache needs pos_embedding='rope'"):
+        GPT(config()).generate(idx_of(1, 3), 5, rolling_cache=True)
+    model = GPT(config(pos_embedding="rope"))
+    cache = model.new_kv_cache(1)
+    model(idx_of(1, 16), kv_cache=cache)
+    with pytest.raises(ValueError, match="18 tokens exceeds block_size 16"):  # a full cache rolls one token at a time
+        model(idx_of(1, 2), kv_cache=cache)
+
+
+# --- norms ------------------------------------------------------------------------------------
+
+def test_rmsnorm_replaces_every_layernorm():
+    model = GPT(config(norm="rmsnorm"))
+    norms = [m for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]
+    assert len(norms) == 2 * 2 + 1 and all(isinstance(m, nn.RMSNorm) for m in norms)
+    x = torch.randn(3, 16) + 5.0  # RMSNorm keeps the mean: only the scale is normalised
+    torch.testing.assert_close(model.transformer.ln_f(x), x / x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt())
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_q_and_k():
+    """Normalised q and k: scaling their projections by 100 leaves the layer's output as it was,
+    where plain attention turns into a near one-hot."""
+    for qk_norm in (True, False):
+        torch.manual_seed(0)
+        attn = CausalSelfAttention(config(qk_norm=qk_norm, bias=False)).double().eval()
+        x = torch.randn(2, 10, 16, dtype=torch.float64)
+        with torch.no_grad():
+            before = attn(x)
+            attn.c_attn.weight[:32].mul_(100.0)  # the q and k rows
+            after = attn(x)
+        assert torch.allclose(after, before, atol=1e-4) == qk_norm  # RMSNorm's eps: not exactly 0
+
+
+# --- GQA -------------------------------------------------------------------------------------
+
+def test_gqa_with_all_heads_equals_standard_attention():
+    standard = variant_model({}, n_head=4, n_embd=32)
+    gqa = GPT(config(n_head=4, n_embd=32, n_kv_head=4)).to(torch.float64).eval()
+    gqa.load_state_dict(standard.state_dict())  # the same projection shapes: 3C
+    idx = idx_of(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(idx)[0], standard(idx)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+def test_gqa_shares_each_kv_head_with_its_group_of_query_heads(backend):
+    """A GQA model equals a standard one whose k/v heads are copies: query head h reads kv head
+    h // (n_head // n_kv_head)."""
+    gqa = variant_model(dict(n_kv_head=2), n_head=4, n_embd=32, attn_backend=backend)
+    standard = GPT(config(n_head=4, n_embd=32)).to(torch.float64).eval()
+    state = gqa.state_dict()
+    for name in [n for n in state if n.endswith("attn.c_attn.weight") or n.endswith("attn.c_attn.bias")]:
+        q, k, v = state[name].split([32, 16, 16], dim=0)
+        k, v = (t.unflatten(0, (2, 8)).repeat_interleave(2, dim=0).flatten(0, 1) for t in (k, v))
+        state[name] = torch.cat([q, k, v])
+    standard.load_state_dict(state)
+    idx = idx_of(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(idx)[0], standard(idx)[0], atol=1e-10, rtol=0)
+
+
+def test_kv_cache_shrinks_with_n_kv_head():
+    full = GPT(config(n_head=4, n_embd=32)).new_kv_cache(2)
+    for kv_heads in (2, 1):
+        small = GPT(config(n_head=4, n_embd=32, n_kv_head=kv_heads)).new_kv_cache(2)
+        assert small.k.shape == (2, 2, kv_heads, 16, 8)
+        assert full.k.numel() + full.v.numel() == (4 // kv_heads) * (small.k.numel() + small.v.numel())
+
+
+# --- MLP, head, soft-cap ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_embd", [16, 48, 128, 384, 768, 1024, 1600])
+def test_swiglu_matches_the_gelu_mlp_parameter_count(n_embd):
+    def mlp_params(mlp):
+        block = GPT(GPTConfig(block_size=4, vocab_size=8, n_layer=1, n_head=1, n_embd=n_embd, mlp=mlp)).transformer.h[0]
+        return sum(p.numel() for p in block.mlp.parameters())
+
+    gelu, swiglu = mlp_params("gelu"), mlp_params("swiglu")
+    assert abs(swiglu - gelu) / gelu <= 0.02, (swiglu, gelu)
+    assert swiglu_hidden(768) == 2048  # GPT-2 small: exactly 8C/3, a multiple of 64
+
+
+def test_relu2_and_swiglu_compute_what_they_say():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16)
+    relu2 = GPT(config(mlp="relu2")).transformer.h[0].mlp
+    torch.testing.assert_close(relu2(x), relu2.c_proj(torch.relu(relu2.c_fc(x)) ** 2))
+    swiglu = GPT(config(mlp="swiglu")).transformer.h[0].mlp
+    gate, up = swiglu.c_fc(x).chunk(2, dim=-1)
+    torch.testing.assert_close(swiglu(x), swiglu.c_proj(gate * torch.sigmoid(gate) * up))
+
+
+def test_untied_head_has_its_own_matrix():
+    tied, untied = GPT(config()), GPT(config(tie_embeddings=False))
+    assert tied.lm_head.weight is tied.transformer.wte.weight
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+    assert untied.get_num_params() - tied.get_num_params() == 29 * 16
+
+
+def test_softcap_bounds_the_logits():
+    capped = variant_model(dict(logit_softcap=3.0))
+    plain = GPT(config()).to(torch.float64).eval()
+    plain.load_state_dict(capped.state_dict())
+    with torch.no_grad():
+        capped.transformer.wte.weight.mul_(5.0)  # the tied head: logits of tens
+        plain.transformer.wte.weight.mul_(5.0)
+        idx = idx_of(2, 16)
+        raw, logits = plain(idx)[0], capped(idx)[0]
+    assert raw.abs().max() > 10 and logits.abs().max() <= 3.0
+    torch.testing.assert_close(logits, 3.0 * torch.tanh(raw / 3.0), atol=1e-12, rtol=0)
+
+
+def test_defaults_are_gpt2_and_save_pretrained_refuses_the_rest(tmp_path):
+    assert GPTConfig().non_gpt2_fields() == [] and config(n_kv_head=2).non_gpt2_fields() == []
+    model = GPT(config(**ALL))
+    with pytest.raises(ValueError) as e:
+        model.save_pretrained(tmp_path)
+    message = str(e.value)
+    assert "\n" not in message and "pos_embedding='rope'" in message and "n_kv_head=1" in message
+    assert not (tmp_path / "config.json").exists()
+
+
+# --- bad combinations are one line -----------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (dict(n_head=4, n_embd=32, n_kv_head=3), "n_head (4) must be divisible by n_kv_head (3)"),
+    (dict(n_head=2, n_embd=18, pos_embedding="rope"), "even head size"),
+    (dict(mlp="geglu"), "mlp must be one of"), (dict(norm="batchnorm"), "norm must be one of"),
+    (dict(pos_embedding="alibi"), "pos_embedding must be one of"), (dict(logit_softcap=0.0), "logit_softcap"),
+])
+def test_bad_model_combinations(overrides, fragment):
+    with pytest.raises(ValueError) as e:
+        config(**overrides)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_combinations_from_the_command_line():
+    assert_user_error(run_script("train.py", "--n_head=4", "--n_kv_head=3"), "n_kv_head (3)")  # exit 2, one line
+    for argv, fragment in ((["--n_embd=36", "--n_head=4", "--pos_embedding=rope"], "even head size"),
+                           (["--optimizer=sgd"], "optimizer must be one of adamw, muon"),
+                           (["--muon_lr=0"], "need muon_lr > 0")):
+        with pytest.raises(UserError, match=fragment) as e:
+            configlib.parse_args(train.TrainConfig, argv)
+        assert "\n" not in str(e.value)
+
+
+def test_muon_refuses_a_parameter_it_cannot_take():
+    with pytest.raises(UserError) as e:
+        optim.check_muon_params([("h.0.gain", nn.Parameter(torch.ones(8)))])
+    assert "h.0.gain has shape (8,)" in str(e.value) and "\n" not in str(e.value)
+
+
+# --- the optimizer ---------------------------------------------------------------------------
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    model = GPT(config(tie_embeddings=False))
+    opt = optim.build_optimizer(model, "muon", 1e-3, 0.1, (0.9, 0.95), "cpu", muon_lr=0.05)
+    muon, adamw = opt.optimizers["muon"], opt.optimizers["adamw"]
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    on_muon = sorted(names[id(p)] for g in muon.param_groups for p in g["params"])
+    assert on_muon == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
+                             for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    on_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight", "transformer.ln_f.weight"} <= on_adamw
+    assert len(on_muon) + len(on_adamw) == len(names)  # every parameter, once
+    optim.set_lr(opt, 0.5)  # the schedule halfway: each group at half its own peak
+    assert muon.param_groups[0]["lr"] == 0.025 and {g["lr"] for g in adamw.param_groups} == {5e-4}
+
+
+def test_adamw_groups_are_nanogpts():
+    model = GPT(config())
+    opt = optim.build_optimizer(model, "adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")
+    decay, no_decay = opt.param_groups
+    assert [p for p in model.parameters() if p.dim() >= 2] == decay["params"]  # parameters() order: old checkpoints
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+
+
+@pytest.mark.slow
+def test_muon_resume_is_exact_and_the_variant_is_rebuilt(tmp_path, data_dir):
+    """A modern-recipe run stopped and resumed equals the uninterrupted run bit for bit (Muon's
+    momentum and AdamW's moments both come back), and sample.py rebuilds the variant."""
+    common = dict(max_iters=12, lr_decay_iters=12, warmup_iters=2, log_interval=1, eval_interval=6, n_head=4,
+                  pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", n_kv_head=2,
+                  tie_embeddings=False, logit_softcap=15.0, optimizer="muon", muon_lr=0.05)
+    train_tiny(tmp_path / "a", data_dir, **common)
+    train_tiny(tmp_path / "b", data_dir, **(common | {"max_iters": 6}))
+    train_tiny(tmp_path / "b", data_dir, **(common | {"init_from": "resume"}))
+    sa, sb = load_checkpoint(tmp_path / "a" / "ckpt.pt"), load_checkpoint(tmp_path / "b" / "ckpt.pt")
+    for name, tensor in sa["model"].items():
+        assert torch.equal(tensor, sb["model"][name]), name
+    assert set(sb["optimizer"]) == {"muon", "adamw"}
+    assert sb["optimizer"]["muon"]["state"]  # momentum buffers were saved
+    margs = sb["meta"]["model_args"]
+    assert (margs["pos_embedding"], margs["n_kv_head"], margs["mlp"]) == ("rope", 2, "relu2")
+
+    import sample
+    model, _, _ = sample.load_resume(tmp_path / "b")
+    assert model.config == GPTConfig(**margs)
+    result = run_script("sample.py", f"--out_dir={tmp_path / 'b'}", "--device=cpu", "--num_samples=1",
+                        "--max_new_tokens=40", "--seed=1")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout) > 40
+
+
+def test_resume_with_another_optimizer_or_switch_is_one_line(tmp_path, data_dir):
+    train_tiny(tmp_path, data_dir, max_iters=2, optimizer="muon")
+    with pytest.raises(UserError, match="optimizer=muon, this run uses optimizer=adamw"):
+        train_tiny(tmp_path, data_dir, max_iters=4, init_from="resume")
+    with pytest.raises(UserError, match="config mlp='relu2' differs|config mlp=relu2 differs"):
+        train_tiny(tmp_path, data_dir, max_iters=4, init_from="resume", optimizer="muon", mlp="relu2")
+
+
+def test_init_from_gpt2_refuses_recipe_switches(tmp_path):
+    cfg = train.TrainConfig(init_from="gpt2", pos_embedding="rope", n_embd=64, n_head=4)
+    with pytest.raises(UserError, match="init_from=gpt2 loads GPT-2's architecture"):
+        train.build_model(cfg, {"tokenizer": "gpt2", "vocab_size": 50257}, None)
+
+
+# --- the comparison command ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_compare_recipe_trains_evaluates_and_reports(tmp_path, data_dir):
+    argv = [f"--{k}={v!r}" for k, v in TINY_TRAIN.items()] + [
+        f"--data_dir={data_dir}", "--max_iters=4", "--lr_decay_iters=4", f"--results_dir={tmp_path}",
+        "--variants=classic,muon,modern", "--eval_every=2", "--timing_rounds=1", "--timing_iters=1"]
+    compare_recipe.main(argv)
+    runs = {n: json.loads((tmp_path / "variants" / f"{n}.json").read_text()) for n in ("classic", "muon", "modern")}
+    assert [it for it, _ in runs["classic"]["curve"]] == [0, 2, 4]
+    assert runs["modern"]["overrides"]["optimizer"] == "muon"
+    assert runs["classic"]["curve"][0][1] == pytest.approx(math.log(len(set(TEXT))), abs=0.3)
+    assert "| modern |" in (tmp_path / "table.md").read_text() and (tmp_path / "val_loss.png").stat().st_size > 1000
+
+
+def test_whole_split_loss_predicts_every_token_once():
+    """Against a direct sum: 1 + 2 + ... windows of a 23-token split with block_size 5 (the last shorter)."""
+    model = variant_model({}, block_size=5, dtype=torch.float32)
+    tokens = idx_of(1, 23)[0]
+    got = compare_recipe.whole_split_loss(model, [tokens], 5, 2, train.runtime.setup("cpu", "float32"))
+    with torch.no_grad():
+        logits = torch.cat([model(tokens[s:min(s + 5, 22)][None])[0][0] for s in range(0, 22, 5)])
+    expected = torch.nn.functional.cross_entropy(logits, tokens[1:]).item()
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_bench_rolling_section(tmp_path):
+    import bench
+
+    result = bench.main(["--sections=rolling", "--decode_n_layer=1", "--decode_n_embd=16", "--decode_n_head=2",
+                         "--decode_block_size=8", "--decode_contexts=4", "--roll_new_tokens=3", "--warmup=0",
+                         f"--out={tmp_path / 'bench.json'}"])
+    rows = result["rolling"]["rows"]
+    assert [r["way"] for r in rows] == ["learned, cache refilled", "rope, cache refilled", "rope, rolling cache"]
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    assert json.loads((tmp_path / "bench.json").read_text())["rolling"]["new_tokens"] == 3
