@@ -164,12 +164,12 @@ def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, y
     if ymax is not None:
         ax.set_ylim(top=ymax)
     ax.grid(alpha=0.3)
-    runs_legend = ax.legend(loc="upper right", fontsize=8, title="run", title_fontsize=8)
-    ax.add_artist(runs_legend)
-    kinds = [Line2D([], [], color="gray", lw=1.8, marker="o", ms=3), Line2D([], [], color="gray", lw=1.2, ls="--"),
-             Line2D([], [], color="gray", lw=0.8, alpha=0.5)]
-    ax.legend(kinds, ["val loss (eval)", "train loss (eval)", "train loss (each logged step)"], loc="upper center",
-              fontsize=8)
+    # One legend: the runs by colour, then what each line style means.
+    handles, labels = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], color="gray", lw=1.8, marker="o", ms=3), Line2D([], [], color="gray", lw=1.2, ls="--"),
+                Line2D([], [], color="gray", lw=0.8, alpha=0.5)]
+    labels += ["val loss (eval)", "train loss (eval)", "train loss (each logged step)"]
+    ax.legend(handles, labels, loc="upper right", fontsize=8)
     ax_lr.set_ylabel("learning rate")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     ax_lr.grid(alpha=0.3)

@@ -126,21 +126,28 @@ def load_hellaswag(path: str | Path, limit: int = 0) -> list[HellaSwagExample]:
     if not path.is_file():
         raise UserError(f"HellaSwag file {path} not found; run python data/hellaswag/prepare.py "
                         f"(or pass --input=path/to/hellaswag_val.jsonl to it)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"HellaSwag file {path} is not UTF-8 text (byte {e.start}); re-run data/hellaswag/prepare.py") from None
+    return parse_hellaswag(lines, str(path), limit)
+
+
+def parse_hellaswag(lines: list[str], source: str, limit: int = 0) -> list[HellaSwagExample]:
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            examples.append(_parse_example(line, number, path))
-            if limit and len(examples) == limit:
-                break
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        examples.append(_parse_example(line, number, source))
+        if limit and len(examples) == limit:
+            break
     if not examples:
-        raise UserError(f"HellaSwag file {path} holds no examples")
+        raise UserError(f"HellaSwag file {source} holds no examples")
     return examples
 
 
-def _parse_example(line: str, number: int, path: Path) -> HellaSwagExample:
-    where = f"{path} line {number}"
+def _parse_example(line: str, number: int, source: str) -> HellaSwagExample:
+    where = f"{source} line {number}"
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:

@@ -19,8 +19,8 @@ from core import evaluate
 from core.data import TokenData
 from core.errors import UserError
 from core.tokenizer import CharTokenizer
-from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, run_main, train_tiny,
-                           use_gpt2_bpe)
+from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, run_main, run_script,
+                           train_tiny, use_gpt2_bpe)
 
 transformers = pytest.importorskip("transformers", reason="the independent figures need transformers")
 
@@ -209,6 +209,21 @@ def test_bad_hellaswag_input_is_one_line(run, tmp_path):
                                 CharTokenizer.from_text(TEXT + "b"), 32)
 
 
+def test_prepare_checks_every_line_and_writes_the_file(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hellaswag_prepare", "data/hellaswag/prepare.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    source = write_hellaswag(tmp_path / "source.jsonl", EXAMPLES)
+    out = prepare.main([f"--input={source}", f"--out_dir={tmp_path / 'out'}"])
+    assert out.read_bytes() == source.read_bytes() and len(evaluate.load_hellaswag(out)) == 5
+    broken = write_hellaswag(tmp_path / "broken.jsonl", EXAMPLES, extra_lines=['{"ctx": "x"'])
+    assert_user_error(run_main(prepare.main, [f"--input={broken}", f"--out_dir={tmp_path / 'out2'}"]),
+                      "broken.jsonl line 6 is not valid JSON")
+    assert not (tmp_path / "out2" / "hellaswag_val.jsonl").exists()
+    assert_user_error(run_main(prepare.main, [f"--input={tmp_path / 'none'}"]), "cannot be read")
+
+
 def test_hellaswag_inside_training_is_logged(run, tmp_path):
     _, data_dir, _, _, _ = run
     path = write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)
@@ -218,3 +233,34 @@ def test_hellaswag_inside_training_is_logged(run, tmp_path):
     assert [r["iter"] for r in evals] == [0, 60, 120]
     assert all(0.0 <= r["hellaswag_acc"] <= 1.0 and 0.0 <= r["hellaswag_acc_norm"] <= 1.0 for r in evals)
     assert evals[-1]["hellaswag_acc_norm"] == 1.0  # the same training as the fixture's model, which gets all 5
+
+
+def test_ranks_split_the_work_between_them(run, tmp_path, monkeypatch):
+    """Each rank's share, summed as the all-reduce would, equals one process's figures (in-process: the
+    collective is replaced by a no-op, and the sums are added here)."""
+    _, data_dir, model, tok, _ = run
+    monkeypatch.setattr(evaluate.dist, "all_reduce", lambda t: None)
+    data = TokenData(data_dir, "val", 16)
+    whole = evaluate.evaluate_split(model, data, stride=5, batch_size=2)
+    parts = [evaluate.evaluate_split(model, data, stride=5, batch_size=2, rank=r, world_size=3) for r in range(3)]
+    assert sum(p.tokens for p in parts) == whole.tokens
+    assert sum(p.loss * p.tokens for p in parts) == pytest.approx(whole.loss * whole.tokens, rel=1e-9)
+    rendered = evaluate.render_examples(evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)),
+                                        tok, 32)
+    swapped = [(t, m, (label + (i % 2)) % 4) for i, (t, m, label) in enumerate(rendered)]  # 3 right, 2 wrong
+    parts = [evaluate.evaluate_hellaswag(model, swapped, rank=r, world_size=2) for r in range(2)]
+    assert [p["examples"] for p in parts] == [3, 2]  # rank 1 scored a spare 3rd example and did not count it
+    assert sum(p["acc"] * p["examples"] for p in parts) == 3
+
+
+@pytest.mark.slow
+def test_hellaswag_under_torchrun_agrees_with_one_process(run, tmp_path):
+    """torchrun, 2 CPU processes over gloo: 5 examples split 3 + 2, counts all-reduced, printed once."""
+    out_dir, _, _, _, _ = run
+    args = [f"--out_dir={out_dir}", "--device=cpu", "--task=hellaswag",
+            f"--hellaswag_file={write_hellaswag(tmp_path / 'hs.jsonl', EXAMPLES[:4] + [EXAMPLES[0][:2] + (3,)])}"]
+    result = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "eval.py", *args,
+                        timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == run_main(eval_script.main, args).stdout.strip()
+    assert result.stdout.strip().endswith("acc 0.8000 | acc_norm 0.8000 | 5 examples")
