@@ -3,7 +3,8 @@
     python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
-    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling
+    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling, memory
+    python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
@@ -41,11 +42,18 @@ How each figure is measured:
              per step; sliding-window attention, see GPT.generate's rolling_cache).
   prepare    core.data.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path):
              read, encode, write train.bin / val.bin / meta.json to a temporary folder.
+  memory     the training model under parallel=ddp and fsdp in 1, 2 and 4 gloo processes spawned on the
+             CPU: after one AdamW step, the bytes each process holds for parameters, gradients and
+             optimizer state (a DTensor counts its local shard; core.parallel.state_bytes). Then one
+             process's peak memory and step time for forward + backward with and without activation
+             checkpointing (peak measured as in attention). Last, core.parallel.training_bytes'
+             computed (not measured) table of which GPT-2 fits on which GPU.
 """
 import contextlib
 import dataclasses
 import datetime
 import io
+import json
 import math
 import os
 import platform
@@ -59,7 +67,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from core import runtime
+from core import parallel, runtime
 from core.config import apply_overrides, parse_args, read_config_file, to_dict
 from core.data import TextPrepareConfig, prepare_text_corpus
 from core.errors import UserError, first_line, run_cli
@@ -68,7 +76,7 @@ from core.tokenizer import GPT2Tokenizer
 from model import GPT, GPTConfig, scaled_dot_product_attention
 from sample import SampleConfig, prepare_model, window_shift
 
-SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling")
+SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory")
 OOM = "OOM"  # a figure that did not fit in device memory
 # THREADS: one torch thread by default. On the shared 2-core machines this project runs on, two OpenMP
 # threads spin-wait for each other whenever another process holds a core: the default CPU run took
@@ -86,7 +94,7 @@ class BenchConfig:
     dtype: str = "auto"
     threads: int = 1           # torch intra-op threads; 0 keeps torch's default (one per core). See THREADS.
     seed: int = 1337
-    sections: str = "train,loop,attention,decode,prepare,rolling"
+    sections: str = "train,loop,attention,decode,prepare,rolling,memory"
     out: str = "bench.json"
     warmup: int = 1            # untimed runs before each timed figure
     repeats: int = 3           # timed runs; each figure is their median
@@ -268,6 +276,104 @@ def or_oom(fn: Callable[[], object], rt: runtime.Runtime):
 def one_line(e: BaseException, limit: int = 200) -> str:
     text = f"{type(e).__name__}: {first_line(e, limit)}" if str(e).strip() else type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. memory: ddp against fsdp per process, activation checkpointing
+
+
+MEMORY_WORLD_SIZES = (1, 2, 4)
+
+
+def _memory_worker(rank: int, world_size: int, init_file: str, how: str, mc: GPTConfig, batch_size: int,
+                   out_dir: str) -> None:
+    """One spawned process: a training step under `how` (ddp|fsdp), then its state bytes to out_dir/<rank>.json."""
+    torch.set_num_threads(1)
+    if world_size > 1:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                             world_size=world_size)
+    rt = runtime.Runtime("cpu", "cpu", "float32", rank, rank, world_size)
+    torch.manual_seed(0)
+    model = GPT(mc)
+    wrapped = parallel.parallelize(model, rt, how, activation_checkpointing=False, compile=False)
+    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu")
+    x = torch.randint(mc.vocab_size, (batch_size, mc.block_size), generator=torch.Generator().manual_seed(rank))
+    wrapped(x, x)[1].backward()
+    optimizer.step()
+    write_json(Path(out_dir) / f"{rank}.json", parallel.state_bytes(model, optimizer))
+    if world_size > 1:
+        torch.distributed.destroy_process_group()
+
+
+def spawned_state_bytes(how: str, world_size: int, mc: GPTConfig, batch_size: int) -> list[dict]:
+    """Each process's parameter, gradient and optimizer bytes after one step, in `world_size` gloo processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (world_size, f"{tmp}/store", how, mc, batch_size, tmp)
+        if world_size == 1:  # plain training, no process group: run it here
+            threads = torch.get_num_threads()
+            _memory_worker(0, *args)
+            torch.set_num_threads(threads)
+        else:
+            torch.multiprocessing.spawn(_memory_worker, nprocs=world_size, args=args)
+        return [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(world_size)]
+
+
+def bench_memory(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    mc = GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                   n_embd=cfg.n_embd, dropout=0.0, bias=cfg.bias)
+    state = []
+    for how in parallel.PARALLELS:
+        for n in MEMORY_WORLD_SIZES:
+            ranks = spawned_state_bytes(how, n, mc, cfg.batch_size)
+            state.append({"parallel": how, "processes": n, "per_rank": ranks,
+                          **{k: max(r[k] for r in ranks) for k in ("params", "grads", "optimizer")}})
+    result = {"model": model_text(mc, cfg.batch_size), "state": state,
+              "checkpointing": activation_checkpointing_rows(cfg, rt, mc),
+              "fits": fits_rows(FITS_MICRO_BATCH, FITS_WORLD_SIZE)}
+    return result
+
+
+def activation_checkpointing_rows(cfg: BenchConfig, rt: runtime.Runtime, mc: GPTConfig) -> list[dict]:
+    """Peak memory above the weights and step time of forward + backward, without and with checkpointing."""
+    torch.manual_seed(cfg.seed)
+    models = {"off": GPT(mc).to(rt.device), "on": GPT(mc).to(rt.device)}
+    models["on"].load_state_dict(models["off"].state_dict())
+    parallel.apply_activation_checkpointing(models["on"])
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randint(mc.vocab_size, (cfg.batch_size, mc.block_size), generator=gen).to(rt.device)
+
+    def step(m: GPT) -> Callable[[], None]:
+        def run():
+            with rt.autocast():
+                _, loss = m(x, x)
+            loss.backward()
+            m.zero_grad(set_to_none=True)  # grads freed: the peak is activations (+ transient gradients)
+        return run
+
+    if rt.device_type == "cuda":
+        peaks = {k: cuda_peak_extra_bytes(step(m)) for k, m in models.items()}
+    else:
+        peaks = cpu_peak_extra_bytes({k: step(m) for k, m in models.items()})
+    return [{"activation_checkpointing": k, "peak_bytes": peaks[k],
+             "step_s": median_time(step(m), cfg.warmup, cfg.repeats, rt.synchronize)} for k, m in models.items()]
+
+
+GPU_GB = (24, 80, 141)
+FITS_MICRO_BATCH, FITS_WORLD_SIZE = 4, 8  # sequences of 1024 tokens per GPU; GPUs sharing the model under fsdp
+
+
+def fits_rows(micro_batch: int, world_size: int) -> list[dict]:
+    """Computed: GB per GPU for each GPT-2 size, ddp and fsdp over world_size GPUs, and where it fits."""
+    rows = []
+    for size in parallel.GPT2_SIZES:
+        for how in parallel.PARALLELS:
+            need = {ac: parallel.training_bytes(size, how, world_size, micro_batch, ac)["total"] / 1e9
+                    for ac in (False, True)}
+            fits = ["yes" if need[False] <= parallel.FITS_FRACTION * gb else
+                    "with AC" if need[True] <= parallel.FITS_FRACTION * gb else "no" for gb in GPU_GB]
+            rows.append({"model": size.name, "params": size.params, "parallel": how, "gb": need[False],
+                         "gb_checkpointed": need[True], "fits": dict(zip(map(str, GPU_GB), fits))})
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -807,8 +913,29 @@ def format_rolling(r: dict) -> str:
             + table(["way", "ms/token", "tokens/s"], rows))
 
 
+def format_memory(r: dict) -> str:
+    state = [[row["parallel"], row["processes"], mib(row["params"]), mib(row["grads"]), mib(row["optimizer"]),
+              mib(row["params"] + row["grads"] + row["optimizer"])] for row in r["state"]]
+    ac = [[row["activation_checkpointing"], mib(row["peak_bytes"]), num(row["step_s"] * 1e3, 1)]
+          for row in r["checkpointing"]]
+    off, on = r["checkpointing"]
+    fits = [[row["model"], f"{row['params'] / 1e6:,.0f}M", row["parallel"], f"{row['gb']:.1f}",
+             f"{row['gb_checkpointed']:.1f}", *row["fits"].values()] for row in r["fits"]]
+    return (f"### Memory per process: ddp vs fsdp, activation checkpointing\n{r['model']}\n\n"
+            "bytes held by each process after one AdamW step (the largest rank), gloo processes on the CPU\n\n"
+            + table(["parallel", "processes", "params", "grads", "AdamW state", "total"], state)
+            + "\n\nforward + backward, one process\n\n"
+            + table(["activation checkpointing", "peak memory", "step ms"], ac)
+            + f"\n\ncheckpointing: {on['peak_bytes'] / off['peak_bytes']:.2f}x the peak memory, "
+              f"{on['step_s'] / off['step_s']:.2f}x the step time\n\n"
+            "Computed, not measured (core.parallel.training_bytes): GB per GPU to train GPT-2 with AdamW, "
+            f"micro-batch {FITS_MICRO_BATCH} x 1024 tokens, fsdp over {FITS_WORLD_SIZE} GPUs; fits if <= "
+            f"{parallel.FITS_FRACTION:.0%} of the GPU\n\n"
+            + table(["model", "params", "parallel", "GB", "GB with AC", *(f"{gb} GB" for gb in GPU_GB)], fits))
+
+
 FORMATTERS = {"train": format_train, "loop": format_loop, "attention": format_attention, "decode": format_decode,
-              "prepare": format_prepare, "rolling": format_rolling}
+              "prepare": format_prepare, "rolling": format_rolling, "memory": format_memory}
 
 
 def main(argv: Sequence[str]) -> dict:
@@ -838,7 +965,8 @@ def run(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
           f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
     runners = {"train": lambda: bench_train(cfg, rt), "loop": lambda: bench_loop(cfg, rt),
                "attention": lambda: bench_attention(cfg, rt), "decode": lambda: bench_decode(cfg, rt),
-               "prepare": lambda: bench_prepare(cfg), "rolling": lambda: bench_rolling(cfg, rt)}
+               "prepare": lambda: bench_prepare(cfg), "rolling": lambda: bench_rolling(cfg, rt),
+               "memory": lambda: bench_memory(cfg, rt)}
     for name in SECTIONS:
         if name in section_list(cfg):
             t0 = time.perf_counter()

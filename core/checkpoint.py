@@ -266,12 +266,14 @@ def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
         except OSError as e:
             raise UserError(f"checkpoint {path} is incomplete ({name}: {e.strerror}); it cannot be loaded") from None
     try:  # before DCP reads it: DCP would log the refusal as a traceback and go on to another error
-        _check_metadata(path / ".metadata")
+        shards = {info.relative_path for info in _check_metadata(path / ".metadata").storage_data.values()}
     except pickle.UnpicklingError as e:
         raise UserError(f"{path}/.metadata {e}: unpickling it could run any code. It is not a checkpoint written "
                         f"by this project's train.py") from None
-    except (OSError, EOFError, ValueError) as e:
+    except (OSError, EOFError, ValueError, AttributeError) as e:
         raise UserError(f"checkpoint {path} has an unreadable .metadata ({first_line(e)})") from None
+    if missing := sorted(shards - set(files)):
+        raise UserError(f"checkpoint {path} is incomplete (no {', '.join(missing)}); it cannot be loaded")
     return meta
 
 
@@ -346,10 +348,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"holds a pickled {module}.{name}, which is never loaded")
 
 
-def _check_metadata(path: Path) -> None:
+def _check_metadata(path: Path) -> "dcp.Metadata":
     """Unpickle DCP's metadata file through the allowlist; raises pickle.UnpicklingError on any other global."""
     with open(path, "rb") as f:
-        _MetadataUnpickler(f).load()
+        return _MetadataUnpickler(f).load()
 
 
 class _SafeReader(dcp.FileSystemReader):

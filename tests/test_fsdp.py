@@ -35,7 +35,7 @@ TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 # 2 Blocks (two fully_shard units and the root); 4 micro-batches per step, 2 per process under torchrun.
 RUN = dict(n_layer=2, n_head=2, n_embd=32, gradient_accumulation_steps=4, batch_size=4, max_iters=20,
-           lr_decay_iters=20, log_interval=1, eval_interval=20, eval_iters=2, checkpoint_interval=10,
+           lr_decay_iters=20, log_interval=1, eval_interval=20, eval_iters=3, checkpoint_interval=10,
            dist_timeout_s=60.0)
 
 
@@ -263,13 +263,22 @@ def test_sharded_checkpoint_never_unpickles_arbitrary_objects(sharded_out, tmp_p
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_damaged_sharded_checkpoint_falls_back_to_the_previous_one(sharded_out, data_dir):
+@pytest.mark.parametrize("damage", ["bit flipped", "shard missing"])
+def test_damaged_sharded_checkpoint_falls_back_to_the_previous_one(sharded_out, damage):
+    """A flipped bit in a shard, or a shard file gone (also from meta.json's list): one clear error, and
+    resume falls back to ckpt.prev.dcp."""
     path = sharded_out / checkpoint.SHARDED_NAME
     shard = path / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    shard.write_bytes(bytes(data))
-    with pytest.raises(UserError, match="CRC-32"):
+    if damage == "bit flipped":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    else:
+        shard.unlink()
+        record = json.loads((path / checkpoint.META_NAME).read_text())
+        del record["files"][shard.name]
+        (path / checkpoint.META_NAME).write_text(json.dumps(record))
+    with pytest.raises(UserError, match="CRC-32" if damage == "bit flipped" else "incomplete .no __0_0.distcp"):
         checkpoint.load_checkpoint(path)
     logged = []
     meta, used = checkpoint.load_latest_sharded(sharded_out, log=logged.append)
