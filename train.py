@@ -189,6 +189,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
             model = GPT.from_pretrained(cfg.init_from, {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend})
         except (OSError, ValueError) as e:
             raise UserError(f"could not load GPT-2 weights '{cfg.init_from}': {first_line(e)}") from None
+        # Weights are loaded by now (on the CPU); the optimizer, activations and the device copy are not.
+        check_memory(dataclasses.replace(model.config, block_size=min(cfg.block_size, model.config.block_size)),
+                     cfg, rt)
         tok = tokenizer_meta(data_meta)
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
@@ -229,9 +232,11 @@ def gather_rng(rt: runtime.Runtime) -> dict:
 
 
 def restore_rng(rng: dict | None, rt: runtime.Runtime, log) -> None:
-    if not rng or len(rng["cpu"]) != rt.world_size:
-        log("note: the checkpoint's RNG states were saved with another number of processes; dropout draws are "
-            "re-seeded (batches still follow seed and iteration exactly)")
+    saved = len(rng["cpu"]) if rng else 0
+    if saved != rt.world_size:
+        log(f"note: the checkpoint was saved by {saved or 'an unknown number of'} process(es), this run has "
+            f"{rt.world_size}: each iteration reads the same global batch (from seed and iteration), but dropout "
+            f"draws are re-seeded, so losses will not repeat the first run's bit for bit")
         return
     torch.set_rng_state(rng["cpu"][rt.rank])
     if rt.device_type == "cuda" and "cuda" in rng:
