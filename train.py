@@ -156,8 +156,8 @@ def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
 
 def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
                 rt: runtime.Runtime) -> tuple[GPT, dict]:
-    """The model for cfg.init_from, and the tokenizer metadata it is trained with. Where its shape is
-    known before building (scratch, resume), a run that plainly does not fit in memory stops first."""
+    """The model for cfg.init_from, and the tokenizer metadata it is trained with. A run that plainly does
+    not fit in memory stops before the model is built (scratch, resume), or as soon as GPT-2's weights load."""
     if resume_state is not None:
         saved = resume_state["meta"]
         margs = saved["model_args"]
