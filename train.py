@@ -184,8 +184,8 @@ def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
 
 def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
                 rt: runtime.Runtime) -> tuple[GPT, dict]:
-    """The model for cfg.init_from, and the tokenizer metadata it is trained with. Where its shape is
-    known before building (scratch, resume), a run that plainly does not fit in memory stops first."""
+    """The model for cfg.init_from, and the tokenizer metadata it is trained with. A run that plainly does
+    not fit in memory stops before the model is built (scratch, resume), or as soon as GPT-2's weights load."""
     if resume_state is not None:
         saved = resume_state["meta"]
         margs = saved["model_args"]
@@ -224,6 +224,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
             model = GPT.from_pretrained(cfg.init_from, {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend})
         except (OSError, ValueError) as e:
             raise UserError(f"could not load GPT-2 weights '{cfg.init_from}': {first_line(e)}") from None
+        # Weights are loaded by now (on the CPU); the optimizer, activations and the device copy are not.
+        check_memory(dataclasses.replace(model.config, block_size=min(cfg.block_size, model.config.block_size)),
+                     cfg, rt)
         tok = tokenizer_meta(data_meta)
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
@@ -264,9 +267,11 @@ def gather_rng(rt: runtime.Runtime) -> dict:
 
 
 def restore_rng(rng: dict | None, rt: runtime.Runtime, log) -> None:
-    if not rng or len(rng["cpu"]) != rt.world_size:
-        log("note: the checkpoint's RNG states were saved with another number of processes; dropout draws are "
-            "re-seeded (batches still follow seed and iteration exactly)")
+    saved = len(rng["cpu"]) if rng else 0
+    if saved != rt.world_size:
+        log(f"note: the checkpoint was saved by {saved or 'an unknown number of'} process(es), this run has "
+            f"{rt.world_size}: each iteration reads the same global batch (from seed and iteration), but dropout "
+            f"draws are re-seeded, so losses will not repeat the first run's bit for bit")
         return
     torch.set_rng_state(rng["cpu"][rt.rank])
     if rt.device_type == "cuda" and "cuda" in rng:
