@@ -221,7 +221,9 @@ def test_sigterm_and_sigint_save_exit_zero_and_resume_exactly(tmp_path, data_dir
     for sig, proc in procs.items():
         out, stdout = tmp_path / sig.name, (tmp_path / f"{sig.name}.out").read_text()
         assert proc.returncode == 0, (tmp_path / f"{sig.name}.err").read_text()
-        assert stopped[sig] < 5.0, f"{sig.name}: took {stopped[sig]:.1f}s to save and exit"
+        # A step and a save take milliseconds here; 10 s leaves room for interpreter exit on a loaded
+        # 2-core machine (6-8 s seen at load average 13) and still fails a run that trains on to an eval.
+        assert stopped[sig] < 10.0, f"{sig.name}: took {stopped[sig]:.1f}s to save and exit"
         iter_num = load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"]
         assert f"stopped by {sig.name}" in stdout and f"stopped at iter {iter_num};" in stdout
         assert losses(out)[-1][0] == iter_num - 1  # the step under way was finished, then saved

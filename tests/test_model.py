@@ -46,9 +46,9 @@ class WindowSpy:
     def __init__(self, model, monkeypatch):
         self.windows, real = [], model._next_logits
 
-        def spy(window, cache):
-            self.windows.append(window.clone())
-            return real(window, cache)
+        def spy(idx, start, origin, cache):
+            self.windows.append(idx[:, start:].clone())  # the window: what the next token is conditioned on
+            return real(idx, start, origin, cache)
 
         monkeypatch.setattr(model, "_next_logits", spy)
 
