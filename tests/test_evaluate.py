@@ -248,7 +248,10 @@ def test_ranks_split_the_work_between_them(run, tmp_path, monkeypatch):
     rendered = evaluate.render_examples(evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)),
                                         tok, 32)
     swapped = [(t, m, (label + (i % 2)) % 4) for i, (t, m, label) in enumerate(rendered)]  # 3 right, 2 wrong
+    model.train()  # as inside training: evaluating must hand it back in training mode
     parts = [evaluate.evaluate_hellaswag(model, swapped, rank=r, world_size=2) for r in range(2)]
+    assert model.training
+    model.eval()
     assert [p["examples"] for p in parts] == [3, 2]  # rank 1 scored a spare 3rd example and did not count it
     assert sum(p["acc"] * p["examples"] for p in parts) == 3
 
