@@ -124,7 +124,6 @@ def test_bad_perplexity_input_is_one_line(run, tmp_path):
     assert_user_error(run_main(eval_script.main, [f"--out_dir={tmp_path}", "--device=cpu"]), "no checkpoint")
 
 
-@pytest.mark.slow
 def test_gpt2_weights_on_a_bpe_split(tmp_path):
     """eval.py --init_from=<save_pretrained dir> with GPT-2's BPE; a char dataset is refused."""
     use_gpt2_bpe()
