@@ -13,6 +13,7 @@ stdout; what was loaded goes to stderr.
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -80,6 +81,18 @@ def run_data_dir(cfg: EvalConfig) -> str:
     raise UserError("no dataset to evaluate on: pass --data_dir=data/<name> (a folder prepared by its prepare.py)")
 
 
+class Progress:
+    """Prints how far a long evaluation has got to stderr, about every 10 seconds."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self.last = every_s, time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.perf_counter() - self.last >= self.every_s:
+            self.last = time.perf_counter()
+            print(f"  ~{done / total:.0%} of {total:,} windows", file=sys.stderr)
+
+
 def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     data_dir = run_data_dir(cfg)
     check_same_tokenizer(tok.meta(), read_meta(data_dir), data_dir)
@@ -90,7 +103,8 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     stride = cfg.stride or block_size
     if stride > block_size:
         raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens")
-    r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size)
+    r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size,
+                                progress=Progress() if rt.is_master else None)
     return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.tokens:,} tokens "
             f"(block_size {block_size}, stride {stride})")
 

@@ -68,11 +68,12 @@ class SplitResult:
 
 @torch.no_grad()
 def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
-                   autocast=None, rank: int = 0, world_size: int = 1) -> SplitResult:
+                   autocast=None, rank: int = 0, world_size: int = 1, progress=None) -> SplitResult:
     """Score every token of `data` (one split; each .bin file is its own stream) once.
 
     stride None means block_size: non-overlapping windows. With world_size > 1 each rank scores
-    every world_size-th batch of windows and the sums are all-reduced.
+    every world_size-th batch of windows and the sums are all-reduced. progress(done, total), if
+    given, is called after each batch with how far into the list of all windows this rank is.
     """
     T = data.block_size
     stride = stride or T
@@ -86,6 +87,8 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
         with autocast() if autocast else contextlib.nullcontext():
             losses = token_losses(model, x, y)  # (B, T)
         sums += torch.stack([losses.double().sum(), (y >= 0).sum().double()])
+        if progress:
+            progress(min(i + batch_size, len(jobs)), len(jobs))
     if world_size > 1:
         dist.all_reduce(sums)
     model.train(was_training)
