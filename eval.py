@@ -113,7 +113,8 @@ def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples)
     rendered = evaluate.render_examples(examples, tok, model.config.block_size)
     r = evaluate.evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
-    return f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | {r['examples']} examples"
+    return (f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
+            f"{r['examples']} examples")
 
 
 def main(argv: Sequence[str]) -> str:

@@ -113,7 +113,8 @@ def run_labels(runs: list[RunLog]) -> list[str]:
     names = [r.out_dir.resolve().name for r in runs]
     if len(runs) == 1:
         c, tpi = runs[0].config, runs[0].tokens_per_iter
-        shape = f"{c['n_layer']}L {c['n_head']}H {c['n_embd']}d" if all(k in c for k in ("n_layer", "n_head", "n_embd")) else ""
+        has_shape = all(k in c for k in ("n_layer", "n_head", "n_embd"))
+        shape = f"{c['n_layer']}L {c['n_head']}H {c['n_embd']}d" if has_shape else ""
         detail = ", ".join(s for s in (shape, f"{tpi:,} tok/iter" if tpi else "") if s)
         return [f"{names[0]} ({detail})" if detail else names[0]]
     keys = sorted({k for r in runs for k in r.config} - UNLABELLED)
@@ -317,7 +318,8 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
     model, tok, source = load_model(cfg.init_from, cfg.out_dir)
     L = model.config.n_layer
     if not -L <= cfg.layer < L:
-        raise UserError(f"layer {cfg.layer} does not exist: the model has {L} layers (0 to {L - 1}, or -1 for the last)")
+        raise UserError(f"layer {cfg.layer} does not exist: the model has {L} layers (0 to {L - 1}, "
+                        f"or -1 for the last)")
     ids = encode_prompt(tok, read_prompt(cfg.prompt), model.config.block_size)
     if not 2 <= len(ids) <= cfg.max_tokens:
         raise UserError(f"the prompt is {len(ids)} tokens; draw 2 to {cfg.max_tokens} (--max_tokens=N raises the "

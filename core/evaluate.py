@@ -132,7 +132,8 @@ def load_hellaswag(path: str | Path, limit: int = 0) -> list[HellaSwagExample]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise UserError(f"HellaSwag file {path} is not UTF-8 text (byte {e.start}); re-run data/hellaswag/prepare.py") from None
+        raise UserError(f"HellaSwag file {path} is not UTF-8 text (byte {e.start}); "
+                        f"re-run data/hellaswag/prepare.py") from None
     return parse_hellaswag(lines, str(path), limit)
 
 
@@ -233,3 +234,12 @@ def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None
     model.train(was_training)
     right, right_norm, n = counts.tolist()
     return {"acc": right / n, "acc_norm": right_norm / n, "examples": int(n)}
+
+
+def hellaswag_scores(model, rendered: list[tuple] | None, rt) -> dict[str, float]:
+    """train.py's eval record entries, {} when no HellaSwag file was given. Pass the plain module:
+    examples vary in length, which a compiled one would recompile for."""
+    if not rendered:
+        return {}
+    r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
+    return {"hellaswag_acc": r["acc"], "hellaswag_acc_norm": r["acc_norm"]}

@@ -63,7 +63,8 @@ def test_bad_logs_are_one_line(tmp_path):
 def test_two_runs_overlay_with_their_differences_in_the_labels(tmp_path):
     a = plot.read_log(write_run(tmp_path / "run-a"))
     b = plot.read_log(write_run(tmp_path / "run-b", lr=3e-4, evals=(0, 10, 20, 30), n_layer=2))
-    assert plot.run_labels([a, b]) == ["run-a (learning_rate=0.001, n_layer=1)", "run-b (learning_rate=0.0003, n_layer=2)"]
+    assert plot.run_labels([a, b]) == ["run-a (learning_rate=0.001, n_layer=1)",
+                                       "run-b (learning_rate=0.0003, n_layer=2)"]
     assert plot.run_labels([a]) == ["run-a (1L 2H 16d, 64 tok/iter)"]
     fig = plot.plot_losses([a, b])
     ax, ax_lr = fig.axes[:2]
