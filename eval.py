@@ -109,8 +109,7 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
             f"(block_size {block_size}, stride {stride})")
 
 
-def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
-    examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples)
+def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime, examples) -> str:
     rendered = evaluate.render_examples(examples, tok, model.config.block_size)
     r = evaluate.evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
     return (f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
@@ -121,11 +120,16 @@ def main(argv: Sequence[str]) -> str:
     cfg = parse_args(EvalConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
     try:
+        # A missing or malformed file is found before the model is loaded.
+        examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
         model, tok, source = load_model(cfg.init_from, cfg.out_dir)
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
         model.to(rt.device)
-        line = (perplexity if cfg.task == "perplexity" else hellaswag)(cfg, model, tok, rt)
+        if cfg.task == "perplexity":
+            line = perplexity(cfg, model, tok, rt)
+        else:
+            line = hellaswag(cfg, model, tok, rt, examples)
         if rt.is_master:
             print(line)
         return line
