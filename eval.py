@@ -13,6 +13,7 @@ stdout; what was loaded goes to stderr.
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -80,6 +81,18 @@ def run_data_dir(cfg: EvalConfig) -> str:
     raise UserError("no dataset to evaluate on: pass --data_dir=data/<name> (a folder prepared by its prepare.py)")
 
 
+class Progress:
+    """Prints how far a long evaluation has got to stderr, about every 10 seconds."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self.last = every_s, time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.perf_counter() - self.last >= self.every_s:
+            self.last = time.perf_counter()
+            print(f"  ~{done / total:.0%} of {total:,} windows", file=sys.stderr)
+
+
 def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     data_dir = run_data_dir(cfg)
     check_same_tokenizer(tok.meta(), read_meta(data_dir), data_dir)
@@ -90,27 +103,33 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     stride = cfg.stride or block_size
     if stride > block_size:
         raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens")
-    r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size)
+    r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size,
+                                progress=Progress() if rt.is_master else None)
     return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.tokens:,} tokens "
             f"(block_size {block_size}, stride {stride})")
 
 
-def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
-    examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples)
+def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime, examples) -> str:
     rendered = evaluate.render_examples(examples, tok, model.config.block_size)
     r = evaluate.evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
-    return f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | {r['examples']} examples"
+    return (f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
+            f"{r['examples']} examples")
 
 
 def main(argv: Sequence[str]) -> str:
     cfg = parse_args(EvalConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
     try:
+        # A missing or malformed file is found before the model is loaded.
+        examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
         model, tok, source = load_model(cfg.init_from, cfg.out_dir)
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
         model.to(rt.device)
-        line = (perplexity if cfg.task == "perplexity" else hellaswag)(cfg, model, tok, rt)
+        if cfg.task == "perplexity":
+            line = perplexity(cfg, model, tok, rt)
+        else:
+            line = hellaswag(cfg, model, tok, rt, examples)
         if rt.is_master:
             print(line)
         return line

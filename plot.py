@@ -113,7 +113,8 @@ def run_labels(runs: list[RunLog]) -> list[str]:
     names = [r.out_dir.resolve().name for r in runs]
     if len(runs) == 1:
         c, tpi = runs[0].config, runs[0].tokens_per_iter
-        shape = f"{c['n_layer']}L {c['n_head']}H {c['n_embd']}d" if all(k in c for k in ("n_layer", "n_head", "n_embd")) else ""
+        has_shape = all(k in c for k in ("n_layer", "n_head", "n_embd"))
+        shape = f"{c['n_layer']}L {c['n_head']}H {c['n_embd']}d" if has_shape else ""
         detail = ", ".join(s for s in (shape, f"{tpi:,} tok/iter" if tpi else "") if s)
         return [f"{names[0]} ({detail})" if detail else names[0]]
     keys = sorted({k for r in runs for k in r.config} - UNLABELLED)
@@ -132,14 +133,19 @@ def run_labels(runs: list[RunLog]) -> list[str]:
 
 
 def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, ymax: float | None = None):
-    """The figure: loss (top) and learning rate (bottom) of every run against iterations or tokens."""
+    """The figure: loss (top), HellaSwag acc_norm if a run logged it (train.py --hellaswag_file), and the
+    learning rate (bottom) of every run, against iterations or tokens."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.ticker import EngFormatter
 
-    fig, (ax, ax_lr) = plt.subplots(2, 1, sharex=True, figsize=(9, 6.5), height_ratios=[3, 1], layout="constrained")
+    hellaswag = any("hellaswag_acc_norm" in r for run in runs for r in run.evals.values())
+    ratios = [3, 1.2, 1] if hellaswag else [3, 1]
+    fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(9, 6.5 + 2 * hellaswag), height_ratios=ratios,
+                             layout="constrained")
+    ax, ax_lr = axes[0], axes[-1]
     tpis = [r.tokens_per_iter for r in runs]
     if x == "tokens" and None in tpis:
         raise UserError(f"--x=tokens needs batch_size, block_size and gradient_accumulation_steps in each run's "
@@ -158,6 +164,10 @@ def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, y
                     ls="--")
         else:
             ax.plot([], [], color=color, lw=1.8, label=label)
+        if hellaswag:
+            hs = [s for s in evals if "hellaswag_acc_norm" in run.evals[s]]
+            axes[1].plot([s * scale for s in hs], [run.evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
+                         lw=1.5, marker="o", ms=3)
         lr = run.steps or run.evals
         ax_lr.plot([s * scale for s in lr], [lr[s]["lr"] for s in lr], color=color, lw=1.2)
     ax.set_ylabel("loss (cross-entropy, nats/token)")
@@ -170,6 +180,10 @@ def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, y
                 Line2D([], [], color="gray", lw=0.8, alpha=0.5)]
     labels += ["val loss (eval)", "train loss (eval)", "train loss (each logged step)"]
     ax.legend(handles, labels, loc="upper right", fontsize=8)
+    if hellaswag:
+        axes[1].set_ylabel("HellaSwag acc_norm")
+        axes[1].axhline(0.25, color="gray", lw=0.8, ls=":")  # chance: 4 endings
+        axes[1].grid(alpha=0.3)
     ax_lr.set_ylabel("learning rate")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     ax_lr.grid(alpha=0.3)
@@ -317,7 +331,8 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
     model, tok, source = load_model(cfg.init_from, cfg.out_dir)
     L = model.config.n_layer
     if not -L <= cfg.layer < L:
-        raise UserError(f"layer {cfg.layer} does not exist: the model has {L} layers (0 to {L - 1}, or -1 for the last)")
+        raise UserError(f"layer {cfg.layer} does not exist: the model has {L} layers (0 to {L - 1}, "
+                        f"or -1 for the last)")
     ids = encode_prompt(tok, read_prompt(cfg.prompt), model.config.block_size)
     if not 2 <= len(ids) <= cfg.max_tokens:
         raise UserError(f"the prompt is {len(ids)} tokens; draw 2 to {cfg.max_tokens} (--max_tokens=N raises the "

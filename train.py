@@ -505,10 +505,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
         want_save = bool(cfg.checkpoint_interval) and iter_num % cfg.checkpoint_interval == 0
         if iter_num % cfg.eval_interval == 0 or cfg.eval_only:
             losses = estimate_loss(model, data, cfg, rt)
-            scores = {}
-            if hellaswag:  # the plain module: examples vary in length, which compiled code would recompile for
-                hs = evaluate.evaluate_hellaswag(raw_model, hellaswag, rt.device, rt.autocast, rt.rank, rt.world_size)
-                scores = {"hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"]}
+            scores = evaluate.hellaswag_scores(raw_model, hellaswag, rt)  # {} without hellaswag_file
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                 + "".join(f", {k} {v:.4f}" for k, v in scores.items()))
             rt.on_master(write_log, {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr}

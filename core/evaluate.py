@@ -68,11 +68,12 @@ class SplitResult:
 
 @torch.no_grad()
 def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
-                   autocast=None, rank: int = 0, world_size: int = 1) -> SplitResult:
+                   autocast=None, rank: int = 0, world_size: int = 1, progress=None) -> SplitResult:
     """Score every token of `data` (one split; each .bin file is its own stream) once.
 
     stride None means block_size: non-overlapping windows. With world_size > 1 each rank scores
-    every world_size-th batch of windows and the sums are all-reduced.
+    every world_size-th batch of windows and the sums are all-reduced. progress(done, total), if
+    given, is called after each batch with how far into the list of all windows this rank is.
     """
     T = data.block_size
     stride = stride or T
@@ -86,6 +87,8 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
         with autocast() if autocast else contextlib.nullcontext():
             losses = token_losses(model, x, y)  # (B, T)
         sums += torch.stack([losses.double().sum(), (y >= 0).sum().double()])
+        if progress:
+            progress(min(i + batch_size, len(jobs)), len(jobs))
     if world_size > 1:
         dist.all_reduce(sums)
     model.train(was_training)
@@ -129,7 +132,8 @@ def load_hellaswag(path: str | Path, limit: int = 0) -> list[HellaSwagExample]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise UserError(f"HellaSwag file {path} is not UTF-8 text (byte {e.start}); re-run data/hellaswag/prepare.py") from None
+        raise UserError(f"HellaSwag file {path} is not UTF-8 text (byte {e.start}); "
+                        f"re-run data/hellaswag/prepare.py") from None
     return parse_hellaswag(lines, str(path), limit)
 
 
@@ -230,3 +234,12 @@ def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None
     model.train(was_training)
     right, right_norm, n = counts.tolist()
     return {"acc": right / n, "acc_norm": right_norm / n, "examples": int(n)}
+
+
+def hellaswag_scores(model, rendered: list[tuple] | None, rt) -> dict[str, float]:
+    """train.py's eval record entries, {} when no HellaSwag file was given. Pass the plain module:
+    examples vary in length, which a compiled one would recompile for."""
+    if not rendered:
+        return {}
+    r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
+    return {"hellaswag_acc": r["acc"], "hellaswag_acc_norm": r["acc_norm"]}

@@ -25,7 +25,7 @@ from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_datas
 transformers = pytest.importorskip("transformers", reason="the independent figures need transformers")
 
 TEXT = "the cat sat on the mat. the dog ate the bone. a bird sang in the tree. " * 30
-# Right endings follow their context in TEXT; the wrong ones use the same characters in orders it never has.
+# Right endings follow their context in TEXT; the wrong ones are words of TEXT that never follow it there.
 EXAMPLES = [
     ("the cat sat on the", ["bone.", "mat.", "tree.", "ate."], 1),
     ("the dog ate the", ["bone.", "mat.", "sang.", "the cat"], 0),
@@ -33,6 +33,8 @@ EXAMPLES = [
     ("the dog", ["sat on", "sang in", "ate the", "in the"], 2),
     ("a bird", ["ate the", "sang in", "sat on", "on the mat"], 1),
 ]
+# A long right ending: the lowest loss per token (acc_norm), but a short wrong one has the lowest sum (acc).
+LONG = ("the cat sat on the", ["mat. the dog ate the bone.", ".", "cat.", "dog."], 0)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +126,6 @@ def test_bad_perplexity_input_is_one_line(run, tmp_path):
     assert_user_error(run_main(eval_script.main, [f"--out_dir={tmp_path}", "--device=cpu"]), "no checkpoint")
 
 
-@pytest.mark.slow
 def test_gpt2_weights_on_a_bpe_split(tmp_path):
     """eval.py --init_from=<save_pretrained dir> with GPT-2's BPE; a char dataset is refused."""
     use_gpt2_bpe()
@@ -152,23 +153,25 @@ def test_gpt2_weights_on_a_bpe_split(tmp_path):
 def test_hellaswag_scores_equal_transformers(run, tmp_path):
     """Summed and mean loss of each ending's tokens, after context + " " + ending, as GPT2LMHeadModel gives them."""
     _, _, model, tok, hf = run
-    examples = evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES))
+    examples = evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES + [LONG]))
     right, right_norm = 0, 0
     for ex, (tokens, mask, label) in zip(examples, evaluate.render_examples(examples, tok, 32)):
         total, mean = evaluate.ending_losses(model, tokens, mask)
         ctx = tok.encode(ex.context)
         expected = []
         for i, ending in enumerate(ex.endings):
-            ids = ctx + tok.encode(" " + ending)
+            end = tok.encode(" " + ending)
+            ids = (ctx + end)[-32:]  # LONG is longer than the context: its first tokens are dropped
             assert tokens[i, :len(ids)].tolist() == ids
-            losses = [hf_token_loss(hf, ids[:j], ids[j]) for j in range(len(ctx), len(ids))]
+            losses = [hf_token_loss(hf, ids[:j], ids[j]) for j in range(len(ids) - len(end), len(ids))]
             expected.append((sum(losses), sum(losses) / len(losses)))
         torch.testing.assert_close(total, torch.tensor([e[0] for e in expected]), atol=1e-4, rtol=0)
         torch.testing.assert_close(mean, torch.tensor([e[1] for e in expected]), atol=1e-5, rtol=0)
         right += min(range(4), key=lambda i: expected[i][0]) == label
         right_norm += min(range(4), key=lambda i: expected[i][1]) == label
+    assert (right, right_norm) == (5, 6)  # the sum and the mean disagree on LONG
     scores = evaluate.evaluate_hellaswag(model, evaluate.render_examples(examples, tok, 32))
-    assert scores == {"acc": right / 5, "acc_norm": right_norm / 5, "examples": 5}
+    assert scores == {"acc": 5 / 6, "acc_norm": 1.0, "examples": 6}
 
 
 def test_hellaswag_picks_the_endings_the_model_has_seen(run, tmp_path):
@@ -248,7 +251,10 @@ def test_ranks_split_the_work_between_them(run, tmp_path, monkeypatch):
     rendered = evaluate.render_examples(evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)),
                                         tok, 32)
     swapped = [(t, m, (label + (i % 2)) % 4) for i, (t, m, label) in enumerate(rendered)]  # 3 right, 2 wrong
+    model.train()  # as inside training: evaluating must hand it back in training mode
     parts = [evaluate.evaluate_hellaswag(model, swapped, rank=r, world_size=2) for r in range(2)]
+    assert model.training
+    model.eval()
     assert [p["examples"] for p in parts] == [3, 2]  # rank 1 scored a spare 3rd example and did not count it
     assert sum(p["acc"] * p["examples"] for p in parts) == 3
 

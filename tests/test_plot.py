@@ -63,7 +63,8 @@ def test_bad_logs_are_one_line(tmp_path):
 def test_two_runs_overlay_with_their_differences_in_the_labels(tmp_path):
     a = plot.read_log(write_run(tmp_path / "run-a"))
     b = plot.read_log(write_run(tmp_path / "run-b", lr=3e-4, evals=(0, 10, 20, 30), n_layer=2))
-    assert plot.run_labels([a, b]) == ["run-a (learning_rate=0.001, n_layer=1)", "run-b (learning_rate=0.0003, n_layer=2)"]
+    assert plot.run_labels([a, b]) == ["run-a (learning_rate=0.001, n_layer=1)",
+                                       "run-b (learning_rate=0.0003, n_layer=2)"]
     assert plot.run_labels([a]) == ["run-a (1L 2H 16d, 64 tok/iter)"]
     fig = plot.plot_losses([a, b])
     ax, ax_lr = fig.axes[:2]
@@ -78,6 +79,19 @@ def test_two_runs_overlay_with_their_differences_in_the_labels(tmp_path):
         assert list(line.get_ydata()) == [r["val_loss"] for r in run.evals.values()]
     lr_lines = ax_lr.get_lines()
     assert [list(line.get_ydata()) for line in lr_lines] == [[r["lr"] for r in run.steps.values()] for run in (a, b)]
+
+
+def test_hellaswag_gets_a_panel_when_a_run_logged_it(tmp_path):
+    a = plot.read_log(write_run(tmp_path / "a"))
+    b = plot.read_log(write_run(tmp_path / "b", lr=3e-4))
+    for it, record in b.evals.items():
+        record["hellaswag_acc_norm"] = 0.25 + it / 100
+    fig = plot.plot_losses([a, b])
+    ax_hs = fig.axes[1]
+    assert ax_hs.get_ylabel() == "HellaSwag acc_norm" and fig.axes[2].get_ylabel() == "learning rate"
+    drawn = [line for line in ax_hs.get_lines() if len(line.get_xdata()) and line.get_linestyle() == "-"]
+    assert [list(line.get_ydata()) for line in drawn] == [[0.25, 0.4, 0.55]]  # run a has none: an empty line
+    assert not plot.plot_losses([a]).axes[1].get_ylabel().startswith("HellaSwag")
 
 
 def test_against_tokens_when_the_runs_see_different_batches(tmp_path):
