@@ -132,7 +132,10 @@ def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], 
     out_dir = Path(out_dir)
     path, prev = out_dir / CKPT_NAME, out_dir / PREV_NAME
     if not path.exists() and not prev.exists():
-        raise UserError(f"no checkpoint in {out_dir} (expected {CKPT_NAME}); train first or check --out_dir")
+        other = ""
+        if (out_dir / SHARDED_NAME).exists():
+            other = " (it holds an fsdp checkpoint, ckpt.dcp: resume it with --parallel=fsdp)"
+        raise UserError(f"no checkpoint in {out_dir} (expected {CKPT_NAME}){other}; train first or check --out_dir")
     try:
         return load_checkpoint(path), path
     except UserError as e:
@@ -281,7 +284,9 @@ def load_latest_sharded(out_dir: str | os.PathLike, log=print) -> tuple[dict[str
     out_dir = Path(out_dir)
     path, prev = out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME
     if not path.exists() and not prev.exists():
-        other = " (it holds a ddp checkpoint, ckpt.pt: resume it with --parallel=ddp)" if (out_dir / CKPT_NAME).exists() else ""
+        other = ""
+        if (out_dir / CKPT_NAME).exists():
+            other = " (it holds a ddp checkpoint, ckpt.pt: resume it with --parallel=ddp)"
         raise UserError(f"no sharded checkpoint in {out_dir} (expected {SHARDED_NAME}){other}; train first or "
                         "check --out_dir")
     try:

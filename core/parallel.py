@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor

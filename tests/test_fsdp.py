@@ -28,8 +28,8 @@ import bench
 from core import checkpoint, parallel
 from core.errors import UserError
 from model import GPT, GPTConfig
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, child_pids, make_char_dataset, run_scripts,
-                           train_tiny)
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, child_pids, make_char_dataset,
+                           run_main, run_scripts, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -122,9 +122,9 @@ def test_resume_two_processes_into_one_and_one_into_two(runs, data_dir, tmp_path
     finishes the last 10 iterations as the uninterrupted runs did, saying that the world size changed."""
     two_to_one = from_iter_10(runs["fsdp2"], tmp_path / "2to1")
     one_to_two = from_iter_10(runs["fsdp1"], tmp_path / "1to2")
-    a, b = checked(run_scripts(["train.py", *argv(two_to_one, data_dir, parallel="fsdp", init_from="resume")],
-                               [*TORCHRUN, "train.py", *argv(one_to_two, data_dir, parallel="fsdp", init_from="resume")],
-                               timeout=300))
+    resume = dict(parallel="fsdp", init_from="resume")
+    a, b = checked(run_scripts(["train.py", *argv(two_to_one, data_dir, **resume)],
+                               [*TORCHRUN, "train.py", *argv(one_to_two, data_dir, **resume)], timeout=300))
     assert "saved by 2 process(es) and resumes on 1" in a.stdout, a.stdout
     assert "saved by 1 process(es) and resumes on 2" in b.stdout, b.stdout
     assert_close(losses(two_to_one), losses(runs["fsdp2"]), range(20))
@@ -161,7 +161,8 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
     def launch(name: str, **extra) -> subprocess.Popen:
         with open(tmp_path / f"{name}.out", "w") as o, open(tmp_path / f"{name}.err", "w") as e:
             return subprocess.Popen([sys.executable, *TORCHRUN, "train.py", *argv(out, data_dir, **cfg, **extra)],
-                                    cwd=REPO_ROOT, stdout=o, stderr=e, env=os.environ | ONE_THREAD_ENV | {"PYTHONUNBUFFERED": "1"})
+                                    cwd=REPO_ROOT, stdout=o, stderr=e,
+                                    env=os.environ | ONE_THREAD_ENV | {"PYTHONUNBUFFERED": "1"})
 
     job = launch("first")
     try:
@@ -305,6 +306,16 @@ def test_kill_between_the_two_renames_leaves_the_previous_checkpoint(sharded_out
     assert not (sharded_out / checkpoint.SHARDED_NAME).exists()
     meta, used = checkpoint.load_latest_sharded(sharded_out, log=lambda *a: None)
     assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 20
+
+
+def test_parallel_mistakes_are_one_line(sharded_out, data_dir):
+    """An unknown parallel, float16 with fsdp, and resuming with the other parallel's checkpoint format."""
+    import train
+
+    common = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
+    assert_user_error(run_main(train.main, [*common, "--parallel=zero"]), "parallel must be 'ddp' or 'fsdp'")
+    assert_user_error(run_main(train.main, [*common, "--parallel=fsdp", "--dtype=float16"]), "not float16")
+    assert_user_error(run_main(train.main, [*common, "--init_from=resume"]), "resume it with --parallel=fsdp")
 
 
 def test_gpt2_sizes_and_memory_estimate():
