@@ -211,9 +211,12 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
             ok = False
     _agree(ok, f"could not create {tmp}")
     model_state, optim_state = get_state_dict(model, optimizer)
-    with _one_process_quietly():
-        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
-                 no_dist=not dist.is_initialized())
+    try:  # DCP gathers a failure on any rank (e.g. a full disk) into one CheckpointException on every rank
+        with _one_process_quietly():
+            dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
+                     no_dist=not dist.is_initialized())
+    except dcp.api.CheckpointException as e:
+        raise OSError(f"writing the shards failed ({_first_failure(e)})") from None
     ok, error = True, ""
     if _rank() == 0:
         try:
@@ -227,6 +230,11 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
             ok, error = False, f"{e.strerror or e}"
     _agree(ok, error)
     return out_dir / SHARDED_NAME
+
+
+def _first_failure(e: "dcp.api.CheckpointException") -> str:
+    failures = list(getattr(e, "failures", {}).values())
+    return first_line(failures[0]) if failures else first_line(e)
 
 
 def _replace_dir(new: Path, path: Path, prev: Path) -> None:

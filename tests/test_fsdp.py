@@ -9,6 +9,7 @@ micro-batch index in the global batch), so runs on any number of processes see t
 the order of float additions differs, hence approx where world sizes differ and == where they do not.
 """
 import contextlib
+import errno
 import io
 import json
 import os
@@ -306,6 +307,21 @@ def test_kill_between_the_two_renames_leaves_the_previous_checkpoint(sharded_out
     assert not (sharded_out / checkpoint.SHARDED_NAME).exists()
     meta, used = checkpoint.load_latest_sharded(sharded_out, log=lambda *a: None)
     assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 20
+
+
+def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data_dir, monkeypatch):
+    """A shard write that fails (here: no space left) stops the run with one line; ckpt.dcp is untouched."""
+    import train
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dcp.FileSystemWriter, "write_data", full)
+    before = {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()}
+    argv = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
+    result = run_main(train.main, [*argv, "--parallel=fsdp", "--init_from=resume", "--max_iters=22"])
+    assert_user_error(result, "could not save a checkpoint", "No space left on device", "previous checkpoint is intact")
+    assert {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()} == before
 
 
 def test_parallel_mistakes_are_one_line(sharded_out, data_dir):
