@@ -196,6 +196,20 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
     assert losses(out) == losses(runs["fsdp2"])
 
 
+@pytest.mark.slow
+def test_fsdp_state_per_process_is_half_of_ddp_at_two_processes():
+    """bench.py's memory figures: after a step, each of 2 fsdp processes holds half the parameter, gradient
+    and AdamW bytes of one full copy (what ddp keeps on every process)."""
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
+    full = bench.spawned_state_bytes("ddp", 1, config, batch_size=2)[0]
+    # AdamW: two moments like the weights, and a float32 scalar step per parameter tensor
+    assert full["params"] > 0 and full["optimizer"] == 2 * full["params"] + 4 * len(list(GPT(config).parameters()))
+    for rank in bench.spawned_state_bytes("fsdp", 2, config, batch_size=2):
+        for key in ("params", "grads"):
+            assert rank[key] == pytest.approx(full[key] / 2, rel=0.02), (key, rank, full)
+        assert rank["optimizer"] == pytest.approx(full["optimizer"] / 2, rel=0.05), (rank, full)
+
+
 def test_activation_checkpointing_same_losses_less_activation_memory(tmp_path):
     """Checkpointing each Block gives the same loss and gradients, and the forward + backward's peak
     memory (torch's CPU allocator events, as bench.py measures) is under half of the plain one's."""
