@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py
     torchrun --nnodes=2 --node_rank=0 --rdzv_endpoint=HOST:29500 --nproc_per_node=8 train.py config/gpt2_small.py
     python train.py config/train_shakespeare_char.py --init_from=resume   # continue from out_dir/ckpt.pt
-    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded, see core/parallel.py
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/parallel.py
 
 Configuration: the TrainConfig defaults below, overridden by config files (Python
 files that assign names), overridden by --key=value. The resolved config is written

@@ -134,7 +134,10 @@ def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], 
     out_dir = Path(out_dir)
     path, prev = out_dir / CKPT_NAME, out_dir / PREV_NAME
     if not path.exists() and not prev.exists():
-        raise UserError(f"no checkpoint in {out_dir} (expected {CKPT_NAME}); train first or check --out_dir")
+        other = ""
+        if (out_dir / SHARDED_NAME).exists():
+            other = " (it holds an fsdp checkpoint, ckpt.dcp: resume it with --parallel=fsdp)"
+        raise UserError(f"no checkpoint in {out_dir} (expected {CKPT_NAME}){other}; train first or check --out_dir")
     try:
         return load_checkpoint(path), path
     except UserError as e:
@@ -210,9 +213,12 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
             ok = False
     _agree(ok, f"could not create {tmp}")
     model_state, optim_state = get_state_dict(model, optimizer)
-    with _one_process_quietly():
-        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
-                 no_dist=not dist.is_initialized())
+    try:  # DCP gathers a failure on any rank (e.g. a full disk) into one CheckpointException on every rank
+        with _one_process_quietly():
+            dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
+                     no_dist=not dist.is_initialized())
+    except dcp.api.CheckpointException as e:
+        raise OSError(f"writing the shards failed ({_first_failure(e)})") from None
     ok, error = True, ""
     if _rank() == 0:
         try:
@@ -226,6 +232,11 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
             ok, error = False, f"{e.strerror or e}"
     _agree(ok, error)
     return out_dir / SHARDED_NAME
+
+
+def _first_failure(e: "dcp.api.CheckpointException") -> str:
+    failures = list(getattr(e, "failures", {}).values())
+    return first_line(failures[0]) if failures else first_line(e)
 
 
 def _replace_dir(new: Path, path: Path, prev: Path) -> None:
@@ -283,7 +294,9 @@ def load_latest_sharded(out_dir: str | os.PathLike, log=print) -> tuple[dict[str
     out_dir = Path(out_dir)
     path, prev = out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME
     if not path.exists() and not prev.exists():
-        other = " (it holds a ddp checkpoint, ckpt.pt: resume it with --parallel=ddp)" if (out_dir / CKPT_NAME).exists() else ""
+        other = ""
+        if (out_dir / CKPT_NAME).exists():
+            other = " (it holds a ddp checkpoint, ckpt.pt: resume it with --parallel=ddp)"
         raise UserError(f"no sharded checkpoint in {out_dir} (expected {SHARDED_NAME}){other}; train first or "
                         "check --out_dir")
     try:

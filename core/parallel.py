@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -54,6 +53,7 @@ def parallelize(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, acti
                 compile: bool) -> torch.nn.Module:
     """The module to call for training. `model` itself stays the one to save and to build the optimizer
     from: with fsdp it is sharded in place (its parameters become DTensor shards)."""
+    check_parallel(parallel, rt.dtype)  # the resolved dtype: --dtype=auto is float16 on GPUs without bf16
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if parallel == "fsdp" and rt.ddp:

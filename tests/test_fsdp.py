@@ -9,6 +9,7 @@ micro-batch index in the global batch), so runs on any number of processes see t
 the order of float additions differs, hence approx where world sizes differ and == where they do not.
 """
 import contextlib
+import errno
 import io
 import json
 import os
@@ -28,8 +29,8 @@ import bench
 from core import checkpoint, parallel
 from core.errors import UserError
 from model import GPT, GPTConfig
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, child_pids, make_char_dataset, run_scripts,
-                           train_tiny)
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, child_pids, make_char_dataset,
+                           run_main, run_scripts, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -122,9 +123,9 @@ def test_resume_two_processes_into_one_and_one_into_two(runs, data_dir, tmp_path
     finishes the last 10 iterations as the uninterrupted runs did, saying that the world size changed."""
     two_to_one = from_iter_10(runs["fsdp2"], tmp_path / "2to1")
     one_to_two = from_iter_10(runs["fsdp1"], tmp_path / "1to2")
-    a, b = checked(run_scripts(["train.py", *argv(two_to_one, data_dir, parallel="fsdp", init_from="resume")],
-                               [*TORCHRUN, "train.py", *argv(one_to_two, data_dir, parallel="fsdp", init_from="resume")],
-                               timeout=300))
+    resume = dict(parallel="fsdp", init_from="resume")
+    a, b = checked(run_scripts(["train.py", *argv(two_to_one, data_dir, **resume)],
+                               [*TORCHRUN, "train.py", *argv(one_to_two, data_dir, **resume)], timeout=300))
     assert "saved by 2 process(es) and resumes on 1" in a.stdout, a.stdout
     assert "saved by 1 process(es) and resumes on 2" in b.stdout, b.stdout
     assert_close(losses(two_to_one), losses(runs["fsdp2"]), range(20))
@@ -161,7 +162,8 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
     def launch(name: str, **extra) -> subprocess.Popen:
         with open(tmp_path / f"{name}.out", "w") as o, open(tmp_path / f"{name}.err", "w") as e:
             return subprocess.Popen([sys.executable, *TORCHRUN, "train.py", *argv(out, data_dir, **cfg, **extra)],
-                                    cwd=REPO_ROOT, stdout=o, stderr=e, env=os.environ | ONE_THREAD_ENV | {"PYTHONUNBUFFERED": "1"})
+                                    cwd=REPO_ROOT, stdout=o, stderr=e,
+                                    env=os.environ | ONE_THREAD_ENV | {"PYTHONUNBUFFERED": "1"})
 
     job = launch("first")
     try:
@@ -192,6 +194,20 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
         assert "resuming from" in text and "warning" not in text, text
     assert not temp.exists()
     assert losses(out) == losses(runs["fsdp2"])
+
+
+@pytest.mark.slow
+def test_fsdp_state_per_process_is_half_of_ddp_at_two_processes():
+    """bench.py's memory figures: after a step, each of 2 fsdp processes holds half the parameter, gradient
+    and AdamW bytes of one full copy (what ddp keeps on every process)."""
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
+    full = bench.spawned_state_bytes("ddp", 1, config, batch_size=2)[0]
+    # AdamW: two moments like the weights, and a float32 scalar step per parameter tensor
+    assert full["params"] > 0 and full["optimizer"] == 2 * full["params"] + 4 * len(list(GPT(config).parameters()))
+    for rank in bench.spawned_state_bytes("fsdp", 2, config, batch_size=2):
+        for key in ("params", "grads"):
+            assert rank[key] == pytest.approx(full[key] / 2, rel=0.02), (key, rank, full)
+        assert rank["optimizer"] == pytest.approx(full["optimizer"] / 2, rel=0.05), (rank, full)
 
 
 def test_activation_checkpointing_same_losses_less_activation_memory(tmp_path):
@@ -305,6 +321,31 @@ def test_kill_between_the_two_renames_leaves_the_previous_checkpoint(sharded_out
     assert not (sharded_out / checkpoint.SHARDED_NAME).exists()
     meta, used = checkpoint.load_latest_sharded(sharded_out, log=lambda *a: None)
     assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 20
+
+
+def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data_dir, monkeypatch):
+    """A shard write that fails (here: no space left) stops the run with one line; ckpt.dcp is untouched."""
+    import train
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dcp.FileSystemWriter, "write_data", full)
+    before = {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()}
+    argv = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
+    result = run_main(train.main, [*argv, "--parallel=fsdp", "--init_from=resume", "--max_iters=22"])
+    assert_user_error(result, "could not save a checkpoint", "No space left on device", "previous checkpoint is intact")
+    assert {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()} == before
+
+
+def test_parallel_mistakes_are_one_line(sharded_out, data_dir):
+    """An unknown parallel, float16 with fsdp, and resuming with the other parallel's checkpoint format."""
+    import train
+
+    common = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
+    assert_user_error(run_main(train.main, [*common, "--parallel=zero"]), "parallel must be 'ddp' or 'fsdp'")
+    assert_user_error(run_main(train.main, [*common, "--parallel=fsdp", "--dtype=float16"]), "not float16")
+    assert_user_error(run_main(train.main, [*common, "--init_from=resume"]), "resume it with --parallel=fsdp")
 
 
 def test_gpt2_sizes_and_memory_estimate():
