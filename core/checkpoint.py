@@ -138,16 +138,22 @@ def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], 
         if (out_dir / SHARDED_NAME).exists():
             other = " (it holds an fsdp checkpoint, ckpt.dcp: resume it with --parallel=fsdp)"
         raise UserError(f"no checkpoint in {out_dir} (expected {CKPT_NAME}){other}; train first or check --out_dir")
+    return _newest_intact(path, prev, load_checkpoint, lambda state: state["meta"].get("iter_num"), log)
+
+
+def _newest_intact(path: Path, prev: Path, load, iter_of, log) -> tuple[Any, Path]:
+    """(load(path), path); if that is damaged or missing and prev exists, (load(prev), prev) with a warning,
+    so a kill or a damaged file never costs more than the newest checkpoint."""
     try:
-        return load_checkpoint(path), path
+        return load(path), path
     except UserError as e:
         if not prev.exists():
             raise
         try:
-            state = load_checkpoint(prev)
+            state = load(prev)
         except UserError as e_prev:
-            raise UserError(f"no intact checkpoint in {out_dir}: {e}; and {e_prev}") from None
-        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {state['meta'].get('iter_num')})")
+            raise UserError(f"no intact checkpoint in {path.parent}: {e}; and {e_prev}") from None
+        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {iter_of(state)})")
         return state, prev
 
 
@@ -299,17 +305,7 @@ def load_latest_sharded(out_dir: str | os.PathLike, log=print) -> tuple[dict[str
             other = " (it holds a ddp checkpoint, ckpt.pt: resume it with --parallel=ddp)"
         raise UserError(f"no sharded checkpoint in {out_dir} (expected {SHARDED_NAME}){other}; train first or "
                         "check --out_dir")
-    try:
-        return read_sharded_meta(path), path
-    except UserError as e:
-        if not prev.exists():
-            raise
-        try:
-            meta = read_sharded_meta(prev)
-        except UserError as e_prev:
-            raise UserError(f"no intact sharded checkpoint in {out_dir}: {e}; and {e_prev}") from None
-        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {meta.get('iter_num')})")
-        return meta, prev
+    return _newest_intact(path, prev, read_sharded_meta, lambda meta: meta.get("iter_num"), log)
 
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
