@@ -19,10 +19,8 @@ from core import evaluate
 from core.data import TokenData
 from core.errors import UserError
 from core.tokenizer import CharTokenizer
-from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, run_main, run_script,
-                           train_tiny, use_gpt2_bpe)
-
-transformers = pytest.importorskip("transformers", reason="the independent figures need transformers")
+from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, needs_transformers, run_main,
+                           run_script, train_tiny, use_gpt2_bpe)
 
 TEXT = "the cat sat on the mat. the dog ate the bone. a bird sang in the tree. " * 30
 # Right endings follow their context in TEXT; the wrong ones are words of TEXT that never follow it there.
@@ -46,7 +44,7 @@ def run(tmp_path_factory):
     from sample import load_resume
     model, tok, _ = load_resume(tmp / "out")
     model.eval().save_pretrained(tmp / "hf")
-    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp / "hf").eval()
+    hf = needs_transformers().GPT2LMHeadModel.from_pretrained(tmp / "hf").eval()
     return tmp / "out", tmp / "data", model, tok, hf
 
 
@@ -129,6 +127,7 @@ def test_bad_perplexity_input_is_one_line(run, tmp_path):
 def test_gpt2_weights_on_a_bpe_split(tmp_path):
     """eval.py --init_from=<save_pretrained dir> with GPT-2's BPE; a char dataset is refused."""
     use_gpt2_bpe()
+    transformers = needs_transformers()
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32)).eval()
     hf.save_pretrained(tmp_path / "gpt2")

@@ -14,7 +14,7 @@ import torch
 
 import plot
 from model import GPT, GPTConfig
-from tests.helpers import assert_user_error, make_char_dataset, run_main, train_tiny
+from tests.helpers import assert_user_error, make_char_dataset, needs_transformers, run_main, train_tiny
 
 
 def write_run(out_dir, lr=1e-3, batch_size=4, iters=range(0, 30, 3), evals=(0, 15, 30), extra_lines=(), **config):
@@ -131,7 +131,7 @@ def sharp_model(n_layer=2, n_head=4):
 
 
 def test_attention_maps_equal_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = needs_transformers()
     model = sharp_model()
     model.save_pretrained(tmp_path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
