@@ -245,15 +245,17 @@ def report(results_dir: Path) -> str:
         final = r["curve"][-1][1]
         ms = timing.get(name, {}).get("ms_per_iter")
         reach = iters_to_reach(r["curve"], target) if target is not None else None
+        iter_ratio = reach / classic["curve"][-1][0] if reach is not None else None
+        time_ratio = iter_ratio * ms / base_ms if iter_ratio is not None and ms and base_ms else None
         rows.append([
             name, ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "GPT-2",
             f"{final:.4f}", f"{final - target:+.4f}" if target is not None else "",
-            f"{reach:.0f} ({reach / r['curve'][-1][0]:.2f}x)" if reach is not None else "not reached",
+            f"{reach:.0f} ({iter_ratio:.2f}x)" if reach is not None else "not reached",
             f"{ms:.1f}" if ms else "", f"{ms / base_ms:.2f}x" if ms and base_ms else "",
-            f"{r['params']:,}",
+            f"{time_ratio:.2f}x" if time_ratio is not None else "", f"{r['params']:,}",
         ])
     headers = ["variant", "switches", "val loss (whole split)", "vs classic", "iters to classic's final",
-               "ms/iter", "vs classic", "params"]
+               "ms/iter", "vs classic", "time to classic's final", "params"]
     text = markdown_table(headers, rows)
     (results_dir / "table.md").write_text(text)
     plot(runs, order, target, results_dir / "val_loss.png")
