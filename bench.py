@@ -717,7 +717,8 @@ def bench_generation(cfg: BenchConfig, model: GPT, prompt: torch.Tensor, rt: run
 
 
 def bench_rolling(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
-    """ms per token past the context, the window sliding one token per step, three ways."""
+    """ms per token past the context, the window sliding one token per step, three ways; and the cached
+    step inside the context, the speed the rolling cache should keep."""
     ways = {"learned, cache refilled": ("learned", False), "rope, cache refilled": ("rope", False),
             "rope, rolling cache": ("rope", True)}
     base = GPTConfig(block_size=cfg.decode_block_size, vocab_size=cfg.decode_vocab_size, n_layer=cfg.decode_n_layer,
@@ -740,6 +741,17 @@ def bench_rolling(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         decode(3)  # warm-up
         per_token = statistics.median(decode(cfg.roll_new_tokens + 1))
         rows.append({"way": name, "ms_per_token": per_token * 1e3, "tokens_per_s": cfg.decode_batch_size / per_token})
+    # The yardstick: the same rope model's cached step inside the context, the cache holding block_size - 1 keys.
+    with torch.no_grad(), rt.autocast():
+        cache = model.new_kv_cache(cfg.decode_batch_size)
+        model(prompt[:, :-1], kv_cache=cache)
+
+        def cached_step() -> None:
+            cache.pos = base.block_size - 1
+            model(prompt[:, -1:], kv_cache=cache)
+        per_token = median_time(cached_step, cfg.warmup, cfg.roll_new_tokens, rt.synchronize)
+    rows.append({"way": "rope, cached step inside the context", "ms_per_token": per_token * 1e3,
+                 "tokens_per_s": cfg.decode_batch_size / per_token})
     return {"model": model_text(base, cfg.decode_batch_size), "new_tokens": cfg.roll_new_tokens, "rows": rows}
 
 

@@ -190,7 +190,11 @@ def variant_overrides(cfg: train.TrainConfig) -> dict:
 
 def time_variants(names: list[str], base: train.TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
     """ms per training iteration of each variant, rounds interleaved: median over rounds of each
-    round's mean. Real batches from the training split; two untimed warm-up steps each."""
+    round's mean. Real batches from the training split; two untimed warm-up steps each.
+
+    On a CPU the figure is this process's CPU time (time.process_time): with one thread it is what
+    an idle core would take, whoever else shares the machine; wall-clock time is kept beside it.
+    On a GPU it is wall-clock time (the device, not this thread, does the work)."""
     runs = {}
     for name in names:
         cfg = variant_config(name, base)
@@ -201,16 +205,20 @@ def time_variants(names: list[str], base: train.TrainConfig, cmp: CompareConfig,
         runs[name] = (cfg, model, optimizer, scaler, data)
         for it in range(2):
             step(model, optimizer, scaler, data, cfg, rt, it)
-    per_round = {name: [] for name in names}
+    clock = time.process_time if rt.device_type == "cpu" else time.perf_counter
+    per_round, wall = {name: [] for name in names}, {name: [] for name in names}
     for r in range(cmp.timing_rounds):
         for name, (cfg, model, optimizer, scaler, data) in runs.items():
-            t0 = time.perf_counter()
+            t0, w0 = clock(), time.perf_counter()
             for i in range(cmp.timing_iters):
                 step(model, optimizer, scaler, data, cfg, rt, 2 + r * cmp.timing_iters + i)
-            per_round[name].append(1000 * (time.perf_counter() - t0) / cmp.timing_iters)
+            rt.synchronize()
+            per_round[name].append(1000 * (clock() - t0) / cmp.timing_iters)
+            wall[name].append(1000 * (time.perf_counter() - w0) / cmp.timing_iters)
         print(f"timing round {r + 1}/{cmp.timing_rounds}: " + ", ".join(
             f"{n} {v[-1]:.0f}ms" for n, v in per_round.items()), flush=True)
-    return {name: {"ms_per_iter": statistics.median(v), "rounds": v} for name, v in per_round.items()}
+    return {name: {"ms_per_iter": statistics.median(v), "rounds": v, "clock": clock.__name__,
+                   "wall_ms_per_iter": statistics.median(wall[name])} for name, v in per_round.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -240,15 +248,17 @@ def report(results_dir: Path) -> str:
         final = r["curve"][-1][1]
         ms = timing.get(name, {}).get("ms_per_iter")
         reach = iters_to_reach(r["curve"], target) if target is not None else None
+        iter_ratio = reach / classic["curve"][-1][0] if reach is not None else None
+        time_ratio = iter_ratio * ms / base_ms if iter_ratio is not None and ms and base_ms else None
         rows.append([
             name, ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "GPT-2",
             f"{final:.4f}", f"{final - target:+.4f}" if target is not None else "",
-            f"{reach:.0f} ({reach / r['curve'][-1][0]:.2f}x)" if reach is not None else "not reached",
+            f"{reach:.0f} ({iter_ratio:.2f}x)" if reach is not None else "not reached",
             f"{ms:.1f}" if ms else "", f"{ms / base_ms:.2f}x" if ms and base_ms else "",
-            f"{r['params']:,}",
+            f"{time_ratio:.2f}x" if time_ratio is not None else "", f"{r['params']:,}",
         ])
     headers = ["variant", "switches", "val loss (whole split)", "vs classic", "iters to classic's final",
-               "ms/iter", "vs classic", "params"]
+               "ms/iter", "vs classic", "time to classic's final", "params"]
     text = markdown_table(headers, rows)
     (results_dir / "table.md").write_text(text)
     plot(runs, order, target, results_dir / "val_loss.png")

@@ -450,6 +450,7 @@ def test_bench_rolling_section(tmp_path):
                          "--decode_block_size=8", "--decode_contexts=4", "--roll_new_tokens=3", "--warmup=0",
                          f"--out={tmp_path / 'bench.json'}"])
     rows = result["rolling"]["rows"]
-    assert [r["way"] for r in rows] == ["learned, cache refilled", "rope, cache refilled", "rope, rolling cache"]
+    assert [r["way"] for r in rows] == ["learned, cache refilled", "rope, cache refilled", "rope, rolling cache",
+                                        "rope, cached step inside the context"]
     assert all(r["ms_per_token"] > 0 for r in rows)
     assert json.loads((tmp_path / "bench.json").read_text())["rolling"]["new_tokens"] == 3
