@@ -209,6 +209,48 @@ def test_two_process_fsdp_modern_muon_with_hellaswag_equals_one_process(runs):
                                                                             e1[it]["hellaswag_acc_norm"])
 
 
+MUON_ON_DTENSOR = """
+import torch, torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.optim._muon import _zeropower_via_newtonschulz, DEFAULT_A, DEFAULT_B, DEFAULT_C
+dist.init_process_group("gloo")
+mesh, rank = torch.distributed.device_mesh.init_device_mesh("cpu", (2,)), dist.get_rank()
+torch.manual_seed(0)
+for shape in [(96, 32), (32, 96)]:  # both orientations: Newton-Schulz transposes the tall one
+    w, grads = torch.randn(shape) * 0.1, [torch.randn(shape) for _ in range(3)]
+    full, sharded = torch.nn.Parameter(w.clone()), torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
+    for p in (full, sharded):
+        opt = torch.optim.Muon([p], lr=0.02, momentum=0.95, weight_decay=0.0, adjust_lr_fn="original")
+        for g in grads:
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]) if p is sharded else g.clone()
+            opt.step()
+    update, sharded_update = full.detach() - w, sharded.detach().full_tensor() - w
+    coeffs = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+    per_shard = _zeropower_via_newtonschulz(grads[0].chunk(2)[rank], coeffs, 5, 1e-7)
+    whole = _zeropower_via_newtonschulz(grads[0], coeffs, 5, 1e-7).chunk(2)[rank]
+    print(rank, shape, (update - sharded_update).abs().max().item() / update.abs().max().item(),
+          (per_shard - whole).abs().max().item() / whole.abs().max().item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_muon_on_dtensor_shards_does_the_full_matrix_math(tmp_path):
+    """torch.optim.Muon knows nothing of DTensor, yet on fully_shard's Shard(0) DTensors its Newton-Schulz
+    matmuls gather what they need: 3 steps update the weights as Muon on the full matrix does, to
+    bfloat16 rounding (Newton-Schulz runs in bfloat16), while orthogonalising each shard on its own
+    would be a different update altogether."""
+    script = tmp_path / "muon_dtensor.py"
+    script.write_text(MUON_ON_DTENSOR)
+    result = run_scripts([*TORCHRUN, script], timeout=200)[0]
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line[:1] in "01"]
+    assert len(rows) == 4, result.stdout
+    for row in rows:
+        sharded_vs_full, per_shard_vs_full = float(row[-2]), float(row[-1])
+        assert sharded_vs_full < 0.1 and per_shard_vs_full > 0.3, row
+
+
 @pytest.mark.slow
 def test_two_process_fsdp_modern_muon_resumes_exactly(runs):
     half, whole = losses(runs / "half"), losses(runs / "fsdp2")
@@ -224,9 +266,6 @@ def test_eval_and_sample_rebuild_the_variant_from_a_sharded_checkpoint(runs):
     assert "ckpt.dcp" in source
     assert {k: getattr(model.config, k) for k in MODERN if hasattr(model.config, k)} == \
         {k: v for k, v in MODERN.items() if hasattr(model.config, k)}
-    reference, _, _ = sample.load_resume(runs / "one")
-    for (name, p), q in zip(model.state_dict().items(), reference.state_dict().values()):
-        assert torch.allclose(p, q, rtol=1e-4, atol=1e-5), name
     lines = {}
     for name in ("fsdp2", "one"):
         result = run_main(eval_script.main, [f"--out_dir={runs / name}", "--device=cpu", "--dtype=float32"])
