@@ -10,6 +10,7 @@ fully_shard leaves, and its DTensor math must equal the full-matrix math; checkp
 of Muon's optimizers. The slow tests launch real 2-process gloo runs of a 1-layer, 32-wide model.
 """
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -175,15 +176,17 @@ def test_memory_check_counts_fsdp_shards_and_activation_checkpointing(monkeypatc
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_dir):
     """At once: 2-process fsdp and 1 process, both with the modern recipe, Muon and in-training HellaSwag,
-    10 iterations saved at 5 and 10; and a 2-process run stopped at 5, then resumed to 10 on 2 processes."""
+    10 iterations saved at 5 and 10; then a copy of the 2-process run, resumed at 5 on 2 processes."""
     root = tmp_path_factory.mktemp("runs")
     hs = write_hellaswag(root / "hs.jsonl")
     cfg = RUN | MODERN | {"data_dir": data_dir, "hellaswag_file": hs}
 
     def argv(name, **more):
         return [f"--{k}={v}" for k, v in (cfg | {"out_dir": root / name} | more).items()]
-    results = run_scripts([*TORCHRUN, "train.py", *argv("fsdp2")], ["train.py", *argv("one")],
-                          [*TORCHRUN, "train.py", *argv("half", max_iters=5)], timeout=400)
+    results = run_scripts([*TORCHRUN, "train.py", *argv("fsdp2")], ["train.py", *argv("one")], timeout=400)
+    shutil.copytree(root / "fsdp2", root / "half")  # then back to its checkpoint at 5, the one before the last
+    shutil.rmtree(root / "half" / checkpoint.SHARDED_NAME)
+    (root / "half" / checkpoint.PREV_SHARDED_NAME).rename(root / "half" / checkpoint.SHARDED_NAME)
     results += run_scripts([*TORCHRUN, "train.py", *argv("half", init_from="resume")], timeout=300)
     for r in results:
         assert r.returncode == 0, f"{r.args}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
