@@ -1,7 +1,7 @@
 """Where the branches meet: fsdp with Muon, the recipe switches, in-training HellaSwag, sharded resume,
 the memory check, and eval.py / sample.py on what such a run saves.
 
-    python -m pytest tests/test_integration.py                 # ~1 min on two busy CPU cores
+    python -m pytest tests/test_integration.py                 # ~1 min on two busy CPU cores (3 torchrun jobs)
     python -m pytest tests/test_integration.py -m "not slow"   # the in-process ones, a few seconds
 
 Under fsdp every forward is a collective (each Block all-gathers its weights), so every eval path must
@@ -213,12 +213,13 @@ def test_two_process_fsdp_modern_muon_with_hellaswag_equals_one_process(runs):
 
 
 MUON_ON_DTENSOR = """
-import torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.optim._muon import _zeropower_via_newtonschulz, DEFAULT_A, DEFAULT_B, DEFAULT_C
 dist.init_process_group("gloo")
 mesh, rank = torch.distributed.device_mesh.init_device_mesh("cpu", (2,)), dist.get_rank()
 torch.manual_seed(0)
+report = open(f"{sys.argv[1]}/rank{rank}.txt", "w")  # one file per rank: their stdout lines would interleave
 for shape in [(96, 32), (32, 96)]:  # both orientations: Newton-Schulz transposes the tall one
     w, grads = torch.randn(shape) * 0.1, [torch.randn(shape) for _ in range(3)]
     full, sharded = torch.nn.Parameter(w.clone()), torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
@@ -231,8 +232,9 @@ for shape in [(96, 32), (32, 96)]:  # both orientations: Newton-Schulz transpose
     coeffs = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
     per_shard = _zeropower_via_newtonschulz(grads[0].chunk(2)[rank], coeffs, 5, 1e-7)
     whole = _zeropower_via_newtonschulz(grads[0], coeffs, 5, 1e-7).chunk(2)[rank]
-    print(rank, shape, (update - sharded_update).abs().max().item() / update.abs().max().item(),
-          (per_shard - whole).abs().max().item() / whole.abs().max().item(), flush=True)
+    print(shape, (update - sharded_update).abs().max().item() / update.abs().max().item(),
+          (per_shard - whole).abs().max().item() / whole.abs().max().item(), file=report)
+report.close()
 dist.destroy_process_group()
 """
 
@@ -245,10 +247,10 @@ def test_muon_on_dtensor_shards_does_the_full_matrix_math(tmp_path):
     would be a different update altogether."""
     script = tmp_path / "muon_dtensor.py"
     script.write_text(MUON_ON_DTENSOR)
-    result = run_scripts([*TORCHRUN, script], timeout=200)[0]
+    result = run_scripts([*TORCHRUN, script, tmp_path], timeout=200)[0]
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines() if line[:1] in "01"]
-    assert len(rows) == 4, result.stdout
+    rows = [line.split() for rank in (0, 1) for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines()]
+    assert len(rows) == 4, rows
     for row in rows:
         sharded_vs_full, per_shard_vs_full = float(row[-2]), float(row[-1])
         assert sharded_vs_full < 0.1 and per_shard_vs_full > 0.3, row
