@@ -87,14 +87,15 @@ class CountingModel(torch.nn.Module):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_runs_as_many_eval_forwards(data_dir, tmp_path, monkeypatch, world_size):
-    """estimate_loss (eval_iters=5) and evaluate_hellaswag (5 examples) on each rank of 2 and 3: the same
-    number of forwards everywhere, or an fsdp run hangs at its first eval. Collectives are no-ops here."""
+    """estimate_loss (eval_iters=5), evaluate_hellaswag (5 examples) and evaluate_split on each rank of 2
+    and 3: the same number of forwards everywhere, or an fsdp run hangs at its first eval. Collectives
+    are no-ops here."""
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
     data = {split: TokenData(data_dir, split, 32) for split in ("train", "val")}
     tok = CharTokenizer.from_text(TEXT)
     rendered = evaluate.render_examples(evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl")), tok, 32)
     cfg = train.TrainConfig(eval_iters=5, batch_size=2, block_size=32)
-    eval_forwards, hellaswag_forwards, examples = [], [], 0
+    eval_forwards, hellaswag_forwards, split_forwards, examples, tokens = [], [], [], 0, 0
     for rank in range(world_size):
         rt = runtime.Runtime("cpu", "cpu", "float32", rank=rank, world_size=world_size)
         model = CountingModel(tok.vocab_size)
@@ -103,9 +104,13 @@ def test_every_rank_runs_as_many_eval_forwards(data_dir, tmp_path, monkeypatch, 
         model.forwards = 0
         examples += evaluate.evaluate_hellaswag(model, rendered, rank=rank, world_size=world_size)["examples"]
         hellaswag_forwards.append(model.forwards)
+        model.forwards = 0
+        tokens += evaluate.evaluate_split(model, data["val"], batch_size=2, rank=rank, world_size=world_size).tokens
+        split_forwards.append(model.forwards)
     assert len(set(eval_forwards)) == 1 and eval_forwards[0] >= 2 * 5 / world_size, eval_forwards
     assert len(set(hellaswag_forwards)) == 1 and hellaswag_forwards[0] >= 5 / world_size, hellaswag_forwards
-    assert examples == 5  # the spares are scored, never counted
+    assert len(set(split_forwards)) == 1, split_forwards  # whole-split perplexity (eval.py)
+    assert examples == 5 and tokens == data["val"].sizes[0] - 1  # the spares are scored, never counted
 
 
 @pytest.fixture(scope="module")
