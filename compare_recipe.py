@@ -144,16 +144,17 @@ def whole_split_loss(model, files: list[torch.Tensor], block_size: int, batch: i
 def build(cfg: train.TrainConfig, rt: runtime.Runtime):
     """The variant's model (seeded as train.py seeds it) and optimizer, on rt.device."""
     torch.manual_seed(cfg.seed)
-    model, _ = train.build_model(cfg, read_meta(cfg.data_dir), None)
+    model, _ = train.build_model(cfg, read_meta(cfg.data_dir), None, rt)
     model.to(rt.device)
     optimizer = optim.build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                       rt.device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay)
     return model, optimizer
 
 
-def step(model, optimizer, scaler, data: TokenData, cfg: train.TrainConfig, rt: runtime.Runtime, it: int) -> float:
+def step(model, optimizer, scaler, data: train.TrainBatches, cfg: train.TrainConfig, rt: runtime.Runtime,
+         it: int) -> float:
     optim.set_lr(optimizer, train.get_lr(it, cfg) / cfg.learning_rate)
-    loss = train.train_step(model, optimizer, scaler, data, cfg, rt, it, cfg.gradient_accumulation_steps)
+    loss = train.train_step(model, scaler, data, rt, it, cfg.gradient_accumulation_steps)
     train.optimizer_step(model, optimizer, scaler, cfg)
     return loss.item()
 
@@ -161,7 +162,8 @@ def step(model, optimizer, scaler, data: TokenData, cfg: train.TrainConfig, rt: 
 def train_variant(name: str, cfg: train.TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
     model, optimizer = build(cfg, rt)
     scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == "float16")
-    data = TokenData(cfg.data_dir, "train", cfg.block_size, model.config.vocab_size)
+    data = train.TrainBatches(TokenData(cfg.data_dir, "train", cfg.block_size, model.config.vocab_size), cfg, rt,
+                              cfg.gradient_accumulation_steps)
     val = split_tokens(cfg.data_dir, "val", cfg.block_size)
     curve, train_s = [], 0.0
     for it in range(cfg.max_iters + 1):
@@ -194,7 +196,8 @@ def time_variants(names: list[str], base: train.TrainConfig, cmp: CompareConfig,
         cfg = variant_config(name, base)
         model, optimizer = build(cfg, rt)
         scaler = torch.amp.GradScaler(rt.device_type, enabled=False)
-        data = TokenData(cfg.data_dir, "train", cfg.block_size, model.config.vocab_size)
+        data = train.TrainBatches(TokenData(cfg.data_dir, "train", cfg.block_size, model.config.vocab_size), cfg, rt,
+                                  cfg.gradient_accumulation_steps)
         runs[name] = (cfg, model, optimizer, scaler, data)
         for it in range(2):
             step(model, optimizer, scaler, data, cfg, rt, it)
