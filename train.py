@@ -243,8 +243,11 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
 
 def check_memory(config: GPTConfig, cfg: TrainConfig, rt: runtime.Runtime) -> None:
     """One line, before any allocation, when weights, optimizer and activations plainly exceed free memory."""
+    shards = rt.world_size if cfg.parallel == "fsdp" else 1
     est = memory.estimate_training_memory(config, cfg.batch_size, cfg.optimizer, compute_dtype=rt.ptdtype,
-                                          seq_len=cfg.block_size)
+                                          seq_len=cfg.block_size, shards=shards,
+                                          micro_steps=local_accum_steps(cfg, rt.world_size),
+                                          activation_checkpointing=cfg.activation_checkpointing)
     # Processes on one machine share its RAM; each GPU has its own memory.
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.device_type == "cpu" else 1
     memory.check_fits(est, rt.device, sharing, f" for batch_size {cfg.batch_size} x block_size {cfg.block_size}")
@@ -439,7 +442,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     iter_num, best_val_loss = 0, float("inf")
     if resume_state is not None:
         if resume_state["model"] is None:
-            resume_state["rng"] = checkpoint.load_sharded(path, raw_model, optimizer)
+            with optim.restoring(optimizer, resume_state["meta"]["config"].get("optimizer", "adamw")):
+                resume_state["rng"] = checkpoint.load_sharded(path, raw_model, optimizer)
         else:
             optim.load_state(optimizer, resume_state["optimizer"])
         if resume_state.get("scaler"):

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
+from core import optim
 from core.errors import UserError, first_line
 from core.fileio import atomic_path, fsync_dir, remove_orphaned_temps, write_json
 from model import GPT, GPTConfig
@@ -218,7 +219,7 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
         except OSError:
             ok = False
     _agree(ok, f"could not create {tmp}")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optim.torch_optimizers(optimizer))
     try:  # DCP gathers a failure on any rank (e.g. a full disk) into one CheckpointException on every rank
         with _one_process_quietly():
             dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
@@ -311,14 +312,15 @@ def load_latest_sharded(out_dir: str | os.PathLike, log=print) -> tuple[dict[str
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
     """Load a sharded checkpoint into `model` (and `optimizer`), sharded or not, at any number of
     processes; every process calls it. Returns the saved RNG states (rng.pt), or None."""
-    model_state, optim_state = get_state_dict(model, optimizer) if optimizer else (get_model_state_dict(model), None)
+    optimizers = optim.torch_optimizers(optimizer) if optimizer else ()
+    model_state, optim_state = get_state_dict(model, optimizers) if optimizers else (get_model_state_dict(model), None)
     state = {"model": model_state} | ({"optimizer": optim_state} if optimizer else {})
     try:
         with _one_process_quietly():
             dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=not dist.is_initialized())
     except (pickle.UnpicklingError, dcp.api.CheckpointException, RuntimeError) as e:
         raise UserError(f"checkpoint {path} cannot be loaded into this model ({first_line(e)})") from None
-    set_state_dict(model, optimizer or (), model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
     rng = path / RNG_NAME
     return torch.load(rng, map_location="cpu", weights_only=True) if rng.exists() else None
 

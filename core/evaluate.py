@@ -81,12 +81,16 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, tokens scored)
     was_training = model.training
     model.eval()
-    for i in range(rank * batch_size, len(jobs), world_size * batch_size):
-        x, y = _window_batch(data, jobs[i:i + batch_size], T)
+    # Every rank runs as many forwards (a sharded model's are collectives): a rank past the end
+    # scores the first batch again and does not count it.
+    for step in range(math.ceil(len(jobs) / (world_size * batch_size))):
+        i = (step * world_size + rank) * batch_size
+        x, y = _window_batch(data, jobs[i:i + batch_size] if i < len(jobs) else jobs[:batch_size], T)
         x, y = x.to(device), y.to(device)
         with autocast() if autocast else contextlib.nullcontext():
             losses = token_losses(model, x, y)  # (B, T)
-        sums += torch.stack([losses.double().sum(), (y >= 0).sum().double()])
+        if i < len(jobs):
+            sums += torch.stack([losses.double().sum(), (y >= 0).sum().double()])
         if progress:
             progress(min(i + batch_size, len(jobs)), len(jobs))
     if world_size > 1:

@@ -54,12 +54,19 @@ def optimizer_slots(name: str, param: torch.Tensor, optimizer: str) -> int:
 
 def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
                              param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
-                             seq_len: int | None = None) -> MemoryEstimate:
+                             seq_len: int | None = None, shards: int = 1, micro_steps: int = 1,
+                             activation_checkpointing: bool = False) -> MemoryEstimate:
     """Bytes to train a GPT of `config` on batch_size sequences of seq_len (default block_size) tokens.
 
     Weights and gradients are param_dtype; optimizer state is fp32; activations are compute_dtype
     (autocast's, default param_dtype). One micro-batch's activations are alive at a time, so
     gradient accumulation does not change the estimate.
+    shards > 1 (parallel=fsdp on that many processes): each keeps 1/shards of the weights, gradients
+    and optimizer state, plus the compute_dtype weights and param_dtype gradients of the Blocks
+    gathered at a time: two (the one running, the next prefetched), or with micro_steps > 1 every
+    one, since they stay gathered between micro-steps (core/parallel.py micro_step).
+    activation_checkpointing: a layer keeps only its input, and one layer its whole set while it
+    is recomputed in the backward pass.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -75,10 +82,15 @@ def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
     per_layer = 17 * B * T * C * act
     if getattr(config, "attn_backend", "sdpa") == "naive":
         per_layer += 5 * B * config.n_head * T * T * act // 2
+    layers = (config.n_layer * B * T * C * act + per_layer) if activation_checkpointing else config.n_layer * per_layer
     # The logits and the gradient of the cross-entropy with respect to them, in fp32.
     logits = 2 * B * T * config.vocab_size * 4
-    return MemoryEstimate(params=n * weight, grads=n * weight, optimizer=state,
-                          activations=config.n_layer * per_layer + logits)
+    gathered = 0
+    if shards > 1:
+        block = sum(p.numel() for name, p in params if name.startswith("transformer.h.0."))
+        gathered = n if micro_steps > 1 else min(2, config.n_layer) * block
+    return MemoryEstimate(params=n * weight // shards + gathered * act, grads=n * weight // shards + gathered * weight,
+                          optimizer=state // shards, activations=layers + logits)
 
 
 def available_bytes(device: str) -> int | None:

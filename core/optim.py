@@ -10,6 +10,8 @@ hidden matrices only: the embedding is a lookup table (one row per token, not a 
 head's rows are read one per token too, and gains and biases are vectors. Those stay on AdamW
 (modded-nanogpt, nanochat do the same).
 """
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -49,6 +51,12 @@ class MultiOptimizer:
                             f"{sorted(self.optimizers)}; resume with the optimizer the run started with")
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state[name])
+
+
+def torch_optimizers(optimizer) -> tuple[torch.optim.Optimizer, ...]:
+    """The torch optimizers inside `optimizer`, as torch.distributed.checkpoint's get_state_dict and
+    set_state_dict take them (they cannot see into a MultiOptimizer)."""
+    return tuple(optimizer.optimizers.values()) if isinstance(optimizer, MultiOptimizer) else (optimizer,)
 
 
 def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
@@ -105,18 +113,24 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
 
 
 def load_state(optimizer, state: dict) -> None:
-    """Restore a checkpoint's optimizer state into a freshly built optimizer of the same kind.
+    """Restore a checkpoint's optimizer state into a freshly built optimizer of the same kind."""
+    with restoring(optimizer, "muon" if set(state) == {"muon", "adamw"} else "adamw"):
+        optimizer.load_state_dict(state)
 
-    The learning rates stay the ones this run was configured with (torch's load_state_dict would
-    bring back the saved groups' settings): a resume may change learning_rate, as before.
+
+@contextlib.contextmanager
+def restoring(optimizer, saved_kind: str):
+    """Around any load of a checkpoint's state into `optimizer` (a ckpt.pt's, or a sharded one's through
+    torch.distributed.checkpoint): the kinds must match, and the learning rates stay the ones this run
+    was configured with (both loads bring back the saved groups' settings): a resume may change
+    learning_rate or muon_lr, as before.
     """
-    saved_kind = "muon" if set(state) == {"muon", "adamw"} else "adamw"
     kind = "muon" if isinstance(optimizer, MultiOptimizer) else "adamw"
     if saved_kind != kind:
         raise UserError(f"the checkpoint was trained with optimizer={saved_kind}, this run uses optimizer={kind}; "
                         f"resume with --optimizer={saved_kind}, or start a new out_dir")
     base_lrs = [g["base_lr"] for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
+    yield
     for group, base_lr in zip(optimizer.param_groups, base_lrs):
         group["base_lr"] = base_lr
 

@@ -414,7 +414,7 @@ def test_resume_with_another_optimizer_or_switch_is_one_line(tmp_path, data_dir)
 def test_init_from_gpt2_refuses_recipe_switches(tmp_path):
     cfg = train.TrainConfig(init_from="gpt2", pos_embedding="rope", n_embd=64, n_head=4)
     with pytest.raises(UserError, match="init_from=gpt2 loads GPT-2's architecture"):
-        train.build_model(cfg, {"tokenizer": "gpt2", "vocab_size": 50257}, None, runtime.setup("cpu", "float32"))
+        train.build_model(cfg, {"tokenizer": "gpt2", "vocab_size": 50257}, None, runtime.Runtime("cpu", "cpu", "float32"))
 
 
 # --- the comparison command ------------------------------------------------------------------
