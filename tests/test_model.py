@@ -46,9 +46,11 @@ class WindowSpy:
     def __init__(self, model, monkeypatch):
         self.windows, real = [], model._next_logits
 
-        def spy(window, cache):
-            self.windows.append(window.clone())
-            return real(window, cache)
+        def spy(idx, start, origin, cache):
+            # what the model attends over: idx[:, start:]; with a cache, the cached tokens from origin
+            # on (position 0 of the cache) and the new ones after them
+            self.windows.append(idx[:, start if cache is None else origin:].clone())
+            return real(idx, start, origin, cache)
 
         monkeypatch.setattr(model, "_next_logits", spy)
 
