@@ -234,7 +234,9 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0) -
         )
         # Host-side groups (see the module docstring); on CPU the default group is already gloo.
         flag_group = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else None
-        master_group = dist.new_group(backend="gloo", timeout=max(timeout, MASTER_WORK_TIMEOUT))
+        # gloo's timeout is each process's own: the others wait long for rank 0's write, while rank 0,
+        # whose send waits only for them to be ready to receive, gives up on a hung peer after timeout_s.
+        master_group = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else max(timeout, MASTER_WORK_TIMEOUT))
     return Runtime(device, device_type, dtype, rank, local_rank, world_size, flag_group, master_group)
 
 

@@ -47,7 +47,9 @@ class WindowSpy:
         self.windows, real = [], model._next_logits
 
         def spy(idx, start, origin, cache):
-            self.windows.append(idx[:, start:].clone())  # the window: what the next token is conditioned on
+            # what the model attends over: idx[:, start:]; with a cache, the cached tokens from origin
+            # on (position 0 of the cache) and the new ones after them
+            self.windows.append(idx[:, start if cache is None else origin:].clone())
             return real(idx, start, origin, cache)
 
         monkeypatch.setattr(model, "_next_logits", spy)
