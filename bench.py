@@ -46,7 +46,7 @@ How each figure is measured:
              CPU: after one AdamW step, the bytes each process holds for parameters, gradients and
              optimizer state (a DTensor counts its local shard; core.parallel.state_bytes). Then one
              process's peak memory and step time for forward + backward with and without activation
-             checkpointing (peak measured as in attention). Last, core.parallel.training_bytes'
+             checkpointing (peak measured as in attention). Last, core.memory.gpu_training_memory'
              computed (not measured) table of which GPT-2 fits on which GPU.
 """
 import contextlib
@@ -67,13 +67,13 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from core import parallel, runtime
+from core import memory, parallel, runtime
 from core.config import apply_overrides, parse_args, read_config_file, to_dict
 from core.data import TextPrepareConfig, prepare_text_corpus
 from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
 from core.tokenizer import GPT2Tokenizer
-from model import GPT, GPTConfig, scaled_dot_product_attention
+from model import GPT, GPT2_SHAPES, GPTConfig, scaled_dot_product_attention
 from sample import SampleConfig, prepare_model, window_shift
 
 SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory")
@@ -365,13 +365,14 @@ FITS_MICRO_BATCH, FITS_WORLD_SIZE = 4, 8  # sequences of 1024 tokens per GPU; GP
 def fits_rows(micro_batch: int, world_size: int) -> list[dict]:
     """Computed: GB per GPU for each GPT-2 size, ddp and fsdp over world_size GPUs, and where it fits."""
     rows = []
-    for size in parallel.GPT2_SIZES:
+    for name, shape in GPT2_SHAPES.items():
+        config = GPTConfig(**shape)
         for how in parallel.PARALLELS:
-            need = {ac: parallel.training_bytes(size, how, world_size, micro_batch, ac)["total"] / 1e9
+            need = {ac: memory.gpu_training_memory(config, how, world_size, micro_batch, ac).total / 1e9
                     for ac in (False, True)}
-            fits = ["yes" if need[False] <= parallel.FITS_FRACTION * gb else
-                    "with AC" if need[True] <= parallel.FITS_FRACTION * gb else "no" for gb in GPU_GB]
-            rows.append({"model": size.name, "params": size.params, "parallel": how, "gb": need[False],
+            fits = ["yes" if need[False] <= memory.FITS_FRACTION * gb else
+                    "with AC" if need[True] <= memory.FITS_FRACTION * gb else "no" for gb in GPU_GB]
+            rows.append({"model": name, "params": memory.parameter_count(config), "parallel": how, "gb": need[False],
                          "gb_checkpointed": need[True], "fits": dict(zip(map(str, GPU_GB), fits))})
     return rows
 
@@ -940,9 +941,9 @@ def format_memory(r: dict) -> str:
             + table(["activation checkpointing", "peak memory", "step ms"], ac)
             + f"\n\ncheckpointing: {on['peak_bytes'] / off['peak_bytes']:.2f}x the peak memory, "
               f"{on['step_s'] / off['step_s']:.2f}x the step time\n\n"
-            "Computed, not measured (core.parallel.training_bytes): GB per GPU to train GPT-2 with AdamW, "
+            "Computed, not measured (core.memory.gpu_training_memory): GB per GPU to train GPT-2 with AdamW, "
             f"micro-batch {FITS_MICRO_BATCH} x 1024 tokens, fsdp over {FITS_WORLD_SIZE} GPUs; fits if <= "
-            f"{parallel.FITS_FRACTION:.0%} of the GPU\n\n"
+            f"{memory.FITS_FRACTION:.0%} of the GPU\n\n"
             + table(["model", "params", "parallel", "GB", "GB with AC", *(f"{gb} GB" for gb in GPU_GB)], fits))
 
 

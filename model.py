@@ -25,7 +25,12 @@ GELU_APPROXIMATIONS = ("tanh", "none")
 POS_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu2", "swiglu")
-GPT2_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# GPT-2's four hub models as GPTConfig fields (nanoGPT's config_args); all have 1024 positions and biases.
+GPT2_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257),  # 124M parameters
+               "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257),  # 355M
+               "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257),  # 774M
+               "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257)}  # 1558M
+GPT2_HUB_NAMES = tuple(GPT2_SHAPES)
 # GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
 CONV1D_SUFFIXES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # transformers' names for our two GELUs; gelu_pytorch_tanh is the same function as gelu_new.

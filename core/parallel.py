@@ -16,7 +16,6 @@ One process: neither wrapper; plain training, the same code path.
 The model never knows: GPT's parameter names, forward and state_dict keys stay as they are.
 """
 import contextlib
-import dataclasses
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -125,50 +124,3 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     params = list({id(p): p for p in model.parameters()}.values())
     opt = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params), "optimizer": local_bytes(opt)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Gpt2Size:
-    name: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    vocab_size: int = 50257
-    block_size: int = 1024
-
-    @property
-    def params(self) -> int:
-        """Parameters with the head tied to wte: embeddings + 12C^2 + 13C per block + final norm."""
-        C = self.n_embd
-        return self.vocab_size * C + self.block_size * C + self.n_layer * (12 * C * C + 13 * C) + 2 * C
-
-
-GPT2_SIZES = (Gpt2Size("gpt2", 12, 768, 12), Gpt2Size("gpt2-medium", 24, 1024, 16),
-              Gpt2Size("gpt2-large", 36, 1280, 20), Gpt2Size("gpt2-xl", 48, 1600, 25))
-
-
-def training_bytes(size: Gpt2Size, parallel: str, world_size: int, micro_batch: int = 1,
-                   activation_checkpointing: bool = False) -> dict[str, float]:
-    """Estimated per-GPU bytes to train `size` with AdamW under bf16 autocast / bf16 FSDP compute.
-
-    state: float32 weights (4 B) + float32 gradients (4 B) + AdamW's two float32 moments (8 B) =
-      16 B per parameter; ddp holds all of it on every GPU, fsdp 1/world_size of it, plus the bf16
-      all-gathered weights and gradients of one Block at a time (2 Blocks' worth with prefetch).
-    activations, per micro-batch of micro_batch x block_size tokens (Korthikanti et al. 2022, table 2,
-      16-bit, with a fused attention that never stores the T x T scores): 34 * tokens * C bytes per
-      layer; with activation checkpointing only each Block's input (2 * tokens * C) plus one Block
-      recomputed. Plus the logits: float32 logits and their gradient, 8 B * tokens * vocab.
-    Not counted: the CUDA context and allocator fragmentation (~1-3 GB), hence FITS_FRACTION.
-    """
-    C, L, tokens = size.n_embd, size.n_layer, micro_batch * size.block_size
-    state = 16 * size.params
-    if parallel == "fsdp":
-        block_bf16 = 2 * (12 * C * C + 13 * C)
-        state = state / world_size + 2 * 2 * block_bf16
-    per_layer = 34 * tokens * C
-    acts = (L * 2 * tokens * C + per_layer) if activation_checkpointing else L * per_layer
-    acts += 8 * tokens * size.vocab_size
-    return {"state": state, "activations": acts, "total": state + acts}
-
-
-FITS_FRACTION = 0.9  # of the GPU's memory: room for the CUDA context, workspaces and fragmentation
