@@ -250,12 +250,12 @@ def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int
                 fn()
     events = prof.profiler.kineto_results.events()
     windows = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in runs}
-    memory = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"), key=lambda m: m[0])
+    allocs = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"), key=lambda m: m[0])
     peaks = {}
     for name, (start, end) in windows.items():
-        before = sum(n for t, n in memory if t < start)
+        before = sum(n for t, n in allocs if t < start)
         running = peak = before
-        for t, n in memory:
+        for t, n in allocs:
             if start <= t <= end:
                 running += n
                 peak = max(peak, running)
