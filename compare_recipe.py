@@ -18,9 +18,8 @@ already there is skipped, so several processes can split the list); "time" measu
 the variants interleaved round by round (a busy shared machine then slows them all alike);
 "report" writes results_dir/table.md and results_dir/val_loss.png from what exists. "all" runs the three.
 
-Evaluation: every token of the val split is predicted once, in non-overlapping windows of
-block_size (whole_split_loss); the mean is over tokens. core/evaluate.py, where it exists, is the
-general home for this; this file keeps its own few lines so the comparison stands alone.
+Evaluation: core.evaluate.evaluate_split, eval.py's whole-split loss: every token of the val split
+is predicted once, in non-overlapping windows of block_size; the mean is over tokens.
 """
 import dataclasses
 import json
@@ -31,11 +30,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
 import train
-from core import config as configlib, optim, runtime
+from core import config as configlib, evaluate, optim, runtime
 from core.data import TokenData, read_meta
 from core.errors import UserError, run_cli
 from core.fileio import write_json
@@ -104,40 +102,6 @@ def variant_config(name: str, base: train.TrainConfig) -> train.TrainConfig:
 
 
 # -----------------------------------------------------------------------------
-# evaluation on a whole split
-
-
-def split_tokens(data_dir: str, split: str, block_size: int) -> list[torch.Tensor]:
-    """Every token of a split, one int64 tensor per file (a window never crosses files)."""
-    ds = TokenData(data_dir, split, block_size)
-    return [torch.from_numpy(np.fromfile(p, dtype=ds.dtype).astype(np.int64)) for p in ds.paths]
-
-
-@torch.no_grad()
-def whole_split_loss(model, files: list[torch.Tensor], block_size: int, batch: int, rt: runtime.Runtime) -> float:
-    """Mean cross-entropy over every token of the split after each file's first: non-overlapping
-    windows of block_size tokens (the last one shorter), so each token is predicted exactly once,
-    from the context since its window's start."""
-    model.eval()
-    total, count = 0.0, 0
-    for tokens in files:
-        n = tokens.numel() - 1  # tokens that have a predecessor
-        full = n // block_size
-        x = tokens[:full * block_size].view(full, block_size)  # (windows, T)
-        y = tokens[1:full * block_size + 1].view(full, block_size)
-        chunks = [(x[i:i + batch], y[i:i + batch]) for i in range(0, full, batch)]
-        if n % block_size:
-            chunks.append((tokens[full * block_size:n][None], tokens[full * block_size + 1:n + 1][None]))
-        for xb, yb in chunks:
-            with rt.autocast():
-                _, loss = model(xb.to(rt.device), yb.to(rt.device))
-            total += loss.item() * yb.numel()
-            count += yb.numel()
-    model.train()
-    return total / count
-
-
-# -----------------------------------------------------------------------------
 # training a variant
 
 
@@ -164,11 +128,12 @@ def train_variant(name: str, cfg: train.TrainConfig, cmp: CompareConfig, rt: run
     scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == "float16")
     data = train.TrainBatches(TokenData(cfg.data_dir, "train", cfg.block_size, model.config.vocab_size), cfg, rt,
                               cfg.gradient_accumulation_steps)
-    val = split_tokens(cfg.data_dir, "val", cfg.block_size)
+    val = TokenData(cfg.data_dir, "val", cfg.block_size)
     curve, train_s = [], 0.0
     for it in range(cfg.max_iters + 1):
         if it % cmp.eval_every == 0 or it == cfg.max_iters:
-            curve.append([it, whole_split_loss(model, val, cfg.block_size, cmp.eval_batch, rt)])
+            loss = evaluate.evaluate_split(model, val, batch_size=cmp.eval_batch, device=rt.device, autocast=rt.autocast).loss
+            curve.append([it, loss])
             print(f"{name}: iter {it}, val loss {curve[-1][1]:.4f} (whole split), {train_s:.0f}s training", flush=True)
         if it == cfg.max_iters:
             break

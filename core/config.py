@@ -103,7 +103,7 @@ def apply_overrides(cfg: T, overrides: dict[str, Any], source: str) -> T:
 
 def config_help(cls) -> str:
     hints = typing.get_type_hints(cls)
-    lines = [f"options (config files and --key=value override these defaults):"]
+    lines = ["options (config files and --key=value override these defaults):"]
     for f in dataclasses.fields(cls):
         lines.append(f"  --{f.name}={f.default!r}  ({_type_name(hints[f.name])})")
     return "\n".join(lines)

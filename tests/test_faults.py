@@ -343,7 +343,7 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, data_dir, reference_1
     the previous one is copied aside (a filesystem without hard links), or while the log is appended.
     The run stops with one line naming the cause; ckpt.pt is byte-identical to the last good save and
     no temporary file is left; once there is space again, resume continues exactly."""
-    real_save, real_copy, real_open = torch.save, shutil.copyfile, open
+    real_save, real_open = torch.save, open
     saved = record_saves(monkeypatch)
 
     def torch_save_fills_disk(obj, f, *args, **kwargs):

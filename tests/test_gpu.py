@@ -9,7 +9,6 @@ Each test runs `python train.py` / `python sample.py` as a user would, on a smal
   - float16 training through the GradScaler, whose state is saved and resumed.
 """
 import json
-import os
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ against the record it came from. Attention weights are checked against transform
 import json
 import math
 
-import pytest
 import torch
 
 import plot

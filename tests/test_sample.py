@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import sample
-from core.errors import run_cli
 from core.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
 from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, run_main, run_scripts, train_tiny,
