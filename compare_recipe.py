@@ -132,8 +132,8 @@ def train_variant(name: str, cfg: train.TrainConfig, cmp: CompareConfig, rt: run
     curve, train_s = [], 0.0
     for it in range(cfg.max_iters + 1):
         if it % cmp.eval_every == 0 or it == cfg.max_iters:
-            loss = evaluate.evaluate_split(model, val, batch_size=cmp.eval_batch, device=rt.device, autocast=rt.autocast).loss
-            curve.append([it, loss])
+            scored = evaluate.evaluate_split(model, val, batch_size=cmp.eval_batch, device=rt.device, autocast=rt.autocast)
+            curve.append([it, scored.loss])
             print(f"{name}: iter {it}, val loss {curve[-1][1]:.4f} (whole split), {train_s:.0f}s training", flush=True)
         if it == cfg.max_iters:
             break
@@ -143,7 +143,7 @@ def train_variant(name: str, cfg: train.TrainConfig, cmp: CompareConfig, rt: run
         if not math.isfinite(loss):
             raise UserError(f"variant {name}: loss is {loss} at iter {it}; lower its learning rate")
     return {"name": name, "overrides": variant_overrides(cfg), "params": model.get_num_params(non_embedding=False),
-            "val_tokens": sum(t.numel() - 1 for t in val), "curve": curve, "train_s": train_s,
+            "val_tokens": scored.tokens, "curve": curve, "train_s": train_s,
             "ms_per_iter_in_run": 1000 * train_s / cfg.max_iters, "config": configlib.to_dict(cfg)}
 
 
