@@ -100,6 +100,10 @@ class TrainConfig:
     parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/parallel.py)
     activation_checkpointing: bool = False  # recompute each Block in the backward pass: less memory, more compute
 
+    def model_args(self) -> dict:
+        """The GPTConfig fields this config sets; vocab_size comes from the dataset (or the checkpoint)."""
+        return {k: getattr(self, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"}
+
     def validate(self) -> None:
         positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
                     "block_size", "n_layer", "n_head", "n_embd", "max_iters", "lr_decay_iters")
@@ -113,7 +117,7 @@ class TrainConfig:
         if self.attn_backend not in ("sdpa", "naive"):
             raise UserError(f"attn_backend must be 'sdpa' or 'naive', got '{self.attn_backend}'")
         try:  # the recipe switches and their combinations: GPTConfig is their one judge
-            GPTConfig(**{k: getattr(self, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"})
+            GPTConfig(**self.model_args())
         except ValueError as e:
             raise UserError(str(e)) from None
         if self.optimizer not in optim.OPTIMIZERS:
@@ -208,7 +212,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         vocab = cfg.vocab_size or data_meta.get("vocab_size")
         if not isinstance(vocab, int):
             raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
-        margs = {k: getattr(cfg, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"} | {"vocab_size": vocab}
+        margs = cfg.model_args() | {"vocab_size": vocab}
         check_memory(GPTConfig(**margs), cfg, rt)
         model = GPT(GPTConfig(**margs))
         tok = tokenizer_meta(data_meta)
@@ -216,7 +220,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         if data_meta.get("tokenizer") != "gpt2":
             raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
                             f"{cfg.data_dir} uses {data_meta.get('tokenizer')!r}")
-        switched = GPTConfig(**{k: getattr(cfg, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"}).non_gpt2_fields()
+        switched = GPTConfig(**cfg.model_args()).non_gpt2_fields()
         if switched:
             raise UserError(f"init_from={cfg.init_from} loads GPT-2's architecture, which has none of "
                             f"{', '.join(switched)}; drop those settings (or config/modern.py) to fine-tune it")
