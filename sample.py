@@ -4,7 +4,7 @@
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=1   # streams as it decodes
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0   # greedy
     python sample.py --init_from=gpt2 --start="Hello, I'm a language model," --top_p=0.9 --stop_at_eot=True
-    python sample.py --init_from=path/to/dir   # a directory written by GPT.save_pretrained (or transformers)
+    python sample.py --init_from=path/to/dir   # a transformers folder: GPT-2, Llama, Qwen3, ... (docs/interop.md)
 
 The samples go to stdout, each followed by a line of dashes; what was loaded and the tokens/s go to
 stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer is the one the
@@ -143,7 +143,12 @@ def load_resume(out_dir: Path) -> tuple[GPT, Tokenizer, str]:
 
 
 def load_pretrained(name_or_dir: str) -> tuple[GPT, Tokenizer, str]:
-    """GPT-2 weights (a hub name, or a save_pretrained directory) and GPT-2's BPE."""
+    """A transformers folder (GPT-2, Llama, Qwen3, ...) with its tokenizer, or GPT-2 hub weights and GPT-2's BPE."""
+    if Path(name_or_dir).is_dir():
+        from core import hf  # transformers is needed only here
+
+        model, tok = hf.load_folder(name_or_dir)
+        return model, tok, name_or_dir
     tok = GPT2Tokenizer()  # first: without the BPE file there is nothing to decode with
     try:
         model = GPT.from_pretrained(name_or_dir)

@@ -28,7 +28,7 @@ from core import checkpoint, config as configlib, evaluate, memory, optim, paral
 from core.data import TokenData, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import atomic_path, write_json
-from core.tokenizer import tokenizer_from_meta
+from core.tokenizer import check_same_ids, tokenizer_from_meta
 from model import GPT, GPTConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -48,7 +48,7 @@ class TrainConfig:
     hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
-    init_from: str = "scratch"            # 'scratch', 'resume', a GPT-2 name, or a save_pretrained dir
+    init_from: str = "scratch"            # 'scratch', 'resume', a GPT-2 name, or a transformers folder
     # logging
     wandb_log: bool = False
     wandb_project: str = "nanogpt"
@@ -141,7 +141,7 @@ class TrainConfig:
             raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         if self.init_from not in ("scratch", "resume", *GPT2_NAMES) and not Path(self.init_from).is_dir():
             raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, "
-                            f"{', '.join(GPT2_NAMES)}, or a directory written by save_pretrained")
+                            f"{', '.join(GPT2_NAMES)}, or a transformers folder (docs/interop.md)")
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
@@ -186,6 +186,17 @@ def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
                     "of the same size; use the dataset it was trained on")
 
 
+def load_folder(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime) -> tuple[GPT, dict]:
+    """A transformers folder's model, fine-tuned on a dataset whose ids its tokenizer gives the same text."""
+    from core import hf  # transformers is needed only here
+
+    model, folder_tok = hf.load_folder(cfg.init_from, {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend})
+    data_tok = tokenizer_from_meta(data_meta, source=f"{cfg.data_dir}/meta.json")
+    check_same_ids(folder_tok, data_tok, f"the tokenizer of {cfg.init_from}", f"the dataset in {cfg.data_dir}")
+    check_memory(dataclasses.replace(model.config, block_size=min(cfg.block_size, model.config.block_size)), cfg, rt)
+    return model, tokenizer_meta(data_meta)
+
+
 def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
                 rt: runtime.Runtime) -> tuple[GPT, dict]:
     """The model for cfg.init_from, and the tokenizer metadata it is trained with. A run that plainly does
@@ -216,7 +227,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         check_memory(GPTConfig(**margs), cfg, rt)
         model = GPT(GPTConfig(**margs))
         tok = tokenizer_meta(data_meta)
-    else:  # GPT-2 weights from the hub or a save_pretrained directory
+    elif Path(cfg.init_from).is_dir():  # a transformers folder: GPT-2, Llama, Qwen3, ... (core/hf.py)
+        model, tok = load_folder(cfg, data_meta, rt)
+    else:  # GPT-2 weights from the hub
         if data_meta.get("tokenizer") != "gpt2":
             raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
                             f"{cfg.data_dir} uses {data_meta.get('tokenizer')!r}")
