@@ -23,6 +23,7 @@ from core import evaluate, runtime
 from core.config import parse_args
 from core.data import TokenData, read_meta
 from core.errors import UserError, run_cli
+from core.tokenizer import check_same_ids, tokenizer_from_meta
 from model import GPT2_HUB_NAMES
 from sample import load_pretrained, load_resume
 from train import check_same_tokenizer
@@ -95,7 +96,12 @@ class Progress:
 
 def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     data_dir = run_data_dir(cfg)
-    check_same_tokenizer(tok.meta(), read_meta(data_dir), data_dir)
+    data_meta = read_meta(data_dir)
+    if tok.meta()["tokenizer"] == "hf":  # a transformers folder's tokenizer: the same ids, whatever its name
+        check_same_ids(tok, tokenizer_from_meta(data_meta, f"{data_dir}/meta.json"), "the model's tokenizer",
+                       f"the dataset in {data_dir}")
+    else:
+        check_same_tokenizer(tok.meta(), data_meta, data_dir)
     block_size = cfg.block_size or model.config.block_size
     if block_size > model.config.block_size:
         raise UserError(f"block_size {block_size} is larger than the model's {model.config.block_size}")
