@@ -368,6 +368,7 @@ def test_a_variant_no_architecture_holds_is_one_line_naming_the_nearest(char_dat
     ("no-config", "has no config.json"),
     ("no-weights", "cannot load the weights"),
     ("truncated", "cannot load the weights"),
+    ("missing-tensor", "lack ['model.layers.1.mlp.down_proj.weight']"),
     ("no-tokenizer", "has no tokenizer.json"),
     ("big-tokenizer", "the tokenizer has"),
 ])
@@ -387,6 +388,12 @@ def test_bad_folders_are_one_line(char_data, tmp_path, damage, fragment):
         weights.unlink()
     elif damage == "truncated":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "missing-tensor":  # transformers alone would fill it with random values and only warn
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+        save_file(tensors, weights, metadata={"format": "pt"})
     elif damage == "no-tokenizer":
         (path / "tokenizer.json").unlink()
     elif damage == "big-tokenizer":  # the model's embedding has 5 ids fewer than its tokenizer
