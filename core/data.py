@@ -277,6 +277,36 @@ class TokenData:
         return x.to(device), y.to(device)
 
 
+class TrainBatches:
+    """The training micro-batches in order, each fetched (and on CUDA copied asynchronously) while
+    the previous one computes, across iterations too.
+
+    Micro-batch g of the global batch (g = rank * accum + micro) is drawn from (seed, iter, g)
+    alone, so the global batch does not depend on how many processes share it, and a resumed run
+    reads exactly the batches the first run would have.
+    """
+
+    def __init__(self, data: TokenData, seed: int, batch_size: int, accum: int, rank: int = 0, device="cpu"):
+        self.data, self.seed, self.batch_size = data, seed, batch_size
+        self.accum, self.rank, self.device = accum, rank, device
+        self.ahead = None  # ((iter_num, micro), (x, y))
+
+    def get(self, iter_num: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (iter_num, micro)
+        if self.ahead is not None and self.ahead[0] == key:
+            return self.ahead[1]
+        return self._fetch(key)
+
+    def prefetch_after(self, iter_num: int, micro: int) -> None:
+        key = (iter_num, micro + 1) if micro + 1 < self.accum else (iter_num + 1, 0)
+        self.ahead = (key, self._fetch(key))
+
+    def _fetch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        iter_num, micro = key
+        gen = batch_generator(self.seed, "train", iter_num, self.rank * self.accum + micro)
+        return self.data.get_batch(self.batch_size, gen, self.device)
+
+
 # ---------------------------------------------------------------------------------------------
 # preparing: shared by data/<name>/prepare.py
 
