@@ -41,7 +41,7 @@ How each figure is measured:
              per step), per token, on the decode model: learned positions (the cache is refilled at
              every step), RoPE with the same refills, and RoPE with the rolling KV cache (one token
              per step; sliding-window attention, see GPT.generate's rolling_cache).
-  prepare    core.data.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path):
+  prepare    core.prepare.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path):
              read, encode, write train.bin / val.bin / meta.json to a temporary folder.
   memory     the training model under parallel=ddp and fsdp in 1, 2 and 4 gloo processes spawned on the
              CPU: after one AdamW step, the bytes each process holds for parameters, gradients and
@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from core import flops, memory, parallel, runtime
 from core.markdown import table
 from core.config import apply_overrides, parse_args, read_config_file, to_dict
-from core.data import TextPrepareConfig, prepare_text_corpus
+from core.prepare import TextPrepareConfig, prepare_text_corpus
 from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
 from core.tokenizer import GPT2Tokenizer
@@ -449,7 +449,7 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
 
 def loop_dataset(out_dir: Path) -> tuple[str, int]:
     """A character dataset of DEFAULT_CORPUS (or a generated text) in out_dir; (its source, vocab size)."""
-    from core.data import write_dataset
+    from core.prepare import write_dataset
     from core.tokenizer import CharTokenizer
 
     if Path(DEFAULT_CORPUS).is_file():
@@ -798,7 +798,7 @@ def bench_prepare(cfg: BenchConfig) -> dict:
         dt = median_time(run, max(0, cfg.warmup - 1), cfg.repeats)
         chars = len(path.read_text(encoding="utf-8"))
     tokens = meta["train_tokens"] + meta["val_tokens"]
-    return {"corpus": source, "path": "core.data.prepare_text_corpus + GPT2Tokenizer (data/shakespeare/prepare.py)",
+    return {"corpus": source, "path": "core.prepare.prepare_text_corpus + GPT2Tokenizer (data/shakespeare/prepare.py)",
             "chars": chars, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
 
 
