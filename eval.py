@@ -20,20 +20,19 @@ from typing import Sequence
 import torch
 
 from core import evaluate, runtime
+from core.checkpoint import load_model
 from core.config import parse_args
 from core.data import TokenData, read_meta
 from core.errors import UserError, run_cli
-from core.tokenizer import check_same_ids, tokenizer_from_meta
+from core.tokenizer import check_same_tokenizer
 from model import GPT2_HUB_NAMES
-from sample import load_pretrained, load_resume
-from train import check_same_tokenizer
 
 TASKS = ("perplexity", "hellaswag")
 
 
 @dataclasses.dataclass
 class EvalConfig:
-    init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a save_pretrained directory
+    init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a transformers folder
     out_dir: str = "out"             # where init_from=resume finds ckpt.pt and config.json
     task: str = "perplexity"         # perplexity | hellaswag
     data_dir: str | None = None      # perplexity: a prepared dataset; None: the run's own (out_dir/config.json)
@@ -58,15 +57,6 @@ class EvalConfig:
         if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
             raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
                             f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
-
-
-def load_model(init_from: str, out_dir: str):
-    """(model, tokenizer, description) of out_dir/ckpt.pt (init_from='resume') or of GPT-2 weights."""
-    model, tok, source = load_resume(Path(out_dir)) if init_from == "resume" else load_pretrained(init_from)
-    if tok.vocab_size > model.config.vocab_size:
-        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
-                        f"{model.config.vocab_size}; they do not belong together")
-    return model, tok, source
 
 
 def run_data_dir(cfg: EvalConfig) -> str:
@@ -96,12 +86,7 @@ class Progress:
 
 def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     data_dir = run_data_dir(cfg)
-    data_meta = read_meta(data_dir)
-    if tok.meta()["tokenizer"] == "hf":  # a transformers folder's tokenizer: the same ids, whatever its name
-        check_same_ids(tok, tokenizer_from_meta(data_meta, f"{data_dir}/meta.json"), "the model's tokenizer",
-                       f"the dataset in {data_dir}")
-    else:
-        check_same_tokenizer(tok.meta(), data_meta, data_dir)
+    check_same_tokenizer(tok.meta(), read_meta(data_dir), data_dir)
     block_size = cfg.block_size or model.config.block_size
     if block_size > model.config.block_size:
         raise UserError(f"block_size {block_size} is larger than the model's {model.config.block_size}")

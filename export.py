@@ -24,8 +24,8 @@ import torch
 
 from core import checkpoint, hf
 from core.config import parse_args
-from core.errors import UserError, first_line, run_cli
-from core.tokenizer import Tokenizer, save_hf_tokenizer, tokenizer_from_meta
+from core.errors import UserError, run_cli
+from core.tokenizer import Tokenizer, save_hf_tokenizer
 from model import GPT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,26 +46,6 @@ class ExportConfig:
         path = Path(self.hf_dir)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise UserError(f"{path} exists and is not an empty folder; pass a new --hf_dir")
-
-
-def load_run(out_dir: str) -> tuple[GPT, Tokenizer, str]:
-    """The model and tokenizer of out_dir's checkpoint (ckpt.pt, or ckpt.dcp from --parallel=fsdp)."""
-    out = Path(out_dir)
-    path = out / checkpoint.CKPT_NAME
-    if not path.exists() and (out / checkpoint.SHARDED_NAME).exists():
-        path = out / checkpoint.SHARDED_NAME
-    if not path.exists():
-        raise UserError(f"no checkpoint in {out}: {path} not found; train one first or pass --out_dir=...")
-    state = checkpoint.load_checkpoint(path)
-    meta = state["meta"]
-    if not isinstance(meta.get("tokenizer"), dict):
-        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be exported with its tokenizer")
-    tok = tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
-    try:
-        model = checkpoint.model_from_checkpoint(state, dropout=0.0)
-    except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
-    return model.eval(), tok, f"{path} (iter {meta.get('iter_num')})"
 
 
 def generation_config(model: GPT, tok: Tokenizer) -> dict:
@@ -107,7 +87,8 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
 
 def main(argv: Sequence[str]) -> str:
     cfg = parse_args(ExportConfig, argv)  # validates
-    model, tok, source = load_run(cfg.out_dir)
+    model, tok, source = checkpoint.load_model("resume", cfg.out_dir)
+    model.eval()
     arch = export(model, tok, cfg.hf_dir, cfg.dtype, cfg.check)
     files = ", ".join(sorted(p.name for p in Path(cfg.hf_dir).iterdir()))
     line = f"exported {source} as {arch} ({cfg.dtype}) to {cfg.hf_dir}: {files}"

@@ -22,8 +22,8 @@ import eval as eval_script
 import export
 import sample
 import train
-from core import hf
-from core.data import write_dataset
+from core import checkpoint, hf
+from core.prepare import write_dataset
 from core.tokenizer import CharTokenizer, GPT2Tokenizer, hf_backend, save_hf_tokenizer
 from model import GPT, GPTConfig
 from tests.helpers import (REPO_ROOT, assert_user_error, make_char_dataset, needs_transformers, run_main,
@@ -96,7 +96,8 @@ def exported(request, char_data, tmp_path_factory):
     result = run_main(export.main, [f"--out_dir={run}", f"--hf_dir={hf_dir}"])
     assert result.returncode == 0, result.stderr
     assert arch in result.stderr
-    model, tok, _ = export.load_run(str(run))
+    model, tok, _ = checkpoint.load_model("resume", run)
+    model.eval()
     return request.param, run, hf_dir, model, tok
 
 
