@@ -43,6 +43,9 @@ from core.train_config import RECIPE_KEYS, TrainConfig, get_lr, make_optimizer  
 from model import GPT, GPTConfig  # noqa: E402
 
 MODERN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "modern.py"
+# config/modern.py's switches, for the variants built on it.
+MODERN_SWITCHES = {"pos_embedding": "rope", "qk_norm": True, "mlp": "relu2", "tie_embeddings": False,
+                   "optimizer": "muon", "muon_lr": 0.02}
 # One switch each, against classic GPT-2; "gqa" halves the key/value heads.
 VARIANTS = {
     "classic": {},
@@ -56,6 +59,10 @@ VARIANTS = {
     "softcap": {"logit_softcap": 15.0},
     "muon": {"optimizer": "muon"},
     "modern": "config/modern.py",
+    # The recipes nearest to modern that a transformers class computes exactly (core/hf.py, docs/interop.md).
+    "modern_nemotron": {**MODERN_SWITCHES, "qk_norm": False},                                # NemotronForCausalLM
+    "modern_arcee": {**MODERN_SWITCHES, "qk_norm": False, "norm": "rmsnorm"},                # ArceeForCausalLM
+    "modern_qwen3": {**MODERN_SWITCHES, "norm": "rmsnorm", "mlp": "swiglu", "bias": False},  # Qwen3ForCausalLM
 }
 PHASES = ("all", "train", "time", "report")
 
