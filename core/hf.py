@@ -278,22 +278,22 @@ def _config_from_llama(h, arch: str, override_args) -> GPTConfig:
     act = h.hidden_act
     mlp_bias = getattr(h, "mlp_bias", False)
     ungated = {v: k for k, v in UNGATED_ACTS.items()}
-    unsupported = {
-        "rope_parameters.rope_type": rope.get("rope_type", "default") != "default",
-        "rope_parameters.partial_rotary_factor": rope.get("partial_rotary_factor", 1.0) != 1.0,
-        "head_dim": head_dim * h.num_attention_heads != h.hidden_size,
-        "hidden_act": act != "silu" if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else act not in ungated,
-        "attention_bias != mlp_bias": arch != "Qwen3ForCausalLM" and h.attention_bias != mlp_bias,
-        "attention_bias": arch == "Qwen3ForCausalLM" and h.attention_bias,
-        "use_sliding_window": getattr(h, "use_sliding_window", False),
-        "pretraining_tp": getattr(h, "pretraining_tp", 1) != 1,
-    }
-    for field, bad in unsupported.items():
-        if bad:
-            value = getattr(h, field, rope.get(field.split(".")[-1], None)) if "!=" not in field else ""
-            raise ConversionError(f"unsupported {arch} variant: {field}{'=' + repr(value) if value != '' else ''}; "
-                                  "this repository computes only the plain form")
     gated = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    heads, width = h.num_attention_heads, h.hidden_size
+    problems = [
+        (rope.get("rope_type", "default") != "default", f"rope_type={rope.get('rope_type')!r} (scaled RoPE)"),
+        (rope.get("partial_rotary_factor", 1.0) != 1.0, f"partial_rotary_factor={rope.get('partial_rotary_factor')}"),
+        (head_dim * heads != width, f"head_dim={head_dim} with {heads} heads in a {width}-wide model"),
+        (act != "silu" if gated else act not in ungated, f"hidden_act={act!r}"),
+        (arch != "Qwen3ForCausalLM" and h.attention_bias != mlp_bias,
+         f"attention_bias={h.attention_bias} with mlp_bias={mlp_bias}"),
+        (arch == "Qwen3ForCausalLM" and h.attention_bias, "attention_bias=True"),
+        (getattr(h, "use_sliding_window", False), "use_sliding_window=True"),
+        (getattr(h, "pretraining_tp", 1) != 1, f"pretraining_tp={getattr(h, 'pretraining_tp', 1)}"),
+    ]
+    for bad, what in problems:
+        if bad:
+            raise ConversionError(f"unsupported {arch} variant: {what}; this repository computes only the plain form")
     mlp, approx = ("swiglu", "tanh") if gated else (("relu2", "tanh") if act == "relu2" else ungated[act])
     eps = h.norm_eps if arch == "NemotronForCausalLM" else h.rms_norm_eps
     return GPTConfig(
