@@ -105,7 +105,7 @@ def test_out_of_memory_errors_are_recognised():
 
 @pytest.mark.slow
 def test_a_model_or_block_size_that_cannot_fit_is_one_line(tmp_path, data_dir):
-    """The issue's command: the data check (before any model is built) refuses a block_size longer than
+    """The data check (before any model is built) refuses a block_size longer than
     the data; a model far too large for this machine is refused by the estimate, naming both sizes."""
     common = ["--device=cpu", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}"]
     long_block, huge_model = run_scripts(
