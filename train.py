@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py
     torchrun --nnodes=2 --node_rank=0 --rdzv_endpoint=HOST:29500 --nproc_per_node=8 train.py config/gpt2_small.py
     python train.py config/train_shakespeare_char.py --init_from=resume   # continue from out_dir/ckpt.pt
+    python train.py config/train_shakespeare_char_cpu.py config/sft_tasks_char.py   # chat fine-tune of that base
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/parallel.py
 
 Configuration: the TrainConfig defaults below, overridden by config files (Python
@@ -28,6 +29,7 @@ from core import checkpoint, config as configlib, evaluate, memory, optim, paral
 from core.data import TokenData, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import atomic_path, write_json
+from core import tokenizer as tokenizerlib
 from core.tokenizer import tokenizer_from_meta
 from model import GPT, GPTConfig
 
@@ -48,7 +50,8 @@ class TrainConfig:
     hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
-    init_from: str = "scratch"            # 'scratch', 'resume', a GPT-2 name, or a save_pretrained dir
+    init_from: str = "scratch"            # 'scratch', 'resume', a base run's out_dir (its weights, a new run),
+                                          # a GPT-2 name, or a save_pretrained dir
     # logging
     wandb_log: bool = False
     wandb_project: str = "nanogpt"
@@ -58,6 +61,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 40  # global: across all processes together
     batch_size: int = 12                   # micro-batch per process
     block_size: int = 1024
+    loss_mask: bool = True                 # chat datasets: learn only the assistant's tokens; False: every token
     # model
     n_layer: int = 12
     n_head: int = 12
@@ -140,7 +144,7 @@ class TrainConfig:
         if not self.dist_timeout_s > 0:
             raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         if self.init_from not in ("scratch", "resume", *GPT2_NAMES) and not Path(self.init_from).is_dir():
-            raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, "
+            raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, a base run's out_dir, "
                             f"{', '.join(GPT2_NAMES)}, or a directory written by save_pretrained")
 
 
@@ -170,7 +174,7 @@ def local_accum_steps(cfg: TrainConfig, world_size: int) -> int:
 
 def tokenizer_meta(meta: dict) -> dict:
     """The part of a dataset's meta.json that sample.py needs to rebuild the tokenizer."""
-    return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos", "stoi", "eot_token", "special_tokens") if k in meta}
+    return tokenizerlib.tokenizer_meta(meta)
 
 
 def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
@@ -216,6 +220,8 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         check_memory(GPTConfig(**margs), cfg, rt)
         model = GPT(GPTConfig(**margs))
         tok = tokenizer_meta(data_meta)
+    elif checkpoint.find_checkpoint(cfg.init_from) is not None:  # a base run: its weights, a new run
+        model, tok = from_base_run(cfg, data_meta, rt)
     else:  # GPT-2 weights from the hub or a save_pretrained directory
         if data_meta.get("tokenizer") != "gpt2":
             raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
@@ -235,6 +241,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
         raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
+    if resume_state is None and cfg.init_from != "scratch" and data_meta.get("special_tokens"):
+        # Fine-tuning on a chat set: ids past the model's rows are the chat tokens appended to its vocabulary.
+        model.grow_vocab(max(data_vocab, model.config.vocab_size))
     if data_vocab > model.config.vocab_size:
         raise UserError(f"{cfg.data_dir}/meta.json has vocab_size {data_vocab}, larger than the model's vocab_size "
                         f"{model.config.vocab_size}; token ids would index past the embedding table")
@@ -243,6 +252,21 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
     elif cfg.block_size > model.config.block_size:
         raise UserError(f"block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     return model, tok
+
+
+def from_base_run(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime) -> tuple[GPT, dict]:
+    """A base run's weights (its out_dir's checkpoint) for a new run, e.g. a chat fine-tune. Unlike
+    init_from=resume, only the weights are taken: the optimizer, schedule, iteration count, RNG and log
+    start fresh, and the architecture is the checkpoint's (cfg's n_layer, n_embd, ... do not apply)."""
+    path = checkpoint.find_checkpoint(cfg.init_from)
+    state = checkpoint.load_checkpoint(path)
+    base_tok = state["meta"].get("tokenizer")
+    if not isinstance(base_tok, dict):
+        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be fine-tuned on a dataset")
+    tokenizerlib.check_extends(base_tok, tokenizer_meta(data_meta), f"init_from={cfg.init_from}")
+    check_memory(GPTConfig(**state["meta"]["model_args"]), cfg, rt)
+    model = checkpoint.model_from_checkpoint(state, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
+    return model, tokenizer_meta(data_meta)
 
 
 def check_memory(config: GPTConfig, cfg: TrainConfig, rt: runtime.Runtime) -> None:
@@ -427,7 +451,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
                 f"losses match the uninterrupted run to float rounding, not bit for bit")
     # The data first: a missing file or a block_size longer than the data is found in a second,
     # before a model of that block_size is built.
-    data = {split: TokenData(cfg.data_dir, split, cfg.block_size) for split in ("train", "val")}
+    data = {split: TokenData(cfg.data_dir, split, cfg.block_size, loss_mask=cfg.loss_mask) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model, tok_meta = build_model(cfg, data_meta, resume_state, rt)
     # Then dropout masks of their own per rank (batches come from their own generators, never from this).

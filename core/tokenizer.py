@@ -143,6 +143,26 @@ class GPT2Tokenizer(_Specials):
         return {"tokenizer": "gpt2", "vocab_size": self.vocab_size, "eot_token": self.eot_token} | self._meta_specials()
 
 
+META_KEYS = ("tokenizer", "vocab_size", "itos", "stoi", "eot_token", "special_tokens")
+
+
+def tokenizer_meta(meta: dict) -> dict:
+    """The tokenizer's part of a dataset's meta.json (what a checkpoint carries to rebuild it)."""
+    return {k: meta[k] for k in META_KEYS if k in meta}
+
+
+def check_extends(base: dict, new: dict, source: str) -> None:
+    """A UserError unless tokenizer metadata `new` keeps every id of `base` meaning the same (it may add
+    special tokens after them): what fine-tuning a base model on a chat dataset needs."""
+    same = base.get("tokenizer") == new.get("tokenizer") and (base.get("tokenizer") != "char"
+                                                              or base.get("itos") == new.get("itos"))
+    kept = all((new.get("special_tokens") or {}).get(k) == v for k, v in (base.get("special_tokens") or {}).items())
+    if not (same and kept):
+        raise UserError(f"{source}: the dataset's tokenizer ({new.get('tokenizer')!r}, vocab {new.get('vocab_size')}) "
+                        f"does not extend the base model's ({base.get('tokenizer')!r}, vocab {base.get('vocab_size')}); "
+                        f"prepare the dataset with --tokenizer_from= the base run's out_dir")
+
+
 def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     kind = meta.get("tokenizer")
     if kind == "char":
