@@ -4,7 +4,7 @@
     python eval.py --out_dir=out-shakespeare-char-cpu --stride=32           # sliding window: more context per token
     python eval.py --init_from=gpt2 --data_dir=data/fineweb --split=val     # GPT-2 weights (from the hub)
     python eval.py --init_from=gpt2 --task=hellaswag                        # after data/hellaswag/prepare.py
-    python eval.py --out_dir=out-sft-tasks --task=chat --chat_file=data/chat/tasks_heldout.jsonl  # exact answers
+    python eval.py --out_dir=out-sft-tasks-char --task=chat --chat_file=data/chat/tasks_heldout.jsonl  # exact answers
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
 Perplexity scores each token once, in a fixed order (core/evaluate.py explains the windows), so
@@ -24,12 +24,12 @@ import torch
 
 from core import evaluate, runtime
 from core.chat import ChatTemplate
+from core.checkpoint import load_model
 from core.config import parse_args
 from core.data import TokenData, read_meta
 from core.errors import UserError, run_cli
+from core.tokenizer import check_same_tokenizer
 from model import GPT2_HUB_NAMES
-from sample import load_pretrained, load_resume
-from train import check_same_tokenizer
 
 TASKS = ("perplexity", "hellaswag", "chat")
 
@@ -62,15 +62,6 @@ class EvalConfig:
         if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
             raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
                             f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
-
-
-def load_model(init_from: str, out_dir: str):
-    """(model, tokenizer, description) of out_dir/ckpt.pt (init_from='resume') or of GPT-2 weights."""
-    model, tok, source = load_resume(Path(out_dir)) if init_from == "resume" else load_pretrained(init_from)
-    if tok.vocab_size > model.config.vocab_size:
-        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
-                        f"{model.config.vocab_size}; they do not belong together")
-    return model, tok, source
 
 
 def run_data_dir(cfg: EvalConfig) -> str:

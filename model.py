@@ -48,7 +48,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2; False is a bit better and faster
     attn_backend: str = "sdpa"  # "sdpa": torch's fused kernel; "naive": the reference below, can return weights
     gelu_approximate: str = "tanh"  # GPT-2 uses GELU's tanh approximation ("gelu_new"); "none" is the exact erf form
-    # The modern recipe, one switch each (README "Modern recipe"); every default is GPT-2.
+    # The modern recipe, one switch each (docs/recipe.md); every default is GPT-2.
     pos_embedding: str = "learned"  # "learned": a wpe table; "rope": rotary q and k (Su et al. 2021), no wpe
     rope_base: float = 10000.0  # RoPE's frequencies are rope_base^(-2i/hs)
     norm: str = "layernorm"  # "rmsnorm": scale only, no mean and no bias (Zhang & Sennrich 2019)
@@ -390,6 +390,15 @@ def check_sampling_args(temperature, top_k, top_p):
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+
+
+def window_shift(requested: int | None, block_size: int) -> int:
+    """How far the context window slides at once past block_size (see GPT.generate): `requested`, or
+    by default half the window, so that a KV cache is refilled only once per block_size // 2 tokens."""
+    shift = requested or max(1, block_size // 2)
+    if shift > block_size:
+        raise ValueError(f"window_shift {shift} is larger than the model's block_size {block_size}")
+    return shift
 
 
 class GPT(nn.Module):

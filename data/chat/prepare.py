@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 
 from core.chat import ChatTemplate, with_chat_tokens  # noqa: E402
 from core.config import parse_args  # noqa: E402
-from core.data import read_meta, script_out_dir, write_tokens  # noqa: E402
+from core.data import read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.fileio import write_json  # noqa: E402
+from core.prepare import script_out_dir, write_tokens  # noqa: E402
 from core.tokenizer import GPT2Tokenizer, tokenizer_from_meta, tokenizer_meta  # noqa: E402
 
 
