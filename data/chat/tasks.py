@@ -36,7 +36,7 @@ class TasksConfig:
     n_train: int = 4000
     n_heldout: int = 200
     min_len: int = 3            # letters in a prompt's string
-    max_len: int = 8
+    max_len: int = 6
     seed: int = 1337
 
     def validate(self) -> None:
