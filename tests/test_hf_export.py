@@ -244,11 +244,16 @@ def test_char_vocabulary_exports_with_identical_ids(tmp_path):
     assert theirs.vocab_size == tok.vocab_size
 
 
-def test_extra_special_tokens_get_the_next_ids(tmp_path):
+def test_special_tokens_keep_their_ids(tmp_path):
     tok = CharTokenizer.from_text("abc \n")
-    backend = hf_backend(tok, ("<|im_start|>", "<|im_end|>"))
+    backend = hf_backend(tok, ("<|im_start|>", "<|im_end|>"))  # extra ones: the next ids
     assert backend.token_to_id("<|im_start|>") == 5 and backend.token_to_id("<|im_end|>") == 6
     assert backend.encode("a<|im_end|>b").ids == [2, 6, 3]
+    chat = CharTokenizer(list("abc \n"), {"<|user|>": 5, "<|assistant|>": 6})  # a dataset's own: their ids
+    save_hf_tokenizer(chat, tmp_path, 64)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert theirs.convert_tokens_to_ids(["<|user|>", "<|assistant|>"]) == [5, 6]
+    assert theirs.decode([5, 0, 6, 1]) == chat.decode([5, 0, 6, 1])
 
 
 # --- import: folders transformers writes ----------------------------------------------------------------------------
