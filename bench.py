@@ -24,6 +24,9 @@ How each figure is measured:
              a plain loop of the same model and data written as nanoGPT's train.py does it (np.memmap batches,
              forward, backward, clip, AdamW): the CPU quick start's config (--loop_config), the same threads,
              chunks of loop_steps iterations alternating between the two, median ms per iteration of each.
+             Beside them, train.iteration with --recipe_config (config/modern.py: Muon + the model switches)
+             on top of the same config, in the same alternation; each also as process CPU time per
+             iteration, which load from other processes on a shared machine does not inflate.
   attention  peak memory above the inputs while one causal attention runs, without grad (forward) and
              with grad (forward + backward): model.scaled_dot_product_attention (the naive reference,
              which forms the (B, nh, T, T) scores) against torch's fused F.scaled_dot_product_attention.
@@ -110,6 +113,7 @@ class BenchConfig:
     # 1b. train.py's iteration against a plain loop: this config file's model, batch and optimizer
     loop_config: str = "config/train_shakespeare_char_cpu.py"
     loop_steps: int = 20       # iterations per timed chunk; `repeats` chunks of each, alternating
+    recipe_config: str = "config/modern.py"  # timed beside them: loop_config with this file on top
     # 2. attention memory: one layer's attention of the same model, B=1, over a range of T
     attn_batch_size: int = 1
     attn_n_head: int = 6
@@ -507,6 +511,8 @@ def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                 train.iteration(model, optimizer, scaler, batches, tcfg, rt, it, accum, stop)
                 state["it"] += 1
 
+        modern = recipe_iterations(cfg, tcfg, rt, batches, accum, stop)
+
         def plain(n: int) -> None:  # nanoGPT's train.py loop, without its eval, checkpoints and logging
             x, y = state["xy"] or nanogpt_batch(Path(tmp) / "train.bin", tcfg.block_size, tcfg.batch_size, rt.device)
             for _ in range(n):
@@ -529,21 +535,49 @@ def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                 state["it"] += 1
             state["xy"] = (x, y)
 
-        for fn in (plain, ours):
+        loops = (("plain", plain), ("train_py", ours), ("recipe", modern))
+        for _, fn in loops:
             fn(max(1, cfg.warmup) * 2)
-        times = {"plain": [], "train_py": []}
-        for _ in range(cfg.repeats):  # alternating, so that load from other processes hits both alike
-            for name, fn in (("plain", plain), ("train_py", ours)):
+        times = {name: [] for name, _ in loops}
+        cpu_times = {name: [] for name, _ in loops}
+        for _ in range(cfg.repeats):  # alternating, so that load from other processes hits all alike
+            for name, fn in loops:
                 rt.synchronize()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn(cfg.loop_steps)
                 rt.synchronize()
                 times[name].append((time.perf_counter() - t0) / cfg.loop_steps)
+                cpu_times[name].append((time.process_time() - c0) / cfg.loop_steps)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    cpu_ms = {name: statistics.median(t) * 1e3 for name, t in cpu_times.items()}
     return {"config": cfg.loop_config, "corpus": source, "model": model_text(model.config, tcfg.batch_size),
             "accum": accum, "steps_per_chunk": cfg.loop_steps, "chunks": cfg.repeats,
             "plain_ms": ms["plain"], "train_py_ms": ms["train_py"], "train_py_over_plain": ms["train_py"] / ms["plain"],
-            "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}}
+            "recipe_config": cfg.recipe_config, "recipe_ms": ms["recipe"], "recipe_over_train_py": ms["recipe"] / ms["train_py"],
+            "muon_newton_schulz": "bfloat16" if runtime.native_bf16(rt.device) else "float32",
+            "cpu_ms": cpu_ms, "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}}
+
+
+def recipe_iterations(cfg: BenchConfig, tcfg, rt: runtime.Runtime, batches, accum: int, stop) -> Callable[[int], None]:
+    """n iterations of train.iteration with cfg.recipe_config on top of tcfg: its own model and optimizer
+    (Muon + AdamW for config/modern.py) built as train.py builds them, on the same batches."""
+    import train
+    from core import optim
+
+    rcfg = apply_overrides(tcfg, read_config_file(cfg.recipe_config), cfg.recipe_config)
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(**rcfg.model_args() | {"vocab_size": tcfg.vocab_size})).to(rt.device).train()
+    optimizer = optim.build_optimizer(model, rcfg.optimizer, rcfg.learning_rate, rcfg.weight_decay,
+                                      (rcfg.beta1, rcfg.beta2), rt.device_type, rcfg.muon_lr, rcfg.muon_momentum,
+                                      rcfg.muon_weight_decay)
+    scaler, state = rt.grad_scaler(), {"it": 0}
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            optim.set_lr(optimizer, train.get_lr(state["it"], rcfg) / rcfg.learning_rate)
+            train.iteration(model, optimizer, scaler, batches, rcfg, rt, state["it"], accum, stop)
+            state["it"] += 1
+    return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -866,11 +900,16 @@ def format_train(r: dict) -> str:
 
 
 def format_loop(r: dict) -> str:
-    rows = [["plain loop (nanoGPT's)", num(r["plain_ms"], 2), "1.00x"],
-            ["train.py (train.iteration)", num(r["train_py_ms"], 2), f"{r['train_py_over_plain']:.2f}x"]]
-    return (f"### Training iteration: train.py against a plain loop\n{r['config']}: {r['model']}, "
+    cpu = {name: num(ms, 2) for name, ms in r.get("cpu_ms", {}).items()}
+    rows = [["plain loop (nanoGPT's)", num(r["plain_ms"], 2), cpu.get("plain", "-"), "1.00x"],
+            ["train.py (train.iteration)", num(r["train_py_ms"], 2), cpu.get("train_py", "-"),
+             f"{r['train_py_over_plain']:.2f}x"]]
+    if "recipe_ms" in r:
+        rows.append([f"train.py + {r['recipe_config']} (Muon's Newton-Schulz in {r['muon_newton_schulz']})",
+                     num(r["recipe_ms"], 2), cpu.get("recipe", "-"), f"{r['recipe_ms'] / r['plain_ms']:.2f}x"])
+    return (f"### Training iteration: train.py against a plain loop, and the modern recipe\n{r['config']}: {r['model']}, "
             f"accumulation {r['accum']}; median of {r['chunks']} chunks of {r['steps_per_chunk']} iterations each, "
-            f"alternating\n\n" + table(["loop", "ms / iteration", "vs plain"], rows))
+            f"alternating\n\n" + table(["loop", "ms / iteration", "CPU ms / iteration", "vs plain"], rows))
 
 
 def format_attention(r: dict) -> str:
