@@ -69,21 +69,16 @@ def test_loop_section_compares_train_py_with_a_plain_loop(tmp_path, tmp_path_fac
                       "gradient_accumulation_steps = 2\nlog_interval = 3\ndropout = 0.0\n")
     monkeypatch.setattr(bench, "GENERATED_CHARS", 20_000)
     monkeypatch.setattr(bench, "DEFAULT_CORPUS", str(tmp_path / "absent.txt"))
-    calls = []
-    import train
-    real_iteration = train.iteration
-    monkeypatch.setattr(train, "iteration", lambda *a: calls.append((type(a[1]).__name__, a[6])) or real_iteration(*a))
     with one_thread():
         bench.main(tiny_argv(tmp_path, sections="loop", loop_config=str(config), loop_steps=3, repeats=2))
     r = json.loads((tmp_path / "bench.json").read_text())["loop"]
-    assert r["accum"] == 2 and r["plain_ms"] > 0 and r["train_py_ms"] > 0 and r["recipe_ms"] > 0
+    assert r["accum"] == 2 and r["plain_ms"] > 0 and r["train_py_ms"] > 0
     assert r["train_py_over_plain"] == pytest.approx(r["train_py_ms"] / r["plain_ms"])
     assert len(r["chunk_ms"]["plain"]) == len(r["chunk_ms"]["train_py"]) == len(r["chunk_ms"]["recipe"]) == 2
-    assert all(r["cpu_ms"][name] > 0 for name in ("plain", "train_py", "recipe"))
-    # warm-up, then 2 chunks of 3: train.py's own iteration ran, at the iterations the plain loop left off;
-    # and as many again with config/modern.py on top (Muon and AdamW in one MultiOptimizer)
-    ours, recipe = ([it for kind, it in calls if kind == name] for name in ("AdamW", "MultiOptimizer"))
-    assert len(ours) == 2 + 2 * 3 and ours == sorted(set(ours)) and recipe == list(range(2 + 2 * 3))
+    # train.py itself ran each chunk: its log.jsonl timed 3 steps after the warm-up ones
+    assert r["train_py_steps"] == [3, 3]
+    # and train.py with config/modern.py after the config, Newton-Schulz at the precision this CPU computes
+    assert r["recipe_ms"] > 0 and r["recipe_over_train_py"] == pytest.approx(r["recipe_ms"] / r["train_py_ms"])
     assert r["muon_newton_schulz"] == ("bfloat16" if runtime.native_bf16("cpu") else "float32")
     out = capsys.readouterr().out
-    assert "train.py against a plain loop" in out and "config/modern.py (Muon's Newton-Schulz in" in out
+    assert "train.py against a plain loop" in out and "| train.py + config/modern.py (Newton-Schulz in" in out
