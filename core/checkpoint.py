@@ -195,8 +195,8 @@ def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Modul
     rng = gather_rng(rt)  # collective: every rank takes part
     if sharded:
         return _saving(out_dir, save_sharded, out_dir, meta, model, optimizer, rng)
-    return rt.on_master(_saving, out_dir, save_checkpoint, out_dir, meta, model.state_dict(),
-                        optimizer.state_dict(), scaler.state_dict(), rng)
+    return rt.on_master(lambda: _saving(out_dir, save_checkpoint, out_dir, meta, model.state_dict(),
+                                        optimizer.state_dict(), scaler.state_dict(), rng))
 
 
 def _saving(out_dir, write, *args) -> Path:

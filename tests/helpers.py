@@ -110,6 +110,19 @@ def make_gpt2_dataset(data_dir, documents: list[str], val_documents: list[str] |
     return write_dataset(data_dir, tok.meta(), {"train": ids(documents), "val": ids(val_documents or documents)})
 
 
+def char_data_fixture(text: str):
+    """A module-scoped fixture named data_dir: a char dataset of `text` in a temporary folder.
+
+        data_dir = char_data_fixture(TEXT)   # in a test module; tests then take data_dir as usual
+    """
+    @pytest.fixture(scope="module")
+    def data_dir(tmp_path_factory):
+        d = tmp_path_factory.mktemp("data")
+        make_char_dataset(d, text)
+        return d
+    return data_dir
+
+
 def train_tiny(out_dir, data_dir, **overrides) -> Path:
     """Run train.main in-process on a tiny model (TINY_TRAIN, then overrides); returns out_dir/ckpt.pt.
 

@@ -14,8 +14,8 @@ import torch
 
 import train
 from core.checkpoint import load_checkpoint
-from tests.helpers import (TINY_TRAIN, child_pids, make_char_dataset, make_chat_dataset, process_env, records, run_main,
-                           train_tiny)
+from tests.helpers import (TINY_TRAIN, char_data_fixture, child_pids, make_chat_dataset,
+                           process_env, records, run_main, train_tiny)
 from tests.test_faults import TORCHRUN, last_logged_iter, start_train, stop_job, wait_for
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -24,11 +24,7 @@ MULTI_MICRO = dict(gradient_accumulation_steps=8, batch_size=4, max_iters=6, lr_
                    eval_interval=3, eval_iters=4, dist_timeout_s=60.0)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 def run_job(tmp_path, name: str, data_dir, timeout: float = 180, **cfg) -> Path:

@@ -15,17 +15,14 @@ import train
 from core.checkpoint import load_checkpoint
 from core.errors import UserError
 import model as modellib
-from tests.helpers import (TIMINGS, TINY_TRAIN, assert_user_error, losses, make_char_dataset, make_chat_dataset,
+from tests.helpers import (TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, losses, make_char_dataset,
+                           make_chat_dataset,
                            records, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 def de_bruijn(alphabet: str, n: int) -> str:
