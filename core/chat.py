@@ -69,8 +69,9 @@ class ChatTemplate:
         self.tok = tok
         self.role_id = {role: tok.special_tokens[name] for role, name in ROLES.items()}
         self.end_of_turn = tok.special_tokens[END]
-        # Any role token after a reply's first token also ends it: a turn the model should not write.
-        self.stop_tokens = {self.end_of_turn, *self.role_id.values()}
+        # A role token also ends a reply (a turn the model should not write), and so does a base
+        # vocabulary's <|endoftext|>.
+        self.stop_tokens = {self.end_of_turn, *self.role_id.values()} | ({tok.eot_token} - {None})
 
     @classmethod
     def for_tokenizer(cls, tok: Tokenizer) -> "ChatTemplate | None":
