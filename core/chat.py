@@ -24,7 +24,7 @@ the embedding by four rows (model.GPT.grow_vocab).
 from __future__ import annotations
 
 from core.errors import UserError
-from core.tokenizer import Tokenizer
+from core.tokenizer import GPT2_VOCAB, Tokenizer
 
 TEMPLATE_NAME = "role-tokens-v1"
 SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
@@ -50,7 +50,7 @@ def with_chat_tokens(tokenizer_meta: dict) -> dict:
     special = dict(tokenizer_meta.get("special_tokens") or {})
     kind = tokenizer_meta.get("tokenizer")
     if kind == "gpt2":
-        first = 50257
+        first = GPT2_VOCAB
     elif kind == "char" and isinstance(tokenizer_meta.get("itos"), list):
         first = len(tokenizer_meta["itos"])
     else:
