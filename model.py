@@ -57,6 +57,7 @@ class GPTConfig:
     n_kv_head: int | None = None  # None: n_head; fewer: grouped-query attention (Ainslie et al. 2023), smaller KV cache
     tie_embeddings: bool = True  # False: the head gets its own matrix
     logit_softcap: float | None = None  # c: logits = c * tanh(logits / c), bounded in (-c, c)
+    zero_init_proj: bool = False  # attn.c_proj and mlp.c_proj start at 0: every Block starts as the identity
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -433,7 +434,10 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        # zero_init_proj (modded-nanogpt): the projections start at 0, so every Block adds nothing and the
+        # first steps train an embedding-to-head bigram model; c_fc and c_attn still get gradients
+        # once c_proj has moved off 0 after one step.
+        residual_std = 0.0 if self.config.zero_init_proj else 0.02 / math.sqrt(2 * self.config.n_layer)
         for block in self.transformer.h:
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
