@@ -3,8 +3,10 @@
     python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
-    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling, memory
+    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling,
+                                                       # memory, speedrun (not in the default list: it trains for minutes)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
+    python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
@@ -48,6 +50,17 @@ How each figure is measured:
              process's peak memory and step time for forward + backward with and without activation
              checkpointing (peak measured as in attention). Last, core.memory.gpu_training_memory'
              computed (not measured) table of which GPT-2 fits on which GPU.
+  speedrun   training time to a target val loss (the whole val split, core.evaluate.evaluate_split): nanoGPT's
+             model and plain loop (speedrun_base: GPT-2, its AdamW fused only on CUDA, its cosine schedule)
+             against ours (speedrun_base + speedrun_ours: config/modern.py's model, core.optim's optimizer and
+             schedule). Both read batches as nanoGPT does, from a generator of their own seeded alike. The
+             runs take turns of speedrun_chunk iterations, so that load from other processes hits both, and
+             are scored every speedrun_eval_every iterations, every speedrun_eval_fine once near the target;
+             a run is done at its first score at or below the target. Per run: iterations, tokens, training
+             wall seconds and this process's CPU seconds to the target (evaluation time apart), and the
+             ratio to nanoGPT's, per seed and as the mean over seeds. The default target is nanoGPT's val loss
+             after speedrun_target_iters (SPEEDRUN_TARGETS; measured first when none is recorded, as for the
+             gpt2 preset, which races GPT-2 small's shape on a GPU).
 """
 import contextlib
 import dataclasses

@@ -35,7 +35,7 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attn_backend")
 # The modern-recipe switches (GPTConfig's fields of the same names; README "Modern recipe").
 RECIPE_KEYS = ("pos_embedding", "rope_base", "norm", "qk_norm", "mlp", "n_kv_head", "tie_embeddings", "logit_softcap",
-               "zero_init_proj")
+               "zero_init_proj", "unet_skips")
 
 
 @dataclasses.dataclass
@@ -77,6 +77,7 @@ class TrainConfig:
     tie_embeddings: bool = True
     logit_softcap: float | None = None
     zero_init_proj: bool = False           # attn.c_proj and mlp.c_proj start at zero: each Block starts as the identity
+    unet_skips: bool = False               # the second half of the Blocks also reads the first half's outputs
     optimizer: str = "adamw"               # adamw | muon (Muon for hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02                  # Muon's peak lr; learning_rate stays AdamW's, the schedule scales both
     muon_momentum: float = 0.95
