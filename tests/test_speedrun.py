@@ -168,11 +168,21 @@ def test_speedrun_section_end_to_end_and_its_logs_plot_against_seconds(tmp_path,
     assert png.stat().st_size > 1000
 
 
+def test_gpt2_preset_races_gpt2_smalls_shape():
+    cfg = bench.load_config(["--preset=gpt2", "--sections=speedrun"])
+    r = bench.read_recipe([cfg.speedrun_base, *bench.spec_list(cfg.speedrun_shape)], "test")
+    assert {k: r.model[k] for k in ("n_layer", "n_head", "n_embd", "block_size")} == dict(
+        n_layer=12, n_head=12, n_embd=768, block_size=1024)
+    assert r.block_size == 1024 and r.tokens_per_iter == 16 * 1024
+
+
 @pytest.mark.slow
 def test_speedrun_measures_its_target_when_none_is_recorded(tmp_path, tiny_data):
+    """The gpt2 preset's path (no recorded target: measured first), at a tiny shape on the CPU."""
     with one_thread():
-        result = bench.main(tiny_speedrun(tmp_path, tiny_data, speedrun_target_iters=12, speedrun_seeds="3",
-                                          speedrun_runs="nanogpt", speedrun_eval_every=4))["speedrun"]
+        result = bench.main(tiny_speedrun(tmp_path, tiny_data, preset="gpt2", threads=1, speedrun_target_iters=12,
+                                          speedrun_seeds="3", speedrun_runs="nanogpt",
+                                          speedrun_eval_every=4))["speedrun"]
     assert result["target_source"].startswith("measured now: nanoGPT's loop at 12 iterations, seed 3")
     # the same seed, the same run, scored at 12: nanoGPT reaches its own 12-iteration loss by then
     run = result["seeds"][0]["runs"]["nanogpt"]
