@@ -942,11 +942,22 @@ class Racer:
         return self.reached is not None or self.stopped
 
 
-def eval_due(it: int, last_loss: float | None, target: float, every: int, fine_every: int, margin: float) -> bool:
-    """Evaluate at every `every`-th iteration, and at every `fine_every`-th once the last evaluation came
-    within `margin` of the target: dense where the crossing is, cheap where it is not."""
-    near = last_loss is not None and last_loss <= target + margin
-    return it % every == 0 or (near and it % fine_every == 0)
+def eval_due(it: int, curve: list, target: float, every: int, fine_every: int, margin: float) -> bool:
+    """Evaluate at every `every`-th iteration, and at every `fine_every`-th once near the target: the last
+    evaluation within `margin` of it, or the line through the last two reaching it before the next coarse
+    one. Dense where the crossing is, cheap where it is not."""
+    if it % every == 0:
+        return True
+    if not curve or it % fine_every:
+        return False
+    (i1, l1) = curve[-1][:2]
+    if l1 <= target + margin:
+        return True
+    if len(curve) < 2:
+        return False
+    (i0, l0) = curve[-2][:2]
+    slope = (l1 - l0) / (i1 - i0)  # loss per iteration, negative while it falls
+    return slope < 0 and i1 + (target - l1) / slope < i1 + every
 
 
 def run_chunk(r: Racer, n: int, target: float, every: int, fine_every: int, margin: float,
@@ -967,9 +978,8 @@ def run_chunk(r: Racer, n: int, target: float, every: int, fine_every: int, marg
 
     start, trained = [wall(), cpu()], 0
     while True:
-        last = r.curve[-1] if r.curve else None
-        fresh = last is None or last[0] != r.it  # not evaluated yet at this iteration
-        if fresh and (eval_due(r.it, last and last[1], target, every, fine_every, margin) or r.it == r.max_iters):
+        fresh = not r.curve or r.curve[-1][0] != r.it  # not evaluated yet at this iteration
+        if fresh and (eval_due(r.it, r.curve, target, every, fine_every, margin) or r.it == r.max_iters):
             close_stretch()
             loss = r.evaluate()
             w = wall()

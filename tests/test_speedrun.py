@@ -50,10 +50,14 @@ def scripted(name, clock, losses, trace, max_iters=1000, step_s=(1.0, 0.5), eval
 
 
 def test_eval_due_is_coarse_far_from_the_target_and_fine_near_it():
-    assert bench.eval_due(0, None, 2.0, 100, 20, 0.05)  # the start is always scored
-    assert not bench.eval_due(40, 2.5, 2.0, 100, 20, 0.05)  # far: only every 100
-    assert bench.eval_due(40, 2.04, 2.0, 100, 20, 0.05)  # near: every 20
-    assert not bench.eval_due(50, 2.04, 2.0, 100, 20, 0.05)
+    assert bench.eval_due(0, [], 2.0, 100, 20, 0.05)  # the start is always scored
+    assert not bench.eval_due(40, [[0, 2.5]], 2.0, 100, 20, 0.05)  # far: only every 100
+    assert bench.eval_due(40, [[0, 2.04]], 2.0, 100, 20, 0.05)  # within the margin: every 20
+    assert not bench.eval_due(50, [[0, 2.04]], 2.0, 100, 20, 0.05)
+    # 2.3 -> 2.1 over 100 iterations: the line reaches 2.0 at 250, before the next coarse evaluation at 300
+    assert bench.eval_due(220, [[100, 2.3], [200, 2.1]], 2.0, 100, 20, 0.05)
+    assert not bench.eval_due(220, [[100, 2.5], [200, 2.4]], 2.0, 100, 20, 0.05)  # the line reaches it at 600
+    assert not bench.eval_due(220, [[100, 2.3], [200, 2.4]], 2.0, 100, 20, 0.05)  # rising: no crossing ahead
 
 
 def test_crossing_is_the_first_evaluation_at_or_below_the_target_and_evaluation_time_is_excluded():
