@@ -145,18 +145,26 @@ def test_out_of_memory_at_build_is_one_line(tmp_path, data_dir, monkeypatch):
 
 
 def test_out_of_memory_at_the_first_step_is_one_line(tmp_path, data_dir, monkeypatch):
-    def oom(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    forward = GPT.forward
 
-    monkeypatch.setattr(train, "train_step", oom)
+    def oom(self, *args, **kwargs):  # the first training forward; the eval before it runs as it is
+        if self.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", oom)
     result = run_main(train.main, tiny_argv(tmp_path, data_dir))
     assert_user_error(result, "out of memory on cpu", "Tried to allocate 20.00 GiB", "intact")
 
 
 def test_other_runtime_errors_are_not_hidden(tmp_path, data_dir, monkeypatch):
-    def bug(*args):
-        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    forward = GPT.forward
 
-    monkeypatch.setattr(train, "train_step", bug)
+    def bug(self, *args, **kwargs):
+        if self.training:
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", bug)
     with pytest.raises(RuntimeError, match="mat1"):
         run_main(train.main, tiny_argv(tmp_path, data_dir))

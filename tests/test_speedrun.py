@@ -11,7 +11,6 @@ import torch
 
 import bench
 import plot
-import train
 from core import optim
 from core.errors import UserError
 from tests.helpers import make_char_dataset, one_thread
@@ -108,30 +107,14 @@ def test_summary_means_over_seeds_and_ratios_to_the_first_run():
     assert bench.speedrun_summary(seeds, ["nanogpt", "ours"])["ours"] is None  # a missed seed is no mean
 
 
-def test_recipe_defaults_are_train_configs():
-    tc = train.TrainConfig()
-    for f in dataclasses.fields(bench.Recipe):
-        if f.name != "model":
-            assert getattr(bench.Recipe(), f.name) == getattr(tc, f.name), f.name
-
-
-def test_recipe_reads_config_files_then_key_values_and_its_schedule_is_train_pys():
+def test_recipe_reads_config_files_then_key_values_as_train_py_does():
     r = bench.read_recipe(["config/train_shakespeare_char_cpu.py", "config/modern.py", "lr_schedule=wsd",
-                           "n_layer=2"], "test")
+                           "n_layer=2"], "--speedrun_ours")
     assert (r.batch_size, r.block_size, r.optimizer, r.lr_schedule) == (12, 64, "muon", "wsd")
-    assert r.model["n_layer"] == 2 and r.model["pos_embedding"] == "rope" and "device" not in r.model
-    assert r.tokens_per_iter == 768
-    tc = configlib_train(["config/train_shakespeare_char_cpu.py", "config/modern.py", "--lr_schedule=wsd"])
-    for it in (0, 50, 100, 1000, 1700, 1999, 2500):
-        assert r.lr_scale(it) * r.learning_rate == pytest.approx(train.get_lr(it, tc)), it
-    with pytest.raises(UserError, match="'n_layr' is not a model or training key"):
-        bench.read_recipe(["n_layr=2"], "test")
-
-
-def configlib_train(argv):
-    from core.config import parse_args
-    return parse_args(train.TrainConfig, argv)
-
+    assert r.model_args()["n_layer"] == 2 and r.model_args()["pos_embedding"] == "rope"
+    assert bench.tokens_per_iter(r) == 768
+    with pytest.raises(UserError, match="--speedrun_ours: unknown config key 'n_layr'"):
+        bench.read_recipe(["n_layr=2"], "--speedrun_ours")
 
 @pytest.fixture
 def tiny_data(tmp_path):
@@ -175,9 +158,9 @@ def test_speedrun_section_end_to_end_and_its_logs_plot_against_seconds(tmp_path,
 def test_gpt2_preset_races_gpt2_smalls_shape():
     cfg = bench.load_config(["--preset=gpt2", "--sections=speedrun"])
     r = bench.read_recipe([cfg.speedrun_base, *bench.spec_list(cfg.speedrun_shape)], "test")
-    assert {k: r.model[k] for k in ("n_layer", "n_head", "n_embd", "block_size")} == dict(
+    assert {k: r.model_args()[k] for k in ("n_layer", "n_head", "n_embd", "block_size")} == dict(
         n_layer=12, n_head=12, n_embd=768, block_size=1024)
-    assert r.block_size == 1024 and r.tokens_per_iter == 16 * 1024
+    assert bench.tokens_per_iter(r) == 16 * 1024
 
 
 @pytest.mark.slow
