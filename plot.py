@@ -27,6 +27,8 @@ from typing import Sequence
 from core.config import parse_args
 from core.errors import UserError, run_cli
 
+# --x: the eval records' key of each time axis (bench.py --sections=speedrun --speedrun_log_dir writes both)
+TIMES = {"seconds": "train_s", "cpu_seconds": "train_cpu_s"}
 # Keys that say where or how a run was logged, not what was trained: never a label.
 UNLABELLED = {"out_dir", "wandb_log", "wandb_project", "wandb_run_name", "log_interval", "eval_only",
               "always_save_checkpoint", "checkpoint_interval", "dist_timeout_s", "hellaswag_file"}
@@ -36,14 +38,14 @@ UNLABELLED = {"out_dir", "wandb_log", "wandb_project", "wandb_run_name", "log_in
 class LossPlotConfig:
     out: str | None = None   # the PNG; None: loss.png in the first out_dir
     x: str = "iter"          # iter: iterations below, tokens seen on top; tokens: tokens seen below;
-                             # seconds: training seconds (evals' train_s, which bench.py's speedrun logs)
+                             # seconds / cpu_seconds: training wall / CPU seconds (bench.py's speedrun logs them)
     target: float | None = None  # a val loss to mark with a horizontal line
     title: str | None = None
     ymax: float | None = None  # clip the loss axis (the first iterations' loss can dwarf the rest)
 
     def validate(self) -> None:
-        if self.x not in ("iter", "tokens", "seconds"):
-            raise UserError(f"x must be 'iter', 'tokens' or 'seconds', got '{self.x}'")
+        if self.x not in ("iter", "tokens", *TIMES):
+            raise UserError(f"x must be 'iter', 'tokens', 'seconds' or 'cpu_seconds', got '{self.x}'")
 
 
 @dataclasses.dataclass
@@ -138,8 +140,8 @@ def run_labels(runs: list[RunLog]) -> list[str]:
 def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, ymax: float | None = None,
                 target: float | None = None):
     """The figure: loss (top), HellaSwag acc_norm if a run logged it (train.py --hellaswag_file), and the
-    learning rate (bottom) of every run, against iterations, tokens, or training seconds (x="seconds":
-    evaluations only, at each one's train_s)."""
+    learning rate (bottom) of every run, against iterations, tokens, or training seconds (x="seconds" or
+    "cpu_seconds": evaluations only, at each one's train_s or train_cpu_s)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
@@ -155,18 +157,18 @@ def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, y
     if x == "tokens" and None in tpis:
         raise UserError(f"--x=tokens needs batch_size, block_size and gradient_accumulation_steps in each run's "
                         f"config.json; {runs[tpis.index(None)].out_dir} has none")
-    untimed = [r.out_dir for r in runs if x == "seconds" and not all("train_s" in e for e in r.evals.values())]
-    if untimed or (x == "seconds" and not all(r.evals for r in runs)):
-        raise UserError(f"--x=seconds needs train_s in every eval record (bench.py --sections=speedrun "
-                        f"--speedrun_log_dir writes it); {(untimed or [runs[0].out_dir])[0]} has none")
+    key = TIMES.get(x)
+    untimed = [r.out_dir for r in runs if key and not (r.evals and all(key in e for e in r.evals.values()))]
+    if untimed:
+        raise UserError(f"--x={x} needs {key} in every eval record (bench.py --sections=speedrun "
+                        f"--speedrun_log_dir writes it); {untimed[0]} has none")
     for i, (run, label) in enumerate(zip(runs, run_labels(runs))):
         color = f"C{i}"
         scale = run.tokens_per_iter if x == "tokens" else 1
         step_it, evals = list(run.steps), list(run.evals)
-        if x == "seconds":  # the x of an evaluation is its training time so far; steps carry none
+        if key:  # the x of an evaluation is its training time so far; steps carry none
             step_it, scale = [], 1
-            evals_x = {s: run.evals[s]["train_s"] for s in evals}
-            run = dataclasses.replace(run, evals={evals_x[s]: e for s, e in run.evals.items()})
+            run = dataclasses.replace(run, evals={e[key]: e for e in run.evals.values()})
             evals = list(run.evals)
         if step_it:
             ax.plot([s * scale for s in step_it], [run.steps[s]["loss"] for s in step_it], color=color, lw=0.8,
@@ -183,7 +185,7 @@ def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, y
             hs = [s for s in evals if "hellaswag_acc_norm" in run.evals[s]]
             axes[1].plot([s * scale for s in hs], [run.evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
                          lw=1.5, marker="o", ms=3)
-        lr = run.evals if x == "seconds" else run.steps or run.evals
+        lr = run.evals if key else run.steps or run.evals
         ax_lr.plot([s * scale for s in lr], [lr[s]["lr"] for s in lr], color=color, lw=1.2)
     ax.set_ylabel("loss (cross-entropy, nats/token)")
     if target is not None:
@@ -206,7 +208,8 @@ def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, y
     ax_lr.set_ylabel("learning rate")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     ax_lr.grid(alpha=0.3)
-    ax_lr.set_xlabel({"tokens": "tokens seen", "seconds": "training seconds (evaluation excluded)"}.get(x, "iteration"))
+    ax_lr.set_xlabel({"tokens": "tokens seen", "seconds": "training seconds (evaluation excluded)",
+                      "cpu_seconds": "training CPU seconds of the process (evaluation excluded)"}.get(x, "iteration"))
     if x == "tokens":
         ax_lr.xaxis.set_major_formatter(EngFormatter())
     elif x == "iter" and len(set(tpis)) == 1 and tpis[0]:

@@ -151,7 +151,7 @@ def test_speedrun_section_end_to_end_and_its_logs_plot_against_seconds(tmp_path,
     logs = [tmp_path / "logs" / "1" / name for name in ("nanogpt", "ours")]
     runs = [plot.read_log(d) for d in logs]
     assert list(runs[0].evals) == [c[0] for c in result["seeds"][0]["runs"]["nanogpt"]["curve"]]
-    png = plot.loss_main([*map(str, logs), "--x=seconds", "--target=3.0", f"--out={tmp_path / 'speedrun.png'}"])
+    png = plot.loss_main([*map(str, logs), "--x=cpu_seconds", "--target=3.0", f"--out={tmp_path / 'speedrun.png'}"])
     assert png.stat().st_size > 1000
 
 
@@ -192,3 +192,19 @@ def test_wsd_holds_the_peak_then_falls_linearly_to_min_lr():
     assert steps == pytest.approx([0.045] * 20)
     cosine = [optim.lr_at(it, 1.0, 0.1, 10, 100) for it in range(110)]
     assert cosine[55] == pytest.approx(0.55) and cosine[20] < 1.0  # the default stays nanoGPT's cosine
+
+
+def test_plot_draws_speedrun_logs_against_training_seconds_and_refuses_logs_without_them(tmp_path):
+    run = tmp_path / "ours"
+    run.mkdir()
+    records = [{"iter": i, "val_loss": 4.0 - i / 100, "train_s": 2.0 * i, "train_cpu_s": 0.5 * i, "lr": 1e-3}
+               for i in (0, 50, 100)]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for x, key in (("seconds", "train_s"), ("cpu_seconds", "train_cpu_s")):
+        fig = plot.plot_losses([plot.read_log(run)], x=x, target=3.5)
+        val = [line for line in fig.axes[0].lines if line.get_marker() == "o"][0]
+        assert list(val.get_xdata()) == [r[key] for r in records] and list(val.get_ydata()) == [4.0, 3.5, 3.0]
+        assert 3.5 in [line.get_ydata()[0] for line in fig.axes[0].lines if line.get_linestyle() == ":"]
+    (run / "log.jsonl").write_text(json.dumps({"iter": 0, "val_loss": 4.0, "train_loss": 4.0, "lr": 1e-3}) + "\n")
+    with pytest.raises(UserError, match="--x=cpu_seconds needs train_cpu_s in every eval record"):
+        plot.plot_losses([plot.read_log(run)], x="cpu_seconds")
