@@ -901,7 +901,7 @@ class Racer:
 def eval_due(it: int, curve: list, target: float, every: int, fine_every: int, margin: float) -> bool:
     """Evaluate at every `every`-th iteration, and at every `fine_every`-th once near the target: the last
     evaluation within `margin` of it, or the line through the last two reaching it before the next coarse
-    one. Dense where the crossing is, cheap where it is not."""
+    one (from the second evaluation after the start on). Dense where the crossing is, cheap elsewhere."""
     if it % every == 0:
         return True
     if not curve or it % fine_every:
@@ -909,7 +909,7 @@ def eval_due(it: int, curve: list, target: float, every: int, fine_every: int, m
     (i1, l1) = curve[-1][:2]
     if l1 <= target + margin:
         return True
-    if len(curve) < 2:
+    if len(curve) < 2 or curve[-2][0] == 0:  # the untrained model's loss is far off the curve's line
         return False
     (i0, l0) = curve[-2][:2]
     slope = (l1 - l0) / (i1 - i0)  # loss per iteration, negative while it falls

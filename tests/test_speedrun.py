@@ -57,6 +57,7 @@ def test_eval_due_is_coarse_far_from_the_target_and_fine_near_it():
     assert bench.eval_due(220, [[100, 2.3], [200, 2.1]], 2.0, 100, 20, 0.05)
     assert not bench.eval_due(220, [[100, 2.5], [200, 2.4]], 2.0, 100, 20, 0.05)  # the line reaches it at 600
     assert not bench.eval_due(220, [[100, 2.3], [200, 2.4]], 2.0, 100, 20, 0.05)  # rising: no crossing ahead
+    assert not bench.eval_due(120, [[0, 4.2], [100, 2.3]], 2.0, 100, 20, 0.05)  # not from the untrained start
 
 
 def test_crossing_is_the_first_evaluation_at_or_below_the_target_and_evaluation_time_is_excluded():
