@@ -96,10 +96,9 @@ from model import GPT, GPT2_SHAPES, GPTConfig, scaled_dot_product_attention, win
 
 SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory", "speedrun")
 OOM = "OOM"  # a figure that did not fit in device memory
-# THREADS: one torch thread by default. On the shared 2-core machines this project runs on, two OpenMP
-# threads spin-wait for each other whenever another process holds a core: the default CPU run took
-# 313 s with 2 threads against 180 s with 1 (load average ~3, 2026-11-29), and its figures jumped around
-# (no-cache decoding 616 ms/token at context 64 but 251 ms at 128). On a machine of your own, --threads=0.
+# THREADS: one torch thread by default. On a shared 2-core machine two OpenMP threads spin-wait for each
+# other whenever another process holds a core, which makes the figures slower and erratic (docs/performance.md).
+# On a machine of your own, --threads=0.
 DEFAULT_CORPUS = "../shared/data/tinyshakespeare.txt"
 TRAIN_PY = Path(__file__).resolve().parent / "train.py"
 GENERATED_CHARS = 1_000_000  # the stand-in corpus when DEFAULT_CORPUS is absent: about Tiny Shakespeare's size
@@ -542,9 +541,9 @@ def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         def ours(n: int) -> float:
             """ms per step of train.py's steps after `warm` untimed ones, from its log.jsonl."""
             out = Path(tmp) / "out"
-            argv = [f"--{k}={v}" for k, v in overrides.items()] + [
-                f"--max_iters={warm + n}", "--log_interval=1", f"--eval_interval={warm + n + 1}", "--eval_iters=1",
-                "--compile=False", f"--seed={cfg.seed}"]
+            run = overrides | dict(max_iters=warm + n, log_interval=1, eval_interval=warm + n + 1, eval_iters=1,
+                                   compile=False, seed=cfg.seed)
+            argv = [f"--{k}={v}" for k, v in run.items()]
             env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads()),
                                 "MKL_NUM_THREADS": str(torch.get_num_threads())}
             done = subprocess.run([sys.executable, str(TRAIN_PY), cfg.loop_config, *argv], env=env,

@@ -29,8 +29,8 @@ import train
 from core import checkpoint, runlog
 from core.checkpoint import load_checkpoint
 from core.errors import UserError
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, child_pids, flip_a_weight_bit,
-                           losses, make_char_dataset, process_env, run_main, spy_optimizer_steps, train_tiny)
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
+                           flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
@@ -80,11 +80,7 @@ def temp_files(out_dir, pid: int | None = None, prefix: str = ".") -> list[str]:
     return [n for n in names if n.startswith(prefix) and ".tmp-" in n and (pid is None or n.endswith(f".tmp-{pid}"))]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 # --- SIGKILL -----------------------------------------------------------------------------------

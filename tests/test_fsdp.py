@@ -29,8 +29,8 @@ import bench
 from core import checkpoint, parallel
 from core.errors import UserError
 from model import GPT, GPTConfig
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, child_pids, losses,
-                           make_char_dataset, run_main, run_scripts, train_tiny)
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
+                           losses, make_char_dataset, run_main, run_scripts, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -56,11 +56,7 @@ def checked(results) -> list[subprocess.CompletedProcess]:
     return results
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.checkpoint import load_checkpoint
-from tests.helpers import losses, make_char_dataset, records, run_script
+from tests.helpers import char_data_fixture, losses, records, run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -23,11 +23,7 @@ GPU_TRAIN = dict(n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=32, 
                  eval_interval=40, eval_iters=4, log_interval=1, dropout=0.0, device="cuda")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 def train(out_dir, data_dir, timeout=600, **cfg):

@@ -23,7 +23,7 @@ from core import checkpoint, evaluate, memory, runtime
 from core.data import TokenData
 from core.tokenizer import CharTokenizer
 from model import GPTConfig
-from tests.helpers import assert_user_error, losses, make_char_dataset, records, run_main, run_scripts, train_tiny
+from tests.helpers import assert_user_error, char_data_fixture, losses, records, run_main, run_scripts, train_tiny
 
 TEXT = "the cat sat on the mat. the dog ate the bone. a bird sang in the tree. " * 30
 HELLASWAG = [  # 5 examples: 2 ranks score 3 + 2, one of them a spare it must not count
@@ -52,11 +52,7 @@ def evals(out_dir) -> dict[int, dict]:
     return {r["iter"]: r for r in records(out_dir) if "val_loss" in r}
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 # -----------------------------------------------------------------------------

@@ -18,18 +18,14 @@ import train
 from core import runtime
 from core.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
-from tests.helpers import TINY_TRAIN, make_char_dataset, one_thread, records, train_tiny
+from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, train_tiny
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 BF16 = runtime.Runtime("cpu", "cpu", "bfloat16")
 FP16 = runtime.Runtime("cpu", "cpu", "float16")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 def run_train(rt, out_dir, data_dir, **overrides):

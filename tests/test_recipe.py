@@ -17,7 +17,7 @@ from core import config as configlib, optim, runtime
 from core.checkpoint import load_checkpoint, load_model
 from core.errors import UserError
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
-from tests.helpers import TINY_TRAIN, assert_user_error, make_char_dataset, run_script, train_tiny
+from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, run_script, train_tiny
 
 ALL = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", n_kv_head=1, tie_embeddings=False,
            logit_softcap=5.0)
@@ -60,11 +60,7 @@ def idx_of(B, T, seed=1):
     return torch.randint(0, 29, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 # --- the model checks, for every switch alone and all together ------------------------------

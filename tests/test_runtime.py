@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from core import flops, runtime
 from core.errors import UserError
-from tests.helpers import ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, make_char_dataset
+from tests.helpers import ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, char_data_fixture
 
 SM = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 
@@ -230,11 +230,7 @@ def finish(job: subprocess.Popen, timeout: float) -> None:
             job.wait()
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 @pytest.mark.slow
