@@ -90,6 +90,32 @@ class GPT2Tokenizer:
         return {"tokenizer": "gpt2", "vocab_size": self.vocab_size, "eot_token": self.eot_token}
 
 
+class StreamDecoder:
+    """Turn token ids, fed one at a time, into text that can be printed as it comes.
+
+    A byte-level BPE token can end inside a multi-byte UTF-8 character (an emoji is often two or
+    three tokens), and decoding it alone gives U+FFFD. Ids are held back while their text ends in
+    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids).
+    """
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        self.pending.append(token)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd"):
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
 def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     kind = meta.get("tokenizer")
     if kind == "char":
