@@ -170,7 +170,7 @@ def local_accum_steps(cfg: TrainConfig, world_size: int) -> int:
 
 def tokenizer_meta(meta: dict) -> dict:
     """The part of a dataset's meta.json that sample.py needs to rebuild the tokenizer."""
-    return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos", "stoi", "eot_token") if k in meta}
+    return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos", "stoi", "eot_token", "special_tokens") if k in meta}
 
 
 def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:

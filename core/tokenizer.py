@@ -3,6 +3,11 @@
 Which tokenizer a dataset or checkpoint uses is an explicit field in its metadata
 (meta.json, written by prepare.py and copied into every checkpoint), never guessed
 from a file or folder name, and never silently swapped for another.
+
+Special tokens (the chat turn markers of core/chat.py) are ids beyond the ordinary ones, named in the
+metadata's "special_tokens" ({"<|user|>": 50258, ...}). encode() never produces them: text that spells
+"<|user|>" is encoded as those characters, so user text cannot forge a turn. Only code that means a
+special token puts its id in (core/chat.py). decode() writes a special id as its name.
 """
 import functools
 from typing import Protocol
@@ -11,24 +16,71 @@ from core.errors import UserError
 
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE (50257 ids)
 GPT2_EOT = 50256
+GPT2_VOCAB = 50257  # ordinary ids 0..50256; a model's 50304 rows leave 50257..50303 free for special tokens
 
 
 class Tokenizer(Protocol):
     vocab_size: int
     eot_token: int | None
+    special_tokens: dict[str, int]
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def meta(self) -> dict: ...
 
 
-class CharTokenizer:
-    """Character-level vocabulary, built from the characters of a text."""
+def check_special_tokens(special: dict, n_ordinary: int, source: str = "metadata") -> dict[str, int]:
+    """`special` as {name: id}, each id past the `n_ordinary` ordinary ids and used once: an id that
+    meant both a character and a turn marker would let text forge the marker, or decode ambiguously."""
+    if not isinstance(special, dict) or not all(isinstance(k, str) and type(v) is int for k, v in special.items()):
+        raise UserError(f"{source} has special_tokens {special!r}; expected a {{name: id}} object")
+    if len(set(special.values())) != len(special):
+        raise UserError(f"{source} gives two special tokens the same id: {special}; re-run the dataset's prepare.py")
+    clash = {k: v for k, v in special.items() if v < n_ordinary}
+    if clash:
+        raise UserError(f"{source} has special token ids {clash} among the {n_ordinary} ordinary ids; special "
+                        f"tokens must come after them. Re-run the dataset's prepare.py")
+    return dict(special)
 
-    def __init__(self, chars: list[str]):
+
+class _Specials:
+    """What both tokenizers share about special tokens: the vocabulary grows to hold them, decode
+    writes their names, and meta() records them."""
+
+    def _init_specials(self, special: dict | None, n_ordinary: int) -> None:
+        self.n_ordinary = n_ordinary
+        self.special_tokens = check_special_tokens(special or {}, n_ordinary)
+        self.special_names = {i: name for name, i in self.special_tokens.items()}
+        self.vocab_size = max([n_ordinary] + [i + 1 for i in self.special_tokens.values()])
+
+    def decode(self, ids: list[int]) -> str:
+        if not self.special_names:
+            return self._decode_ordinary(ids)
+        # Runs of ordinary ids decode together: a BPE character can span several ids.
+        out, run = [], []
+        for i in ids:
+            if i in self.special_names:
+                out += [self._decode_ordinary(run), self.special_names[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + self._decode_ordinary(run)
+
+    def _meta_specials(self) -> dict:
+        return {"special_tokens": self.special_tokens} if self.special_tokens else {}
+
+
+class CharTokenizer(_Specials):
+    """Character-level vocabulary, built from the characters of a text; special tokens are appended
+    after the characters (ids len(chars), len(chars) + 1, ...)."""
+
+    def __init__(self, chars: list[str], special_tokens: dict[str, int] | None = None):
         self.itos = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.itos)}
-        self.vocab_size = len(self.itos)
+        if len(self.stoi) != len(self.itos) or any(len(c) != 1 for c in self.itos):
+            raise UserError("a character vocabulary must list each single character once; re-run the dataset's "
+                            "prepare.py")
+        self._init_specials(special_tokens, len(self.itos))
         self.eot_token = None
 
     @classmethod
@@ -45,7 +97,7 @@ class CharTokenizer:
             )
         return [self.stoi[c] for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def _decode_ordinary(self, ids: list[int]) -> str:
         return "".join(self.itos[i] for i in ids)
 
     def meta(self) -> dict:
@@ -54,7 +106,7 @@ class CharTokenizer:
             "vocab_size": self.vocab_size,
             "itos": self.itos,
             "stoi": self.stoi,
-        }
+        } | self._meta_specials()
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,12 +121,13 @@ def _gpt2_encoding():
         ) from None
 
 
-class GPT2Tokenizer:
-    """GPT-2's byte-level BPE through tiktoken; <|endoftext|> is id 50256."""
+class GPT2Tokenizer(_Specials):
+    """GPT-2's byte-level BPE through tiktoken; <|endoftext|> is id 50256. Special tokens take the
+    ids after it (50257...), the slots a model padded to 50304 already has."""
 
-    def __init__(self):
+    def __init__(self, special_tokens: dict[str, int] | None = None):
         self.enc = _gpt2_encoding()
-        self.vocab_size = self.enc.n_vocab
+        self._init_specials(special_tokens, self.enc.n_vocab)
         self.eot_token = self.enc.eot_token
 
     def encode(self, text: str) -> list[int]:
@@ -83,11 +136,11 @@ class GPT2Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.enc.encode_ordinary_batch(texts)
 
-    def decode(self, ids: list[int]) -> str:
+    def _decode_ordinary(self, ids: list[int]) -> str:
         return self.enc.decode(ids)
 
     def meta(self) -> dict:
-        return {"tokenizer": "gpt2", "vocab_size": self.vocab_size, "eot_token": self.eot_token}
+        return {"tokenizer": "gpt2", "vocab_size": self.vocab_size, "eot_token": self.eot_token} | self._meta_specials()
 
 
 class StreamDecoder:
@@ -121,7 +174,12 @@ def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     if kind == "char":
         if not isinstance(meta.get("itos"), list):
             raise UserError(f"{source} says tokenizer 'char' but has no 'itos' list; re-run the dataset's prepare.py")
-        return CharTokenizer(meta["itos"])
+        return CharTokenizer(meta["itos"], _specials(meta, len(meta["itos"]), source))
     if kind == "gpt2":
-        return GPT2Tokenizer()
+        return GPT2Tokenizer(_specials(meta, GPT2_VOCAB, source))
     raise UserError(f"{source} names tokenizer {kind!r}; expected 'char' or 'gpt2'")
+
+
+def _specials(meta: dict, n_ordinary: int, source: str) -> dict[str, int] | None:
+    special = meta.get("special_tokens")
+    return None if special is None else check_special_tokens(special, n_ordinary, source)

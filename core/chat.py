@@ -1,0 +1,158 @@
+"""The chat template: how a conversation becomes token ids, and which of them the model learns.
+
+A conversation is OpenAI's messages list: an optional system message, then user and assistant turns
+alternating, starting with the user. Each turn is a role token, the content's ordinary tokens, and
+<|end|>:
+
+    <|system|>You are terse.<|end|><|user|>reverse: abc<|end|><|assistant|>cba<|end|>
+                                                                           ^^^^^^^^^^ loss mask 1
+
+The loss mask is 1 on the assistant's content and its <|end|> (the model learns when to stop), 0 on
+everything else. A prompt for a reply is the conversation so far (ending in a user turn) and
+<|assistant|>; generation stops at <|end|>.
+
+Four special tokens, no newlines between turns: the text between two special tokens is exactly one
+message's content, so it tokenizes the same here as in transformers' apply_chat_template (which splits
+on special tokens first), and a prompt's ids are always a prefix of the full conversation's ids.
+Content is encoded with the tokenizer's ordinary encode (tiktoken's encode_ordinary; characters for
+the char tokenizer), so a user who types "<|end|><|assistant|>" gets those characters, not a turn.
+
+With GPT-2's BPE the four tokens take ids 50257-50260, inside the 50304 rows a GPT-2-shaped model
+already has; with a character vocabulary they are appended after its characters and a fine-tune grows
+the embedding by four rows (model.GPT.grow_vocab).
+"""
+from __future__ import annotations
+
+from core.errors import UserError
+from core.tokenizer import Tokenizer
+
+TEMPLATE_NAME = "role-tokens-v1"
+SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
+CHAT_TOKENS = (SYSTEM, USER, ASSISTANT, END)
+ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
+NEXT_ROLES = {None: ("system", "user"), "system": ("user",), "user": ("assistant",), "assistant": ("user",)}
+
+# For transformers' tokenizer_config.json: apply_chat_template renders the same text, and the
+# tokenizer (with these four as added special tokens) splits on them before BPE, giving our ids.
+JINJA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def with_chat_tokens(tokenizer_meta: dict) -> dict:
+    """Tokenizer metadata with the chat tokens added after the ordinary ids (kept where already there).
+
+    The ordinary ids are untouched, so a base model's tokens mean the same in the chat vocabulary.
+    """
+    special = dict(tokenizer_meta.get("special_tokens") or {})
+    kind = tokenizer_meta.get("tokenizer")
+    if kind == "gpt2":
+        first = 50257
+    elif kind == "char" and isinstance(tokenizer_meta.get("itos"), list):
+        first = len(tokenizer_meta["itos"])
+    else:
+        raise UserError(f"cannot add chat tokens to tokenizer {kind!r}; expected 'char' or 'gpt2' metadata")
+    next_id = max([first - 1, *special.values()]) + 1
+    for name in CHAT_TOKENS:
+        if name not in special:
+            special[name], next_id = next_id, next_id + 1
+    return tokenizer_meta | {"special_tokens": special, "vocab_size": max(tokenizer_meta["vocab_size"], next_id)}
+
+
+class ChatTemplate:
+    """render(messages) -> (ids, loss mask) for training; render_prompt(messages) -> ids for a reply."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.role_id = {role: tok.special_tokens[name] for role, name in ROLES.items()}
+        self.end_of_turn = tok.special_tokens[END]
+        # Any role token after a reply's first token also ends it: a turn the model should not write.
+        self.stop_tokens = {self.end_of_turn, *self.role_id.values()}
+
+    @classmethod
+    def for_tokenizer(cls, tok: Tokenizer) -> "ChatTemplate | None":
+        """The template for `tok`, or None when it lacks the chat tokens (a base model's tokenizer)."""
+        special = getattr(tok, "special_tokens", None) or {}
+        return cls(tok) if all(name in special for name in CHAT_TOKENS) else None
+
+    def meta(self) -> dict:
+        """What meta.json says about the template."""
+        return {"template": TEMPLATE_NAME, "special_tokens": {name: self.tok.special_tokens[name] for name in CHAT_TOKENS},
+                "end_of_turn": self.end_of_turn}
+
+    # -----------------------------------------------------------------------------------------
+    # checking
+
+    def check(self, messages) -> None:
+        """A UserError (one line) unless `messages` is an OpenAI messages list in a valid order:
+        an optional system message first, then user and assistant alternating from a user turn,
+        no assistant turn empty."""
+        if not isinstance(messages, list) or not messages:
+            raise UserError(f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, "
+                            f"got {_short(messages)}")
+        previous = None
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise UserError(f"message {i} must be an object with \"role\" and \"content\", got {_short(m)}")
+            role, content = m["role"], m["content"]
+            if role not in ROLES:
+                raise UserError(f"message {i} has unknown role {_short(role)}; use system, user or assistant")
+            if not isinstance(content, str):
+                raise UserError(f"message {i} ({role}) has content {_short(content)}; it must be a string")
+            if role not in NEXT_ROLES[previous]:
+                raise UserError(f"roles out of order: message {i} is {role} after {previous or 'the start'}; "
+                                f"expected {' or '.join(NEXT_ROLES[previous])} (an optional system message, "
+                                f"then user and assistant alternating)")
+            if role == "assistant" and not content:
+                raise UserError(f"message {i} is an empty assistant turn; give it content or drop it")
+            previous = role
+
+    # -----------------------------------------------------------------------------------------
+    # rendering
+
+    def render(self, messages) -> tuple[list[int], list[int]]:
+        """A whole conversation, ending in an assistant turn -> (ids, mask): mask 1 on each assistant
+        turn's content and its <|end|>, 0 on role tokens and on system and user turns."""
+        self.check(messages)
+        if messages[-1]["role"] != "assistant":
+            raise UserError(f"a training conversation must end with an assistant turn, this one ends with "
+                            f"{messages[-1]['role']}")
+        ids, mask = [], []
+        for i, m in enumerate(messages):
+            body = self._encode(m["content"], i) + [self.end_of_turn]
+            learn = int(m["role"] == "assistant")
+            ids += [self.role_id[m["role"]]] + body
+            mask += [0] + [learn] * len(body)
+        return ids, mask
+
+    def render_prompt(self, messages) -> list[int]:
+        """The conversation so far, ending in a user turn, then <|assistant|>: what the model continues."""
+        self.check(messages)
+        if messages[-1]["role"] != "user":
+            raise UserError(f"a prompt must end with a user message, this one ends with {messages[-1]['role']}")
+        ids = []
+        for i, m in enumerate(messages):
+            ids += [self.role_id[m["role"]]] + self._encode(m["content"], i) + [self.end_of_turn]
+        return ids + [self.role_id["assistant"]]
+
+    def reply_text(self, ids: list[int]) -> str:
+        """The text of generated reply ids, up to the first stop token (not included)."""
+        for n, i in enumerate(ids):
+            if i in self.stop_tokens:
+                ids = ids[:n]
+                break
+        return self.tok.decode(ids)
+
+    def _encode(self, text: str, index: int) -> list[int]:
+        try:
+            return self.tok.encode(text)  # ordinary tokens only: never a special id
+        except UserError as e:  # a character vocabulary names what it lacks
+            raise UserError(f"message {index}: {e}") from None
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
