@@ -23,6 +23,7 @@ import json
 import os
 import queue
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Any, AsyncIterator, Sequence
 import torch
 
 from core import checkpoint, runtime
+from core.chat import ChatTemplate
 from core.config import parse_args
 from core.errors import UserError, first_line, run_cli
 from core.tokenizer import GPT2Tokenizer, StreamDecoder, Tokenizer, tokenizer_from_meta
@@ -99,11 +101,6 @@ def load_model(init_from: str, out_dir: str) -> tuple[GPT, Tokenizer, str]:
     return model, tok, f"{path} (iter {meta.get('iter_num')})"
 
 
-def chat_template(tok: Tokenizer):
-    """The tokenizer's chat template, or None for a base model (plain completion only)."""
-    return None
-
-
 # -----------------------------------------------------------------------------
 # the engine: one worker thread decoding every running request in turn
 
@@ -160,6 +157,7 @@ class Engine:
         self.stopping.set()
 
     def submit(self, prompt: list[int], n: int, s: Sampling, eot: int | None) -> Job:
+        """Queue n rows continuing prompt; generate_stream ends them early once each has produced eot."""
         idx = torch.tensor([prompt] * n, dtype=torch.long, device=self.device)  # (n, T)
         generator = torch.Generator(device=self.device).manual_seed(s.seed)
         tokens = self.model.generate_stream(idx, s.max_tokens, s.temperature, s.top_k, s.top_p, generator=generator,
@@ -207,8 +205,8 @@ class Engine:
 class Row:
     """One choice's text as its ids arrive: only whole UTF-8 characters, cut at a stop string."""
 
-    def __init__(self, tok: Tokenizer, stops: list[str], eot: int | None, max_tokens: int):
-        self.decoder, self.stops, self.eot, self.max_tokens = StreamDecoder(tok), stops, eot, max_tokens
+    def __init__(self, tok: Tokenizer, stops: list[str], stop_ids: set[int], max_tokens: int):
+        self.decoder, self.stops, self.stop_ids, self.max_tokens = StreamDecoder(tok), stops, stop_ids, max_tokens
         self.text, self.sent, self.tokens = "", 0, 0
         self.finish: str | None = None
 
@@ -217,7 +215,7 @@ class Row:
         if self.finish:
             return ""
         self.tokens += 1
-        if token == self.eot:
+        if token in self.stop_ids:  # <|endoftext|>, or the end of a chat turn
             self.finish = "stop"
         else:
             self.text += self.decoder.push(token)
@@ -240,10 +238,10 @@ class Row:
 
 
 def generate(engine: Engine, tok: Tokenizer, prompt: list[int], n: int, s: Sampling, stops: list[str],
-             eot: int | None) -> tuple[list[Row], AsyncIterator[tuple[int, str]]]:
+             stop_ids: set[int], eot: int | None) -> tuple[list[Row], AsyncIterator[tuple[int, str]]]:
     """Queue the prompt's n rows now; return them and an iterator of (row index, new text) as they grow.
     A row's last piece comes when its finish reason is set (the piece may be empty)."""
-    rows = [Row(tok, stops, eot, s.max_tokens) for _ in range(n)]
+    rows = [Row(tok, stops, stop_ids, s.max_tokens) for _ in range(n)]
     job = engine.submit(prompt, n, s, eot)
 
     async def pieces():
@@ -301,7 +299,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
 
     block_size = model.config.block_size
     engine = Engine(model, device, min(cfg.window_shift or max(1, block_size // 2), block_size), tok.vocab_size)
-    template = chat_template(tok)
+    template = ChatTemplate.for_tokenizer(tok)
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     created = int(time.time())
 
@@ -327,8 +325,9 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
             return JSONResponse(error_body(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}"),
                                 status_code=400)
         loc = [str(part) for part in err["loc"] if part != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {err['msg']}" if param else f"the body: {err['msg']}"
+        param = loc[0] if loc else None  # the request's field; deeper parts name union members or list items
+        got = json.dumps(err.get("input"))[:80] if err["type"] != "missing" else "nothing"
+        message = f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}"
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(HTTPException)
@@ -390,18 +389,24 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     class CompletionRequest(Common):
         prompt: str | list[str] | list[int] | list[list[int]]
 
-    class Message(BaseModel):
-        model_config = ConfigDict(strict=True, extra="ignore")
-        role: str
-        content: str
-
     class ChatRequest(Common):
-        messages: list[Message]
+        messages: list[dict[str, Any]]  # checked by the template, whose errors name the message
 
-    def sampling(req: Common, default_max: int) -> tuple[Sampling, list[str]]:
+    def messages_of(req: ChatRequest) -> list[dict]:
+        """{role, content} dicts; content given as OpenAI's list of text parts is joined into one string."""
+        def text(content):
+            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                return "".join(str(p.get("text", "")) for p in content)
+            return content
+        return [{"role": m.get("role"), "content": text(m.get("content"))} if "content" in m else m
+                for m in req.messages]
+
+    def check_model(req: Common) -> None:
         if req.model != name:
             raise APIError(400, f"model '{req.model}' is not served here; this server serves '{name}' "
                                 f"(GET /v1/models)", "model", "model_not_found")
+
+    def sampling(req: Common, default_max: int) -> tuple[Sampling, list[str]]:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = default_max if max_tokens is None else max_tokens
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
@@ -464,10 +469,10 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def pieces(prompts: list[list[int]], n: int, s: Sampling, stops: list[str], eot: int | None,
-                     rows: list[Row]) -> AsyncIterator[tuple[int, str, Row]]:
+    async def pieces(prompts: list[list[int]], n: int, s: Sampling, stops: list[str], stop_ids: set[int],
+                     eot: int | None, rows: list[Row]) -> AsyncIterator[tuple[int, str, Row]]:
         """Every prompt's n rows, all queued at once: (choice index, new text, its row); rows fills up."""
-        started = [generate(engine, tok, p, n, s, stops, eot) for p in prompts]
+        started = [generate(engine, tok, p, n, s, stops, stop_ids, eot) for p in prompts]
         try:
             for k, (its_rows, its_pieces) in enumerate(started):
                 rows += its_rows
@@ -477,7 +482,8 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
             for _, its_pieces in started:
                 await its_pieces.aclose()
 
-    def reply(req: Common, prompts: list[list[int]], s: Sampling, stops: list[str], eot: int | None, chat: bool):
+    def reply(req: Common, prompts: list[list[int]], s: Sampling, stops: list[str], stop_ids: set[int],
+              eot: int | None, chat: bool):
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         prompt_tokens = sum(map(len, prompts))
@@ -496,7 +502,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
         if not req.stream:
             async def whole() -> dict:
                 rows: list[Row] = []
-                async for _ in pieces(prompts, req.n, s, stops, eot, rows):
+                async for _ in pieces(prompts, req.n, s, stops, stop_ids, eot, rows):
                     pass
                 if chat:
                     choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
@@ -514,7 +520,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
                 if chat:  # OpenAI's first chunk of each choice names the role
                     for i in range(len(prompts) * req.n):
                         yield sse(chunk([choice(i, "", None, first=True)]))
-                async for i, piece, row in pieces(prompts, req.n, s, stops, eot, rows):
+                async for i, piece, row in pieces(prompts, req.n, s, stops, stop_ids, eot, rows):
                     yield sse(chunk([choice(i, piece, row.finish)]))
                 if include_usage:
                     yield sse(chunk([], usage=usage(prompt_tokens, sum(r.tokens for r in rows))))
@@ -547,23 +553,26 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(req: CompletionRequest):
+        check_model(req)
         s, stops = sampling(req, default_max=16)  # OpenAI's default for completions
         prompts = prompts_of(req)
-        result = reply(req, prompts, s, stops, tok.eot_token, chat=False)
+        eot = tok.eot_token
+        result = reply(req, prompts, s, stops, set() if eot is None else {eot}, eot, chat=False)
         return result if isinstance(result, StreamingResponse) else await result
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(req: ChatRequest):
+        check_model(req)
         if template is None:
             raise APIError(400, f"model '{name}' has no chat template (a base model, its tokenizer has no chat "
                                 f"tokens); use /v1/completions", "messages", "no_chat_template")
         try:
-            template.check([m.model_dump() for m in req.messages])
+            prompt = template.render_prompt(messages_of(req))
         except UserError as e:
             raise APIError(400, str(e), "messages") from None
-        prompt = check_length(template.render_prompt([m.model_dump() for m in req.messages]), "messages")
+        prompt = check_length(prompt, "messages")
         s, stops = sampling(req, default_max=max(1, min(cfg.max_tokens_limit, block_size - len(prompt))))
-        result = reply(req, [prompt], s, stops, template.end_of_turn, chat=True)
+        result = reply(req, [prompt], s, stops, template.stop_tokens, template.end_of_turn, chat=True)
         return result if isinstance(result, StreamingResponse) else await result
 
     return app
@@ -579,8 +588,12 @@ def serve(app, host: str, port: int) -> None:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            # uvicorn's own handler also re-raises the signal once shut down, so the process would die of
+            # it (or print a KeyboardInterrupt): a requested, finished shutdown exits 0 instead.
             app.state.engine.stop()
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
+            self.should_exit = True
 
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")).run()
 
@@ -597,7 +610,7 @@ def main(argv: Sequence[str]) -> None:
     app = build_app(model, tok, cfg, name, rt.device)
     has_key = bool(cfg.api_key or os.environ.get(API_KEY_ENV))
     print(f"serving {source} as '{name}': {model.get_num_params() / 1e6:.2f}M parameters, {rt.device} {rt.dtype}, "
-          f"{'chat and completions' if chat_template(tok) else 'completions only (no chat template)'}, "
+          f"{'chat and completions' if ChatTemplate.for_tokenizer(tok) else 'completions only (no chat template)'}, "
           f"page at http://{cfg.host}:{cfg.port}/", file=sys.stderr)
     if not is_loopback(cfg.host) and not has_key:
         print(f"warning: serving on {cfg.host} without an API key: anyone who can reach it can use the model; "
