@@ -10,7 +10,9 @@ a GPT-2 BPE model trained on text with multi-byte characters (skipped without ti
 """
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -119,7 +121,7 @@ def train_chat_model(root: Path) -> Path:
     for q, a in CONVERSATIONS * 60:
         ids += template.render([{"role": "user", "content": q}, {"role": "assistant", "content": a}])[0]
     write_dataset(root / "data", meta, {"train": ids, "val": ids})
-    train_tiny(root / "out", root / "data", block_size=48, n_embd=48, max_iters=150, lr_decay_iters=150,
+    train_tiny(root / "out", root / "data", block_size=96, n_embd=48, max_iters=150, lr_decay_iters=150,
                eval_interval=150)
     return root / "out"
 
@@ -377,7 +379,7 @@ def test_chat_bad_messages(chat):
     r = httpx.post(chat.url + "/v1/chat/completions", headers=headers, json={"model": "chatty", "messages": []})
     assert_error(r, 400, "messages", "non-empty list")
     r = httpx.post(chat.url + "/v1/chat/completions", headers=headers,
-                   json={"model": "chatty", "messages": [{"role": "user", "content": "where? " * 20}]})
+                   json={"model": "chatty", "messages": [{"role": "user", "content": "where? " * 40}]})
     assert_error(r, 400, "messages", "longer than the model's context")
 
 
@@ -446,3 +448,82 @@ def test_non_loopback_bind_without_a_key_warns_once(char_out, monkeypatch):
     for quiet in (args + ["--api_key=s3cret"], args[:-1], args[:-1] + ["--host=::1"]):
         assert "warning" not in run_main(serve.main, quiet).stderr
     assert "--api_key is empty" in run_main(serve.main, args + ["--api_key=''"]).stderr
+
+
+# -----------------------------------------------------------------------------
+# the page, in a real headless Chromium (Debian's package; .ci/run installs it)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -r requirements-dev.txt")
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).exists():
+        pytest.skip("no chromium: apt-get install chromium (.ci/run does)")
+    with sync_api.sync_playwright() as p:
+        # --no-sandbox: Chromium's sandbox cannot start as root, which CI containers are.
+        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+WATCH_REPLY = """() => { window.lengths = [];
+  new MutationObserver(() => { const r = document.querySelector('.turn:last-child .reply');
+                               if (r) window.lengths.push(r.textContent.length); })
+    .observe(document.getElementById('log'), { subtree: true, childList: true, characterData: true }); }"""
+
+
+def test_page_streams_a_completion_and_stops(base, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 900, "height": 600})
+    page.goto(base.url)
+    page.wait_for_function("() => document.getElementById('mode').textContent.includes('plain completion')")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "300")
+    page.evaluate(WATCH_REPLY)
+    page.fill("#input", "ROMEO:")
+    page.press("#input", "Enter")
+    page.wait_for_selector(".meta", timeout=60_000)
+    shown = page.inner_text(".turn:last-child .reply")
+    want = complete(base, prompt="ROMEO:", max_tokens=300, temperature=0).choices[0].text
+    assert page.text_content(".turn:last-child .reply") == want
+    assert shown.strip() and page.inner_text(".turn:last-child .meta") == "(max tokens reached)"
+    assert len(set(page.evaluate("window.lengths"))) > 3  # the text grew piece by piece as it streamed
+    page.screenshot(path=tmp_path / "completion.png")
+    assert (tmp_path / "completion.png").stat().st_size > 10_000
+
+    page.fill("#max-tokens", "100000")  # far more than it will get before the stop button
+    page.fill("#input", "JULIET:")
+    page.press("#input", "Enter")
+    page.wait_for_function("() => document.querySelector('.turn:last-child .reply').textContent.length > 20")
+    page.click("#stop")
+    page.wait_for_selector(".turn:last-child .meta:text('(stopped)')", timeout=10_000)
+    deadline = time.monotonic() + 10
+    while base.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert base.health()["running"] == 0  # the server stopped generating for it
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+
+def test_page_chats_with_history_and_a_key(chat, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 900, "height": 600})
+    sent = []
+    page.on("request", lambda r: sent.append(r) if r.url.endswith("/v1/chat/completions") else None)
+    page.goto(chat.url)
+    page.wait_for_function("() => document.getElementById('mode').textContent === 'chat'")
+    assert page.is_visible("#key")  # the server wants a key: the page asks for it
+    page.fill("#key", KEY)
+    page.fill("#temperature", "0")
+    (q1, a1), (q2, a2) = CONVERSATIONS[:2]
+    for n, question in enumerate((q1, q2), 1):
+        page.fill("#input", question)
+        page.press("#input", "Enter")
+        page.wait_for_selector(f".assistant:nth-of-type({2 * n}) .meta", state="attached", timeout=60_000)
+    replies = page.locator(".assistant .reply").all_text_contents()
+    assert replies == [a1, a2]
+    assert page.locator(".user").all_text_contents() == [q1, q2]
+    bodies = [json.loads(r.post_data) for r in sent]
+    assert bodies[1]["messages"] == [{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+                                     {"role": "user", "content": q2}]  # the history goes with each turn
+    assert all(r.headers["authorization"] == f"Bearer {KEY}" for r in sent)
+    page.screenshot(path=tmp_path / "chat.png")
+    assert (tmp_path / "chat.png").stat().st_size > 10_000
