@@ -124,7 +124,10 @@ class Job:
         self.cancelled = threading.Event()
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (shutting down): nobody is waiting for this any more
+            pass
 
     async def steps(self) -> AsyncIterator[list[int]]:
         """Each step's new ids, one per row, until the generation ends; stops it when the caller leaves."""
@@ -147,7 +150,7 @@ class Engine:
         self.pending: queue.Queue[Job] = queue.Queue()
         self.stopping = threading.Event()
         self.running = 0            # requests being decoded now (for /health)
-        self.tokens_generated = 0   # decoding steps taken, all requests together (for /health)
+        self.tokens_generated = 0   # decoding steps taken (one token for each of a request's n rows) (for /health)
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
