@@ -18,20 +18,21 @@ rewritten after each section. A figure that runs out of device memory reads "OOM
 
 How each figure is measured:
   train      forward + backward + AdamW step on a fixed random batch; MFU = model.estimate_mfu against
-             runtime.peak_flops (GPU: the datasheet; CPU: a measured float32 matmul, so CPU MFU is
+             flops.peak_flops (GPU: the datasheet; CPU: a measured float32 matmul, so CPU MFU is
              relative to what a plain matmul reaches here). Compiled: torch.compile of the same model;
              its first step (the build) is timed apart, and a failure is reported in the table.
-  loop       train.py's training iteration (train.iteration: its batches, non-finite guard, stop flags) against
-             a plain loop of the same model and data written as nanoGPT's train.py does it (np.memmap batches,
-             forward, backward, clip, AdamW): the CPU quick start's config (--loop_config), the same threads,
-             chunks of loop_steps iterations alternating between the two, median ms per iteration of each.
+  loop       train.py's step, run as a user runs train.py (its batches, non-finite guard, stop flags; the
+             "ms" its log.jsonl records per step, after untimed warm-up steps), against a plain loop of the same
+             model and data written as nanoGPT's train.py does it (np.memmap batches, forward, backward, clip,
+             AdamW) in this process: the CPU quick start's config (--loop_config), the same threads, chunks of
+             loop_steps iterations alternating between the two, median over chunks of ms per iteration.
   attention  peak memory above the inputs while one causal attention runs, without grad (forward) and
              with grad (forward + backward): model.scaled_dot_product_attention (the naive reference,
              which forms the (B, nh, T, T) scores) against torch's fused F.scaled_dot_product_attention.
              CUDA: torch.cuda.max_memory_allocated. CPU: the allocation and free events that
              torch.profiler(profile_memory=True) records from torch's CPU allocator, summed in time
              order, the peak of that running total (kernels' scratch buffers included).
-  decode     the model cast once to --dtype, as sample.py decodes (sample.prepare_model); decode_batch_size
+  decode     the model cast once to --dtype, as sample.py decodes (runtime.inference_model); decode_batch_size
              rows at once. Per-token latency at each context length: no cache = one forward over the whole context
              (what generate(use_cache=False) does per token); cache = one token through a KV cache
              already holding the context. Then a whole generate() run each way, timed token by token,
@@ -41,7 +42,7 @@ How each figure is measured:
              per step), per token, on the decode model: learned positions (the cache is refilled at
              every step), RoPE with the same refills, and RoPE with the rolling KV cache (one token
              per step; sliding-window attention, see GPT.generate's rolling_cache).
-  prepare    core.data.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path):
+  prepare    core.prepare.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path):
              read, encode, write train.bin / val.bin / meta.json to a temporary folder.
   memory     the training model under parallel=ddp and fsdp in 1, 2 and 4 gloo processes spawned on the
              CPU: after one AdamW step, the bytes each process holds for parameters, gradients and
@@ -78,22 +79,23 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from core import checkpoint, memory, parallel, runtime
+from core import checkpoint, flops, memory, parallel, runtime
+from core.markdown import table
 from core.config import apply_overrides, parse_args, read_config_file, to_dict
-from core.data import TextPrepareConfig, prepare_text_corpus
+from core.prepare import TextPrepareConfig, prepare_text_corpus
 from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
 from core.tokenizer import CharTokenizer, GPT2Tokenizer
-from model import GPT, GPT2_SHAPES, GPTConfig, scaled_dot_product_attention
-from sample import SampleConfig, prepare_model, window_shift
+from core.train_config import TrainConfig, get_lr, local_accum_steps
+from model import GPT, GPT2_SHAPES, GPTConfig, scaled_dot_product_attention, window_shift
 
 SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory", "serve")
 OOM = "OOM"  # a figure that did not fit in device memory
-# THREADS: one torch thread by default. On the shared 2-core machines this project runs on, two OpenMP
-# threads spin-wait for each other whenever another process holds a core: the default CPU run took
-# 313 s with 2 threads against 180 s with 1 (load average ~3, 2026-11-29), and its figures jumped around
-# (no-cache decoding 616 ms/token at context 64 but 251 ms at 128). On a machine of your own, --threads=0.
+# THREADS: one torch thread by default. On a shared 2-core machine two OpenMP threads spin-wait for each
+# other whenever another process holds a core, which makes the figures slower and erratic (docs/performance.md).
+# On a machine of your own, --threads=0.
 DEFAULT_CORPUS = "../shared/data/tinyshakespeare.txt"
+TRAIN_PY = Path(__file__).resolve().parent / "train.py"
 GENERATED_CHARS = 1_000_000  # the stand-in corpus when DEFAULT_CORPUS is absent: about Tiny Shakespeare's size
 MiB = 2**20
 
@@ -127,7 +129,7 @@ class BenchConfig:
     attn_head_size: int = 64
     attn_lengths: str = "256,512,1024,2048,4096"
     attn_repeats: int = 1      # memory is deterministic for a given allocator; more repeats only cost time
-    # 3. decoding: the model of issue 5's claim (6 layers, 384 wide, 6 heads, 256-token context)
+    # 3. decoding: the baby GPT's shape (6 layers, 384 wide, 6 heads, 256-token context)
     decode_n_layer: int = 6
     decode_n_head: int = 6
     decode_n_embd: int = 384
@@ -292,11 +294,6 @@ def or_oom(fn: Callable[[], object], rt: runtime.Runtime):
         return OOM
 
 
-def one_line(e: BaseException, limit: int = 200) -> str:
-    text = f"{type(e).__name__}: {first_line(e, limit)}" if str(e).strip() else type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # ---------------------------------------------------------------------------------------------
 # 5. memory: ddp against fsdp per process, activation checkpointing
 
@@ -424,7 +421,7 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-    peak, peak_source = runtime.peak_flops_with_source(rt)
+    peak, peak_source = flops.peak_flops_with_source(rt)
     tokens = cfg.batch_size * mc.block_size
 
     def row(mode: str, m: torch.nn.Module, build_s: float | None = None) -> dict:
@@ -453,7 +450,7 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                 rt.synchronize()
                 rows.append(row("compiled", compiled, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - any compiler failure is a result to report, not a crash
-            rows.append({"mode": "compiled", "error": f"compile failed: {one_line(e)}"})
+            rows.append({"mode": "compiled", "error": f"compile failed: {type(e).__name__}: {first_line(e)}"})
     result = {"model": model_text(mc, cfg.batch_size), "params": model.get_num_params(),
               "tokens_per_step": tokens, "flops_per_token": model.flops_per_token(),
               "peak_flops": peak, "peak_flops_source": peak_source, "rows": rows}
@@ -468,7 +465,7 @@ def bench_train(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
 
 def loop_dataset(out_dir: Path) -> tuple[str, int]:
     """A character dataset of DEFAULT_CORPUS (or a generated text) in out_dir; (its source, vocab size)."""
-    from core.data import write_dataset
+    from core.prepare import write_dataset
     from core.tokenizer import CharTokenizer
 
     if Path(DEFAULT_CORPUS).is_file():
@@ -495,74 +492,78 @@ def nanogpt_batch(path: Path, block_size: int, batch_size: int, device: str) -> 
 
 
 def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
-    """ms per iteration: train.py's (train.iteration) and a plain loop, same model, data, optimizer, threads."""
-    import train
-
+    """ms per iteration: train.py itself (run as a user runs it; the "ms" its log.jsonl records for each
+    step) and a plain loop in this process, same model, data, optimizer and threads, in alternating chunks."""
     if rt.ddp:
         raise UserError("the loop section runs on one process; start bench.py without torchrun")
     with tempfile.TemporaryDirectory() as tmp:
         source, vocab = loop_dataset(Path(tmp))
         overrides = read_config_file(cfg.loop_config) | dict(data_dir=tmp, device=rt.device, dtype=rt.dtype,
                                                              out_dir=str(Path(tmp) / "out"), vocab_size=vocab)
-        tcfg = apply_overrides(train.TrainConfig(), overrides, cfg.loop_config)
+        tcfg = apply_overrides(TrainConfig(), overrides, cfg.loop_config)
         torch.manual_seed(cfg.seed)
-        margs = {k: getattr(tcfg, k) for k in train.MODEL_KEYS}
-        model = GPT(GPTConfig(**margs)).to(rt.device).train()
-        optimizer = model.configure_optimizers(tcfg.weight_decay, tcfg.learning_rate, (tcfg.beta1, tcfg.beta2),
-                                               rt.device_type)
-        scaler, accum = rt.grad_scaler(), train.local_accum_steps(tcfg, 1)
-        batches = train.TrainBatches(train.TokenData(tmp, "train", tcfg.block_size, vocab), tcfg, rt, accum)
-        stop, state = train.StopFlag(), {"it": 0, "xy": None}  # the flag is never installed: never set
+        model = GPT(GPTConfig(**tcfg.model_args(), vocab_size=vocab)).to(rt.device).train()
+        groups = model.configure_optimizers(tcfg.weight_decay, tcfg.learning_rate, (tcfg.beta1, tcfg.beta2),
+                                            rt.device_type).param_groups
         # nanoGPT's optimizer: AdamW, fused only on CUDA (the per-tensor loop elsewhere)
-        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
-        plain_optimizer = torch.optim.AdamW(groups, lr=tcfg.learning_rate,
-                                            betas=(tcfg.beta1, tcfg.beta2), fused=rt.device_type == "cuda")
+        optimizer = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
+                                      lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2),
+                                      fused=rt.device_type == "cuda")
+        scaler, accum, state = rt.grad_scaler(), local_accum_steps(tcfg, 1), {"it": 0, "xy": None, "timed": []}
+        warm = max(1, cfg.warmup) * 2
 
-        def ours(n: int) -> None:
-            for _ in range(n):
-                it = state["it"]
-                for group in optimizer.param_groups:
-                    group["lr"] = train.get_lr(it, tcfg)
-                train.iteration(model, optimizer, scaler, batches, tcfg, rt, it, accum, stop)
-                state["it"] += 1
+        def ours(n: int) -> float:
+            """ms per step of train.py's steps after `warm` untimed ones, from its log.jsonl."""
+            out = Path(tmp) / "out"
+            run = overrides | dict(max_iters=warm + n, log_interval=1, eval_interval=warm + n + 1, eval_iters=1,
+                                   compile=False, seed=cfg.seed)
+            argv = [f"--{k}={v}" for k, v in run.items()]
+            env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads()),
+                                "MKL_NUM_THREADS": str(torch.get_num_threads())}
+            done = subprocess.run([sys.executable, str(TRAIN_PY), cfg.loop_config, *argv], env=env,
+                                  capture_output=True, text=True)
+            if done.returncode:
+                raise UserError(f"train.py failed in the loop section: {(done.stderr.strip() or '?').splitlines()[-1]}")
+            ms = [r["ms"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "ms" in r]
+            state["timed"].append(len(ms[warm:]))
+            return statistics.fmean(ms[warm:]) / 1e3
 
-        def plain(n: int) -> None:  # nanoGPT's train.py loop, without its eval, checkpoints and logging
+        def plain(n: int) -> float:  # nanoGPT's train.py loop, without its eval, checkpoints and logging
+            rt.synchronize()
+            t0 = time.perf_counter()
             x, y = state["xy"] or nanogpt_batch(Path(tmp) / "train.bin", tcfg.block_size, tcfg.batch_size, rt.device)
             for _ in range(n):
                 it = state["it"]
-                for group in plain_optimizer.param_groups:
-                    group["lr"] = train.get_lr(it, tcfg)
+                for group in optimizer.param_groups:
+                    group["lr"] = get_lr(it, tcfg)
                 for _ in range(accum):
                     with rt.autocast():
                         loss = model(x, y)[1] / accum
                     x, y = nanogpt_batch(Path(tmp) / "train.bin", tcfg.block_size, tcfg.batch_size, rt.device)
                     scaler.scale(loss).backward()
                 if tcfg.grad_clip > 0:
-                    scaler.unscale_(plain_optimizer)
+                    scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-                scaler.step(plain_optimizer)
+                scaler.step(optimizer)
                 scaler.update()
-                plain_optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=True)
                 if it % tcfg.log_interval == 0:
                     loss.item()
                 state["it"] += 1
             state["xy"] = (x, y)
+            rt.synchronize()
+            return (time.perf_counter() - t0) / n
 
-        for fn in (plain, ours):
-            fn(max(1, cfg.warmup) * 2)
+        plain(warm)
         times = {"plain": [], "train_py": []}
         for _ in range(cfg.repeats):  # alternating, so that load from other processes hits both alike
-            for name, fn in (("plain", plain), ("train_py", ours)):
-                rt.synchronize()
-                t0 = time.perf_counter()
-                fn(cfg.loop_steps)
-                rt.synchronize()
-                times[name].append((time.perf_counter() - t0) / cfg.loop_steps)
+            times["plain"].append(plain(cfg.loop_steps))
+            times["train_py"].append(ours(cfg.loop_steps))
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     return {"config": cfg.loop_config, "corpus": source, "model": model_text(model.config, tcfg.batch_size),
             "accum": accum, "steps_per_chunk": cfg.loop_steps, "chunks": cfg.repeats,
             "plain_ms": ms["plain"], "train_py_ms": ms["train_py"], "train_py_over_plain": ms["train_py"] / ms["plain"],
-            "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}}
+            "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}, "train_py_steps": state["timed"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -672,7 +673,7 @@ def bench_decode(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     torch.manual_seed(cfg.seed)
     mc = GPTConfig(block_size=cfg.decode_block_size, vocab_size=cfg.decode_vocab_size, n_layer=cfg.decode_n_layer,
                    n_head=cfg.decode_n_head, n_embd=cfg.decode_n_embd, dropout=0.0, bias=cfg.bias)
-    model = prepare_model(GPT(mc), rt)  # as sample.py: weights cast once, float32 next-token logits
+    model = runtime.inference_model(GPT(mc), rt)  # as sample.py: weights cast once, float32 next-token logits
     B = cfg.decode_batch_size
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(mc.vocab_size, (B, mc.block_size), generator=gen).to(rt.device)  # (B, block_size)
@@ -715,7 +716,7 @@ def bench_generation(cfg: BenchConfig, model: GPT, prompt: torch.Tensor, rt: run
     cache or not; with block_size // 2 (sample.py's default) one refill serves block_size // 2 tokens.
     """
     P, N, block = prompt.size(1), cfg.gen_new_tokens, model.config.block_size
-    shift = window_shift(SampleConfig(window_shift=cfg.gen_window_shift), block)
+    shift = window_shift(cfg.gen_window_shift, block)
     inside = min(N, block - P + 1)  # tokens sampled while the whole sequence still fits the window
     for use_cache in (False, True):  # warm-up: a few tokens each way
         token_times(model, prompt, min(N, 4), use_cache, shift, rt)
@@ -813,7 +814,7 @@ def bench_prepare(cfg: BenchConfig) -> dict:
         dt = median_time(run, max(0, cfg.warmup - 1), cfg.repeats)
         chars = len(path.read_text(encoding="utf-8"))
     tokens = meta["train_tokens"] + meta["val_tokens"]
-    return {"corpus": source, "path": "core.data.prepare_text_corpus + GPT2Tokenizer (data/shakespeare/prepare.py)",
+    return {"corpus": source, "path": "core.prepare.prepare_text_corpus + GPT2Tokenizer (data/shakespeare/prepare.py)",
             "chars": chars, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
 
 
@@ -870,7 +871,7 @@ def bench_serve(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     clients = int_list(cfg.serve_clients, "serve_clients")
     with tempfile.TemporaryDirectory() as tmp:
         model, tok, prompt = serve_checkpoint(cfg, Path(tmp))
-        model = prepare_model(model, rt)
+        model = runtime.inference_model(model, rt)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -883,7 +884,7 @@ def bench_serve(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                     for seed in range(c):
                         model.generate(ids, cfg.serve_max_tokens, temperature=1.0, vocab_size=tok.vocab_size,
                                        generator=torch.Generator(device=rt.device).manual_seed(seed),
-                                       window_shift=max(1, model.config.block_size // 2))
+                                       window_shift=window_shift(None, model.config.block_size))
 
                 async def requests():
                     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
@@ -943,17 +944,6 @@ def machine_info(rt: runtime.Runtime) -> dict:
     }
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A Markdown table, columns padded to line up in a terminal too."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r: list[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
-    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"  # right-aligned columns
-    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
-
-
 def mib(n: float | str) -> str:
     if n == OOM:
         return OOM
@@ -986,7 +976,7 @@ def format_train(r: dict) -> str:
 
 def format_loop(r: dict) -> str:
     rows = [["plain loop (nanoGPT's)", num(r["plain_ms"], 2), "1.00x"],
-            ["train.py (train.iteration)", num(r["train_py_ms"], 2), f"{r['train_py_over_plain']:.2f}x"]]
+            ["train.py", num(r["train_py_ms"], 2), f"{r['train_py_over_plain']:.2f}x"]]
     return (f"### Training iteration: train.py against a plain loop\n{r['config']}: {r['model']}, "
             f"accumulation {r['accum']}; median of {r['chunks']} chunks of {r['steps_per_chunk']} iterations each, "
             f"alternating\n\n" + table(["loop", "ms / iteration", "vs plain"], rows))

@@ -20,12 +20,12 @@ from typing import Sequence
 import torch
 
 from core import evaluate, runtime
+from core.checkpoint import load_model
 from core.config import parse_args
 from core.data import TokenData, read_meta
 from core.errors import UserError, run_cli
+from core.tokenizer import check_same_tokenizer
 from model import GPT2_HUB_NAMES
-from sample import load_pretrained, load_resume
-from train import check_same_tokenizer
 
 TASKS = ("perplexity", "hellaswag")
 
@@ -57,15 +57,6 @@ class EvalConfig:
         if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
             raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
                             f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
-
-
-def load_model(init_from: str, out_dir: str):
-    """(model, tokenizer, description) of out_dir/ckpt.pt (init_from='resume') or of GPT-2 weights."""
-    model, tok, source = load_resume(Path(out_dir)) if init_from == "resume" else load_pretrained(init_from)
-    if tok.vocab_size > model.config.vocab_size:
-        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
-                        f"{model.config.vocab_size}; they do not belong together")
-    return model, tok, source
 
 
 def run_data_dir(cfg: EvalConfig) -> str:

@@ -48,7 +48,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2; False is a bit better and faster
     attn_backend: str = "sdpa"  # "sdpa": torch's fused kernel; "naive": the reference below, can return weights
     gelu_approximate: str = "tanh"  # GPT-2 uses GELU's tanh approximation ("gelu_new"); "none" is the exact erf form
-    # The modern recipe, one switch each (README "Modern recipe"); every default is GPT-2.
+    # The modern recipe, one switch each (docs/recipe.md); every default is GPT-2.
     pos_embedding: str = "learned"  # "learned": a wpe table; "rope": rotary q and k (Su et al. 2021), no wpe
     rope_base: float = 10000.0  # RoPE's frequencies are rope_base^(-2i/hs)
     norm: str = "layernorm"  # "rmsnorm": scale only, no mean and no bias (Zhang & Sennrich 2019)
@@ -392,6 +392,44 @@ def check_sampling_args(temperature, top_k, top_p):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How GPT.generate draws each token.
+
+    temperature, top_k, top_p, generator: sample_next's (temperature 0 is greedy). use_cache: decode with a
+    KV cache, or recompute every step; both give the same tokens. eot_token: a row stops after emitting it.
+    vocab_size: draw only ids below it (a padded vocabulary, 50304 for GPT-2's 50257, has ids no tokenizer
+    decodes).
+
+    Past block_size the context window slides window_shift tokens at once. Learned positions make every
+    cached key stale when it moves, so the cache is refilled each time. 1 is nanoGPT's rule: the model sees
+    exactly the last block_size tokens, and with a cache each step past block_size is a full forward;
+    block_size // 2 (window_shift() below) refills once per block_size // 2 tokens and stays fast.
+
+    rolling_cache (pos_embedding="rope", window_shift=1) keeps every cached key past block_size and
+    overwrites the oldest, at cached speed. A deeper layer's key was computed from the context its token
+    saw, so with n_layer > 1 this is sliding-window attention (as Mistral's), not nanoGPT's rule.
+    """
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+    use_cache: bool = True
+    eot_token: int | None = None
+    window_shift: int = 1
+    vocab_size: int | None = None
+    rolling_cache: bool = False
+
+
+def window_shift(requested: int | None, block_size: int) -> int:
+    """How far the context window slides at once past block_size (see GPT.generate): `requested`, or
+    by default half the window, so that a KV cache is refilled only once per block_size // 2 tokens."""
+    shift = requested or max(1, block_size // 2)
+    if shift > block_size:
+        raise ValueError(f"window_shift {shift} is larger than the model's block_size {block_size}")
+    return shift
+
+
 class GPT(nn.Module):
     """GPT-2: token + position embeddings -> n_layer Blocks -> LayerNorm -> vocabulary head.
 
@@ -516,73 +554,51 @@ class GPT(nn.Module):
                        device=weight.device, dtype=dtype or weight.dtype)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                 generator=None, eot_token=None, window_shift=1, vocab_size=None, rolling_cache=False) -> torch.Tensor:
+    def generate(self, idx, max_new_tokens, sampling: "Sampling | None" = None, **settings) -> torch.Tensor:
         """Continue idx (B, T) by up to max_new_tokens -> (B, T + new). Call model.eval() first.
 
-        Sampling is sample_next's (temperature 0 is greedy). use_cache=True decodes with a KV
-        cache; use_cache=False recomputes every step; both give the same tokens, also past
-        block_size. With eot_token, a row stops after emitting it and is padded with eot_token;
-        generation ends early once every row has stopped. vocab_size: draw only ids below it (a
-        padded vocabulary, 50304 for GPT-2's 50257, has ids no tokenizer can decode).
-
-        Past block_size the context window slides. Learned positions mean every cached key is
-        stale once the window moves, so the cache is refilled each time it does; window_shift is
-        how far it moves at once. 1 (the default) is nanoGPT's rule: the model sees exactly the
-        last block_size tokens, and with a cache every step past block_size costs a full
-        forward. block_size // 2 refills once per block_size // 2 tokens and keeps decoding fast;
-        the model then sees between block_size - window_shift + 1 and block_size tokens.
-
-        rolling_cache=True (pos_embedding="rope", window_shift=1): past block_size keep every cached
-        key and overwrite only the oldest (KVCache's rolling mode), at cached speed. Rotary keys stay
-        valid in the first layer, but a deeper layer's key was computed from the context its token
-        saw, reaching back past the window: with n_layer > 1 this is sliding-window attention (as
-        Mistral's), not nanoGPT's rule, and the tokens may differ from use_cache=False. With one
-        layer they are the same.
+        How tokens are drawn is one Sampling value, or its fields by name (temperature=0.8, top_k=200, ...).
+        With eot_token, rows that emitted it are padded with it, and generation ends once all have.
         """
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache,
-                                        generator, eot_token, window_shift, vocab_size, rolling_cache))
-        return torch.cat([idx, *new], dim=1)
+        return torch.cat([idx, *self.generate_stream(idx, max_new_tokens, sampling, **settings)], dim=1)
 
-    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True,
-                        generator=None, eot_token=None, window_shift=1, vocab_size=None,
-                        rolling_cache=False) -> Iterator[torch.Tensor]:
+    def generate_stream(self, idx, max_new_tokens, sampling: "Sampling | None" = None,
+                        **settings) -> Iterator[torch.Tensor]:
         """Like generate, but yields each new token as a (B, 1) tensor as soon as it is sampled."""
-        check_sampling_args(temperature, top_k, top_p)
+        s = sampling or Sampling(**settings)
+        check_sampling_args(s.temperature, s.top_k, s.top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not 1 <= window_shift <= self.config.block_size:
-            raise ValueError(f"window_shift must be in [1, block_size={self.config.block_size}], got {window_shift}")
-        if vocab_size is not None and not 1 <= vocab_size <= self.config.vocab_size:
-            raise ValueError(f"vocab_size must be in [1, {self.config.vocab_size}], got {vocab_size}")
-        if rolling_cache and (self.config.pos_embedding != "rope" or window_shift != 1):
+        if not 1 <= s.window_shift <= self.config.block_size:
+            raise ValueError(f"window_shift must be in [1, block_size={self.config.block_size}], got {s.window_shift}")
+        if s.vocab_size is not None and not 1 <= s.vocab_size <= self.config.vocab_size:
+            raise ValueError(f"vocab_size must be in [1, {self.config.vocab_size}], got {s.vocab_size}")
+        if s.rolling_cache and (self.config.pos_embedding != "rope" or s.window_shift != 1):
             raise ValueError("rolling_cache needs pos_embedding='rope' and window_shift=1: learned positions make "
                              "every cached key stale when the window moves")
-        return self._stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token,
-                            window_shift, vocab_size, rolling_cache)
+        return self._stream(idx, max_new_tokens, s)
 
     @torch.no_grad()
-    def _stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator, eot_token,
-                window_shift, vocab_size, rolling_cache):
+    def _stream(self, idx, max_new_tokens, s: "Sampling"):
         block_size = self.config.block_size
-        cache = self.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if use_cache else None
+        cache = self.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if s.use_cache else None
         start = max(0, idx.size(1) - block_size)  # the context window is idx[:, start:]
         origin = start  # idx[:, origin] is the cache's position 0
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block_size:
-                start = max(start + window_shift, idx.size(1) - block_size)
-                if cache is not None and not rolling_cache:
+                start = max(start + s.window_shift, idx.size(1) - block_size)
+                if cache is not None and not s.rolling_cache:
                     cache.reset()  # every token moved to a new position: the cached keys are stale
                     origin = start
-            logits = self._next_logits(idx, start, origin, cache)[:, :vocab_size]  # (B, vocab)
-            token = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
-            if eot_token is not None:
-                token = token.masked_fill(done[:, None], eot_token)
-                done |= token[:, 0] == eot_token
+            logits = self._next_logits(idx, start, origin, cache)[:, :s.vocab_size]  # (B, vocab)
+            token = sample_next(logits, s.temperature, s.top_k, s.top_p, s.generator)  # (B, 1)
+            if s.eot_token is not None:
+                token = token.masked_fill(done[:, None], s.eot_token)
+                done |= token[:, 0] == s.eot_token
             idx = torch.cat([idx, token], dim=1)
             yield token
-            if eot_token is not None and bool(done.all()):
+            if s.eot_token is not None and bool(done.all()):
                 return
 
     def _next_logits(self, idx, start, origin, cache):

@@ -324,8 +324,8 @@ def plot_summary(values, kind: str, title: str):
 
 
 def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
-    from eval import load_model  # the one loader of checkpoints and GPT-2 weights for judging a model
-    from sample import encode_prompt, read_prompt
+    from core.checkpoint import load_model  # torch is imported only here: loss plots start without it
+    from core.tokenizer import encode_prompt, read_prompt
 
     cfg = parse_args(AttentionConfig, argv)
     model, tok, source = load_model(cfg.init_from, cfg.out_dir)

@@ -21,9 +21,9 @@ import torch
 
 from core import checkpoint, runtime
 from core.config import parse_args
-from core.errors import UserError, first_line, run_cli
-from core.tokenizer import GPT2Tokenizer, StreamDecoder, Tokenizer, tokenizer_from_meta
-from model import GPT, GPT2_HUB_NAMES
+from core.errors import UserError, run_cli
+from core.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
+from model import GPT2_HUB_NAMES, window_shift
 
 SEPARATOR = "---------------"
 
@@ -71,96 +71,6 @@ class SampleConfig:
 
 
 # -----------------------------------------------------------------------------
-# the prompt
-
-
-def read_prompt(start: str) -> str:
-    """The prompt text: `start` itself, or the contents of the file named by `FILE:path`."""
-    if not start.startswith("FILE:"):
-        return start
-    path = Path(start[len("FILE:"):])
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"prompt file '{path}' is not UTF-8 text") from None
-    except OSError as e:
-        raise UserError(f"cannot read prompt file '{path}' (--start=FILE:{path}): {e.strerror}") from None
-
-
-def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = False) -> list[int]:
-    """The prompt's token ids: at least one, at most block_size (the model's context).
-
-    An empty prompt starts from <|endoftext|> where the tokenizer has one (how GPT-2 samples
-    unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens.
-    """
-    try:
-        ids = tok.encode(text)
-    except UserError as e:  # a char vocabulary names the characters it lacks
-        raise UserError(f"the prompt cannot be encoded: {e}") from None
-    if not ids:
-        if tok.eot_token is None:
-            raise UserError("the prompt is empty and this vocabulary has no <|endoftext|> to start from; "
-                            "pass some text with --start=...")
-        return [tok.eot_token]
-    if len(ids) > block_size:
-        if not truncate:
-            raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size}; "
-                            f"shorten it, or pass --truncate_prompt=True to keep its last {block_size} tokens")
-        ids = ids[-block_size:]
-    return ids
-
-
-# -----------------------------------------------------------------------------
-# the model and its tokenizer
-
-
-def load_resume(out_dir: Path) -> tuple[GPT, Tokenizer, str]:
-    """The model and tokenizer of out_dir/ckpt.pt, exactly that file: a damaged one is an error."""
-    path, prev = out_dir / checkpoint.CKPT_NAME, out_dir / checkpoint.PREV_NAME
-    if not path.exists() and (out_dir / checkpoint.SHARDED_NAME).exists():  # saved by --parallel=fsdp
-        path, prev = out_dir / checkpoint.SHARDED_NAME, out_dir / checkpoint.PREV_SHARDED_NAME
-    # ckpt.prev.pt is the complete checkpoint saved before ckpt.pt; name it rather than silently
-    # sampling from an older model than the user thinks.
-    hint = ""
-    if prev.exists():
-        hint = f"; {prev} holds the checkpoint saved before it: copy it to {path} to sample from it"
-    if not path.exists():
-        raise UserError(f"no checkpoint in {out_dir}: {path} not found; train one first "
-                        f"(python train.py ... --out_dir={out_dir}) or pass --out_dir=...{hint}")
-    try:
-        state = checkpoint.load_checkpoint(path)
-    except UserError as e:
-        raise UserError(f"{e}{hint}") from None
-    meta = state["meta"]
-    if not isinstance(meta.get("tokenizer"), dict):
-        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be decoded")
-    tok = tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
-    try:
-        model = checkpoint.model_from_checkpoint(state, dropout=0.0)
-    except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
-    return model, tok, f"{path} (iter {meta.get('iter_num')})"
-
-
-def load_pretrained(name_or_dir: str) -> tuple[GPT, Tokenizer, str]:
-    """GPT-2 weights (a hub name, or a save_pretrained directory) and GPT-2's BPE."""
-    tok = GPT2Tokenizer()  # first: without the BPE file there is nothing to decode with
-    try:
-        model = GPT.from_pretrained(name_or_dir)
-    except (OSError, ValueError) as e:  # offline, unknown name, not a GPT-2 directory, unsupported variant
-        raise UserError(f"could not load GPT-2 weights '{name_or_dir}': {first_line(e)}") from None
-    return model, tok, name_or_dir
-
-
-def load_model(cfg: SampleConfig) -> tuple[GPT, Tokenizer, str]:
-    model, tok, source = load_resume(Path(cfg.out_dir)) if cfg.init_from == "resume" else load_pretrained(cfg.init_from)
-    if tok.vocab_size > model.config.vocab_size:
-        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
-                        f"{model.config.vocab_size}; they do not belong together")
-    return model, tok, source
-
-
-# -----------------------------------------------------------------------------
 # decoding and printing
 
 
@@ -195,43 +105,25 @@ def write_batch(rows: list[list[int]], tok: Tokenizer, prompt: str, eot: int | N
     return len(rows[0])
 
 
-def window_shift(cfg: SampleConfig, block_size: int) -> int:
-    """How far the context window slides at once past block_size: cfg's, or half the window."""
-    shift = cfg.window_shift or max(1, block_size // 2)
-    if shift > block_size:
-        raise UserError(f"window_shift {shift} is larger than the model's block_size {block_size}")
-    return shift
-
-
-def prepare_model(model: GPT, rt: runtime.Runtime, compile: bool = False) -> GPT:
-    """The model as it decodes: on the device, in eval mode, its weights cast once to the run's dtype.
-
-    Not autocast: it keeps float32 weights and casts each one again at every token (with --compile
-    too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), and
-    the KV cache takes the weights' dtype.
-    """
-    model = model.eval().to(rt.device, rt.ptdtype)
-    if compile:
-        model.compile()
-    return model
-
-
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    model, tok, source = load_model(cfg)
+    model, tok, source = checkpoint.load_model(cfg.init_from, cfg.out_dir)
     eot = tok.eot_token if cfg.stop_at_eot else None
     if cfg.stop_at_eot and eot is None:
         raise UserError("stop_at_eot=True needs an end-of-text token, and this checkpoint's char vocabulary has "
                         "none; use --stop_at_eot=False")
     text = read_prompt(cfg.start)
     context = encode_prompt(tok, text, model.config.block_size, cfg.truncate_prompt)
-    shift = window_shift(cfg, model.config.block_size)
+    try:
+        shift = window_shift(cfg.window_shift, model.config.block_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     if len(tok.encode(text)) > len(context):
         print(f"note: kept the prompt's last {len(context)} tokens (--truncate_prompt=True)", file=sys.stderr)
     shown_prompt = tok.decode(context) if text else ""  # not the <|endoftext|> an empty prompt starts from
 
-    model = prepare_model(model, rt, cfg.compile)
+    model = runtime.inference_model(model, rt, cfg.compile)
     print(f"sampling from {source}: {model.get_num_params() / 1e6:.2f}M parameters, "
           f"{tok.meta()['tokenizer']} tokenizer, {rt.device} {rt.dtype}", file=sys.stderr)
 

@@ -32,12 +32,13 @@ from typing import Any, AsyncIterator, Sequence
 
 import torch
 
-from core import checkpoint, runtime
+from core import runtime
+from core.checkpoint import load_model
 from core.chat import ChatTemplate
 from core.config import parse_args
 from core.errors import UserError, first_line, run_cli
-from core.tokenizer import GPT2Tokenizer, StreamDecoder, Tokenizer, tokenizer_from_meta
-from model import GPT, GPT2_HUB_NAMES
+from core.tokenizer import StreamDecoder, Tokenizer
+from model import GPT, GPT2_HUB_NAMES, Sampling, window_shift
 
 API_KEY_ENV = "SERVE_API_KEY"
 PAGE = Path(__file__).with_name("serve.html")
@@ -74,39 +75,12 @@ class ServeConfig:
 
 
 # -----------------------------------------------------------------------------
-# the model
-
-
-def load_model(init_from: str, out_dir: str) -> tuple[GPT, Tokenizer, str]:
-    """The model, its tokenizer and a description of where they came from.
-    TODO(core.checkpoint.load_model): this thin copy goes once the shared loader lands."""
-    if init_from != "resume":
-        tok = GPT2Tokenizer()
-        try:
-            return GPT.from_pretrained(init_from), tok, init_from
-        except (OSError, ValueError) as e:
-            raise UserError(f"could not load GPT-2 weights '{init_from}': {first_line(e)}") from None
-    path = Path(out_dir) / checkpoint.CKPT_NAME
-    if not path.exists():
-        raise UserError(f"no checkpoint in {out_dir}: {path} not found; train one first or pass --out_dir=...")
-    state = checkpoint.load_checkpoint(path)
-    meta = state["meta"]
-    if not isinstance(meta.get("tokenizer"), dict):
-        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be decoded")
-    tok = tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
-    try:
-        model = checkpoint.model_from_checkpoint(state, dropout=0.0)
-    except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
-    return model, tok, f"{path} (iter {meta.get('iter_num')})"
-
-
-# -----------------------------------------------------------------------------
 # the engine: one worker thread decoding every running request in turn
 
 
 @dataclasses.dataclass
-class Sampling:
+class Params:
+    """One request's generation settings, checked."""
     max_tokens: int
     temperature: float
     top_k: int | None
@@ -159,12 +133,13 @@ class Engine:
     def stop(self) -> None:
         self.stopping.set()
 
-    def submit(self, prompt: list[int], n: int, s: Sampling, eot: int | None) -> Job:
+    def submit(self, prompt: list[int], n: int, s: Params, eot: int | None) -> Job:
         """Queue n rows continuing prompt; generate_stream ends them early once each has produced eot."""
         idx = torch.tensor([prompt] * n, dtype=torch.long, device=self.device)  # (n, T)
         generator = torch.Generator(device=self.device).manual_seed(s.seed)
-        tokens = self.model.generate_stream(idx, s.max_tokens, s.temperature, s.top_k, s.top_p, generator=generator,
-                                            eot_token=eot, window_shift=self.window_shift, vocab_size=self.vocab_size)
+        sampling = Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=generator,
+                            eot_token=eot, window_shift=self.window_shift, vocab_size=self.vocab_size)
+        tokens = self.model.generate_stream(idx, s.max_tokens, sampling)
         job = Job(tokens, asyncio.get_running_loop())
         if self.stopping.is_set():
             raise ServerStopping()
@@ -240,7 +215,7 @@ class Row:
         return 0
 
 
-def generate(engine: Engine, tok: Tokenizer, prompt: list[int], n: int, s: Sampling, stops: list[str],
+def generate(engine: Engine, tok: Tokenizer, prompt: list[int], n: int, s: Params, stops: list[str],
              stop_ids: set[int], eot: int | None) -> tuple[list[Row], AsyncIterator[tuple[int, str]]]:
     """Queue the prompt's n rows now; return them and an iterator of (row index, new text) as they grow.
     A row's last piece comes when its finish reason is set (the piece may be empty)."""
@@ -301,7 +276,11 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     from starlette.exceptions import HTTPException
 
     block_size = model.config.block_size
-    engine = Engine(model, device, min(cfg.window_shift or max(1, block_size // 2), block_size), tok.vocab_size)
+    try:
+        shift = window_shift(cfg.window_shift, block_size)
+    except ValueError as e:
+        raise UserError(f"--window_shift: {e}") from None
+    engine = Engine(model, device, shift, tok.vocab_size)
     template = ChatTemplate.for_tokenizer(tok)
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     created = int(time.time())
@@ -409,7 +388,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
             raise APIError(400, f"model '{req.model}' is not served here; this server serves '{name}' "
                                 f"(GET /v1/models)", "model", "model_not_found")
 
-    def sampling(req: Common, default_max: int) -> tuple[Sampling, list[str]]:
+    def params(req: Common, default_max: int) -> tuple[Params, list[str]]:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = default_max if max_tokens is None else max_tokens
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
@@ -429,7 +408,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         if not 0 <= seed < 2 ** 64:
             raise APIError(400, f"seed must be in 0..2**64-1, got {seed}", "seed")
-        return Sampling(max_tokens, req.temperature, req.top_k, None if req.top_p == 1 else req.top_p, seed), stops
+        return Params(max_tokens, req.temperature, req.top_k, None if req.top_p == 1 else req.top_p, seed), stops
 
     def encode(text: str, param: str) -> list[int]:
         try:
@@ -472,7 +451,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def pieces(prompts: list[list[int]], n: int, s: Sampling, stops: list[str], stop_ids: set[int],
+    async def pieces(prompts: list[list[int]], n: int, s: Params, stops: list[str], stop_ids: set[int],
                      eot: int | None, rows: list[Row]) -> AsyncIterator[tuple[int, str, Row]]:
         """Every prompt's n rows, all queued at once: (choice index, new text, its row); rows fills up."""
         started = [generate(engine, tok, p, n, s, stops, stop_ids, eot) for p in prompts]
@@ -485,7 +464,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
             for _, its_pieces in started:
                 await its_pieces.aclose()
 
-    def reply(req: Common, prompts: list[list[int]], s: Sampling, stops: list[str], stop_ids: set[int],
+    def reply(req: Common, prompts: list[list[int]], s: Params, stops: list[str], stop_ids: set[int],
               eot: int | None, chat: bool):
         kind = "chat.completion" if chat else "text_completion"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
@@ -557,7 +536,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(req: CompletionRequest):
         check_model(req)
-        s, stops = sampling(req, default_max=16)  # OpenAI's default for completions
+        s, stops = params(req, default_max=16)  # OpenAI's default for completions
         prompts = prompts_of(req)
         eot = tok.eot_token
         result = reply(req, prompts, s, stops, set() if eot is None else {eot}, eot, chat=False)
@@ -574,7 +553,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
         except UserError as e:
             raise APIError(400, str(e), "messages") from None
         prompt = check_length(prompt, "messages")
-        s, stops = sampling(req, default_max=max(1, min(cfg.max_tokens_limit, block_size - len(prompt))))
+        s, stops = params(req, default_max=max(1, min(cfg.max_tokens_limit, block_size - len(prompt))))
         result = reply(req, [prompt], s, stops, template.stop_tokens, template.end_of_turn, chat=True)
         return result if isinstance(result, StreamingResponse) else await result
 
@@ -605,10 +584,7 @@ def main(argv: Sequence[str]) -> None:
     cfg = parse_args(ServeConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
     model, tok, source = load_model(cfg.init_from, cfg.out_dir)
-    if tok.vocab_size > model.config.vocab_size:
-        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
-                        f"{model.config.vocab_size}; they do not belong together")
-    model = model.eval().to(rt.device, rt.ptdtype)
+    model = runtime.inference_model(model, rt)  # as sample.py: weights cast once, float32 next-token logits
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if cfg.init_from == "resume" else cfg.init_from)
     app = build_app(model, tok, cfg, name, rt.device)
     has_key = bool(cfg.api_key or os.environ.get(API_KEY_ENV))

@@ -1,7 +1,7 @@
 # The modern recipe as overrides that compose after any config:
 #     python train.py config/train_shakespeare_char_cpu.py config/modern.py
-# Each switch kept here helped when switched on alone against classic GPT-2 in compare_recipe.py
-# (CPU quick start, 2,000 iterations, whole-val-split loss; classic 1.892; README "Modern recipe").
+# Each switch kept here helped when switched on alone against classic GPT-2 in scripts/compare_recipe.py
+# (CPU quick start, 2,000 iterations, whole-val-split loss; classic 1.892; docs/recipe.md).
 
 pos_embedding = "rope"  # alone: 1.791 (-0.101), 1.06x ms/iter; relative positions, no wpe table
 qk_norm = True          # alone: 1.844 (-0.048); bounded scores, so Muon's large steps stay stable

@@ -41,9 +41,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
-from core import optim
+from core import optim, parallel
 from core.errors import UserError, first_line
 from core.fileio import atomic_path, fsync_dir, remove_orphaned_temps, write_json
+from core.runtime import Runtime
+from core.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
 from model import GPT, GPTConfig
 
 FORMAT = "nanogpt-checkpoint/1"
@@ -165,6 +167,127 @@ def model_from_checkpoint(state: dict[str, Any], **overrides) -> GPT:
     if state["model"] is not None:  # None: a sharded checkpoint, loaded after sharding (load_sharded)
         model.load_state_dict(state["model"])
     return model
+
+
+# -----------------------------------------------------------------------------
+# saving from a training run, and loading a model for sampling, evaluation, plots
+
+
+def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module, optimizer, scaler, rt: Runtime,
+         sharded: bool) -> Path | None:
+    """Save a training run's checkpoint; every rank calls it. Returns the path written (None on ranks other than 0).
+
+    `model` is the plain module (never the compiled or DDP-wrapped one). Non-finite weights are refused, so the
+    last good checkpoint stays. Unsharded, rank 0 writes ckpt.pt and the other ranks wait for it and fail with
+    it; sharded (fsdp), every rank writes its own shards into ckpt.dcp.
+    """
+    if not all_finite(model, rt):
+        raise UserError(f"the model has non-finite weights at iter {meta['iter_num']}; not saving over the last "
+                        f"good checkpoint in {out_dir}")
+    rng = gather_rng(rt)  # collective: every rank takes part
+    if sharded:
+        return _saving(out_dir, save_sharded, out_dir, meta, model, optimizer, rng)
+    return rt.on_master(lambda: _saving(out_dir, save_checkpoint, out_dir, meta, model.state_dict(),
+                                        optimizer.state_dict(), scaler.state_dict(), rng))
+
+
+def _saving(out_dir, write, *args) -> Path:
+    try:
+        return write(*args)
+    except OSError as e:
+        raise UserError(f"could not save a checkpoint in {out_dir}: {e.strerror or e}; "
+                        f"the previous checkpoint is intact") from None
+
+
+def all_finite(module: torch.nn.Module, rt: Runtime) -> bool:
+    """Whether every weight is finite, on every rank (fsdp: each holds a shard, so all must agree)."""
+    finite = all(bool(torch.isfinite(parallel.local(p)).all()) for p in module.parameters())
+    if not parallel.is_sharded(module):
+        return finite
+    flag = torch.tensor(float(finite), device=rt.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def gather_rng(rt: Runtime) -> dict:
+    """Every rank's RNG states (dropout draws from them), collected on each rank."""
+    states = {"cpu": torch.get_rng_state()}
+    if rt.device_type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(rt.device)
+    if not rt.ddp:
+        return {k: [v] for k, v in states.items()}
+    comm_device = rt.device if rt.device_type == "cuda" else "cpu"
+    gathered = {}
+    for key, state in states.items():
+        parts = [torch.empty_like(state, device=comm_device) for _ in range(rt.world_size)]
+        dist.all_gather(parts, state.to(comm_device))
+        gathered[key] = [p.cpu() for p in parts]
+    return gathered
+
+
+def restore_rng(rng: dict | None, rt: Runtime, log) -> None:
+    saved = len(rng["cpu"]) if rng else 0
+    if saved != rt.world_size:
+        log(f"note: the checkpoint was saved by {saved or 'an unknown number of'} process(es), this run has "
+            f"{rt.world_size}: each iteration reads the same global batch (from seed and iteration), but dropout "
+            f"draws are re-seeded, so losses will not repeat the first run's bit for bit")
+        return
+    torch.set_rng_state(rng["cpu"][rt.rank])
+    if rt.device_type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
+
+
+def load_model(init_from: str, out_dir: str | os.PathLike) -> tuple[GPT, Tokenizer, str]:
+    """(model, tokenizer, one line naming the source), on the CPU: the one loader of every script.
+
+    init_from="resume" reads out_dir's ckpt.pt (or the fsdp run's ckpt.dcp) with the tokenizer it was
+    trained with; a GPT-2 hub name or a save_pretrained directory loads those weights with GPT-2's BPE.
+    Raises UserError, in one line, on any problem.
+    """
+    if init_from == "resume":
+        model, tok, source = _load_resume(Path(out_dir))
+    else:
+        model, tok, source = _load_pretrained(init_from)
+    if tok.vocab_size > model.config.vocab_size:
+        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
+                        f"{model.config.vocab_size}; they do not belong together")
+    return model, tok, source
+
+
+def _load_resume(out_dir: Path) -> tuple[GPT, Tokenizer, str]:
+    """The model and tokenizer of out_dir/ckpt.pt, exactly that file: a damaged one is an error."""
+    path, prev = out_dir / CKPT_NAME, out_dir / PREV_NAME
+    if not path.exists() and (out_dir / SHARDED_NAME).exists():  # saved by --parallel=fsdp
+        path, prev = out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME
+    # ckpt.prev.pt is the complete checkpoint saved before ckpt.pt; name it rather than silently
+    # loading an older model than the user thinks.
+    hint = f"; {prev} holds the checkpoint saved before it: copy it to {path} to use it" if prev.exists() else ""
+    if not path.exists():
+        raise UserError(f"no checkpoint in {out_dir}: {path} not found; train one first "
+                        f"(python train.py ... --out_dir={out_dir}) or pass --out_dir=...{hint}")
+    try:
+        state = load_checkpoint(path)
+    except UserError as e:
+        raise UserError(f"{e}{hint}") from None
+    meta = state["meta"]
+    if not isinstance(meta.get("tokenizer"), dict):
+        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be decoded")
+    tok = tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
+    try:
+        model = model_from_checkpoint(state, dropout=0.0)
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
+    return model, tok, f"{path} (iter {meta.get('iter_num')})"
+
+
+def _load_pretrained(name_or_dir: str) -> tuple[GPT, Tokenizer, str]:
+    """GPT-2 weights (a hub name, or a save_pretrained directory) and GPT-2's BPE."""
+    tok = GPT2Tokenizer()  # first: without the BPE file there is nothing to decode with
+    try:
+        model = GPT.from_pretrained(name_or_dir)
+    except (OSError, ValueError) as e:  # offline, unknown name, not a GPT-2 directory, unsupported variant
+        raise UserError(f"could not load GPT-2 weights '{name_or_dir}': {first_line(e)}") from None
+    return model, tok, name_or_dir
 
 
 # -----------------------------------------------------------------------------

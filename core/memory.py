@@ -104,7 +104,7 @@ FITS_FRACTION = 0.9  # of a GPU's memory: room for the CUDA context, workspaces 
 def gpu_training_memory(config, parallel: str, world_size: int, micro_batch: int,
                         activation_checkpointing: bool = False) -> MemoryEstimate:
     """Bytes per GPU to train `config` with AdamW on micro_batch sequences of block_size tokens, as
-    train.py runs it on CUDA with dtype=bfloat16 (README "Which GPT-2 fits where").
+    train.py runs it on CUDA with dtype=bfloat16 (docs/sharding.md, "Which GPT-2 fits where").
 
     Assumes float32 weights and gradients and AdamW's two float32 moments (16 bytes per parameter:
     ddp all of it on every GPU, fsdp 1/world_size), bf16 compute (autocast under ddp, fsdp's

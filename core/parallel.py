@@ -111,7 +111,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 # -----------------------------------------------------------------------------
-# memory accounting, for bench.py and the README's table
+# memory accounting, for bench.py and docs/performance.md's table
 
 
 def local_bytes(tensors) -> int:

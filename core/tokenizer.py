@@ -10,6 +10,7 @@ metadata's "special_tokens" ({"<|user|>": 50258, ...}). encode() never produces 
 special token puts its id in (core/chat.py). decode() writes a special id as its name.
 """
 import functools
+from pathlib import Path
 from typing import Protocol
 
 from core.errors import UserError
@@ -183,3 +184,66 @@ def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
 def _specials(meta: dict, n_ordinary: int, source: str) -> dict[str, int] | None:
     special = meta.get("special_tokens")
     return None if special is None else check_special_tokens(special, n_ordinary, source)
+
+
+# -----------------------------------------------------------------------------
+# tokenizer metadata: what a checkpoint keeps of its dataset's meta.json
+
+
+def tokenizer_meta(meta: dict) -> dict:
+    """The part of a dataset's meta.json that rebuilds its tokenizer (copied into every checkpoint)."""
+    return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos", "stoi", "eot_token", "special_tokens")
+            if k in meta}
+
+
+def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
+    """A trained model must read the dataset through the tokenizer it was trained with."""
+    if tok == tokenizer_meta(data_meta):
+        return
+    kind, vocab = data_meta.get("tokenizer"), data_meta.get("vocab_size")
+    if (tok.get("tokenizer"), tok.get("vocab_size")) != (kind, vocab):
+        raise UserError(f"the dataset in {data_dir} uses tokenizer {kind!r} with vocab {vocab}, but the checkpoint "
+                        f"was trained on {tok.get('tokenizer')!r} with vocab {tok.get('vocab_size')}; use the same dataset")
+    # e.g. two character vocabularies of the same size
+    raise UserError(f"the dataset in {data_dir} maps tokens differently from the checkpoint's {kind!r} vocabulary "
+                    "of the same size; use the dataset it was trained on")
+
+
+# -----------------------------------------------------------------------------
+# prompts (sample.py, plot.py)
+
+
+def read_prompt(start: str) -> str:
+    """The prompt text: `start` itself, or the contents of the file named by `FILE:path`."""
+    if not start.startswith("FILE:"):
+        return start
+    path = Path(start[len("FILE:"):])
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"prompt file '{path}' is not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"cannot read prompt file '{path}' (--start=FILE:{path}): {e.strerror}") from None
+
+
+def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = False) -> list[int]:
+    """The prompt's token ids: at least one, at most block_size (the model's context).
+
+    An empty prompt starts from <|endoftext|> where the tokenizer has one (how GPT-2 samples
+    unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens.
+    """
+    try:
+        ids = tok.encode(text)
+    except UserError as e:  # a char vocabulary names the characters it lacks
+        raise UserError(f"the prompt cannot be encoded: {e}") from None
+    if not ids:
+        if tok.eot_token is None:
+            raise UserError("the prompt is empty and this vocabulary has no <|endoftext|> to start from; "
+                            "pass some text with --start=...")
+        return [tok.eot_token]
+    if len(ids) > block_size:
+        if not truncate:
+            raise UserError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size}; "
+                            f"shorten it, or pass --truncate_prompt=True to keep its last {block_size} tokens")
+        ids = ids[-block_size:]
+    return ids

@@ -12,6 +12,7 @@ use_gpt2_bpe() points at the shared cache beside the repo. It fails where that c
 but does not load, and skips (saying why) only where no cache exists; needs_transformers() likewise.
 """
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -85,7 +86,7 @@ def needs_transformers():
 
 def make_char_dataset(data_dir, text: str, val_fraction: float = 0.1) -> dict:
     """A character-level dataset of `text` in data_dir (train.bin, val.bin, meta.json); returns meta."""
-    from core.data import write_dataset
+    from core.prepare import write_dataset
     from core.tokenizer import CharTokenizer
 
     tok = CharTokenizer.from_text(text)
@@ -98,7 +99,7 @@ def make_gpt2_dataset(data_dir, documents: list[str], val_documents: list[str] |
 
     val_documents defaults to the training documents. Call use_gpt2_bpe() first.
     """
-    from core.data import write_dataset
+    from core.prepare import write_dataset
     from core.tokenizer import GPT2Tokenizer
 
     tok = GPT2Tokenizer()
@@ -107,6 +108,19 @@ def make_gpt2_dataset(data_dir, documents: list[str], val_documents: list[str] |
         return [i for doc in docs for i in tok.encode(doc) + [tok.eot_token]]
 
     return write_dataset(data_dir, tok.meta(), {"train": ids(documents), "val": ids(val_documents or documents)})
+
+
+def char_data_fixture(text: str):
+    """A module-scoped fixture named data_dir: a char dataset of `text` in a temporary folder.
+
+        data_dir = char_data_fixture(TEXT)   # in a test module; tests then take data_dir as usual
+    """
+    @pytest.fixture(scope="module")
+    def data_dir(tmp_path_factory):
+        d = tmp_path_factory.mktemp("data")
+        make_char_dataset(d, text)
+        return d
+    return data_dir
 
 
 def train_tiny(out_dir, data_dir, **overrides) -> Path:
@@ -233,3 +247,33 @@ def flip_a_weight_bit(path) -> None:
     name_len, extra_len = struct.unpack("<HH", data[record.header_offset + 26: record.header_offset + 30])
     data[record.header_offset + 30 + name_len + extra_len + record.file_size // 2] ^= 0x10
     Path(path).write_bytes(data)
+
+
+TIMINGS = ("ms", "tok_per_s", "mfu")  # the fields of a log record that depend on the machine's speed
+
+
+def records(out_dir, timings: bool = True) -> list[dict]:
+    """Every record of out_dir/log.jsonl in file order; timings=False leaves out TIMINGS."""
+    lines = (Path(out_dir) / "log.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if timings or k not in TIMINGS} for line in lines]
+
+
+def losses(out_dir) -> list[tuple[int, float]]:
+    """(iter, training loss) of each training record in out_dir/log.jsonl, in file order: an iteration logged
+    twice (log.jsonl not trimmed on resume) shows twice; dict(losses(d)) keeps the later record."""
+    return [(r["iter"], r["loss"]) for r in records(out_dir) if "loss" in r]
+
+
+def spy_optimizer_steps(monkeypatch, after=None) -> list:
+    """Record each AdamW update train.py's loop makes (its `scaler.step(optimizer)`): returns a list that
+    gets one entry (the optimizer) per update; `after(optimizer, n)` then runs with n updates done."""
+    real_step, steps = torch.optim.AdamW.step, []
+
+    def step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        steps.append(self)
+        if after is not None:
+            after(self, len(steps))
+        return result
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return steps

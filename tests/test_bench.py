@@ -145,7 +145,7 @@ def scripted(values):
 def test_train_rows_tokens_mfu_and_compile_ratio(tmp_path, monkeypatch):
     """Step times 0.5 s (eager) and 0.2 s (compiled), a 1 TFLOP/s peak: the figures follow by arithmetic."""
     monkeypatch.setattr(bench, "median_time", scripted([0.5, 0.2]))
-    monkeypatch.setattr(bench.runtime, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
+    monkeypatch.setattr(bench.flops, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
     monkeypatch.setattr(bench.torch, "compile", lambda model: model)  # the compiled row, without a compiler
     cfg = bench.load_config(tiny_argv(tmp_path, compile=True))
     with one_thread():

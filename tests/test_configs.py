@@ -17,7 +17,7 @@ import torch
 import train
 from core import config as configlib
 from core.checkpoint import load_checkpoint
-from tests.helpers import (REPO_ROOT, make_char_dataset, make_gpt2_dataset, needs_transformers, run_main,
+from tests.helpers import (REPO_ROOT, make_char_dataset, make_gpt2_dataset, needs_transformers, records, run_main,
                            use_gpt2_bpe)
 
 CONFIGS = sorted((REPO_ROOT / "config").glob("*.py"))
@@ -94,17 +94,17 @@ def test_config_runs_a_few_steps(path, tmp_path, datasets, request):
     result = run_main(train.main, [*config_files(path), *(f"--{k}={v}" for k, v in overrides.items())])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
-    records = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
-    evals = [r for r in records if "val_loss" in r]
+    logged = records(tmp_path / "out")
+    evals = [r for r in logged if "val_loss" in r]
     assert evals and all(torch.isfinite(torch.tensor(r["val_loss"])) for r in evals)
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     for key, value in configlib.to_dict(cfg).items():  # the file's own settings survive, only sizes changed
         if key not in overrides:
             assert written[key] == value, key
     if cfg.eval_only:
-        assert [r["iter"] for r in records] == [0] and not (tmp_path / "out" / "ckpt.pt").exists()
+        assert [r["iter"] for r in logged] == [0] and not (tmp_path / "out" / "ckpt.pt").exists()
         return
-    assert [r["iter"] for r in records if "loss" in r] == [0, 1]
+    assert [r["iter"] for r in logged if "loss" in r] == [0, 1]
     meta = load_checkpoint(tmp_path / "out" / "ckpt.pt")["meta"]
     assert meta["iter_num"] == 2 and meta["model_args"]["block_size"] == 16
     if cfg.init_from != "scratch":

@@ -4,7 +4,6 @@ resume with another process count, and dist_timeout_s ending a job whose peer ha
 
     python -m pytest tests/test_ddp.py
 """
-import json
 import os
 import signal
 import time
@@ -15,27 +14,16 @@ import torch
 
 import train
 from core.checkpoint import load_checkpoint
-from tests.helpers import TINY_TRAIN, child_pids, make_char_dataset, process_env, run_main, train_tiny
+from tests.helpers import TINY_TRAIN, char_data_fixture, child_pids, process_env, records, run_main, train_tiny
 from tests.test_faults import TORCHRUN, last_logged_iter, start_train, stop_job, wait_for
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
-TIMINGS = ("ms", "tok_per_s", "mfu")  # what depends on the machine's speed
 # 8 micro-batches per iteration: 4 per rank under 2 processes.
 MULTI_MICRO = dict(gradient_accumulation_steps=8, batch_size=4, max_iters=6, lr_decay_iters=6, log_interval=1,
                    eval_interval=3, eval_iters=4, dist_timeout_s=60.0)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
-
-
-def records(out_dir) -> list[dict]:
-    """Every log.jsonl record in file order, without the timing fields."""
-    lines = (Path(out_dir) / "log.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in lines]
+data_dir = char_data_fixture(TEXT)
 
 
 def run_job(tmp_path, name: str, data_dir, timeout: float = 180, **cfg) -> Path:
@@ -61,7 +49,7 @@ def test_two_ranks_of_four_micro_steps_match_one_process_of_eight(tmp_path, data
         "saved checkpoint at iter 3", "saved checkpoint at iter 6"]
     assert load_checkpoint(ddp / "ckpt.pt")["meta"]["world_size"] == 2
     train_tiny(tmp_path / "single", data_dir, **MULTI_MICRO)
-    d, s = records(ddp), records(tmp_path / "single")
+    d, s = records(ddp, timings=False), records(tmp_path / "single", timings=False)
     assert [r["iter"] for r in d] == [r["iter"] for r in s] == [0, 0, 1, 2, 3, 3, 4, 5, 6]
     for rd, rs in zip(d, s):
         assert rd.keys() == rs.keys()
@@ -95,7 +83,7 @@ def test_two_ranks_with_dropout_killed_and_resumed_equal_the_uninterrupted_run(t
     assert killed_at < DROPOUT_RUN["max_iters"]
     run_job(tmp_path, "killed", data_dir, **DROPOUT_RUN, init_from="resume")
     assert f"at iter {killed_at}" in (tmp_path / "killed.out").read_text()
-    assert records(out) == records(reference)
+    assert records(out, timings=False) == records(reference, timings=False)
     final, ref = load_checkpoint(out / "ckpt.pt"), load_checkpoint(reference / "ckpt.pt")
     for name, tensor in ref["model"].items():
         assert torch.equal(tensor, final["model"][name]), name
@@ -105,7 +93,7 @@ def test_two_ranks_with_dropout_killed_and_resumed_equal_the_uninterrupted_run(t
     assert result.returncode == 0, result.stderr
     assert "note: the checkpoint was saved by 2 process(es), this run has 1" in result.stdout
     assert "1 process(es)" in result.stdout
-    assert [r["iter"] for r in records(out) if "loss" in r] == list(range(14))
+    assert [r["iter"] for r in records(out, timings=False) if "loss" in r] == list(range(14))
     assert load_checkpoint(out / "ckpt.pt")["meta"]["world_size"] == 1
 
 

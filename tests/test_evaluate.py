@@ -19,8 +19,8 @@ from core import evaluate
 from core.data import TokenData
 from core.errors import UserError
 from core.tokenizer import CharTokenizer
-from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, needs_transformers, run_main,
-                           run_script, train_tiny, use_gpt2_bpe)
+from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, needs_transformers, records,
+                           run_main, run_script, train_tiny, use_gpt2_bpe)
 
 TEXT = "the cat sat on the mat. the dog ate the bone. a bird sang in the tree. " * 30
 # Right endings follow their context in TEXT; the wrong ones are words of TEXT that never follow it there.
@@ -41,8 +41,8 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
     make_char_dataset(tmp / "data", TEXT, val_fraction=0.1)
     train_tiny(tmp / "out", tmp / "data", max_iters=120, lr_decay_iters=120, eval_interval=120)
-    from sample import load_resume
-    model, tok, _ = load_resume(tmp / "out")
+    from core.checkpoint import load_model
+    model, tok, _ = load_model("resume", tmp / "out")
     model.eval().save_pretrained(tmp / "hf")
     hf = needs_transformers().GPT2LMHeadModel.from_pretrained(tmp / "hf").eval()
     return tmp / "out", tmp / "data", model, tok, hf
@@ -231,7 +231,7 @@ def test_hellaswag_inside_training_is_logged(run, tmp_path):
     path = write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)
     train_tiny(tmp_path / "out", data_dir, max_iters=120, lr_decay_iters=120, eval_interval=60,
                hellaswag_file=str(path))
-    evals = [r for r in map(json.loads, (tmp_path / "out" / "log.jsonl").read_text().splitlines()) if "val_loss" in r]
+    evals = [r for r in records(tmp_path / "out") if "val_loss" in r]
     assert [r["iter"] for r in evals] == [0, 60, 120]
     assert all(0.0 <= r["hellaswag_acc"] <= 1.0 and 0.0 <= r["hellaswag_acc_norm"] <= 1.0 for r in evals)
     assert evals[-1]["hellaswag_acc_norm"] == 1.0  # the same training as the fixture's model, which gets all 5

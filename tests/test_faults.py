@@ -26,20 +26,13 @@ import torch
 
 import model as modellib
 import train
-from core import checkpoint
+from core import checkpoint, runlog
 from core.checkpoint import load_checkpoint
 from core.errors import UserError
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, child_pids, flip_a_weight_bit,
-                           make_char_dataset, process_env, run_main, train_tiny)
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
+                           flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
-
-
-def losses(out_dir) -> list[tuple[int, float]]:
-    """(iter, training loss) of each record in out_dir/log.jsonl, in file order: an iteration logged twice
-    (log.jsonl not trimmed on resume) shows twice, and comparing two runs' lists compares every record."""
-    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    return [(r["iter"], r["loss"]) for r in records if "loss" in r]
 
 
 def train_argv(**cfg) -> list[str]:
@@ -87,11 +80,7 @@ def temp_files(out_dir, pid: int | None = None, prefix: str = ".") -> list[str]:
     return [n for n in names if n.startswith(prefix) and ".tmp-" in n and (pid is None or n.endswith(f".tmp-{pid}"))]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 # --- SIGKILL -----------------------------------------------------------------------------------
@@ -303,7 +292,7 @@ def test_nonfinite_loss_stops_before_the_optimizer_step(tmp_path, data_dir, monk
     and the value in one line, no optimizer step on it, and the checkpoint saved just before it
     (iteration 5) byte for byte as it was written."""
     bad_iter, forward = 5, modellib.GPT.forward
-    calls = {"train_forward": 0, "optimizer_step": 0}
+    calls = {"train_forward": 0}
 
     def forward_with_nan_at_bad_iter(self, idx, targets=None, **kwargs):
         logits, loss = forward(self, idx, targets, **kwargs)
@@ -313,18 +302,12 @@ def test_nonfinite_loss_stops_before_the_optimizer_step(tmp_path, data_dir, monk
             calls["train_forward"] += 1
         return logits, loss
 
-    optimizer_step = train.optimizer_step
-
-    def counted_optimizer_step(*args):
-        calls["optimizer_step"] += 1
-        return optimizer_step(*args)
-
     saved = record_saves(monkeypatch)
+    steps = spy_optimizer_steps(monkeypatch)
     monkeypatch.setattr(modellib.GPT, "forward", forward_with_nan_at_bad_iter)
-    monkeypatch.setattr(train, "optimizer_step", counted_optimizer_step)
     result = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, max_iters=20, checkpoint_interval=1))
     assert_user_error(result, "loss is nan at iter 5", "stopped before the optimizer step")
-    assert calls["optimizer_step"] == bad_iter  # iterations 0..4 stepped; 5 did not
+    assert len(steps) == bad_iter  # iterations 0..4 stepped; 5 did not
     assert (tmp_path / "ckpt.pt").read_bytes() == saved[-1]
     state = load_checkpoint(tmp_path / "ckpt.pt")
     assert state["meta"]["iter_num"] == bad_iter
@@ -372,7 +355,7 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, data_dir, reference_1
         monkeypatch.setattr(os, "link", link_unsupported)
         monkeypatch.setattr(shutil, "copyfile", copy_fills_disk)
     else:
-        monkeypatch.setattr(train, "open", open_log_fills_disk, raising=False)
+        monkeypatch.setattr(runlog, "open", open_log_fills_disk, raising=False)  # the log's one home
     result = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, **SHORT_RUN))
     assert_user_error(result, "No space left on device")
     if where != "log":

@@ -29,8 +29,8 @@ import bench
 from core import checkpoint, parallel
 from core.errors import UserError
 from model import GPT, GPTConfig
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, child_pids, make_char_dataset,
-                           run_main, run_scripts, train_tiny)
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
+                           losses, make_char_dataset, run_main, run_scripts, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -42,11 +42,6 @@ RUN = dict(n_layer=2, n_head=2, n_embd=32, gradient_accumulation_steps=4, batch_
 
 def argv(out_dir, data_dir, **cfg) -> list[str]:
     return [f"--{k}={v}" for k, v in (TINY_TRAIN | RUN | {"out_dir": out_dir, "data_dir": data_dir} | cfg).items()]
-
-
-def losses(out_dir) -> dict[int, float]:
-    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    return {r["iter"]: r["loss"] for r in records if "loss" in r}
 
 
 def assert_close(a: dict, b: dict, iters) -> None:
@@ -61,11 +56,7 @@ def checked(results) -> list[subprocess.CompletedProcess]:
     return results
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +74,8 @@ def runs(tmp_path_factory, data_dir):
 
 @pytest.mark.slow
 def test_two_process_fsdp_equals_one_process_and_ddp(runs):
-    assert_close(losses(runs["fsdp2"]), losses(runs["fsdp1"]), range(20))
-    assert_close(losses(runs["fsdp2"]), losses(runs["ddp2"]), range(20))
+    assert_close(dict(losses(runs["fsdp2"])), dict(losses(runs["fsdp1"])), range(20))
+    assert_close(dict(losses(runs["fsdp2"])), dict(losses(runs["ddp2"])), range(20))
     # The shards of the two processes assemble into the whole model (what sample.py reads), equal to ddp's.
     sharded = checkpoint.load_checkpoint(runs["fsdp2"] / checkpoint.SHARDED_NAME)
     full = checkpoint.load_checkpoint(runs["ddp2"] / checkpoint.CKPT_NAME)
@@ -128,8 +119,8 @@ def test_resume_two_processes_into_one_and_one_into_two(runs, data_dir, tmp_path
                                [*TORCHRUN, "train.py", *argv(one_to_two, data_dir, **resume)], timeout=300))
     assert "saved by 2 process(es) and resumes on 1" in a.stdout, a.stdout
     assert "saved by 1 process(es) and resumes on 2" in b.stdout, b.stdout
-    assert_close(losses(two_to_one), losses(runs["fsdp2"]), range(20))
-    assert_close(losses(one_to_two), losses(runs["fsdp1"]), range(20))
+    assert_close(dict(losses(two_to_one)), dict(losses(runs["fsdp2"])), range(20))
+    assert_close(dict(losses(one_to_two)), dict(losses(runs["fsdp1"])), range(20))
 
 
 def kill_job(proc: subprocess.Popen) -> None:
@@ -193,7 +184,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
         text = (tmp_path / f"{name}.out").read_text()
         assert "resuming from" in text and "warning" not in text, text
     assert not temp.exists()
-    assert losses(out) == losses(runs["fsdp2"])
+    assert dict(losses(out)) == dict(losses(runs["fsdp2"]))
 
 
 @pytest.mark.slow
@@ -238,7 +229,7 @@ def test_activation_checkpointing_same_losses_less_activation_memory(tmp_path):
     make_char_dataset(data, TEXT)
     train_tiny(tmp_path / "plain", data, n_layer=2)
     train_tiny(tmp_path / "ckpt", data, n_layer=2, activation_checkpointing=True)
-    assert losses(tmp_path / "plain") == losses(tmp_path / "ckpt")
+    assert dict(losses(tmp_path / "plain")) == dict(losses(tmp_path / "ckpt"))
 
 
 # --- sharded checkpoint files (one process, in-process) -----------------------------------------

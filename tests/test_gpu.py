@@ -8,13 +8,12 @@ Each test runs `python train.py` / `python sample.py` as a user would, on a smal
   - sample.py's greedy text with the KV cache equal to the text without it, past the context window;
   - float16 training through the GradScaler, whose state is saved and resumed.
 """
-import json
 
 import pytest
 import torch
 
 from core.checkpoint import load_checkpoint
-from tests.helpers import make_char_dataset, run_script
+from tests.helpers import char_data_fixture, losses, records, run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -24,11 +23,7 @@ GPU_TRAIN = dict(n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=32, 
                  eval_interval=40, eval_iters=4, log_interval=1, dropout=0.0, device="cuda")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 def train(out_dir, data_dir, timeout=600, **cfg):
@@ -36,11 +31,6 @@ def train(out_dir, data_dir, timeout=600, **cfg):
     result = run_script("train.py", *args, timeout=timeout, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-def losses(out_dir) -> dict[int, float]:
-    records = [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
-    return {r["iter"]: r["loss"] for r in records if "loss" in r}
 
 
 def falls(trace: dict[int, float]) -> bool:
@@ -53,11 +43,10 @@ def test_bf16_compiled_training_loss_falls(tmp_path, data_dir):
     result = train(tmp_path, data_dir, dtype="bfloat16", compile=True)
     assert "on cuda:0 in bfloat16" in result.stdout
     assert "MFU against datasheet dense bfloat16" in result.stdout or "MFU not reported" in result.stdout
-    assert falls(losses(tmp_path)), losses(tmp_path)
+    assert falls(dict(losses(tmp_path))), dict(losses(tmp_path))
     state = load_checkpoint(tmp_path / "ckpt.pt")
     assert not [k for k in state["model"] if "_orig_mod" in k]
-    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    mfus = [r["mfu"] for r in records if r.get("mfu") is not None]
+    mfus = [r["mfu"] for r in records(tmp_path) if r.get("mfu") is not None]
     assert all(0 < m < 1 for m in mfus)
 
 
@@ -67,7 +56,7 @@ def test_exact_resume_on_the_gpu(tmp_path, data_dir):
     train(tmp_path / "a", data_dir, **common)
     train(tmp_path / "b", data_dir, **(common | dict(max_iters=10)))
     train(tmp_path / "b", data_dir, **(common | dict(init_from="resume")))
-    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    a, b = dict(losses(tmp_path / "a")), dict(losses(tmp_path / "b"))
     assert sorted(b) == list(range(16)) and a == b
 
 
@@ -87,7 +76,7 @@ def test_sample_cache_equals_no_cache_greedy(tmp_path, data_dir, dtype):
 
 def test_fp16_grad_scaler_training_and_resume(tmp_path, data_dir):
     train(tmp_path, data_dir, dtype="float16", compile=False, max_iters=40, lr_decay_iters=60, eval_interval=40)
-    assert falls(losses(tmp_path))
+    assert falls(dict(losses(tmp_path)))
     first = load_checkpoint(tmp_path / "ckpt.pt")["scaler"]
     assert first["scale"] > 0 and first["_growth_tracker"] >= 0
     train(tmp_path, data_dir, dtype="float16", compile=False, max_iters=50, lr_decay_iters=60, eval_interval=40,
@@ -95,4 +84,4 @@ def test_fp16_grad_scaler_training_and_resume(tmp_path, data_dir):
     second = load_checkpoint(tmp_path / "ckpt.pt")["scaler"]
     # growth_interval is 2000 steps: without an overflow the tracker counts on from the saved one
     assert second["scale"] < first["scale"] or second["_growth_tracker"] == first["_growth_tracker"] + 10
-    assert all(torch.isfinite(torch.tensor(v)) for v in losses(tmp_path).values())
+    assert all(torch.isfinite(torch.tensor(v)) for v in dict(losses(tmp_path)).values())

@@ -23,7 +23,7 @@ from core import checkpoint, evaluate, memory, runtime
 from core.data import TokenData
 from core.tokenizer import CharTokenizer
 from model import GPTConfig
-from tests.helpers import assert_user_error, make_char_dataset, run_main, run_scripts, train_tiny
+from tests.helpers import assert_user_error, char_data_fixture, losses, records, run_main, run_scripts, train_tiny
 
 TEXT = "the cat sat on the mat. the dog ate the bone. a bird sang in the tree. " * 30
 HELLASWAG = [  # 5 examples: 2 ranks score 3 + 2, one of them a spare it must not count
@@ -48,23 +48,11 @@ def write_hellaswag(path: Path) -> Path:
     return path
 
 
-def records(out_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-
-
-def losses(out_dir) -> dict[int, float]:
-    return {r["iter"]: r["loss"] for r in records(out_dir) if "loss" in r}
-
-
 def evals(out_dir) -> dict[int, dict]:
     return {r["iter"]: r for r in records(out_dir) if "val_loss" in r}
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 # -----------------------------------------------------------------------------
@@ -131,7 +119,7 @@ def test_sharded_resume_restores_both_muon_optimizers_and_keeps_new_learning_rat
     """A sharded checkpoint holds Muon's and AdamW's state (a MultiOptimizer, which DCP cannot see into
     by itself), and a resume runs at the learning rates it is given, exactly as a ckpt.pt resume does."""
     assert (resumed / "fsdp" / "ckpt.dcp").is_dir() and (resumed / "ddp" / "ckpt.pt").is_file()
-    fsdp, ddp = losses(resumed / "fsdp"), losses(resumed / "ddp")
+    fsdp, ddp = dict(losses(resumed / "fsdp")), dict(losses(resumed / "ddp"))
     assert sorted(fsdp) == sorted(ddp) == list(range(12))
     assert [fsdp[i] for i in range(12)] == [ddp[i] for i in range(12)]
 
@@ -203,7 +191,7 @@ def test_two_process_fsdp_modern_muon_with_hellaswag_equals_one_process(runs):
     """Muon on the DTensor shards equals Muon on the full matrices: the losses agree to float rounding
     (a per-shard orthogonalisation would be off by far more). The evals (eval_iters=3 over 2 ranks, 5
     HellaSwag examples over 2 ranks) ran on both ranks without a hang and agree with one process."""
-    two, one = losses(runs / "fsdp2"), losses(runs / "one")
+    two, one = dict(losses(runs / "fsdp2")), dict(losses(runs / "one"))
     assert sorted(two) == sorted(one) == list(range(10))
     for it in range(10):
         assert two[it] == pytest.approx(one[it], rel=1e-4, abs=1e-5), (it, two[it], one[it])
@@ -263,7 +251,7 @@ def test_muon_on_dtensor_shards_does_the_full_matrix_math(tmp_path):
 
 @pytest.mark.slow
 def test_two_process_fsdp_modern_muon_resumes_exactly(runs):
-    half, whole = losses(runs / "half"), losses(runs / "fsdp2")
+    half, whole = dict(losses(runs / "half")), dict(losses(runs / "fsdp2"))
     assert sorted(half) == list(range(10))
     assert [half[i] for i in range(10)] == [whole[i] for i in range(10)]
 
@@ -272,7 +260,7 @@ def test_two_process_fsdp_modern_muon_resumes_exactly(runs):
 def test_eval_and_sample_rebuild_the_variant_from_a_sharded_checkpoint(runs):
     """eval.py and sample.py read ckpt.dcp written by 2 processes, rebuild the recipe variant, and score
     it as the 1-process run's checkpoint scores; eval.py's HellaSwag equals the in-training figure."""
-    model, _, source = sample.load_resume(runs / "fsdp2")
+    model, _, source = checkpoint.load_model("resume", runs / "fsdp2")
     assert "ckpt.dcp" in source
     assert {k: getattr(model.config, k) for k in MODERN if hasattr(model.config, k)} == \
         {k: v for k, v in MODERN.items() if hasattr(model.config, k)}

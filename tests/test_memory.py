@@ -10,17 +10,13 @@ import bench
 import train
 from core import memory
 from model import GPT, GPT2_SHAPES, GPTConfig
-from tests.helpers import assert_user_error, make_char_dataset, run_main, run_scripts
+from tests.helpers import assert_user_error, char_data_fixture, run_main, run_scripts
 
 GPT2_SMALL_PARAMS = 124_439_808  # vocab 50257, bias, tied head (GPT-2's published count)
 TEXT = "To be, or not to be, that is the question.\n" * 40
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 def test_weights_grads_and_optimizer_of_gpt2_small():
@@ -105,7 +101,7 @@ def test_out_of_memory_errors_are_recognised():
 
 @pytest.mark.slow
 def test_a_model_or_block_size_that_cannot_fit_is_one_line(tmp_path, data_dir):
-    """The issue's command: the data check (before any model is built) refuses a block_size longer than
+    """The data check (before any model is built) refuses a block_size longer than
     the data; a model far too large for this machine is refused by the estimate, naming both sizes."""
     common = ["--device=cpu", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}"]
     long_block, huge_model = run_scripts(
@@ -145,18 +141,26 @@ def test_out_of_memory_at_build_is_one_line(tmp_path, data_dir, monkeypatch):
 
 
 def test_out_of_memory_at_the_first_step_is_one_line(tmp_path, data_dir, monkeypatch):
-    def oom(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    forward = GPT.forward
 
-    monkeypatch.setattr(train, "train_step", oom)
+    def oom(self, *args, **kwargs):  # the first training forward; the eval before it runs as it is
+        if self.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", oom)
     result = run_main(train.main, tiny_argv(tmp_path, data_dir))
     assert_user_error(result, "out of memory on cpu", "Tried to allocate 20.00 GiB", "intact")
 
 
 def test_other_runtime_errors_are_not_hidden(tmp_path, data_dir, monkeypatch):
-    def bug(*args):
-        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    forward = GPT.forward
 
-    monkeypatch.setattr(train, "train_step", bug)
+    def bug(self, *args, **kwargs):
+        if self.training:
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", bug)
     with pytest.raises(RuntimeError, match="mat1"):
         run_main(train.main, tiny_argv(tmp_path, data_dir))

@@ -7,7 +7,6 @@ path, the float16 GradScaler, torch.compile training, and what the training step
 The command line refuses bfloat16 and float16 on the CPU (slow there); these tests build the Runtime
 directly, so the code paths a GPU run takes are exercised here with the CPU's autocast and GradScaler.
 """
-import json
 import math
 
 import pytest
@@ -19,18 +18,14 @@ import train
 from core import runtime
 from core.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
-from tests.helpers import TINY_TRAIN, make_char_dataset, one_thread, train_tiny
+from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, train_tiny
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 BF16 = runtime.Runtime("cpu", "cpu", "bfloat16")
 FP16 = runtime.Runtime("cpu", "cpu", "float16")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 def run_train(rt, out_dir, data_dir, **overrides):
@@ -38,10 +33,6 @@ def run_train(rt, out_dir, data_dir, **overrides):
     cfg = train.TrainConfig(**(TINY_TRAIN | dict(out_dir=str(out_dir), data_dir=str(data_dir)) | overrides))
     with one_thread():
         train.train(cfg, rt)
-
-
-def log_records(out_dir):
-    return [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
 
 
 def test_bf16_autocast_training_step(tmp_path, data_dir, monkeypatch):
@@ -57,7 +48,7 @@ def test_bf16_autocast_training_step(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(GPT, "forward", spy)
     run_train(BF16, tmp_path, data_dir, max_iters=30, lr_decay_iters=30, log_interval=1)
     assert seen == {torch.bfloat16}
-    losses = [r["loss"] for r in log_records(tmp_path) if "loss" in r]
+    losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
     assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
     state = load_checkpoint(tmp_path / "ckpt.pt")
@@ -73,11 +64,11 @@ def trained(tmp_path_factory, data_dir):
 
 
 def test_bf16_decoding_through_sample_inference_path(trained):
-    """sample.prepare_model casts the weights once to bfloat16; the KV cache is bfloat16, the next-token
+    """runtime.inference_model casts the weights once to bfloat16; the KV cache is bfloat16, the next-token
     logits float32 (not rounded to bf16), and cached and uncached greedy decoding agree, past the
     context window too."""
     from core.checkpoint import model_from_checkpoint
-    model = sample.prepare_model(model_from_checkpoint(trained), BF16)
+    model = runtime.inference_model(model_from_checkpoint(trained), BF16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
     assert model.new_kv_cache(2).k.dtype == torch.bfloat16
     stoi = trained["meta"]["tokenizer"]["stoi"]
@@ -108,18 +99,25 @@ def test_fp16_grad_scaler_skips_an_inf_step_and_survives_resume(tmp_path, data_d
     """float16 with torch.amp.GradScaler("cpu"): an inf gradient at iteration 3 (an overflow in the
     backward pass) skips that update and halves the scale; the loss itself is finite, so training goes
     on. The checkpoint holds the lowered scale, and a resumed run starts from it (not from 2**16)."""
-    snapshots, real_step = {}, train.optimizer_step
-    calls = {"n": 0}
+    snapshots, calls = {}, {"n": 0, "before": None}
+    real_unscale, real_update = torch.amp.GradScaler.unscale_, torch.amp.GradScaler.update
 
-    def step_with_inf_at_3(model, optimizer, scaler, cfg):
-        it = calls["n"]
+    def params(optimizer):
+        return [p for g in optimizer.param_groups for p in g["params"]]
+
+    def unscale_with_inf_at_3(scaler, optimizer):  # train.py's loop: unscale_, clip, step, update
+        if calls["n"] == 3:
+            params(optimizer)[0].grad.view(-1)[0] = float("inf")
+        calls["before"] = (optimizer, [p.detach().clone() for p in params(optimizer)])
+        real_unscale(scaler, optimizer)
+
+    def update_and_record(scaler, *args):
+        real_update(scaler, *args)
+        optimizer, before = calls["before"]
+        snapshots[calls["n"]] = (all(torch.equal(a, p) for a, p in zip(before, params(optimizer))), scaler.get_scale())
         calls["n"] += 1
-        if it == 3:
-            next(model.parameters()).grad.view(-1)[0] = float("inf")
-        before = [p.detach().clone() for p in model.parameters()]
-        real_step(model, optimizer, scaler, cfg)
-        snapshots[it] = (all(torch.equal(a, p) for a, p in zip(before, model.parameters())), scaler.get_scale())
-    monkeypatch.setattr(train, "optimizer_step", step_with_inf_at_3)
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", unscale_with_inf_at_3)
+    monkeypatch.setattr(torch.amp.GradScaler, "update", update_and_record)
     assert FP16.grad_scaler().is_enabled()
     run_train(FP16, tmp_path, data_dir, max_iters=6, lr_decay_iters=10, grad_clip=1.0)
     assert snapshots[3] == (True, 2.0**15)  # skipped, scale halved from 2**16
@@ -135,30 +133,29 @@ def test_fp16_grad_scaler_skips_an_inf_step_and_survives_resume(tmp_path, data_d
     assert load_checkpoint(tmp_path / "ckpt.pt")["scaler"]["_growth_tracker"] == 4
 
 
-def test_training_step_does_not_hold_the_logits(data_dir):
-    """train_step keeps only the loss: its peak memory is below that of the same step holding the
-    (B, T, vocab) logits by at least the logits' size."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=4096, n_layer=1, n_head=2, n_embd=32))
-    rt = runtime.Runtime("cpu", "cpu", "float32")
-    cfg = train.TrainConfig(**(TINY_TRAIN | dict(data_dir=str(data_dir), batch_size=16)))
-    data = train.TokenData(data_dir, "train", 32, 4096)
-    batches = train.TrainBatches(data, cfg, rt, accum=1)
-    x, y = batches.get(0, 0)
-    logits_bytes = 16 * 32 * 4096 * 4
+def test_training_step_does_not_hold_the_logits(tmp_path, data_dir, monkeypatch):
+    """train.py's step keeps only the loss: the peak memory of a one-step run is below that of the same
+    run whose forward also keeps the (B, T, vocab) logits alive through backward, by at least their size."""
+    cfg = train.TrainConfig(**(TINY_TRAIN | dict(data_dir=str(data_dir), out_dir=str(tmp_path), batch_size=16,
+                                                 vocab_size=4096, max_iters=1, eval_iters=1)))
+    rt, logits_bytes, forward, held = runtime.Runtime("cpu", "cpu", "float32"), 16 * 32 * 4096 * 4, GPT.forward, []
 
-    def holding():
-        logits, loss = model(x, y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+    def holding_forward(self, *args, **kwargs):
+        logits, loss = forward(self, *args, **kwargs)
+        if self.training:
+            held[:] = [logits]  # alive until the next training forward: through this step's backward
+        return logits, loss
 
-    def step():
-        train.train_step(model, rt.grad_scaler(), batches, rt, 0, 1)
-        model.zero_grad(set_to_none=True)
+    def run(hold: bool):
+        with monkeypatch.context() as m:
+            if hold:
+                m.setattr(GPT, "forward", holding_forward)
+            train.train(cfg, rt)
+        held.clear()
     with one_thread():
-        holding(), step()  # warm-up
-        peaks = bench.cpu_peak_extra_bytes({"holding": holding, "train_step": step})
-    assert peaks["holding"] - peaks["train_step"] >= 0.9 * logits_bytes, peaks
+        run(False), run(True)  # warm-up
+        peaks = bench.cpu_peak_extra_bytes({"holding": lambda: run(True), "train_py": lambda: run(False)})
+    assert peaks["holding"] - peaks["train_py"] >= 0.9 * logits_bytes, peaks
 
 
 @pytest.mark.slow
@@ -168,7 +165,7 @@ def test_compiled_training_on_cpu(tmp_path, data_dir):
     state = load_checkpoint(ckpt)
     assert not [k for k in state["model"] if "_orig_mod" in k]
     assert set(state["model"]) == set(GPT(GPTConfig(**state["meta"]["model_args"])).state_dict())
-    losses = [r["loss"] for r in log_records(tmp_path) if "loss" in r]
+    losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import core.data
+import core.prepare
 from core.data import TokenData
 from core.errors import UserError
 from core.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer
@@ -102,13 +102,13 @@ def test_bpe_prepare_small_input(tmp_path, gpt2):
 
 def test_input_txt_beside_the_output_is_used(tmp_path, monkeypatch):
     (tmp_path / "input.txt").write_text("abcabcabcabc")
-    monkeypatch.setattr(core.data.urllib.request, "urlopen", lambda *a, **k: pytest.fail("must not download"))
+    monkeypatch.setattr(core.prepare.urllib.request, "urlopen", lambda *a, **k: pytest.fail("must not download"))
     meta = load_script("shakespeare_char").main([f"--out_dir={tmp_path}"])
     assert meta["itos"] == ["a", "b", "c"]
 
 
 def test_download_is_saved_beside_the_output(tmp_path, monkeypatch):
-    monkeypatch.setattr(core.data.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"downloaded text"))
+    monkeypatch.setattr(core.prepare.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"downloaded text"))
     meta = load_script("shakespeare_char").main([f"--out_dir={tmp_path}"])
     assert (tmp_path / "input.txt").read_text() == "downloaded text"
     assert meta["vocab_size"] == len(set("downloaded text"))
@@ -118,7 +118,7 @@ def test_no_network_says_how_to_pass_a_local_file(tmp_path, monkeypatch):
     def offline(url, timeout):
         raise urllib.error.URLError("Temporary failure in name resolution")
 
-    monkeypatch.setattr(core.data.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(core.prepare.urllib.request, "urlopen", offline)
     with pytest.raises(UserError, match=r"could not download .*name resolution.*--input=path/to/input.txt"):
         load_script("shakespeare_char").main([f"--out_dir={tmp_path}"])
     assert list(tmp_path.iterdir()) == []

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core import runtime
+from core import flops, runtime
 from core.errors import UserError
-from tests.helpers import ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, make_char_dataset
+from tests.helpers import ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, char_data_fixture
 
 SM = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 
@@ -154,16 +154,16 @@ DATASHEET = {
 def test_peak_flops_from_the_datasheet(fake_gpus, name):
     fake_gpus(count=1, name=name)
     bf16, tf32 = DATASHEET[name]
-    assert runtime.peak_flops(runtime.Runtime("cuda:0", "cuda", "bfloat16")) == pytest.approx(bf16)
+    assert flops.peak_flops(runtime.Runtime("cuda:0", "cuda", "bfloat16")) == pytest.approx(bf16)
     torch.backends.cuda.matmul.allow_tf32 = True  # as setup() leaves it
-    peak, source = runtime.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "float32"))
+    peak, source = flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "float32"))
     assert peak == pytest.approx(tf32) and "tf32" in source and name in source
 
 
 def test_peak_flops_float32_without_tf32_is_the_plain_figure(fake_gpus):
     fake_gpus(count=1, name="NVIDIA H100 80GB HBM3")
     torch.backends.cuda.matmul.allow_tf32 = False
-    assert runtime.peak_flops(runtime.Runtime("cuda:0", "cuda", "float32")) == pytest.approx(67e12)  # FP32 67 TF
+    assert flops.peak_flops(runtime.Runtime("cuda:0", "cuda", "float32")) == pytest.approx(67e12)  # FP32 67 TF
 
 
 @pytest.mark.parametrize("name, why", [("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "MIG slice"),
@@ -172,14 +172,14 @@ def test_peak_flops_float32_without_tf32_is_the_plain_figure(fake_gpus):
 def test_no_mfu_for_a_mig_slice_or_an_unknown_gpu(fake_gpus, name, why):
     fake_gpus(count=1, name=name)
     for dtype in ("bfloat16", "float32"):
-        peak, source = runtime.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", dtype))
+        peak, source = flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", dtype))
         assert peak is None and why in source and "MFU not reported" in source
 
 
 def test_mig_uuid_in_cuda_visible_devices_is_a_slice(fake_gpus, monkeypatch):
     fake_gpus(count=1, name="NVIDIA H100 80GB HBM3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4f9e2b7c-0000-5a3e-9a71-1c2d3e4f5a6b")
-    assert runtime.peak_flops(runtime.Runtime("cuda:0", "cuda", "bfloat16")) is None
+    assert flops.peak_flops(runtime.Runtime("cuda:0", "cuda", "bfloat16")) is None
 
 
 # --- rank 0 alone fails or is slow: torchrun, 2 gloo processes on the CPU --------------------------
@@ -230,11 +230,7 @@ def finish(job: subprocess.Popen, timeout: float) -> None:
             job.wait()
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 @pytest.mark.slow
@@ -320,9 +316,8 @@ def test_step_time_excludes_eval_and_save(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(train, "estimate_loss", slow_eval)
     monkeypatch.setattr(train.checkpoint, "save_checkpoint", slow_save)
     train_tiny(tmp_path, data_dir, max_iters=8, eval_interval=4, log_interval=1)
-    import json
-    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    ms = {r["iter"]: r["ms"] for r in records if "ms" in r}
+    from tests.helpers import records
+    ms = {r["iter"]: r["ms"] for r in records(tmp_path) if "ms" in r}
     assert sorted(ms) == list(range(8))
     assert ms[4] < 300 and ms[0] < 300, ms  # iteration 4 follows an eval and a save
 
@@ -331,18 +326,19 @@ def test_next_batch_is_prefetched_across_steps_and_loss_synced_only_to_log(tmp_p
     """After an iteration's forward and backward, the next iteration's first micro-batch is already
     fetched (and used as is); the global loss is computed only on logging iterations."""
     import train
+    from core.data import TrainBatches
     from tests.helpers import train_tiny
-    real_step, real_mean = train.train_step, train.global_mean
+    real_get, real_mean = TrainBatches.get, train.global_mean
     seen, means = [], []
 
-    def spy_step(model, scaler, batches, rt, iter_num, accum):
-        loss = real_step(model, scaler, batches, rt, iter_num, accum)
-        key, (x, _) = batches.ahead
-        assert key == (iter_num + 1, 0)
-        assert batches.get(iter_num + 1, 0)[0] is x  # handed out, not fetched again
-        seen.append(iter_num)
-        return loss
-    monkeypatch.setattr(train, "train_step", spy_step)
+    def spy_get(batches, iter_num, micro):
+        if micro == 0 and iter_num > 0:  # fetched during the previous iteration's last micro-step
+            key, (x, _) = batches.ahead
+            assert key == (iter_num, 0)
+            assert real_get(batches, iter_num, 0)[0] is x  # handed out, not fetched again
+            seen.append(iter_num)
+        return real_get(batches, iter_num, micro)
+    monkeypatch.setattr(TrainBatches, "get", spy_get)
     monkeypatch.setattr(train, "global_mean", lambda *a: means.append(1) or real_mean(*a))
     train_tiny(tmp_path, data_dir, max_iters=20, log_interval=5, gradient_accumulation_steps=2)
-    assert seen == list(range(20)) and len(means) == 4
+    assert seen == list(range(1, 20)) and len(means) == 4

@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 
 import serve  # noqa: E402
 from core.chat import ChatTemplate, with_chat_tokens  # noqa: E402
-from core.data import write_dataset  # noqa: E402
+from core.prepare import write_dataset  # noqa: E402
 from core.tokenizer import CharTokenizer  # noqa: E402
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)

@@ -13,30 +13,14 @@ import torch
 import train
 from core.checkpoint import load_checkpoint
 from core.errors import UserError
-from model import GPT, GPTConfig
-from tests.helpers import TINY_TRAIN, assert_user_error, make_char_dataset, run_main, train_tiny
+import model as modellib
+from tests.helpers import (TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, losses, make_char_dataset,
+                           records, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
 
-def losses(out_dir) -> list[tuple[int, float]]:
-    """(iter, training loss) of every training record in out_dir/log.jsonl, in file order: an iteration
-    logged twice shows twice."""
-    return [(r["iter"], r["loss"]) for r in records(out_dir) if "loss" in r]
-
-
-TIMINGS = ("ms", "tok_per_s", "mfu")  # the fields of a log record that depend on the machine's speed
-
-
-def records(out_dir) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    make_char_dataset(d, TEXT)
-    return d
+data_dir = char_data_fixture(TEXT)
 
 
 def de_bruijn(alphabet: str, n: int) -> str:
@@ -103,7 +87,7 @@ def test_outputs_config_log_and_checkpoint(tmp_path, data_dir):
     assert meta["iter_num"] == 4 and meta["tokenizer"]["tokenizer"] == "char"
     assert meta["model_args"]["n_embd"] == TINY_TRAIN["n_embd"]
     assert set(state) == {"format", "meta", "model", "optimizer", "scaler", "rng"}
-    record = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[1])
+    record = records(tmp_path)[1]
     assert set(record) >= {"iter", "loss", "lr", "ms", "tok_per_s", "mfu"}
 
 
@@ -186,28 +170,31 @@ def test_always_save_checkpoint(tmp_path, data_dir, monkeypatch, always):
     assert saved == expected
 
 
-def test_gradient_clipping_clips_to_grad_clip():
-    """One optimizer_step after a huge loss: the optimizer sees gradients of total norm exactly grad_clip;
-    with grad_clip=0 it sees them as they are."""
-    def grad_norm_seen_by_the_optimizer(grad_clip: float) -> tuple[float, float]:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=8, vocab_size=11, n_layer=1, n_head=2, n_embd=8))
-        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
-        idx = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(0))
-        (model(idx, idx)[1] * 1e4).backward()
-        before = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
-        seen, step = [], opt.step
-        opt.step = lambda *a, **k: (seen.append(torch.nn.utils.get_total_norm(
-            [p.grad for p in model.parameters()]).item()), step(*a, **k))[1]
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        train.optimizer_step(model, opt, scaler, train.TrainConfig(grad_clip=grad_clip))
-        assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
-        return before, seen[0]
+def test_gradient_clipping_clips_to_grad_clip(tmp_path, data_dir, monkeypatch):
+    """One step of train.py after a huge loss (x 1e4): the optimizer sees gradients of total norm exactly
+    grad_clip; with grad_clip=0 it sees them as they are; after the step they are zeroed."""
+    forward = modellib.GPT.forward
 
-    before, clipped = grad_norm_seen_by_the_optimizer(0.5)
-    assert before > 100 and clipped == pytest.approx(0.5, rel=1e-5)
-    before, unclipped = grad_norm_seen_by_the_optimizer(0.0)
-    assert unclipped == pytest.approx(before, rel=1e-6)
+    def huge_loss(self, *args, **kwargs):
+        logits, loss = forward(self, *args, **kwargs)
+        return logits, loss * 1e4 if self.training else loss
+    monkeypatch.setattr(modellib.GPT, "forward", huge_loss)
+
+    def grad_norm_seen_by_the_optimizer(grad_clip: float) -> float:
+        seen, step = [], torch.optim.AdamW.step
+
+        def spy(self, *args, **kwargs):
+            seen.append(torch.nn.utils.get_total_norm([p.grad for g in self.param_groups for p in g["params"]]).item())
+            return step(self, *args, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(torch.optim.AdamW, "step", spy)
+            steps = spy_optimizer_steps(m)
+            train_tiny(tmp_path / str(grad_clip), data_dir, max_iters=1, grad_clip=grad_clip)
+        assert len(seen) == 1 and all(p.grad is None for g in steps[0].param_groups for p in g["params"])
+        return seen[0]
+
+    assert grad_norm_seen_by_the_optimizer(0.5) == pytest.approx(0.5, rel=1e-5)
+    assert grad_norm_seen_by_the_optimizer(0.0) > 100
 
 
 def test_help_lists_every_key_and_does_nothing_else(tmp_path, monkeypatch):
@@ -222,16 +209,12 @@ def test_help_lists_every_key_and_does_nothing_else(tmp_path, monkeypatch):
 def test_nonfinite_weights_are_never_saved(tmp_path, data_dir, monkeypatch):
     """Weights turned NaN in the last step (its loss was finite): the save at the end refuses with one
     line, and ckpt.pt stays the last good checkpoint (iter 4)."""
-    real_step, steps = train.optimizer_step, []
-
-    def step_then_corrupt(model, *args):
-        real_step(model, *args)
-        steps.append(1)
-        if len(steps) == 8:
+    def corrupt_after_the_8th(optimizer, n):
+        if n == 8:
             with torch.no_grad():
-                next(model.parameters())[0, 0] = float("nan")
+                optimizer.param_groups[0]["params"][0][0, 0] = float("nan")
 
-    monkeypatch.setattr(train, "optimizer_step", step_then_corrupt)
+    spy_optimizer_steps(monkeypatch, after=corrupt_after_the_8th)
     argv = TINY_TRAIN | dict(out_dir=tmp_path, data_dir=data_dir, max_iters=8, checkpoint_interval=4)
     result = run_main(train.main, [f"--{k}={v}" for k, v in argv.items()])
     assert_user_error(result, "non-finite weights at iter 8", f"not saving over the last good checkpoint in {tmp_path}")

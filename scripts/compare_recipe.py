@@ -1,17 +1,18 @@
 """The modern recipe, measured: classic GPT-2, each switch alone, and config/modern.py, trained at
 equal compute on the same batches, each evaluated on the whole val split; a table and a picture.
 
-    python compare_recipe.py config/train_shakespeare_char_cpu.py                 # every variant, then the report
-    python compare_recipe.py config/train_shakespeare_char_cpu.py --variants=classic,modern --max_iters=500
-    python compare_recipe.py config/train_shakespeare_char_cpu.py --phase=train --variants=rope,muon  # in parallel
-    python compare_recipe.py config/train_shakespeare_char_cpu.py --phase=report  # table + PNG from what exists
-    TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python compare_recipe.py config/train_shakespeare_char_cpu.py \\
+    python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py                 # every variant, then the report
+    python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py --variants=classic,modern --max_iters=500
+    python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py --phase=train --variants=rope,muon  # in parallel
+    python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py --phase=report  # table + PNG from what exists
+    TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py \\
         --data_dir=data/shakespeare --results_dir=recipe-bpe --variants=classic,modern   # BPE Shakespeare
 
-Config files and --key=value set the training config (train.py's TrainConfig) shared by every
-variant; VARIANTS below change one switch each, "modern" applies config/modern.py. Each variant
-starts from the same seed and trains with train.py's own train_step and optimizer_step on the
-same batches (drawn from seed and iteration), so the only difference is the switch.
+Config files and --key=value set the training config (TrainConfig, as for train.py) shared by every
+variant; VARIANTS below change one switch each, "modern" applies config/modern.py. Each variant is
+built as train.py builds a run (the same seed, model, optimizer, learning-rate schedule and batches,
+drawn from seed and iteration) and takes train.py's step on one process, so the only difference is
+the switch.
 
 Phases: "train" trains the listed variants and writes results_dir/variants/<name>.json (a variant
 already there is skipped, so several processes can split the list); "time" measures ms/iter with
@@ -26,19 +27,22 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-import train
-from core import config as configlib, evaluate, optim, runtime
-from core.data import TokenData, read_meta
-from core.errors import UserError, run_cli
-from core.fileio import write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
+from core import config as configlib, evaluate, markdown, optim, runtime  # noqa: E402
+from core.data import TokenData, TrainBatches, read_meta  # noqa: E402
+from core.errors import UserError, run_cli  # noqa: E402
+from core.fileio import write_json  # noqa: E402
+from core.train_config import RECIPE_KEYS, TrainConfig, get_lr, make_optimizer  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
-MODERN_CONFIG = Path(__file__).resolve().parent / "config" / "modern.py"
+MODERN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "modern.py"
 # One switch each, against classic GPT-2; "gqa" halves the key/value heads.
 VARIANTS = {
     "classic": {},
@@ -91,7 +95,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return mine, [a for a in argv if a not in mine]
 
 
-def variant_config(name: str, base: train.TrainConfig) -> train.TrainConfig:
+def variant_config(name: str, base: TrainConfig) -> TrainConfig:
     spec = VARIANTS[name]
     overrides = configlib.read_config_file(str(MODERN_CONFIG)) if isinstance(spec, str) else dict(spec)
     if overrides.get("n_kv_head") == "half":
@@ -105,29 +109,36 @@ def variant_config(name: str, base: train.TrainConfig) -> train.TrainConfig:
 # training a variant
 
 
-def build(cfg: train.TrainConfig, rt: runtime.Runtime):
-    """The variant's model (seeded as train.py seeds it) and optimizer, on rt.device."""
+def build(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[GPT, object, TrainBatches]:
+    """The variant's model (seeded as train.py seeds a new run), optimizer and training batches, on rt.device."""
+    vocab = cfg.vocab_size or read_meta(cfg.data_dir)["vocab_size"]
     torch.manual_seed(cfg.seed)
-    model, _ = train.build_model(cfg, read_meta(cfg.data_dir), None, rt)
-    model.to(rt.device)
-    optimizer = optim.build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
-                                      rt.device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay)
-    return model, optimizer
+    model = GPT(GPTConfig(**cfg.model_args(), vocab_size=vocab)).to(rt.device)
+    batches = TrainBatches(TokenData(cfg.data_dir, "train", cfg.block_size, vocab), cfg.seed, cfg.batch_size,
+                           cfg.gradient_accumulation_steps, device=rt.device)
+    return model, make_optimizer(model, cfg, rt.device_type), batches
 
 
-def step(model, optimizer, scaler, batches: train.TrainBatches, cfg: train.TrainConfig, rt: runtime.Runtime,
-         it: int) -> float:
-    optim.set_lr(optimizer, train.get_lr(it, cfg) / cfg.learning_rate)
-    loss = train.train_step(model, scaler, batches, rt, it, cfg.gradient_accumulation_steps)
-    train.optimizer_step(model, optimizer, scaler, cfg)
-    return loss.item()
+def step(model: GPT, optimizer, batches: TrainBatches, cfg: TrainConfig, rt: runtime.Runtime, it: int) -> float:
+    """train.py's step on one process: its learning rate, micro-steps, clipping and update."""
+    optim.set_lr(optimizer, get_lr(it, cfg) / cfg.learning_rate)
+    accum, loss_sum = cfg.gradient_accumulation_steps, 0.0
+    for micro in range(accum):
+        x, y = batches.get(it, micro)
+        with rt.autocast():
+            loss = model(x, y)[1] / accum
+        batches.prefetch_after(it, micro)
+        loss.backward()
+        loss_sum += loss.detach()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum.item()
 
 
-def train_variant(name: str, cfg: train.TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
-    model, optimizer = build(cfg, rt)
-    scaler = torch.amp.GradScaler(rt.device_type, enabled=rt.dtype == "float16")
-    data = train.TrainBatches(TokenData(cfg.data_dir, "train", cfg.block_size, model.config.vocab_size), cfg, rt,
-                              cfg.gradient_accumulation_steps)
+def train_variant(name: str, cfg: TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
+    model, optimizer, data = build(cfg, rt)
     val = TokenData(cfg.data_dir, "val", cfg.block_size)
     curve, train_s = [], 0.0
     for it in range(cfg.max_iters + 1):
@@ -138,7 +149,7 @@ def train_variant(name: str, cfg: train.TrainConfig, cmp: CompareConfig, rt: run
         if it == cfg.max_iters:
             break
         t0 = time.perf_counter()
-        loss = step(model, optimizer, scaler, data, cfg, rt, it)
+        loss = step(model, optimizer, data, cfg, rt, it)
         train_s += time.perf_counter() - t0
         if not math.isfinite(loss):
             raise UserError(f"variant {name}: loss is {loss} at iter {it}; lower its learning rate")
@@ -147,13 +158,13 @@ def train_variant(name: str, cfg: train.TrainConfig, cmp: CompareConfig, rt: run
             "ms_per_iter_in_run": 1000 * train_s / cfg.max_iters, "config": configlib.to_dict(cfg)}
 
 
-def variant_overrides(cfg: train.TrainConfig) -> dict:
-    base = train.TrainConfig()
-    keys = train.RECIPE_KEYS + ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
+def variant_overrides(cfg: TrainConfig) -> dict:
+    base = TrainConfig()
+    keys = RECIPE_KEYS + ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
     return {k: getattr(cfg, k) for k in keys if getattr(cfg, k) != getattr(base, k)}
 
 
-def time_variants(names: list[str], base: train.TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
+def time_variants(names: list[str], base: TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
     """ms per training iteration of each variant, rounds interleaved: median over rounds of each
     round's mean. Real batches from the training split; two untimed warm-up steps each.
 
@@ -163,20 +174,17 @@ def time_variants(names: list[str], base: train.TrainConfig, cmp: CompareConfig,
     runs = {}
     for name in names:
         cfg = variant_config(name, base)
-        model, optimizer = build(cfg, rt)
-        scaler = torch.amp.GradScaler(rt.device_type, enabled=False)
-        data = train.TrainBatches(TokenData(cfg.data_dir, "train", cfg.block_size, model.config.vocab_size), cfg, rt,
-                              cfg.gradient_accumulation_steps)
-        runs[name] = (cfg, model, optimizer, scaler, data)
+        model, optimizer, data = build(cfg, rt)
+        runs[name] = (cfg, model, optimizer, data)
         for it in range(2):
-            step(model, optimizer, scaler, data, cfg, rt, it)
+            step(model, optimizer, data, cfg, rt, it)
     clock = time.process_time if rt.device_type == "cpu" else time.perf_counter
     per_round, wall = {name: [] for name in names}, {name: [] for name in names}
     for r in range(cmp.timing_rounds):
-        for name, (cfg, model, optimizer, scaler, data) in runs.items():
+        for name, (cfg, model, optimizer, data) in runs.items():
             t0, w0 = clock(), time.perf_counter()
             for i in range(cmp.timing_iters):
-                step(model, optimizer, scaler, data, cfg, rt, 2 + r * cmp.timing_iters + i)
+                step(model, optimizer, data, cfg, rt, 2 + r * cmp.timing_iters + i)
             rt.synchronize()
             per_round[name].append(1000 * (clock() - t0) / cmp.timing_iters)
             wall[name].append(1000 * (time.perf_counter() - w0) / cmp.timing_iters)
@@ -224,15 +232,10 @@ def report(results_dir: Path) -> str:
         ])
     headers = ["variant", "switches", "val loss (whole split)", "vs classic", "iters to classic's final",
                "ms/iter", "vs classic", "time to classic's final", "params"]
-    text = markdown_table(headers, rows)
+    text = markdown.table(headers, rows) + "\n"
     (results_dir / "table.md").write_text(text)
     plot(runs, order, target, results_dir / "val_loss.png")
     return text
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
 
 
 def plot(runs: dict, order: list[str], target: float | None, path: Path) -> None:
@@ -261,13 +264,15 @@ def plot(runs: dict, order: list[str], target: float | None, path: Path) -> None
 def main(argv: Sequence[str]) -> None:
     mine, rest = split_argv(argv)
     cmp = configlib.parse_args(CompareConfig, mine)
-    base = configlib.parse_args(train.TrainConfig, rest)
+    base = configlib.parse_args(TrainConfig, rest)
     torch.set_num_threads(cmp.threads)
     results_dir = Path(cmp.results_dir)
     (results_dir / "variants").mkdir(parents=True, exist_ok=True)
     names = variant_names(cmp)
     rt = runtime.setup(base.device, base.dtype, base.dist_timeout_s)
     try:
+        if rt.dtype == "float16":  # its step has no loss scaling (train.py's GradScaler)
+            raise UserError("compare_recipe trains in float32 or bfloat16; pass --dtype=float32 or --dtype=bfloat16")
         if cmp.phase in ("all", "train"):
             for name in names:
                 path = results_dir / "variants" / f"{name}.json"

@@ -1,0 +1,62 @@
+"""Peak FLOP/s for MFU (model FLOPs utilisation): the datasheet figure of known GPUs, a measured
+matmul on the CPU, else none. GPT.estimate_mfu divides the model's FLOPs per second by it.
+"""
+import math
+import os
+import time
+
+import torch
+
+from core.runtime import Runtime
+
+# Dense peak FLOP/s for MFU: NVIDIA's datasheet figures, whose tensor-core numbers are quoted with
+# 2:4 sparsity and are halved here. "tf32" is a float32 run with TF32 matmuls (setup() turns them on);
+# "float32" is the plain CUDA-core figure. Looked up by substring of torch.cuda.get_device_name(),
+# most specific first: "NVIDIA H100 NVL" and "NVIDIA H100 PCIe" must not match the SXM "H100" row.
+DATASHEET_PEAK_FLOPS = (
+    ("H200 NVL", {"bfloat16": 1671e12 / 2, "float16": 1671e12 / 2, "tf32": 835e12 / 2, "float32": 60e12}),
+    ("H200", {"bfloat16": 1979e12 / 2, "float16": 1979e12 / 2, "tf32": 989e12 / 2, "float32": 67e12}),
+    ("H100 NVL", {"bfloat16": 1671e12 / 2, "float16": 1671e12 / 2, "tf32": 835e12 / 2, "float32": 60e12}),
+    ("H100 PCIe", {"bfloat16": 1513e12 / 2, "float16": 1513e12 / 2, "tf32": 756e12 / 2, "float32": 51e12}),
+    ("H100", {"bfloat16": 1979e12 / 2, "float16": 1979e12 / 2, "tf32": 989e12 / 2, "float32": 67e12}),  # SXM
+    ("A100", {"bfloat16": 624e12 / 2, "float16": 624e12 / 2, "tf32": 312e12 / 2, "float32": 19.5e12}),
+)
+
+
+def cpu_matmul_peak_flops(n: int = 1024, repeats: int = 10) -> float:
+    """Measured float32 matmul FLOP/s on this CPU, with torch's current thread count: the honest
+    'peak' for CPU MFU. The fastest of several runs, since a peak is what the hardware can reach
+    and slower runs only measure other processes sharing the cores."""
+    gen = torch.Generator().manual_seed(0)  # never touch the global RNG: training draws from it
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(rt: Runtime) -> float | None:
+    """Peak FLOP/s for MFU: the datasheet for known GPUs, a measured matmul on CPU, else None."""
+    return peak_flops_with_source(rt)[0]
+
+
+def peak_flops_with_source(rt: Runtime) -> tuple[float | None, str]:
+    """(peak FLOP/s or None, which figure it is): None, saying why, where MFU would be wrong."""
+    if rt.device_type == "cpu":
+        return cpu_matmul_peak_flops(), "measured float32 1024x1024 matmul, fastest of 10 (cpu_matmul_peak_flops)"
+    if rt.device_type != "cuda":
+        return None, f"no peak figure for {rt.device_type}; MFU not reported"
+    name = torch.cuda.get_device_name(rt.device)
+    # A MIG slice has a fraction of the GPU's SMs, which its name does not say reliably.
+    if "MIG" in name or os.environ.get("CUDA_VISIBLE_DEVICES", "").startswith("MIG-"):
+        return None, f"{name} is a MIG slice, a fraction of the GPU; MFU not reported"
+    kind = rt.dtype
+    if kind == "float32" and torch.backends.cuda.matmul.allow_tf32:
+        kind = "tf32"
+    for key, table in DATASHEET_PEAK_FLOPS:
+        if key.lower() in name.lower():
+            return table[kind], f"datasheet dense {kind} of {key} ({name}): {table[kind] / 1e12:.1f} TFLOP/s"
+    return None, f"no datasheet figure for {name}; MFU not reported"

@@ -1,0 +1,148 @@
+"""train.py's configuration: the TrainConfig defaults, overridden by config files (Python files that
+assign names), overridden by --key=value (core/config.py). bench.py and scripts/compare_recipe.py
+read the same config files, so it lives here rather than in train.py.
+"""
+import dataclasses
+import math
+from pathlib import Path
+
+from core import optim, parallel
+from core.errors import UserError
+from model import GPT2_HUB_NAMES, GPTConfig
+
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attn_backend")
+# The modern-recipe switches (GPTConfig's fields of the same names; docs/recipe.md).
+RECIPE_KEYS = ("pos_embedding", "rope_base", "norm", "qk_norm", "mlp", "n_kv_head", "tie_embeddings", "logit_softcap")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"
+    eval_interval: int = 2000
+    log_interval: int = 1
+    eval_iters: int = 200
+    eval_only: bool = False
+    hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
+    always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
+    checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
+    init_from: str = "scratch"            # 'scratch', 'resume', a GPT-2 name, or a save_pretrained dir
+    # logging
+    wandb_log: bool = False
+    wandb_project: str = "nanogpt"
+    wandb_run_name: str = "run"
+    # data
+    data_dir: str = "data/fineweb"
+    gradient_accumulation_steps: int = 40  # global: across all processes together
+    batch_size: int = 12                   # micro-batch per process
+    block_size: int = 1024
+    # model
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    attn_backend: str = "sdpa"
+    vocab_size: int | None = None          # None: the dataset's meta.json vocab_size
+    # the modern recipe, one switch each (see model.GPTConfig); the defaults are GPT-2
+    pos_embedding: str = "learned"         # learned | rope
+    rope_base: float = 10000.0
+    norm: str = "layernorm"                # layernorm | rmsnorm
+    qk_norm: bool = False
+    mlp: str = "gelu"                      # gelu | relu2 | swiglu
+    n_kv_head: int | None = None           # None: n_head; fewer: grouped-query attention
+    tie_embeddings: bool = True
+    logit_softcap: float | None = None
+    optimizer: str = "adamw"               # adamw | muon (Muon for hidden matrices, AdamW for the rest)
+    muon_lr: float = 0.02                  # Muon's peak lr; learning_rate stays AdamW's, the schedule scales both
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    # AdamW
+    learning_rate: float = 6e-4
+    max_iters: int = 600000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0                 # 0 disables clipping
+    # learning-rate schedule: linear warmup, then cosine decay to min_lr
+    decay_lr: bool = True
+    warmup_iters: int = 2000
+    lr_decay_iters: int = 600000
+    min_lr: float = 6e-5
+    # system
+    device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
+    dtype: str = "auto"                    # auto, float32, bfloat16, float16
+    compile: bool | None = None            # None: on for CUDA, off elsewhere
+    seed: int = 1337
+    dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
+    parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/parallel.py)
+    activation_checkpointing: bool = False  # recompute each Block in the backward pass: less memory, more compute
+
+    def model_args(self) -> dict:
+        """The GPTConfig fields this config sets; vocab_size comes from the dataset (or the checkpoint)."""
+        return {k: getattr(self, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"}
+
+    def validate(self) -> None:
+        positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                    "block_size", "n_layer", "n_head", "n_embd", "max_iters", "lr_decay_iters")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise UserError(f"config key '{key}' must be at least 1, got {getattr(self, key)}")
+        if self.n_embd % self.n_head:
+            raise UserError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attn_backend not in ("sdpa", "naive"):
+            raise UserError(f"attn_backend must be 'sdpa' or 'naive', got '{self.attn_backend}'")
+        try:  # the recipe switches and their combinations: GPTConfig is their one judge
+            GPTConfig(**self.model_args())
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if self.optimizer not in optim.OPTIMIZERS:
+            raise UserError(f"optimizer must be one of {', '.join(optim.OPTIMIZERS)}, got '{self.optimizer}'")
+        if not (self.muon_lr > 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0):
+            raise UserError(f"need muon_lr > 0, 0 <= muon_momentum < 1, muon_weight_decay >= 0, got {self.muon_lr}, "
+                            f"{self.muon_momentum}, {self.muon_weight_decay}")
+        if not 0 < self.learning_rate < math.inf:
+            raise UserError(f"need 0 < learning_rate < inf, got {self.learning_rate}")
+        # min_lr is where the cosine decay ends; with decay_lr=False the rate stays at learning_rate.
+        if self.decay_lr and not 0 <= self.min_lr <= self.learning_rate:
+            raise UserError(f"need 0 <= min_lr <= learning_rate with decay_lr=True, got min_lr={self.min_lr}, "
+                            f"learning_rate={self.learning_rate}")
+        if self.warmup_iters < 0 or self.checkpoint_interval < 0:
+            raise UserError("warmup_iters and checkpoint_interval must not be negative")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.weight_decay < 0:
+            raise UserError(f"need 0 <= beta1, beta2 < 1 and weight_decay >= 0, got {self.beta1}, {self.beta2}, "
+                            f"{self.weight_decay}")
+        parallel.check_parallel(self.parallel, self.dtype)
+        if not self.dist_timeout_s > 0:
+            raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
+        if self.init_from not in ("scratch", "resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
+            raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, "
+                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+
+
+def get_lr(it: int, cfg: TrainConfig) -> float:
+    """Linear warmup for warmup_iters, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
+    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+
+
+def local_accum_steps(cfg: TrainConfig, world_size: int) -> int:
+    if cfg.gradient_accumulation_steps % world_size:
+        raise UserError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be divisible by the "
+                        f"number of processes ({world_size}); it counts micro-steps across all processes")
+    return cfg.gradient_accumulation_steps // world_size
+
+
+def make_optimizer(model, cfg: TrainConfig, device_type: str):
+    """cfg's optimizer (AdamW, or Muon + AdamW) over model's parameters, at cfg's peak learning rates."""
+    return optim.build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+                                 device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay)
