@@ -26,6 +26,8 @@ How each figure is measured:
              model and data written as nanoGPT's train.py does it (np.memmap batches, forward, backward, clip,
              AdamW) in this process: the CPU quick start's config (--loop_config), the same threads, chunks of
              loop_steps iterations alternating between the two, median over chunks of ms per iteration.
+             Beside them, in the same alternation, train.py with --recipe_config on top (config/modern.py:
+             Muon + the model switches), as a user runs `train.py config/... config/modern.py`.
   attention  peak memory above the inputs while one causal attention runs, without grad (forward) and
              with grad (forward + backward): model.scaled_dot_product_attention (the naive reference,
              which forms the (B, nh, T, T) scores) against torch's fused F.scaled_dot_product_attention.
@@ -123,6 +125,7 @@ class BenchConfig:
     # 1b. train.py's iteration against a plain loop: this config file's model, batch and optimizer
     loop_config: str = "config/train_shakespeare_char_cpu.py"
     loop_steps: int = 20       # iterations per timed chunk; `repeats` chunks of each, alternating
+    recipe_config: str = "config/modern.py"  # timed beside them: train.py with this file after loop_config
     # 2. attention memory: one layer's attention of the same model, B=1, over a range of T
     attn_batch_size: int = 1
     attn_n_head: int = 6
@@ -512,20 +515,22 @@ def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         scaler, accum, state = rt.grad_scaler(), local_accum_steps(tcfg, 1), {"it": 0, "xy": None, "timed": []}
         warm = max(1, cfg.warmup) * 2
 
-        def ours(n: int) -> float:
-            """ms per step of train.py's steps after `warm` untimed ones, from its log.jsonl."""
-            out = Path(tmp) / "out"
+        def ours(n: int, *recipe: str) -> float:
+            """ms per step of train.py's steps after `warm` untimed ones, from its log.jsonl; `recipe`: config
+            files read after loop_config."""
+            out = Path(tmp) / ("out-recipe" if recipe else "out")
             run = overrides | dict(max_iters=warm + n, log_interval=1, eval_interval=warm + n + 1, eval_iters=1,
-                                   compile=False, seed=cfg.seed)
+                                   compile=False, seed=cfg.seed, out_dir=str(out))
             argv = [f"--{k}={v}" for k, v in run.items()]
             env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads()),
                                 "MKL_NUM_THREADS": str(torch.get_num_threads())}
-            done = subprocess.run([sys.executable, str(TRAIN_PY), cfg.loop_config, *argv], env=env,
+            done = subprocess.run([sys.executable, str(TRAIN_PY), cfg.loop_config, *recipe, *argv], env=env,
                                   capture_output=True, text=True)
             if done.returncode:
                 raise UserError(f"train.py failed in the loop section: {(done.stderr.strip() or '?').splitlines()[-1]}")
             ms = [r["ms"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "ms" in r]
-            state["timed"].append(len(ms[warm:]))
+            if not recipe:
+                state["timed"].append(len(ms[warm:]))
             return statistics.fmean(ms[warm:]) / 1e3
 
         def plain(n: int) -> float:  # nanoGPT's train.py loop, without its eval, checkpoints and logging
@@ -555,14 +560,18 @@ def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
             return (time.perf_counter() - t0) / n
 
         plain(warm)
-        times = {"plain": [], "train_py": []}
-        for _ in range(cfg.repeats):  # alternating, so that load from other processes hits both alike
+        times = {"plain": [], "train_py": [], "recipe": []}
+        for _ in range(cfg.repeats):  # alternating, so that load from other processes hits all alike
             times["plain"].append(plain(cfg.loop_steps))
             times["train_py"].append(ours(cfg.loop_steps))
+            times["recipe"].append(ours(cfg.loop_steps, cfg.recipe_config))
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     return {"config": cfg.loop_config, "corpus": source, "model": model_text(model.config, tcfg.batch_size),
             "accum": accum, "steps_per_chunk": cfg.loop_steps, "chunks": cfg.repeats,
             "plain_ms": ms["plain"], "train_py_ms": ms["train_py"], "train_py_over_plain": ms["train_py"] / ms["plain"],
+            "recipe_config": cfg.recipe_config, "recipe_ms": ms["recipe"],
+            "recipe_over_train_py": ms["recipe"] / ms["train_py"],
+            "muon_newton_schulz": "bfloat16" if runtime.native_bf16(rt.device) else "float32",
             "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}, "train_py_steps": state["timed"]}
 
 
@@ -977,7 +986,10 @@ def format_train(r: dict) -> str:
 def format_loop(r: dict) -> str:
     rows = [["plain loop (nanoGPT's)", num(r["plain_ms"], 2), "1.00x"],
             ["train.py", num(r["train_py_ms"], 2), f"{r['train_py_over_plain']:.2f}x"]]
-    return (f"### Training iteration: train.py against a plain loop\n{r['config']}: {r['model']}, "
+    if "recipe_ms" in r:  # Muon's Newton-Schulz runs in bf16 only where bf16 is native (core/optim.py)
+        rows.append([f"train.py + {r['recipe_config']} (Newton-Schulz in {r['muon_newton_schulz']})",
+                     num(r["recipe_ms"], 2), f"{r['recipe_ms'] / r['plain_ms']:.2f}x"])
+    return (f"### Training iteration: train.py against a plain loop, and the modern recipe\n{r['config']}: {r['model']}, "
             f"accumulation {r['accum']}; median of {r['chunks']} chunks of {r['steps_per_chunk']} iterations each, "
             f"alternating\n\n" + table(["loop", "ms / iteration", "vs plain"], rows))
 

@@ -4,10 +4,13 @@
     python eval.py --out_dir=out-shakespeare-char-cpu --stride=32           # sliding window: more context per token
     python eval.py --init_from=gpt2 --data_dir=data/fineweb --split=val     # GPT-2 weights (from the hub)
     python eval.py --init_from=gpt2 --task=hellaswag                        # after data/hellaswag/prepare.py
+    python eval.py --out_dir=out-sft-tasks-char --task=chat --chat_file=data/chat/tasks_heldout.jsonl  # exact answers
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
 Perplexity scores each token once, in a fixed order (core/evaluate.py explains the windows), so
-two runs evaluated on the same split and block_size compare directly. The result is one line on
+two runs evaluated on the same split and block_size compare directly. On a chat dataset
+(data/chat/prepare.py) it scores the assistant's tokens only, each conversation read from its start.
+--task=chat replies greedily to each conversation of a JSONL file and counts exact answers. The result is one line on
 stdout; what was loaded goes to stderr.
 """
 import dataclasses
@@ -20,6 +23,7 @@ from typing import Sequence
 import torch
 
 from core import evaluate, runtime
+from core.chat import ChatTemplate
 from core.checkpoint import load_model
 from core.config import parse_args
 from core.data import TokenData, read_meta
@@ -27,21 +31,22 @@ from core.errors import UserError, run_cli
 from core.tokenizer import check_same_tokenizer
 from model import GPT2_HUB_NAMES
 
-TASKS = ("perplexity", "hellaswag")
+TASKS = ("perplexity", "hellaswag", "chat")
 
 
 @dataclasses.dataclass
 class EvalConfig:
     init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a save_pretrained directory
     out_dir: str = "out"             # where init_from=resume finds ckpt.pt and config.json
-    task: str = "perplexity"         # perplexity | hellaswag
+    task: str = "perplexity"         # perplexity | hellaswag | chat
     data_dir: str | None = None      # perplexity: a prepared dataset; None: the run's own (out_dir/config.json)
     split: str = "val"
     block_size: int | None = None    # window length; None: the model's block_size
     stride: int | None = None        # a new window every stride tokens; None: block_size (non-overlapping)
     batch_size: int = 8              # windows per forward
     hellaswag_file: str = "data/hellaswag/hellaswag_val.jsonl"
-    max_examples: int = 0            # hellaswag: the first N examples only; 0: all
+    max_examples: int = 0            # hellaswag, chat: the first N examples only; 0: all
+    chat_file: str = "data/chat/tasks_heldout.jsonl"  # chat: conversations whose last turn is the expected answer
     device: str = "auto"
     dtype: str = "auto"
 
@@ -96,7 +101,8 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
         raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens")
     r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size,
                                 progress=Progress() if rt.is_master else None)
-    return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.tokens:,} tokens "
+    scored = "assistant tokens, each conversation from its start" if data.starts is not None else "tokens"
+    return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.tokens:,} {scored} "
             f"(block_size {block_size}, stride {stride})")
 
 
@@ -107,18 +113,31 @@ def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime, examples) -> str
             f"{r['examples']} examples")
 
 
+def chat(cfg: EvalConfig, model, tok, conversations) -> str:
+    template = ChatTemplate.for_tokenizer(tok)
+    if template is None:
+        raise UserError("this model's tokenizer has no chat tokens (a base model): --task=chat needs a chat "
+                        "fine-tune (docs/chat.md)")
+    r = evaluate.chat_accuracy(model, template, conversations)
+    return f"chat {cfg.chat_file}: exact-answer accuracy {r['accuracy']:.4f} ({r['correct']}/{r['examples']})"
+
+
 def main(argv: Sequence[str]) -> str:
     cfg = parse_args(EvalConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
     try:
         # A missing or malformed file is found before the model is loaded.
         examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
+        if cfg.task == "chat":
+            examples = evaluate.load_chat_file(cfg.chat_file, cfg.max_examples)
         model, tok, source = load_model(cfg.init_from, cfg.out_dir)
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
         model.to(rt.device)
         if cfg.task == "perplexity":
             line = perplexity(cfg, model, tok, rt)
+        elif cfg.task == "chat":
+            line = chat(cfg, model, tok, examples)
         else:
             line = hellaswag(cfg, model, tok, rt, examples)
         if rt.is_master:

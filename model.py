@@ -648,6 +648,28 @@ class GPT(nn.Module):
         if "wpe" in self.transformer:  # rotary positions have no table to crop
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].detach().clone())
 
+    @torch.no_grad()
+    def grow_vocab(self, vocab_size):
+        """Add rows to the embedding (and an untied head) for new token ids, e.g. a chat fine-tune's
+        turn markers appended to a character vocabulary.
+
+        Each new row is the mean of the existing rows (as transformers' resize_token_embeddings does):
+        a new input token starts as an average token, and a new output's logit starts at the average
+        logit, instead of a random row that can dominate or vanish from the softmax before it is learned.
+        """
+        old = self.config.vocab_size
+        if vocab_size < old:
+            raise ValueError(f"grow_vocab cannot shrink the vocabulary from {old} to {vocab_size}")
+
+        def grown(weight):  # (old, C) -> (vocab_size, C)
+            return nn.Parameter(torch.cat([weight, weight.mean(0, keepdim=True).expand(vocab_size - old, -1)]))
+
+        self.transformer.wte.weight = grown(self.transformer.wte.weight)
+        self.lm_head.weight = (self.transformer.wte.weight if self.config.tie_embeddings
+                               else grown(self.lm_head.weight))
+        self.transformer.wte.num_embeddings = self.lm_head.out_features = vocab_size
+        self.config = replace(self.config, vocab_size=vocab_size)
+
     @classmethod
     def from_pretrained(cls, name_or_dir, override_args=None) -> "GPT":
         """GPT-2 weights from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or from a directory

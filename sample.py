@@ -5,10 +5,17 @@
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0   # greedy
     python sample.py --init_from=gpt2 --start="Hello, I'm a language model," --top_p=0.9 --stop_at_eot=True
     python sample.py --init_from=path/to/dir   # a directory written by GPT.save_pretrained (or transformers)
+    python sample.py --out_dir=out-sft-tasks-char --chat           # talk to a chat fine-tune, turn by turn
+    python sample.py --out_dir=out-sft-tasks-char --chat --system="Be brief." --prompt="reverse: abc" --temperature=0
 
 The samples go to stdout, each followed by a line of dashes; what was loaded and the tokens/s go to
 stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer is the one the
 checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
+
+--chat needs a model fine-tuned on a chat set (docs/chat.md): each message goes through the chat
+template (core/chat.py), the reply streams until the model ends its turn, and the conversation
+continues. Ctrl-C stops a reply (what was said stays in the conversation); Ctrl-D, or Ctrl-C at the
+prompt, quits. With --prompt= it answers that one message on stdout and exits.
 """
 import dataclasses
 import os
@@ -20,10 +27,11 @@ from typing import Sequence
 import torch
 
 from core import checkpoint, runtime
+from core.chat import ChatTemplate, stream_reply
 from core.config import parse_args
 from core.errors import UserError, run_cli
 from core.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
-from model import GPT2_HUB_NAMES, window_shift
+from model import GPT, GPT2_HUB_NAMES, window_shift
 
 SEPARATOR = "---------------"
 
@@ -48,6 +56,9 @@ class SampleConfig:
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
     compile: bool = False            # torch.compile the model (recompiles for each new input shape at first)
+    chat: bool = False               # a conversation with a chat fine-tune (core/chat.py's template)
+    system: str | None = None        # chat: the system message
+    prompt: str | None = None        # chat: answer this one user message (or FILE:path) and exit
 
     def validate(self) -> None:
         if not self.temperature >= 0:  # also rejects NaN
@@ -68,6 +79,8 @@ class SampleConfig:
         if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
             raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
                             f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+        if not self.chat and (self.system is not None or self.prompt is not None):
+            raise UserError("--system and --prompt are for chat; add --chat (or use --start= for plain text)")
 
 
 # -----------------------------------------------------------------------------
@@ -105,10 +118,70 @@ def write_batch(rows: list[list[int]], tok: Tokenizer, prompt: str, eot: int | N
     return len(rows[0])
 
 
+# -----------------------------------------------------------------------------
+# chat
+
+
+def run_chat(cfg: SampleConfig, model: GPT, tok: Tokenizer, source: str, rt: runtime.Runtime) -> None:
+    """One reply to --prompt, or a conversation in the terminal."""
+    template = ChatTemplate.for_tokenizer(tok)
+    if template is None:
+        raise UserError(f"{source} has no chat tokens: it is a base model. Fine-tune it on a chat set first "
+                        f"(data/chat/prepare.py, then train.py --init_from=its out_dir; see docs/chat.md)")
+    model = runtime.inference_model(model, rt, cfg.compile)
+    sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, use_cache=cfg.use_cache,
+                    generator=torch.Generator(device=rt.device).manual_seed(cfg.seed))
+    messages = [{"role": "system", "content": cfg.system}] if cfg.system is not None else []
+    if cfg.prompt is not None:
+        chat_turn(model, template, messages + [{"role": "user", "content": read_prompt(cfg.prompt)}], cfg, sampling)
+        return
+    print(f"chatting with {source}: Enter sends a message; Ctrl-C stops a reply; Ctrl-D or Ctrl-C here quits",
+          file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if not text.strip():
+            continue
+        turn = messages + [{"role": "user", "content": text}]
+        try:
+            answer = chat_turn(model, template, turn, cfg, sampling)
+        except UserError as e:  # e.g. a character outside a char vocabulary: this message only
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        if answer:  # an empty reply leaves the exchange out: a conversation cannot hold an empty assistant turn
+            messages = turn + [{"role": "assistant", "content": answer}]
+
+
+def chat_turn(model: GPT, template: ChatTemplate, messages: list[dict], cfg: SampleConfig, sampling: dict) -> str:
+    """Stream the assistant's reply to `messages` on stdout; Ctrl-C stops it early. Returns its text."""
+    block_size = model.config.block_size
+    prompt, dropped = template.fit_prompt(messages, block_size - 1)  # room for at least one token of reply
+    if dropped:
+        print(f"note: the conversation is longer than the model's {block_size}-token context; "
+              f"left out its first {dropped} message(s)", file=sys.stderr)
+    decoder, ids = StreamDecoder(template.tok), []
+    try:
+        for token_id in stream_reply(model, template, prompt, min(cfg.max_new_tokens, block_size - len(prompt)),
+                                     **sampling):
+            ids.append(token_id)
+            sys.stdout.write(decoder.push(token_id))
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # stops this reply only
+        print(" [stopped]", end="", file=sys.stderr)
+    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.flush()
+    return template.tok.decode(ids)
+
+
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
     model, tok, source = checkpoint.load_model(cfg.init_from, cfg.out_dir)
+    if cfg.chat:
+        return run_chat(cfg, model, tok, source, rt)
     eot = tok.eot_token if cfg.stop_at_eot else None
     if cfg.stop_at_eot and eot is None:
         raise UserError("stop_at_eot=True needs an end-of-text token, and this checkpoint's char vocabulary has "

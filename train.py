@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py
     torchrun --nnodes=2 --node_rank=0 --rdzv_endpoint=HOST:29500 --nproc_per_node=8 train.py config/gpt2_small.py
     python train.py config/train_shakespeare_char.py --init_from=resume   # continue from out_dir/ckpt.pt
+    python train.py config/train_shakespeare_char_cpu.py config/sft_tasks_char.py   # chat fine-tune of that base
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/parallel.py
 
 Configuration: the TrainConfig defaults (core/train_config.py), overridden by config files (Python
@@ -27,7 +28,7 @@ from core.data import TokenData, TrainBatches, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
 from core.runlog import RunLog
-from core.tokenizer import check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
+from core.tokenizer import check_extends, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
 from core.train_config import RECIPE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer
 from model import GPT, GPTConfig
 
@@ -53,7 +54,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     resume_state, resume_path = load_resume_state(cfg, out_dir, rt, log)  # None, None unless init_from=resume
     # The data first: a missing file or a block_size longer than the data is found in a second,
     # before a model of that block_size is built.
-    data = {split: TokenData(cfg.data_dir, split, cfg.block_size) for split in ("train", "val")}
+    data = {split: TokenData(cfg.data_dir, split, cfg.block_size, loss_mask=cfg.loss_mask) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model, tok_meta = build_model(cfg, data_meta, resume_state, rt)
     # Then dropout masks of their own per rank (batches come from their own generators, never from this).
@@ -229,6 +230,8 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         check_memory(GPTConfig(**margs), cfg, rt)
         model = GPT(GPTConfig(**margs))
         tok = tokenizer_meta(data_meta)
+    elif checkpoint.find_checkpoint(cfg.init_from) is not None:  # a base run: its weights, a new run
+        model, tok = from_base_run(cfg, data_meta, rt)
     else:  # GPT-2 weights from the hub or a save_pretrained directory
         if data_meta.get("tokenizer") != "gpt2":
             raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
@@ -248,6 +251,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
         raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
+    if resume_state is None and cfg.init_from != "scratch" and data_meta.get("special_tokens"):
+        # Fine-tuning on a chat set: ids past the model's rows are the chat tokens appended to its vocabulary.
+        model.grow_vocab(max(data_vocab, model.config.vocab_size))
     if data_vocab > model.config.vocab_size:
         raise UserError(f"{cfg.data_dir}/meta.json has vocab_size {data_vocab}, larger than the model's vocab_size "
                         f"{model.config.vocab_size}; token ids would index past the embedding table")
@@ -256,6 +262,21 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
     elif cfg.block_size > model.config.block_size:
         raise UserError(f"block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
     return model, tok
+
+
+def from_base_run(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime) -> tuple[GPT, dict]:
+    """A base run's weights (its out_dir's checkpoint) for a new run, e.g. a chat fine-tune. Unlike
+    init_from=resume, only the weights are taken: the optimizer, schedule, iteration count, RNG and log
+    start fresh, and the architecture is the checkpoint's (cfg's n_layer, n_embd, ... do not apply)."""
+    path = checkpoint.find_checkpoint(cfg.init_from)
+    state = checkpoint.load_checkpoint(path)
+    base_tok = state["meta"].get("tokenizer")
+    if not isinstance(base_tok, dict):
+        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be fine-tuned on a dataset")
+    check_extends(base_tok, tokenizer_meta(data_meta), f"init_from={cfg.init_from}")
+    check_memory(GPTConfig(**state["meta"]["model_args"]), cfg, rt)
+    model = checkpoint.model_from_checkpoint(state, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
+    return model, tokenizer_meta(data_meta)
 
 
 def check_memory(config: GPTConfig, cfg: TrainConfig, rt: runtime.Runtime) -> None:

@@ -138,6 +138,18 @@ class ChatTemplate:
             ids += [self.role_id[m["role"]]] + self._encode(m["content"], i) + [self.end_of_turn]
         return ids + [self.role_id["assistant"]]
 
+    def fit_prompt(self, messages, max_len: int) -> tuple[list[int], int]:
+        """render_prompt's ids in at most max_len tokens: the oldest user/assistant exchanges are left out
+        (a system message is kept) until it fits. Returns (ids, how many messages were left out)."""
+        system = messages[:1] if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system" else []
+        turns = messages[len(system):]
+        for dropped in range(0, len(turns), 2):
+            ids = self.render_prompt(system + turns[dropped:])
+            if len(ids) <= max_len:
+                return ids, dropped
+        raise UserError(f"the last message alone is {len(ids)} tokens with the template, longer than the {max_len} "
+                        f"the model can take with room for a reply; shorten it")
+
     def reply_text(self, ids: list[int]) -> str:
         """The text of generated reply ids, up to the first stop token (not included)."""
         for n, i in enumerate(ids):
@@ -156,3 +168,27 @@ class ChatTemplate:
 def _short(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def stream_reply(model, template: ChatTemplate, prompt: list[int], max_new_tokens: int, **sampling):
+    """Yield the reply's token ids to `prompt` (render_prompt's ids) as they are sampled, stopping
+    before <|end|> (or any role token) or after max_new_tokens. `sampling`: model.generate_stream's
+    temperature, top_k, top_p, generator, use_cache. Ids past the tokenizer's (a padded vocabulary's
+    unused rows) are never drawn."""
+    import torch
+
+    device = model.transformer.wte.weight.device
+    idx = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
+    for token in model.generate_stream(idx, max_new_tokens, eot_token=template.end_of_turn,
+                                       vocab_size=template.tok.vocab_size, **sampling):
+        token_id = token.item()
+        if token_id in template.stop_tokens:
+            return
+        yield token_id
+
+
+def reply(model, template: ChatTemplate, messages, max_new_tokens: int, **sampling) -> str:
+    """The assistant's whole reply to `messages` (ending in a user turn), as text."""
+    prompt, _ = template.fit_prompt(messages, model.config.block_size - 1)
+    budget = min(max_new_tokens, model.config.block_size - len(prompt))
+    return template.tok.decode(list(stream_reply(model, template, prompt, budget, **sampling)))

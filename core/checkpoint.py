@@ -144,6 +144,14 @@ def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], 
     return _newest_intact(path, prev, load_checkpoint, lambda state: state["meta"].get("iter_num"), log)
 
 
+def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint a run's out_dir holds (ckpt.pt, else fsdp's ckpt.dcp), or None."""
+    for name in (CKPT_NAME, SHARDED_NAME):
+        if (Path(out_dir) / name).exists():
+            return Path(out_dir) / name
+    return None
+
+
 def _newest_intact(path: Path, prev: Path, load, iter_of, log) -> tuple[Any, Path]:
     """(load(path), path); if that is damaged or missing and prev exists, (load(prev), prev) with a warning,
     so a kill or a damaged file never costs more than the newest checkpoint."""

@@ -119,7 +119,9 @@ def parse_args(cls: type[T], argv: Sequence[str]) -> T:
             sys.exit(0)
         if arg.startswith("--"):
             key, eq, raw = arg[2:].partition("=")
-            if not eq:
+            if not eq and hints.get(key) in (bool, bool | None):
+                raw = "True"  # a bare --flag switches a bool on
+            elif not eq:
                 raise UserError(f"expected --{key}=VALUE, got '{arg}'")
             if key not in hints:
                 raise _unknown_key(key, list(hints), "command line")

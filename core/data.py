@@ -10,6 +10,11 @@ raw little-endian token ids of meta's dtype, documents back to back.
 
 Batches come only from the generator passed in, so the same (seed, keys) gives the same batch
 on any machine and a resumed run reads exactly what the uninterrupted one would have.
+
+A chat dataset (data/chat/prepare.py; meta.json has "chat") also holds `{split}_mask.bin` (uint8,
+1 where a token is learned) and `{split}_starts.bin` (int64 conversation offsets). Its batch rows start
+at conversation starts and run on through the following conversations (packed), padded past the end
+of the split; targets whose mask is 0 are -1, which the loss ignores.
 """
 from __future__ import annotations
 
@@ -79,7 +84,8 @@ def batch_generator(seed: int, *keys: int | str) -> torch.Generator:
 class TokenData:
     """One split of a prepared dataset, memory-mapped, validated when constructed."""
 
-    def __init__(self, data_dir: str | os.PathLike, split: str, block_size: int, vocab_size: int | None = None):
+    def __init__(self, data_dir: str | os.PathLike, split: str, block_size: int, vocab_size: int | None = None,
+                 loss_mask: bool = True):
         self.data_dir, self.split, self.block_size = Path(data_dir), split, block_size
         meta = read_meta(data_dir)
         meta_path = self.data_dir / "meta.json"
@@ -104,11 +110,32 @@ class TokenData:
         # A window is block_size + 1 consecutive tokens inside one file; starts are drawn uniformly
         # over all of them, so every token position is equally likely whatever the sharding.
         self.windows = np.array([max(0, n - block_size) for n in self.sizes], dtype=np.int64)
-        if self.windows.sum() == 0:
+        if self.windows.sum() == 0 and "chat" not in meta:  # chat rows are padded: any length will do
             where = "" if len(self.paths) == 1 else " in its largest shard"
             raise UserError(f"{self._describe()} has {max(self.sizes)} tokens{where}, fewer than block_size + 1 = "
                             f"{block_size + 1}; use a smaller block_size or more data")
         self._ends = np.cumsum(self.windows)
+        # chat: conversation starts, and the loss mask (None: every target counts)
+        self.starts, self.mask_path = None, None
+        if "chat" in meta:
+            self.starts, self.mask_path = self._chat_files(meta_path)
+            if not loss_mask:
+                self.mask_path = None
+
+    def _chat_files(self, meta_path: Path) -> tuple[np.ndarray, Path]:
+        mask_path, starts_path = (self.data_dir / f"{self.split}_{kind}.bin" for kind in ("mask", "starts"))
+        for path in (mask_path, starts_path):
+            if not path.is_file():
+                raise UserError(f"{path} not found, but {meta_path} says this is a chat dataset; "
+                                f"re-run data/chat/prepare.py")
+        if len(self.paths) != 1 or mask_path.stat().st_size != self.num_tokens:
+            raise UserError(f"{mask_path} does not hold one byte per token of {self._describe()}; "
+                            f"re-run data/chat/prepare.py")
+        starts = np.fromfile(starts_path, dtype=np.int64)
+        if starts.size == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= self.num_tokens:
+            raise UserError(f"{starts_path} is not an increasing list of offsets into {self._describe()}; "
+                            f"re-run data/chat/prepare.py")
+        return starts, mask_path
 
     def _describe(self) -> str:
         return str(self.paths[0]) if len(self.paths) == 1 else str(self.data_dir / f"{self.split}_*.bin")
@@ -138,6 +165,9 @@ class TokenData:
         """Random windows: x (B, T) int64 and targets y (B, T), the same windows shifted one token on."""
         import torch
 
+        if self.starts is not None:
+            x, y = self._chat_batch(batch_size, generator)
+            return _to_device(x, y, device)
         T = self.block_size
         flat = torch.randint(int(self._ends[-1]), (batch_size,), generator=generator).numpy()
         file_idx = np.searchsorted(self._ends, flat, side="right")
@@ -152,11 +182,42 @@ class TokenData:
             del mm
         xy = torch.from_numpy(buf)
         x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T), (B, T)
-        device = torch.device(device)
-        if device.type == "cuda":
-            # Pinned host memory lets the copy run asynchronously, overlapping the forward pass.
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        return x.to(device), y.to(device)
+        return _to_device(x, y, device)
+
+    def _chat_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows from random conversation starts: x (B, T) and y (B, T), y = -1 where not learned or padding."""
+        import torch
+
+        T, n = self.block_size, self.num_tokens
+        picks = self.starts[torch.randint(len(self.starts), (batch_size,), generator=generator).numpy()]
+        buf = np.zeros((batch_size, T + 1), dtype=np.int64)
+        learned = np.zeros((batch_size, T + 1), dtype=bool)
+        mm = np.memmap(self.paths[0], dtype=self.dtype, mode="r")
+        mask = None if self.mask_path is None else np.memmap(self.mask_path, dtype=np.uint8, mode="r")
+        for row, s in enumerate(picks):
+            e = min(s + T + 1, n)  # past the split's end: padding, never learned
+            buf[row, :e - s] = mm[s:e]
+            learned[row, :e - s] = True if mask is None else mask[s:e].astype(bool)
+        del mm, mask
+        x = torch.from_numpy(buf[:, :-1].copy())                                   # (B, T)
+        y = torch.from_numpy(apply_loss_mask(buf[:, 1:], learned[:, 1:]).copy())  # (B, T)
+        return x, y
+
+
+def apply_loss_mask(targets: np.ndarray, learned: np.ndarray) -> np.ndarray:
+    """Targets with -1 where not learned: cross_entropy's ignore_index leaves them out of the loss and of
+    its mean (a zeroed target would still be learned, as token 0, and count in the mean)."""
+    return np.where(learned, targets, -1)
+
+
+def _to_device(x: torch.Tensor, y: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        # Pinned host memory lets the copy run asynchronously, overlapping the forward pass.
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
 
 
 class TrainBatches:

@@ -77,7 +77,12 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     """
     T = data.block_size
     stride = stride or T
-    jobs = [(path, w) for path, n in zip(data.paths, data.sizes) for w in split_windows(n, T, stride)]
+    if data.starts is not None:  # chat: each conversation is its own stream (context never crosses into it)
+        ends = [*data.starts[1:].tolist(), data.num_tokens]
+        jobs = [(data.paths[0], (s + b, s + e, new)) for s, end in zip(data.starts.tolist(), ends)
+                for b, e, new in split_windows(end - s, T, stride)]
+    else:
+        jobs = [(path, w) for path, n in zip(data.paths, data.sizes) for w in split_windows(n, T, stride)]
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, tokens scored)
     was_training = model.training
     model.eval()
@@ -112,6 +117,9 @@ def _window_batch(data: TokenData, jobs, T: int) -> tuple[torch.Tensor, torch.Te
         n = end - begin
         x[row, :n] = chunk[:-1]
         y[row, n - new:n] = chunk[1:][n - new:]
+        if data.mask_path is not None:  # chat: only the assistant's tokens are scored
+            learned = np.fromfile(data.mask_path, dtype=np.uint8, count=n, offset=begin + 1).astype(bool)
+            y[row, :n][~learned] = -1
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -247,3 +255,44 @@ def hellaswag_scores(model, rendered: list[tuple] | None, rt) -> dict[str, float
         return {}
     r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
     return {"hellaswag_acc": r["acc"], "hellaswag_acc_norm": r["acc_norm"]}
+
+
+# -----------------------------------------------------------------------------
+# chat: exact answers
+
+
+def load_chat_file(path: str | Path, limit: int = 0) -> list[list[dict]]:
+    """The conversations of a JSONL file ({"messages": [...]} per line), each ending with the expected answer."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"chat file {path} not found (data/chat/tasks.py writes tasks_heldout.jsonl)")
+    convs = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{path}:{number}: expected a JSON object with a \"messages\" list") from None
+        if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
+            raise UserError(f"{path}:{number}: the last message must be the expected assistant answer")
+        convs.append(messages)
+        if limit and len(convs) == limit:
+            break
+    if not convs:
+        raise UserError(f"no conversations in {path}")
+    return convs
+
+
+@torch.no_grad()
+def chat_accuracy(model, template, conversations: list[list[dict]], max_new_tokens: int = 64) -> dict:
+    """The fraction of conversations whose last assistant turn the model reproduces exactly, greedily,
+    from the messages before it."""
+    from core.chat import reply
+
+    was_training = model.training
+    model.eval()
+    correct = sum(reply(model, template, conv[:-1], max_new_tokens, temperature=0.0) == conv[-1]["content"]
+                  for conv in conversations)
+    model.train(was_training)
+    return {"accuracy": correct / len(conversations), "correct": correct, "examples": len(conversations)}

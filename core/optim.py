@@ -9,13 +9,19 @@ iteration, so every direction of a weight matrix moves at the same rate. It is m
 hidden matrices only: the embedding is a lookup table (one row per token, not a linear map), the
 head's rows are read one per token too, and gains and biases are vectors. Those stay on AdamW
 (modded-nanogpt, nanochat do the same).
+
+torch.optim.Muon runs Newton-Schulz in bfloat16, right where the device computes bf16 natively
+(runtime.native_bf16: CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM BF16). Elsewhere, most laptop
+and desktop CPUs among them, Float32Muon runs the same step with Newton-Schulz in float32.
 """
 import contextlib
+import math
 
 import torch
 import torch.nn as nn
 
 from core.errors import UserError
+from core.runtime import native_bf16
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -105,11 +111,76 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     if optimizer == "adamw":
         return adamw
     check_muon_params(groups["hidden"])
+    # torch.optim.Muon where bf16 is native (its Newton-Schulz runs in bf16), Float32Muon elsewhere.
+    muon_class = torch.optim.Muon if native_bf16(device_type) else Float32Muon
     # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr
     # is the rate of a square matrix whatever the layer's aspect ratio.
-    muon = torch.optim.Muon([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
+    muon = muon_class([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
                             momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original")
     return MultiOptimizer({"muon": muon, "adamw": adamw})
+
+
+def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                  eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Muon's orthogonalisation of a 2-D update: torch.optim._muon._zeropower_via_newtonschulz's
+    quintic iteration, step for step, but in `dtype` (torch's is bfloat16 always). Works on DTensor
+    shards as torch's does: the same ops, whose matmuls gather what they need."""
+    a, b, c = coefficients
+    x = grad.to(dtype)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T  # iterate on the wide orientation: the Gram matrix x @ x.T is the smaller one
+    x = x / x.norm().clamp(min=eps)  # Frobenius norm >= spectral norm, so the spectrum lies in [0, 1]
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b A + c A²) x
+    return x.T if tall else x
+
+
+class Float32Muon(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz in float32, for devices without native bfloat16.
+
+    torch runs Newton-Schulz in bfloat16 unconditionally (grad.bfloat16() in torch/optim/_muon.py).
+    Where bf16 is emulated, as on every AVX2-only CPU, that is the whole cost of a step (config/modern.py
+    on the CPU quick start: 870 ms/iter against 90 without Muon), and float32 is both fast and closer
+    to the exact orthogonalisation (tests/test_recipe.py measures both against the SVD). torch offers
+    no dtype switch, so this step is torch's _single_tensor_muon line for line with the one call
+    swapped; the state ("momentum_buffer" per parameter) and param_groups are torch's own, so
+    checkpoints move between the two classes. tests/test_recipe.py pins it to torch's update.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-_muon_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+def _muon_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim._muon._adjust_lr: the rate scaled to the matrix's shape, so that every shape's update
+    has a comparable RMS."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
 
 
 def load_state(optimizer, state: dict) -> None:

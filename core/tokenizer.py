@@ -170,6 +170,18 @@ class StreamDecoder:
         return text
 
 
+def check_extends(base: dict, new: dict, source: str) -> None:
+    """A UserError unless tokenizer metadata `new` keeps every id of `base` meaning the same (it may add
+    special tokens after them): what fine-tuning a base model on a chat dataset needs."""
+    same = base.get("tokenizer") == new.get("tokenizer") and (base.get("tokenizer") != "char"
+                                                              or base.get("itos") == new.get("itos"))
+    kept = all((new.get("special_tokens") or {}).get(k) == v for k, v in (base.get("special_tokens") or {}).items())
+    if not (same and kept):
+        raise UserError(f"{source}: the dataset's tokenizer ({new.get('tokenizer')!r}, vocab {new.get('vocab_size')}) "
+                        f"does not extend the base model's ({base.get('tokenizer')!r}, vocab {base.get('vocab_size')}); "
+                        f"prepare the dataset with --tokenizer_from= the base run's out_dir")
+
+
 def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     kind = meta.get("tokenizer")
     if kind == "char":
@@ -192,8 +204,7 @@ def _specials(meta: dict, n_ordinary: int, source: str) -> dict[str, int] | None
 
 def tokenizer_meta(meta: dict) -> dict:
     """The part of a dataset's meta.json that rebuilds its tokenizer (copied into every checkpoint)."""
-    return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos", "stoi", "eot_token", "special_tokens")
-            if k in meta}
+    return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos", "stoi", "eot_token", "special_tokens") if k in meta}
 
 
 def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:

@@ -26,7 +26,8 @@ class TrainConfig:
     hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
-    init_from: str = "scratch"            # 'scratch', 'resume', a GPT-2 name, or a save_pretrained dir
+    init_from: str = "scratch"            # 'scratch', 'resume', a base run's out_dir (its weights, a new run),
+                                          # a GPT-2 name, or a save_pretrained dir
     # logging
     wandb_log: bool = False
     wandb_project: str = "nanogpt"
@@ -36,6 +37,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 40  # global: across all processes together
     batch_size: int = 12                   # micro-batch per process
     block_size: int = 1024
+    loss_mask: bool = True                 # chat datasets: learn only the assistant's tokens; False: every token
     # model
     n_layer: int = 12
     n_head: int = 12
@@ -118,7 +120,7 @@ class TrainConfig:
         if not self.dist_timeout_s > 0:
             raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         if self.init_from not in ("scratch", "resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
-            raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, "
+            raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, a base run's out_dir, "
                             f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
 
 

@@ -277,3 +277,22 @@ def spy_optimizer_steps(monkeypatch, after=None) -> list:
         return result
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     return steps
+
+
+def make_chat_dataset(data_dir, conversations: list[list[dict]], tokenizer_from=None, block_size: int = 64,
+                      val_fraction: float = 0.1) -> dict:
+    """A chat dataset in data_dir through data/chat/prepare.py (JSONL written beside it); returns meta.
+    tokenizer_from: a dataset folder or run out_dir (default: GPT-2 BPE, after use_gpt2_bpe())."""
+    import importlib.util
+    import json
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = data_dir / "conversations.jsonl"
+    jsonl.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    spec = importlib.util.spec_from_file_location("chat_prepare", REPO_ROOT / "data" / "chat" / "prepare.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    args = [f"--input={jsonl}", f"--out_dir={data_dir}", f"--block_size={block_size}", f"--val_fraction={val_fraction}"]
+    with contextlib.redirect_stdout(None):
+        return prepare.main(args + ([f"--tokenizer_from={tokenizer_from}"] if tokenizer_from else []))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import bench
+from core import runtime
 from core.errors import UserError
 from tests.helpers import one_thread
 from tests.test_bench import tiny_argv
@@ -73,7 +74,11 @@ def test_loop_section_compares_train_py_with_a_plain_loop(tmp_path, tmp_path_fac
     r = json.loads((tmp_path / "bench.json").read_text())["loop"]
     assert r["accum"] == 2 and r["plain_ms"] > 0 and r["train_py_ms"] > 0
     assert r["train_py_over_plain"] == pytest.approx(r["train_py_ms"] / r["plain_ms"])
-    assert len(r["chunk_ms"]["plain"]) == len(r["chunk_ms"]["train_py"]) == 2
+    assert len(r["chunk_ms"]["plain"]) == len(r["chunk_ms"]["train_py"]) == len(r["chunk_ms"]["recipe"]) == 2
     # train.py itself ran each chunk: its log.jsonl timed 3 steps after the warm-up ones
     assert r["train_py_steps"] == [3, 3]
-    assert "train.py against a plain loop" in capsys.readouterr().out
+    # and train.py with config/modern.py after the config, Newton-Schulz at the precision this CPU computes
+    assert r["recipe_ms"] > 0 and r["recipe_over_train_py"] == pytest.approx(r["recipe_ms"] / r["train_py_ms"])
+    assert r["muon_newton_schulz"] == ("bfloat16" if runtime.native_bf16("cpu") else "float32")
+    out = capsys.readouterr().out
+    assert "train.py against a plain loop" in out and "| train.py + config/modern.py (Newton-Schulz in" in out

@@ -14,7 +14,8 @@ import torch
 
 import train
 from core.checkpoint import load_checkpoint
-from tests.helpers import TINY_TRAIN, char_data_fixture, child_pids, process_env, records, run_main, train_tiny
+from tests.helpers import (TINY_TRAIN, char_data_fixture, child_pids, make_chat_dataset,
+                           process_env, records, run_main, train_tiny)
 from tests.test_faults import TORCHRUN, last_logged_iter, start_train, stop_job, wait_for
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -38,10 +39,24 @@ def run_job(tmp_path, name: str, data_dir, timeout: float = 180, **cfg) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory, data_dir):
+    """Conversations in the text's characters (data/chat/prepare.py with the text dataset's tokenizer)."""
+    d = tmp_path_factory.mktemp("chat")
+    words = TEXT.split()
+    convs = [[{"role": "user", "content": " ".join(words[i:i + 3])},
+              {"role": "assistant", "content": " ".join(words[i + 3:i + 3 + i % 4 + 1])}] for i in range(60)]
+    make_chat_dataset(d, convs, tokenizer_from=data_dir, block_size=32)
+    return d
+
+
 @pytest.mark.slow
-def test_two_ranks_of_four_micro_steps_match_one_process_of_eight(tmp_path, data_dir):
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_two_ranks_of_four_micro_steps_match_one_process_of_eight(tmp_path, data_dir, chat_dir, kind):
     """The global batch is 8 micro-batches either way; 2 ranks x 4 accumulate under no_sync() and all-reduce
-    once. Train and val losses (every iteration and every eval) agree with one process to float rounding."""
+    once. Train and val losses (every iteration and every eval) agree with one process to float rounding.
+    The same on a chat dataset (loss on the assistant's tokens, rows from conversation starts)."""
+    data_dir = chat_dir if kind == "chat" else data_dir
     ddp = run_job(tmp_path, "ddp", data_dir, **MULTI_MICRO)
     stdout = (tmp_path / "ddp.out").read_text()
     assert "2 process(es)" in stdout and stdout.count("step 3:") == 1  # rank 0 alone logs and saves

@@ -134,7 +134,20 @@ def test_round_trip_and_greedy_generation_match(tmp_path):
     prompt = random_idx(101, B=1, T=6)
     ours = model.generate(prompt, 12, temperature=0)
     theirs = hf.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours, theirs)
+    assert_same_greedy_text(ours, theirs, hf)
+
+
+def assert_same_greedy_text(ours: torch.Tensor, theirs: torch.Tensor, hf) -> None:
+    """Two float32 implementations agree on the logits to TOL, not bit for bit, so their greedy texts
+    are equal except where the top two logits lie within 2 * TOL: should they part, it must be at such
+    a near-tie in transformers' own logits (none occurs with these weights: the texts are equal)."""
+    differ = (ours != theirs)[0].nonzero()
+    if len(differ) == 0:
+        return
+    first = int(differ[0])
+    with torch.no_grad():
+        top2 = hf(theirs[:, :first]).logits[0, -1].topk(2).values
+    assert top2[0] - top2[1] < 2 * TOL["atol"], (first, ours.tolist(), theirs.tolist())
 
 
 def test_unsupported_checkpoints_are_value_errors(tmp_path):

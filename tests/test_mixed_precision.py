@@ -63,10 +63,32 @@ def trained(tmp_path_factory, data_dir):
     return load_checkpoint(ckpt)
 
 
+# bfloat16 keeps 8 bits of mantissa: the trained model's logits (|logit| up to ~12) come out within 0.067
+# (ATEN_CPU_CAPABILITY=avx2) and 0.080 (default) of float32's. The tolerance is 3x that; a position
+# whose float32 top two are further apart than twice it must pick the same top-1 in bfloat16.
+BF16_LOGIT_TOL = 0.25
+
+
+@torch.no_grad()
+def teacher_forced_logits(model: GPT, idx: torch.Tensor, use_cache: bool) -> torch.Tensor:
+    """The next-token logits generation reads (last_only) after each prefix of idx (B, T) -> (B, T, vocab):
+    fed one token at a time through a KV cache, or each whole prefix without one."""
+    cache = model.new_kv_cache(idx.size(0)) if use_cache else None
+    steps = [model(idx[:, t:t + 1], kv_cache=cache, last_only=True)[0] if use_cache
+             else model(idx[:, :t + 1], last_only=True)[0] for t in range(idx.size(1))]
+    return torch.cat(steps, dim=1)
+
+
 def test_bf16_decoding_through_sample_inference_path(trained):
     """runtime.inference_model casts the weights once to bfloat16; the KV cache is bfloat16, the next-token
-    logits float32 (not rounded to bf16), and cached and uncached greedy decoding agree, past the
-    context window too."""
+    logits float32 (not rounded to bf16). Fed the same float32 context (the float32 model's own greedy
+    text), bf16's next-token logits stay within BF16_LOGIT_TOL of float32's at every position and pick
+    the same top-1 wherever float32's choice is clear of that; cached and uncached greedy decoding agree,
+    past the context window too.
+
+    Not compared: bf16's and float32's free-running greedy texts. Once one near-tie goes the other way
+    the texts part for good, and where that happens depends on the CPU's kernels (74% equal positions
+    under ATEN_CPU_CAPABILITY=avx2 here, 100% under default)."""
     from core.checkpoint import model_from_checkpoint
     model = runtime.inference_model(model_from_checkpoint(trained), BF16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
@@ -76,12 +98,22 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     logits = model(idx, last_only=True)[0][:, -1, :]  # what generation reads for the next token
     assert logits.dtype == torch.float32 and logits.shape == (2, model.config.vocab_size)
     assert not torch.equal(logits, logits.bfloat16().float())  # finer than bfloat16's 8-bit mantissa
+
+    reference = model_from_checkpoint(trained).eval()
+    context = reference.generate(idx, model.config.block_size - idx.size(1), temperature=0.0)  # (2, 32)
+    want = teacher_forced_logits(reference, context, use_cache=True)  # (2, 32, vocab)
+    got = teacher_forced_logits(model, context, use_cache=True)
+    error = (got - want).abs().max().item()
+    assert 1e-3 < error < BF16_LOGIT_TOL, error  # bf16 was computed, and it is bf16's rounding, no more
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 2 * BF16_LOGIT_TOL
+    assert clear.float().mean() > 0.75  # a trained model: most choices are clear (92% here)
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
     cached = model.generate(idx, 60, temperature=0.0, use_cache=True, window_shift=8)
     uncached = model.generate(idx, 60, temperature=0.0, use_cache=False, window_shift=8)
     assert torch.equal(cached, uncached)
     assert all(len(set(row[9:].tolist())) > 8 for row in cached)  # real text, not one token repeated
-    reference = model_from_checkpoint(trained).eval().generate(idx, 60, temperature=0.0, window_shift=8)
-    assert (cached == reference).float().mean() > 0.9  # bf16 weights decode nearly the float32 text
 
 
 def test_next_logits_equal_the_full_forward_last_position(trained):

@@ -244,20 +244,23 @@ def test_cached_and_uncached_greedy_agree_past_block_size(backend, sampling, win
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-@pytest.mark.parametrize("window_shift, starts", [
-    (1, [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8]),  # nanoGPT's rule: always exactly the last 8 tokens
-    (4, [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8]),  # after a shift, 8 - 4 + 1 = 5 tokens, growing back to 8
+@pytest.mark.parametrize("prompt, window_shift, starts", [
+    (5, 1, [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8]),  # nanoGPT's rule: always exactly the last 8 tokens
+    (5, 4, [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8]),  # after a shift, 8 - 4 + 1 = 5 tokens, growing back to 8
+    # a prompt longer than block_size: the first window is already its last 8 tokens, out[4:12]
+    (12, 1, [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]),
+    (12, 4, [4, 8, 8, 8, 8, 12, 12, 12, 12, 16, 16, 16]),
 ])
-def test_each_step_sees_exactly_its_window(monkeypatch, use_cache, window_shift, starts):
-    """Prompt of 5, block_size 8, 12 new tokens: step i (making token 5 + i) must see out[start:5 + i].
+def test_each_step_sees_exactly_its_window(monkeypatch, use_cache, prompt, window_shift, starts):
+    """block_size 8, 12 new tokens: step i (making token prompt + i) must see out[start:prompt + i].
     The window is read where it enters the model, not inferred from the tokens: a random model's greedy
     output soon repeats one token, so a window one token short would give the same tokens."""
     model = sharp_model(block_size=8)
     spy = WindowSpy(model, monkeypatch)
-    out = model.generate(random_idx(1, 5), 12, temperature=0, window_shift=window_shift, use_cache=use_cache)
+    out = model.generate(random_idx(1, prompt), 12, temperature=0, window_shift=window_shift, use_cache=use_cache)
     assert len(spy.windows) == 12
     for i, (window, start) in enumerate(zip(spy.windows, starts)):
-        assert torch.equal(window, out[:, start:5 + i]), (i, window.tolist(), start)
+        assert torch.equal(window, out[:, start:prompt + i]), (i, window.tolist(), start)
 
 
 def test_vocab_size_keeps_padded_ids_out():

@@ -365,6 +365,88 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert muon.param_groups[0]["lr"] == 0.025 and {g["lr"] for g in adamw.param_groups} == {5e-4}
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_muon_newton_schulz_runs_in_bf16_only_where_bf16_is_native(monkeypatch, native):
+    """torch.optim.Muon itself (bf16 Newton-Schulz) where the device computes bf16 natively; the
+    float32 subclass elsewhere, such as on this AVX2 CPU, where bf16 matmuls are emulated."""
+    monkeypatch.setattr(optim, "native_bf16", lambda device: native)
+    opt = optim.build_optimizer(GPT(config()), "muon", 1e-3, 0.1, (0.9, 0.95), "cpu")
+    assert type(opt.optimizers["muon"]) is (torch.optim.Muon if native else optim.Float32Muon)
+
+
+@pytest.mark.parametrize("capability, flags, isa, native", [
+    ("AVX2", {"avx2", "fma"}, None, False),                          # most laptops, desktops and this machine
+    ("AVX512", {"avx512f", "avx512bw"}, None, False),                # Skylake-X: AVX-512 but no bf16 units
+    ("AVX512", {"avx512f", "avx512_bf16"}, None, True),              # Cooper Lake, Zen 4
+    ("AVX512", {"avx512f", "amx_bf16"}, None, True),                 # Sapphire Rapids
+    ("AVX2", {"avx512f", "avx512_bf16"}, None, False),               # the same, with ATEN_CPU_CAPABILITY=avx2
+    ("AVX512", {"avx512f", "avx512_bf16"}, "AVX2", False),           # ... or ONEDNN_MAX_CPU_ISA=AVX2
+    ("AVX512", {"avx512f", "amx_bf16"}, "AVX512_CORE_AMX", True),
+    ("DEFAULT", {"fp", "asimd", "bf16"}, None, True),                # ARM with the BF16 extension (Graviton 3)
+    ("DEFAULT", {"fp", "asimd"}, None, False),
+])
+def test_cpu_native_bf16_reads_the_cpu_and_honours_the_capability_caps(monkeypatch, capability, flags, isa, native):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(runtime, "_cpu_flags", lambda: flags)
+    if isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert runtime.cpu_native_bf16() is native and runtime.native_bf16("cpu") is native
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert runtime.native_bf16("cpu") is False  # oneDNN does no bf16 matmuls here: they fall back to emulation
+
+
+def muon_updates(muon_class, steps=3, shapes=((48, 16), (16, 48), (32, 32)), **kwargs):
+    """The weights after `steps` Muon steps on fixed gradients (tall, wide and square matrices, with
+    weight decay and the shape-adjusted rate, so every branch of the step is used)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen) * 0.1) for s in shapes]
+    opt = muon_class(params, lr=0.02, momentum=0.95, weight_decay=0.1, adjust_lr_fn="original", **kwargs)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
+def test_float32_muon_is_torchs_muon_but_for_the_precision_of_newton_schulz(monkeypatch):
+    """Float32Muon's step is torch's, line for line: with torch's own bf16 Newton-Schulz swapped in it
+    equals torch.optim.Muon bit for bit (momentum, Nesterov, weight decay, rate adjustment, state); with
+    its float32 Newton-Schulz it agrees with torch to bf16 rounding; its state loads into torch's."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    start, _ = muon_updates(torch.optim.Muon, steps=0)
+    torch_weights, torch_opt = muon_updates(torch.optim.Muon)
+    f32_weights, f32_opt = muon_updates(optim.Float32Muon)
+    for w0, ours, theirs in zip(start, f32_weights, torch_weights):
+        ours, theirs = ours - w0, theirs - w0
+        # bf16 keeps 8 bits (rounding 2^-9 = 0.2%), which 5 iterations of 3 matmuls grow to ~1%
+        assert 1e-4 < ((ours - theirs).norm() / theirs.norm()).item() < 0.03
+    with monkeypatch.context() as m:
+        m.setattr(optim, "newton_schulz", lambda g, coeffs, steps, eps: _zeropower_via_newtonschulz(g, coeffs, steps, eps))
+        swapped, _ = muon_updates(optim.Float32Muon)
+    assert all(torch.equal(a, b) for a, b in zip(swapped, torch_weights))
+    torch_opt.load_state_dict(f32_opt.state_dict())  # the same state format: a checkpoint moves between them
+    assert torch.equal(torch_opt.state_dict()["state"][0]["momentum_buffer"],
+                       f32_opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_float32_newton_schulz_is_closer_to_exact_than_bf16():
+    """The orthogonalisation error (against the same iteration in float64, relative Frobenius norm):
+    float32 ~2e-6, torch's bf16 ~1e-2 on Gaussian matrices and ~5e-2 to 8e-2 on a decaying spectrum
+    (gradients are close to low-rank). So float32 is the more exact, not merely the faster, path."""
+    from torch.optim._muon import _zeropower_via_newtonschulz, DEFAULT_A, DEFAULT_B, DEFAULT_C
+    coeffs, gen = (DEFAULT_A, DEFAULT_B, DEFAULT_C), torch.Generator().manual_seed(0)
+    for shape in ((128, 128), (512, 128), (128, 384)):
+        u, _, vh = torch.linalg.svd(torch.randn(shape, generator=gen), full_matrices=False)
+        g = u @ torch.diag(torch.logspace(0, -3, min(shape))) @ vh  # a decaying spectrum, as gradients have
+        exact = optim.newton_schulz(g, coeffs, 5, 1e-7, torch.float64)
+        error = lambda o: ((o.double() - exact).norm() / exact.norm()).item()
+        f32, bf16 = error(optim.newton_schulz(g, coeffs, 5, 1e-7)), error(_zeropower_via_newtonschulz(g, coeffs, 5, 1e-7))
+        assert f32 < 1e-4 and bf16 > 1e-2, (shape, f32, bf16)
+
+
 def test_adamw_groups_are_nanogpts():
     model = GPT(config())
     opt = optim.build_optimizer(model, "adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")

@@ -5,6 +5,7 @@
 import dataclasses
 import json
 import math
+import random
 import shutil
 
 import pytest
@@ -15,6 +16,7 @@ from core.checkpoint import load_checkpoint
 from core.errors import UserError
 import model as modellib
 from tests.helpers import (TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, losses, make_char_dataset,
+                           make_chat_dataset,
                            records, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -114,12 +116,30 @@ def test_min_lr_matters_only_with_decay():
     train.TrainConfig(learning_rate=1e-4, min_lr=1e-3, decay_lr=False).validate()  # finetune_shakespeare.py's case
 
 
-def test_exact_resume_and_the_log_trimmed_to_the_checkpoint(tmp_path, data_dir):
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, data_dir):
+    """A chat dataset in the text's characters, and a base run on the text to fine-tune from."""
+    tmp = tmp_path_factory.mktemp("chat")
+    train_tiny(tmp / "base", data_dir, max_iters=4, lr_decay_iters=4)
+    rng = random.Random(0)
+    words = TEXT.split()
+    convs = [[{"role": "user", "content": " ".join(rng.sample(words, 3))},
+              {"role": "assistant", "content": " ".join(rng.sample(words, rng.randint(1, 4)))}] for _ in range(60)]
+    make_chat_dataset(tmp / "data", convs, tokenizer_from=tmp / "base", block_size=32)
+    return tmp / "data", tmp / "base"
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_exact_resume_and_the_log_trimmed_to_the_checkpoint(tmp_path, data_dir, chat_run, kind):
     """Stopped after a checkpoint and resumed, a run's per-iteration losses equal the uninterrupted
     run's exactly, dropout included (its RNG state is in the checkpoint). Resumed from an older
     checkpoint than its log reached (as after a kill), the iterations logged past it are dropped and
-    redone: log.jsonl then reads exactly as the uninterrupted run's, no iteration twice."""
+    redone: log.jsonl then reads exactly as the uninterrupted run's, no iteration twice. The same for a
+    chat fine-tune (masked loss, rows from conversation starts) started from a base run's weights."""
     common = dict(max_iters=16, lr_decay_iters=16, warmup_iters=4, log_interval=1, eval_interval=8, dropout=0.1)
+    if kind == "chat":
+        data_dir, base = chat_run
+        common["init_from"] = str(base)
     train_tiny(tmp_path / "a", data_dir, **common)
     train_tiny(tmp_path / "b", data_dir, **(common | {"max_iters": 8}))
     shutil.copy(tmp_path / "b" / "ckpt.pt", tmp_path / "ckpt8.pt")
