@@ -4,8 +4,9 @@
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
     python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling,
-                                                       # memory, speedrun (not in the default list: it trains for minutes)
+                                                       # memory, serve, speedrun (not in the default list: it trains for minutes)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
+    python bench.py --sections=serve                   # serve.py's throughput at 1, 4, 16 clients vs in-process
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
@@ -53,6 +54,13 @@ How each figure is measured:
              process's peak memory and step time for forward + backward with and without activation
              checkpointing (peak measured as in attention). Last, core.memory.gpu_training_memory'
              computed (not measured) table of which GPT-2 fits on which GPU.
+  serve      serve.py started as its own process on a loopback port, serving the decode model (random
+             weights, a stand-in character vocabulary) from a temporary checkpoint. For each count in
+             serve_clients, that many concurrent /v1/completions requests (one per client, sampled with
+             their own seeds, serve_max_tokens new tokens each) against the same generations run in this
+             process, one model.generate after another: requests/s and tokens/s, the wall-time ratio
+             (the server's overhead), and CPU seconds (the server's from /proc, the client's and the
+             in-process model's from this process), which a loaded machine disturbs less than wall time.
   speedrun   training time to a target val loss (the whole val split, core.evaluate.evaluate_split): nanoGPT's
              model and plain loop (speedrun_base: GPT-2, its AdamW fused only on CUDA, its cosine schedule)
              against ours (speedrun_base + speedrun_ours: config/modern.py's model, core.optim's optimizer and
@@ -74,29 +82,29 @@ import math
 import os
 import platform
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import typing
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from core import flops, memory, optim, parallel, runtime
+from core import checkpoint, flops, memory, optim, parallel, runtime
 from core.markdown import table
-from core.config import apply_overrides, parse_args, parse_cli_value, read_config_file, to_dict
+from core.config import apply_overrides, parse_args, read_config_file, to_dict
 from core.prepare import TextPrepareConfig, prepare_text_corpus
 from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
-from core.tokenizer import GPT2Tokenizer
+from core.tokenizer import CharTokenizer, GPT2Tokenizer
 from core.train_config import TrainConfig, get_lr, local_accum_steps, make_optimizer
 from model import GPT, GPT2_SHAPES, GPTConfig, scaled_dot_product_attention, window_shift
 
-SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory", "speedrun")
+SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory", "serve", "speedrun")
 OOM = "OOM"  # a figure that did not fit in device memory
 # THREADS: one torch thread by default. On a shared 2-core machine two OpenMP threads spin-wait for each
 # other whenever another process holds a core, which makes the figures slower and erratic (docs/performance.md).
@@ -114,7 +122,7 @@ class BenchConfig:
     dtype: str = "auto"
     threads: int = 1           # torch intra-op threads; 0 keeps torch's default (one per core). See THREADS.
     seed: int = 1337
-    sections: str = "train,loop,attention,decode,prepare,rolling,memory"
+    sections: str = "train,loop,attention,decode,prepare,rolling,memory,serve"
     out: str = "bench.json"
     warmup: int = 1            # untimed runs before each timed figure
     repeats: int = 3           # timed runs; each figure is their median
@@ -153,6 +161,10 @@ class BenchConfig:
     roll_new_tokens: int = 48  # rolling: tokens decoded past the context, each way
     # 4. data preparation
     corpus: str | None = None  # a text file; None: DEFAULT_CORPUS if it exists, else a generated text
+    # 5. serving: serve.py over HTTP against the same generations in-process, on the decode section's model
+    serve_clients: str = "1,4,16"  # concurrent clients, one request each
+    serve_max_tokens: int = 64     # new tokens per request (sampled, temperature 1, no stop: always this many)
+    serve_prompt_len: int = 16
     # 6. speedrun: training time to a target val loss, nanoGPT's model and loop against our recipe
     speedrun_base: str = "config/train_shakespeare_char_cpu.py"  # nanoGPT's run; ours starts from it too
     # ours: config files and key=value pairs, comma-separated, after the base: the modern recipe with its
@@ -181,11 +193,15 @@ class BenchConfig:
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
         for key in ("repeats", "attn_repeats", "gen_repeats", "gen_prompt_len", "gen_new_tokens", "loop_steps",
-                    "roll_new_tokens", "speedrun_target_iters", "speedrun_eval_every", "speedrun_eval_fine",
-                    "speedrun_eval_batch", "speedrun_chunk"):
+                    "roll_new_tokens", "serve_max_tokens", "serve_prompt_len", "speedrun_target_iters",
+                    "speedrun_eval_every", "speedrun_eval_fine", "speedrun_eval_batch", "speedrun_chunk"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
         int_list(self.attn_lengths, "attn_lengths")
+        int_list(self.serve_clients, "serve_clients")
+        if self.serve_prompt_len > self.decode_block_size:
+            raise UserError(f"serve_prompt_len {self.serve_prompt_len} is longer than "
+                            f"decode_block_size {self.decode_block_size}")
         int_list(self.speedrun_seeds, "speedrun_seeds")
         runs = spec_list(self.speedrun_runs)
         if not runs or set(runs) - set(SPEEDRUN_RUNS) or len(set(runs)) != len(runs):
@@ -856,6 +872,106 @@ def bench_prepare(cfg: BenchConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# 5. serving: serve.py over HTTP against the same generations in-process
+
+
+def serve_checkpoint(cfg: BenchConfig, out_dir: Path) -> tuple[GPT, CharTokenizer, str]:
+    """The decode section's model (random weights) saved as a checkpoint serve.py can load, with a character
+    vocabulary of decode_vocab_size stand-in characters; returns the model, the tokenizer and a prompt."""
+    torch.manual_seed(cfg.seed)
+    mc = GPTConfig(block_size=cfg.decode_block_size, vocab_size=cfg.decode_vocab_size, n_layer=cfg.decode_n_layer,
+                   n_head=cfg.decode_n_head, n_embd=cfg.decode_n_embd, dropout=0.0, bias=cfg.bias)
+    model = GPT(mc)
+    tok = CharTokenizer([chr(0x100 + i) for i in range(mc.vocab_size)])  # any distinct printable characters
+    checkpoint.save_checkpoint(out_dir, {"model_args": dataclasses.asdict(mc), "tokenizer": tok.meta(), "iter_num": 0},
+                               model.state_dict())
+    prompt = tok.decode([i % mc.vocab_size for i in range(cfg.serve_prompt_len)])
+    return model, tok, prompt
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) another process has used so far; None where /proc is not there."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def start_server(cfg: BenchConfig, rt: runtime.Runtime, out_dir: Path, port: int):
+    import httpx
+    threads = str(cfg.threads or os.cpu_count())  # the same torch threads as this process
+    env = os.environ | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    log = open(out_dir / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("serve.py")), f"--out_dir={out_dir}",
+                             "--model_name=bench", f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
+                             f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise UserError(f"serve.py did not start for the serve section:\n{(out_dir / 'serve.log').read_text()[-2000:]}")
+
+
+def bench_serve(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    import asyncio
+
+    import httpx
+    clients = int_list(cfg.serve_clients, "serve_clients")
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok, prompt = serve_checkpoint(cfg, Path(tmp))
+        model = runtime.inference_model(model, rt)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = start_server(cfg, rt, Path(tmp), port)
+        try:
+            rows = []
+            for c in clients:
+                def in_process():  # what the server does for c requests, without HTTP: one generate each
+                    ids = torch.tensor([tok.encode(prompt)], device=rt.device)  # (1, T)
+                    for seed in range(c):
+                        model.generate(ids, cfg.serve_max_tokens, temperature=1.0, vocab_size=tok.vocab_size,
+                                       generator=torch.Generator(device=rt.device).manual_seed(seed),
+                                       window_shift=window_shift(None, model.config.block_size))
+
+                async def requests():
+                    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+                        replies = await asyncio.gather(*(client.post("/v1/completions", json={
+                            "model": "bench", "prompt": prompt, "max_tokens": cfg.serve_max_tokens,
+                            "temperature": 1.0, "seed": seed}) for seed in range(c)))
+                    for r in replies:
+                        if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != cfg.serve_max_tokens:
+                            raise UserError(f"serve.py answered {r.status_code}: {r.text[:300]}")
+
+                row = {"clients": c, "tokens": c * cfg.serve_max_tokens}
+                for way, fn in (("in_process", in_process), ("server", lambda: asyncio.run(requests()))):
+                    cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
+                    row[f"{way}_s"] = median_time(fn, cfg.warmup, cfg.repeats, rt.synchronize)
+                    runs = cfg.warmup + cfg.repeats
+                    # this process's CPU: the model in-process; the HTTP client for the server
+                    row["in_process_cpu_s" if way == "in_process" else "server_client_cpu_s"] = \
+                        (time.process_time() - cpu0) / runs
+                    if way == "server" and server0 is not None:
+                        row["server_cpu_s"] = (process_cpu_s(server.pid) - server0) / runs
+                rows.append(row | {"requests_per_s": c / row["server_s"],
+                                   "tokens_per_s": row["tokens"] / row["server_s"],
+                                   "in_process_tokens_per_s": row["tokens"] / row["in_process_s"],
+                                   "overhead": row["server_s"] / row["in_process_s"]})
+        finally:
+            server.terminate()
+            server.wait(60)
+    mc = model.config
+    return {"model": f"{mc.n_layer} layers x {mc.n_embd} wide, {mc.n_head} heads, block_size {mc.block_size}, "
+                     f"vocab {mc.vocab_size}", "params": model.get_num_params(), "prompt_tokens": cfg.serve_prompt_len,
+            "max_tokens": cfg.serve_max_tokens, "repeats": cfg.repeats, "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------
 # 6. speedrun: wall time to a target val loss, nanoGPT against our recipe
 
 
@@ -1035,16 +1151,15 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
     def evaluate() -> float:
         return evaluate_split(model, val, batch_size=cfg.speedrun_eval_batch, device=rt.device,
                               autocast=rt.autocast).loss
-    log = lambda record: None  # noqa: E731
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         write_json(log_dir / "config.json", to_dict(recipe) | {"seed": seed, "run": name})
         (log_dir / "log.jsonl").write_text("")
 
-        def log(record: dict) -> None:
-            record = record | {"lr": get_lr(record["iter"], recipe)}
+    def log(record: dict) -> None:
+        if log_dir is not None:
             with open(log_dir / "log.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record | {"lr": get_lr(record["iter"], recipe)}) + "\n")
     return Racer(name, step, evaluate, cap, tokens_per_iter(recipe), rt.synchronize, log)
 
 
@@ -1269,6 +1384,23 @@ def format_memory(r: dict) -> str:
             + table(["model", "params", "parallel", "GB", "GB with AC", *(f"{gb} GB" for gb in GPU_GB)], fits))
 
 
+def format_serve(r: dict) -> str:
+    rows = []
+    for row in r["rows"]:
+        server_cpu = row.get("server_cpu_s")
+        rows.append([row["clients"], num(row["requests_per_s"], 2), num(row["tokens_per_s"], 1),
+                     num(row["in_process_tokens_per_s"], 1), f"{row['overhead']:.2f}x", num(row["in_process_cpu_s"], 2),
+                     "n/a" if server_cpu is None else num(server_cpu, 2), num(row["server_client_cpu_s"], 2),
+                     "n/a" if server_cpu is None else
+                     f"{(server_cpu + row['server_client_cpu_s']) / row['in_process_cpu_s']:.2f}x"])
+    return (f"### Serving: serve.py over HTTP against the same generations in-process\n{r['model']}; "
+            f"{r['params'] / 1e6:.2f}M parameters; each client sends one /v1/completions request at once "
+            f"({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled); in-process: the same "
+            f"generations one model.generate after another; wall: median of {r['repeats']}; CPU: seconds per run\n\n"
+            + table(["clients", "requests/s", "tokens/s", "in-process tokens/s", "wall ratio", "in-process CPU s",
+                     "server CPU s", "client CPU s", "CPU ratio"], rows))
+
+
 def format_speedrun(r: dict) -> str:
     runs, first = r["runs"], r["runs"][0]
     rows = []
@@ -1294,7 +1426,7 @@ def format_speedrun(r: dict) -> str:
 
 
 FORMATTERS = {"train": format_train, "loop": format_loop, "attention": format_attention, "decode": format_decode,
-              "prepare": format_prepare, "rolling": format_rolling, "memory": format_memory,
+              "prepare": format_prepare, "rolling": format_rolling, "memory": format_memory, "serve": format_serve,
               "speedrun": format_speedrun}
 
 
@@ -1326,7 +1458,8 @@ def run(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     runners = {"train": lambda: bench_train(cfg, rt), "loop": lambda: bench_loop(cfg, rt),
                "attention": lambda: bench_attention(cfg, rt), "decode": lambda: bench_decode(cfg, rt),
                "prepare": lambda: bench_prepare(cfg), "rolling": lambda: bench_rolling(cfg, rt),
-               "memory": lambda: bench_memory(cfg, rt), "speedrun": lambda: bench_speedrun(cfg, rt)}
+               "memory": lambda: bench_memory(cfg, rt), "serve": lambda: bench_serve(cfg, rt),
+               "speedrun": lambda: bench_speedrun(cfg, rt)}
     for name in SECTIONS:
         if name in section_list(cfg):
             t0 = time.perf_counter()
