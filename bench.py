@@ -3,8 +3,11 @@
     python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
-    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling, memory
+    python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling,
+                                                       # memory, serve, speedrun (not in the default list: it trains for minutes)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
+    python bench.py --sections=serve                   # serve.py's throughput at 1, 4, 16 clients vs in-process
+    python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
@@ -51,6 +54,24 @@ How each figure is measured:
              process's peak memory and step time for forward + backward with and without activation
              checkpointing (peak measured as in attention). Last, core.memory.gpu_training_memory'
              computed (not measured) table of which GPT-2 fits on which GPU.
+  serve      serve.py started as its own process on a loopback port, serving the decode model (random
+             weights, a stand-in character vocabulary) from a temporary checkpoint. For each count in
+             serve_clients, that many concurrent /v1/completions requests (one per client, sampled with
+             their own seeds, serve_max_tokens new tokens each) against the same generations run in this
+             process, one model.generate after another: requests/s and tokens/s, the wall-time ratio
+             (the server's overhead), and CPU seconds (the server's from /proc, the client's and the
+             in-process model's from this process), which a loaded machine disturbs less than wall time.
+  speedrun   training time to a target val loss (the whole val split, core.evaluate.evaluate_split): nanoGPT's
+             model and plain loop (speedrun_base: GPT-2, its AdamW fused only on CUDA, its cosine schedule)
+             against ours (speedrun_base + speedrun_ours: config/modern.py's model, core.optim's optimizer and
+             schedule). Both read batches as nanoGPT does, from a generator of their own seeded alike. The
+             runs take turns of speedrun_chunk iterations, so that load from other processes hits both, and
+             are scored every speedrun_eval_every iterations, every speedrun_eval_fine once near the target;
+             a run is done at its first score at or below the target. Per run: iterations, tokens, training
+             wall seconds and this process's CPU seconds to the target (evaluation time apart), and the
+             ratio to nanoGPT's, per seed and as the mean over seeds. The default target is nanoGPT's val loss
+             after speedrun_target_iters (SPEEDRUN_TARGETS; measured first when none is recorded, as for the
+             gpt2 preset, which races GPT-2 small's shape on a GPU).
 """
 import contextlib
 import dataclasses
@@ -61,6 +82,7 @@ import math
 import os
 import platform
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -72,17 +94,17 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from core import flops, memory, parallel, runtime
+from core import checkpoint, flops, memory, optim, parallel, runtime
 from core.markdown import table
 from core.config import apply_overrides, parse_args, read_config_file, to_dict
 from core.prepare import TextPrepareConfig, prepare_text_corpus
 from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
-from core.tokenizer import GPT2Tokenizer
-from core.train_config import TrainConfig, get_lr, local_accum_steps
+from core.tokenizer import CharTokenizer, GPT2Tokenizer
+from core.train_config import TrainConfig, get_lr, local_accum_steps, make_optimizer
 from model import GPT, GPT2_SHAPES, GPTConfig, scaled_dot_product_attention, window_shift
 
-SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory")
+SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory", "serve", "speedrun")
 OOM = "OOM"  # a figure that did not fit in device memory
 # THREADS: one torch thread by default. On a shared 2-core machine two OpenMP threads spin-wait for each
 # other whenever another process holds a core, which makes the figures slower and erratic (docs/performance.md).
@@ -100,7 +122,7 @@ class BenchConfig:
     dtype: str = "auto"
     threads: int = 1           # torch intra-op threads; 0 keeps torch's default (one per core). See THREADS.
     seed: int = 1337
-    sections: str = "train,loop,attention,decode,prepare,rolling,memory"
+    sections: str = "train,loop,attention,decode,prepare,rolling,memory,serve"
     out: str = "bench.json"
     warmup: int = 1            # untimed runs before each timed figure
     repeats: int = 3           # timed runs; each figure is their median
@@ -139,6 +161,29 @@ class BenchConfig:
     roll_new_tokens: int = 48  # rolling: tokens decoded past the context, each way
     # 4. data preparation
     corpus: str | None = None  # a text file; None: DEFAULT_CORPUS if it exists, else a generated text
+    # 5. serving: serve.py over HTTP against the same generations in-process, on the decode section's model
+    serve_clients: str = "1,4,16"  # concurrent clients, one request each
+    serve_max_tokens: int = 64     # new tokens per request (sampled, temperature 1, no stop: always this many)
+    serve_prompt_len: int = 16
+    # 6. speedrun: training time to a target val loss, nanoGPT's model and loop against our recipe
+    speedrun_base: str = "config/train_shakespeare_char_cpu.py"  # nanoGPT's run; ours starts from it too
+    # ours: config files and key=value pairs, comma-separated, after the base: the modern recipe with its
+    # schedule sized to the race (docs/speedrun.md: cosine to 500 reached the target first)
+    speedrun_ours: str = "config/modern.py,max_iters=500,lr_decay_iters=500"
+    speedrun_shape: str = ""   # key=value pairs applied to every run last (the gpt2 preset: GPT-2 small's shape)
+    speedrun_runs: str = "nanogpt,ours"  # which runs race; ratios are to the first
+    speedrun_seeds: str = "1337"         # one race per seed, each run seeded alike (weights and batches)
+    target: float | None = None          # val loss to reach; None: SPEEDRUN_TARGETS, or measured first
+    speedrun_target_iters: int = 2000    # the default target is nanoGPT's val loss after this many iterations
+    speedrun_measure_target: bool = False  # measure the default target now, even where one is recorded
+    speedrun_eval_every: int = 100       # whole-val-split evaluation every N iterations ...
+    speedrun_eval_fine: int = 20         # ... and every M once within speedrun_eval_margin of the target
+    speedrun_eval_margin: float = 0.03
+    speedrun_eval_batch: int = 64        # windows of block_size per evaluation forward
+    speedrun_chunk: int = 50             # iterations per turn; the runs take turns until each is done
+    speedrun_max_iters_factor: float = 1.5  # a run stops unreached after this times its config's max_iters
+    speedrun_data_dir: str = ""          # a prepared dataset; "": quick-start characters built from the corpus
+    speedrun_log_dir: str = ""           # also write <dir>/<seed>/<run>/log.jsonl + config.json (plot.py reads them)
 
     def check(self) -> None:
         unknown = set(section_list(self)) - set(SECTIONS)
@@ -148,10 +193,23 @@ class BenchConfig:
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must be >= 0, got {getattr(self, key)}")
         for key in ("repeats", "attn_repeats", "gen_repeats", "gen_prompt_len", "gen_new_tokens", "loop_steps",
-                    "roll_new_tokens"):
+                    "roll_new_tokens", "serve_max_tokens", "serve_prompt_len", "speedrun_target_iters",
+                    "speedrun_eval_every", "speedrun_eval_fine", "speedrun_eval_batch", "speedrun_chunk"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
         int_list(self.attn_lengths, "attn_lengths")
+        int_list(self.serve_clients, "serve_clients")
+        if self.serve_prompt_len > self.decode_block_size:
+            raise UserError(f"serve_prompt_len {self.serve_prompt_len} is longer than "
+                            f"decode_block_size {self.decode_block_size}")
+        int_list(self.speedrun_seeds, "speedrun_seeds")
+        runs = spec_list(self.speedrun_runs)
+        if not runs or set(runs) - set(SPEEDRUN_RUNS) or len(set(runs)) != len(runs):
+            raise UserError(f"speedrun_runs must list some of {','.join(SPEEDRUN_RUNS)} once each, got "
+                            f"'{self.speedrun_runs}'")
+        if not self.speedrun_max_iters_factor >= 1 or self.speedrun_eval_margin < 0:
+            raise UserError(f"need speedrun_max_iters_factor >= 1 and speedrun_eval_margin >= 0, got "
+                            f"{self.speedrun_max_iters_factor}, {self.speedrun_eval_margin}")
         contexts = int_list(self.decode_contexts, "decode_contexts")
         if max(contexts) > self.decode_block_size:
             raise UserError(f"decode_contexts go up to {max(contexts)}, "
@@ -177,6 +235,8 @@ PRESETS = {
         attn_n_head=12, attn_lengths="256,512,1024,2048,4096,8192,16384", attn_repeats=3,
         decode_n_layer=12, decode_n_head=12, decode_n_embd=768, decode_block_size=1024, decode_vocab_size=50304,
         decode_contexts="128,256,512,1024", gen_repeats=3, threads=0, loop_config="config/train_shakespeare_char.py",
+        # the speedrun at GPT-2 small's shape on the character data (its target is measured first: none recorded)
+        speedrun_shape="n_layer=12,n_head=12,n_embd=768,block_size=1024,batch_size=16,learning_rate=6e-4,min_lr=6e-5",
     ),
 }
 
@@ -464,12 +524,13 @@ def loop_dataset(out_dir: Path) -> tuple[str, int]:
     return source, meta["vocab_size"]
 
 
-def nanogpt_batch(path: Path, block_size: int, batch_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """nanoGPT's get_batch: a fresh memmap, random starts from torch's global generator."""
+def nanogpt_batch(path: Path, block_size: int, batch_size: int, device: str,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's get_batch: a fresh memmap, random starts from `generator` (torch's global one when None)."""
     import numpy as np
 
     data = np.memmap(path, dtype=np.uint16, mode="r")
-    ix = torch.randint(len(data) - block_size, (batch_size,))
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
     x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
     if torch.device(device).type == "cuda":
@@ -811,6 +872,378 @@ def bench_prepare(cfg: BenchConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# 5. serving: serve.py over HTTP against the same generations in-process
+
+
+def serve_checkpoint(cfg: BenchConfig, out_dir: Path) -> tuple[GPT, CharTokenizer, str]:
+    """The decode section's model (random weights) saved as a checkpoint serve.py can load, with a character
+    vocabulary of decode_vocab_size stand-in characters; returns the model, the tokenizer and a prompt."""
+    torch.manual_seed(cfg.seed)
+    mc = GPTConfig(block_size=cfg.decode_block_size, vocab_size=cfg.decode_vocab_size, n_layer=cfg.decode_n_layer,
+                   n_head=cfg.decode_n_head, n_embd=cfg.decode_n_embd, dropout=0.0, bias=cfg.bias)
+    model = GPT(mc)
+    tok = CharTokenizer([chr(0x100 + i) for i in range(mc.vocab_size)])  # any distinct printable characters
+    checkpoint.save_checkpoint(out_dir, {"model_args": dataclasses.asdict(mc), "tokenizer": tok.meta(), "iter_num": 0},
+                               model.state_dict())
+    prompt = tok.decode([i % mc.vocab_size for i in range(cfg.serve_prompt_len)])
+    return model, tok, prompt
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) another process has used so far; None where /proc is not there."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def start_server(cfg: BenchConfig, rt: runtime.Runtime, out_dir: Path, port: int):
+    import httpx
+    threads = str(cfg.threads or os.cpu_count())  # the same torch threads as this process
+    env = os.environ | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    log = open(out_dir / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("serve.py")), f"--out_dir={out_dir}",
+                             "--model_name=bench", f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
+                             f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise UserError(f"serve.py did not start for the serve section:\n{(out_dir / 'serve.log').read_text()[-2000:]}")
+
+
+def bench_serve(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    import asyncio
+
+    import httpx
+    clients = int_list(cfg.serve_clients, "serve_clients")
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok, prompt = serve_checkpoint(cfg, Path(tmp))
+        model = runtime.inference_model(model, rt)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = start_server(cfg, rt, Path(tmp), port)
+        try:
+            rows = []
+            for c in clients:
+                def in_process():  # what the server does for c requests, without HTTP: one generate each
+                    ids = torch.tensor([tok.encode(prompt)], device=rt.device)  # (1, T)
+                    for seed in range(c):
+                        model.generate(ids, cfg.serve_max_tokens, temperature=1.0, vocab_size=tok.vocab_size,
+                                       generator=torch.Generator(device=rt.device).manual_seed(seed),
+                                       window_shift=window_shift(None, model.config.block_size))
+
+                async def requests():
+                    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+                        replies = await asyncio.gather(*(client.post("/v1/completions", json={
+                            "model": "bench", "prompt": prompt, "max_tokens": cfg.serve_max_tokens,
+                            "temperature": 1.0, "seed": seed}) for seed in range(c)))
+                    for r in replies:
+                        if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != cfg.serve_max_tokens:
+                            raise UserError(f"serve.py answered {r.status_code}: {r.text[:300]}")
+
+                row = {"clients": c, "tokens": c * cfg.serve_max_tokens}
+                for way, fn in (("in_process", in_process), ("server", lambda: asyncio.run(requests()))):
+                    cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
+                    row[f"{way}_s"] = median_time(fn, cfg.warmup, cfg.repeats, rt.synchronize)
+                    runs = cfg.warmup + cfg.repeats
+                    # this process's CPU: the model in-process; the HTTP client for the server
+                    row["in_process_cpu_s" if way == "in_process" else "server_client_cpu_s"] = \
+                        (time.process_time() - cpu0) / runs
+                    if way == "server" and server0 is not None:
+                        row["server_cpu_s"] = (process_cpu_s(server.pid) - server0) / runs
+                rows.append(row | {"requests_per_s": c / row["server_s"],
+                                   "tokens_per_s": row["tokens"] / row["server_s"],
+                                   "in_process_tokens_per_s": row["tokens"] / row["in_process_s"],
+                                   "overhead": row["server_s"] / row["in_process_s"]})
+        finally:
+            server.terminate()
+            server.wait(60)
+    mc = model.config
+    return {"model": f"{mc.n_layer} layers x {mc.n_embd} wide, {mc.n_head} heads, block_size {mc.block_size}, "
+                     f"vocab {mc.vocab_size}", "params": model.get_num_params(), "prompt_tokens": cfg.serve_prompt_len,
+            "max_tokens": cfg.serve_max_tokens, "repeats": cfg.repeats, "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. speedrun: wall time to a target val loss, nanoGPT against our recipe
+
+
+# The default target: the val loss (whole split) that nanoGPT's plain loop reaches at speedrun_target_iters with
+# the default speedrun_base and no speedrun_shape, seed 1337, on the prepared quick-start data. Measured once with
+#     python bench.py --sections=speedrun --speedrun_measure_target=True --speedrun_seeds=1337
+SPEEDRUN_TARGETS = {("config/train_shakespeare_char_cpu.py", "", 2000): 1.8883}
+SPEEDRUN_RUNS = ("nanogpt", "ours")
+
+
+def read_recipe(specs: Sequence[str], source: str) -> TrainConfig:
+    """train.py's config from config files and key=value pairs, applied in order as train.py applies them. The
+    speedrun trains what it says (model, batch, optimizer, schedule); its I/O and device keys are not used."""
+    try:
+        return parse_args(TrainConfig, [f"--{spec}" if "=" in spec else spec for spec in specs])
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
+
+
+def tokens_per_iter(cfg: TrainConfig) -> int:
+    return cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+
+
+def spec_list(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+@dataclasses.dataclass
+class Racer:
+    """One run of the race: step(it) trains iteration it, evaluate() returns the whole-val-split loss, sync()
+    waits for the device, log(record) keeps an evaluation. The rest is its record so far."""
+    name: str
+    step: Callable[[int], None]
+    evaluate: Callable[[], float]
+    max_iters: int  # the cap: a run that has not reached the target by then stops without it
+    tokens_per_iter: int
+    sync: Callable[[], None] = lambda: None
+    log: Callable[[dict], None] = lambda record: None
+    it: int = 0  # iterations trained
+    train_wall_s: float = 0.0
+    train_cpu_s: float = 0.0
+    eval_wall_s: float = 0.0
+    curve: list = dataclasses.field(default_factory=list)  # [iter, val loss, train wall s, train CPU s]
+    reached: dict | None = None
+    stopped: bool = False  # at the cap without reaching the target
+    chunks: list = dataclasses.field(default_factory=list)  # (round, first iter, iter after the last)
+
+    @property
+    def done(self) -> bool:
+        return self.reached is not None or self.stopped
+
+
+def eval_due(it: int, curve: list, target: float, every: int, fine_every: int, margin: float) -> bool:
+    """Evaluate at every `every`-th iteration, and at every `fine_every`-th once near the target: the last
+    evaluation within `margin` of it, or the line through the last two reaching it before the next coarse
+    one (from the second evaluation after the start on). Dense where the crossing is, cheap elsewhere."""
+    if it % every == 0:
+        return True
+    if not curve or it % fine_every:
+        return False
+    (i1, l1) = curve[-1][:2]
+    if l1 <= target + margin:
+        return True
+    if len(curve) < 2 or curve[-2][0] == 0:  # the untrained model's loss is far off the curve's line
+        return False
+    (i0, l0) = curve[-2][:2]
+    slope = (l1 - l0) / (i1 - i0)  # loss per iteration, negative while it falls
+    return slope < 0 and i1 + (target - l1) / slope < i1 + every
+
+
+def run_chunk(r: Racer, n: int, target: float, every: int, fine_every: int, margin: float,
+              clocks: tuple[Callable[[], float], Callable[[], float]]) -> None:
+    """Up to n iterations of r, evaluating where due; r is done at the first evaluation at or below the
+    target, or at its cap.
+
+    Only iterations are timed, on both clocks (wall, and this process's CPU time): a stretch of iterations
+    is closed with sync() before the clocks are read, and an evaluation's own time goes to eval_wall_s."""
+    wall, cpu = clocks
+
+    def close_stretch() -> None:
+        r.sync()
+        w, c = wall(), cpu()
+        r.train_wall_s += w - start[0]
+        r.train_cpu_s += c - start[1]
+        start[:] = [w, c]
+
+    start, trained = [wall(), cpu()], 0
+    while True:
+        fresh = not r.curve or r.curve[-1][0] != r.it  # not evaluated yet at this iteration
+        if fresh and (eval_due(r.it, r.curve, target, every, fine_every, margin) or r.it == r.max_iters):
+            close_stretch()
+            loss = r.evaluate()
+            w = wall()
+            r.eval_wall_s += w - start[0]
+            start[:] = [w, cpu()]
+            r.curve.append([r.it, loss, r.train_wall_s, r.train_cpu_s])
+            r.log({"iter": r.it, "val_loss": loss, "train_s": r.train_wall_s, "train_cpu_s": r.train_cpu_s})
+            if loss <= target:
+                r.reached = {"iter": r.it, "tokens": r.it * r.tokens_per_iter, "wall_s": r.train_wall_s,
+                             "cpu_s": r.train_cpu_s, "val_loss": loss}
+                return
+        if r.it >= r.max_iters:
+            r.stopped = True
+            return
+        if trained == n:
+            break
+        r.step(r.it)
+        r.it += 1
+        trained += 1
+    close_stretch()
+
+
+def race(racers: list[Racer], chunk: int, target: float, every: int, fine_every: int, margin: float,
+         clocks=(time.perf_counter, time.process_time), progress: Callable[[Racer], None] = lambda r: None) -> None:
+    """Alternate chunks of `chunk` iterations between the runs until each reaches target or its cap,
+    so that whatever else loads the machine meanwhile hits all of them alike."""
+    number = 0
+    while not all(r.done for r in racers):
+        for r in racers:
+            if not r.done:
+                first = r.it
+                run_chunk(r, chunk, target, every, fine_every, margin, clocks)
+                r.chunks.append((number, first, r.it))
+                progress(r)
+        number += 1
+
+
+def plain_step(model, optimizer, batches: Callable[[], tuple], recipe: TrainConfig, rt: runtime.Runtime,
+               set_lr: Callable[[int], None]) -> Callable[[int], None]:
+    """nanoGPT's train.py iteration without its eval, checkpoints and logging: set the lr, micro-steps
+    (forward under autocast, backward), clip, step, zero the grads."""
+    scaler, accum = rt.grad_scaler(), recipe.gradient_accumulation_steps
+
+    def step(it: int) -> None:
+        set_lr(it)
+        for _ in range(accum):
+            x, y = batches()
+            with rt.autocast():
+                loss = model(x, y)[1] / accum
+            scaler.scale(loss).backward()
+        if recipe.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab: int, cap: int, cfg: "BenchConfig",
+                rt: runtime.Runtime, log_dir: Path | None) -> Racer:
+    """nanogpt: GPT-2 with nanoGPT's AdamW (fused only on CUDA) and its cosine schedule; ours: the recipe's
+    model and core.optim's optimizer and schedule. Both read batches as nanoGPT does, from their own
+    generator seeded with `seed`, and start from torch.manual_seed(seed)."""
+    from core.data import TokenData
+    from core.evaluate import evaluate_split
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**(recipe.model_args() | {"vocab_size": vocab}))).to(rt.device).train()
+    betas = (recipe.beta1, recipe.beta2)
+    if name == "nanogpt":
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
+                  for g in model.configure_optimizers(recipe.weight_decay, recipe.learning_rate, betas,
+                                                      rt.device_type).param_groups]
+        optimizer = torch.optim.AdamW(groups, lr=recipe.learning_rate, betas=betas, fused=rt.device_type == "cuda")
+        for g in optimizer.param_groups:
+            g["base_lr"] = recipe.learning_rate
+    else:
+        optimizer = make_optimizer(model, recipe, rt.device_type)
+    gen = torch.Generator().manual_seed(seed)
+    train_path = Path(data_dir) / "train.bin"
+    batches = lambda: nanogpt_batch(train_path, recipe.block_size, recipe.batch_size, rt.device, gen)  # noqa: E731
+    step = plain_step(model, optimizer, batches, recipe, rt,
+                      lambda it: optim.set_lr(optimizer, get_lr(it, recipe) / recipe.learning_rate))
+    val = TokenData(data_dir, "val", recipe.block_size)
+
+    def evaluate() -> float:
+        return evaluate_split(model, val, batch_size=cfg.speedrun_eval_batch, device=rt.device,
+                              autocast=rt.autocast).loss
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        write_json(log_dir / "config.json", to_dict(recipe) | {"seed": seed, "run": name})
+        (log_dir / "log.jsonl").write_text("")
+
+    def log(record: dict) -> None:
+        if log_dir is not None:
+            with open(log_dir / "log.jsonl", "a") as f:
+                f.write(json.dumps(record | {"lr": get_lr(record["iter"], recipe)}) + "\n")
+    return Racer(name, step, evaluate, cap, tokens_per_iter(recipe), rt.synchronize, log)
+
+
+def speedrun_data(cfg: "BenchConfig", tmp: Path) -> tuple[str, str, int]:
+    """(data_dir, what it is, vocab size): speedrun_data_dir if given, else the quick-start character data
+    built from DEFAULT_CORPUS (or a generated text) into tmp."""
+    from core.data import read_meta
+
+    if cfg.speedrun_data_dir:
+        meta = read_meta(cfg.speedrun_data_dir)
+        return cfg.speedrun_data_dir, cfg.speedrun_data_dir, meta["vocab_size"]
+    source, vocab = loop_dataset(tmp)
+    return str(tmp), f"{source}, characters, 90/10 split", vocab
+
+
+def speedrun_target(cfg: "BenchConfig", base: TrainConfig, data_dir: str, vocab: int, rt: runtime.Runtime) -> tuple[float, str]:
+    """The target val loss and where it came from: --target, the recorded one, or measured now (nanoGPT's
+    loop for speedrun_target_iters at the first seed, evaluated once at the end)."""
+    if cfg.target is not None:
+        return cfg.target, "--target"
+    recorded = SPEEDRUN_TARGETS.get((cfg.speedrun_base, cfg.speedrun_shape, cfg.speedrun_target_iters))
+    if recorded is not None and not cfg.speedrun_measure_target and not cfg.speedrun_data_dir:
+        return recorded, f"recorded: nanoGPT's loop at {cfg.speedrun_target_iters} iterations, seed 1337"
+    seed = int_list(cfg.speedrun_seeds, "speedrun_seeds")[0]
+    r = build_racer("nanogpt", base, seed, data_dir, vocab, cfg.speedrun_target_iters, cfg, rt, None)
+    race([r], cfg.speedrun_target_iters, -math.inf, cfg.speedrun_target_iters, cfg.speedrun_target_iters, 0.0)
+    return r.curve[-1][1], f"measured now: nanoGPT's loop at {cfg.speedrun_target_iters} iterations, seed {seed}"
+
+
+def bench_speedrun(cfg: "BenchConfig", rt: runtime.Runtime) -> dict:
+    if rt.ddp:
+        raise UserError("the speedrun section runs on one process; start bench.py without torchrun")
+    shape = spec_list(cfg.speedrun_shape)
+    runs = spec_list(cfg.speedrun_runs)
+    base = read_recipe([cfg.speedrun_base, *shape], "--speedrun_base")
+    recipes = {"nanogpt": base, "ours": read_recipe([cfg.speedrun_base, *spec_list(cfg.speedrun_ours), *shape],
+                                                    "--speedrun_ours")}
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir, source, vocab = speedrun_data(cfg, Path(tmp))
+        target, target_source = speedrun_target(cfg, base, data_dir, vocab, rt)
+        print(f"speedrun target: val loss {target:.4f} ({target_source})", flush=True)
+        seeds = []
+        for seed in int_list(cfg.speedrun_seeds, "speedrun_seeds"):
+            log_root = Path(cfg.speedrun_log_dir) / str(seed) if cfg.speedrun_log_dir else None
+            racers = [build_racer(name, recipes[name], seed, data_dir, vocab,
+                                  math.ceil(cfg.speedrun_max_iters_factor * recipes[name].max_iters), cfg, rt,
+                                  log_root / name if log_root else None) for name in runs]
+            race(racers, cfg.speedrun_chunk, target, cfg.speedrun_eval_every, cfg.speedrun_eval_fine,
+                 cfg.speedrun_eval_margin, progress=lambda r: print(
+                     f"seed {seed} {r.name}: iter {r.it}, val loss {r.curve[-1][1]:.4f}, {r.train_wall_s:.0f} s "
+                     f"training", flush=True))
+            seeds.append({"seed": seed, "runs": {r.name: {"reached": r.reached, "iters_run": r.it,
+                                                          "train_wall_s": r.train_wall_s, "train_cpu_s": r.train_cpu_s,
+                                                          "eval_wall_s": r.eval_wall_s, "curve": r.curve,
+                                                          "alternated_chunks": len(r.chunks)} for r in racers}})
+    return {"target": target, "target_source": target_source, "data": source, "runs": runs,
+            "recipes": {name: f"{cfg.speedrun_base}" + "".join(f" + {s}" for s in spec_list(cfg.speedrun_ours))
+                        if name == "ours" else cfg.speedrun_base for name in runs},
+            "shape": cfg.speedrun_shape, "models": {name: model_text(GPTConfig(**(recipes[name].model_args() | {
+                "vocab_size": vocab})), recipes[name].batch_size) for name in runs},
+            "tokens_per_iter": {name: tokens_per_iter(recipes[name]) for name in runs},
+            "eval": {"every": cfg.speedrun_eval_every, "fine_every": cfg.speedrun_eval_fine,
+                     "margin": cfg.speedrun_eval_margin}, "chunk": cfg.speedrun_chunk, "seeds": seeds,
+            "summary": speedrun_summary(seeds, runs)}
+
+
+def speedrun_summary(seeds: list[dict], runs: list[str]) -> dict:
+    """Per run: the mean over seeds of what it took to reach the target (None where a seed did not), and
+    each run's ratio to the first run's on each clock."""
+    out = {}
+    for name in runs:
+        got = [s["runs"][name]["reached"] for s in seeds]
+        out[name] = None if None in got else {k: statistics.mean(g[k] for g in got)
+                                              for k in ("iter", "tokens", "wall_s", "cpu_s")}
+    first = out[runs[0]]
+    for name in runs[1:]:
+        if out[name] and first:
+            out[name]["wall_ratio"] = out[name]["wall_s"] / first["wall_s"]
+            out[name]["cpu_ratio"] = out[name]["cpu_s"] / first["cpu_s"]
+            out[name]["iter_ratio"] = out[name]["iter"] / first["iter"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # report
 
 
@@ -951,8 +1384,50 @@ def format_memory(r: dict) -> str:
             + table(["model", "params", "parallel", "GB", "GB with AC", *(f"{gb} GB" for gb in GPU_GB)], fits))
 
 
+def format_serve(r: dict) -> str:
+    rows = []
+    for row in r["rows"]:
+        server_cpu = row.get("server_cpu_s")
+        rows.append([row["clients"], num(row["requests_per_s"], 2), num(row["tokens_per_s"], 1),
+                     num(row["in_process_tokens_per_s"], 1), f"{row['overhead']:.2f}x", num(row["in_process_cpu_s"], 2),
+                     "n/a" if server_cpu is None else num(server_cpu, 2), num(row["server_client_cpu_s"], 2),
+                     "n/a" if server_cpu is None else
+                     f"{(server_cpu + row['server_client_cpu_s']) / row['in_process_cpu_s']:.2f}x"])
+    return (f"### Serving: serve.py over HTTP against the same generations in-process\n{r['model']}; "
+            f"{r['params'] / 1e6:.2f}M parameters; each client sends one /v1/completions request at once "
+            f"({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled); in-process: the same "
+            f"generations one model.generate after another; wall: median of {r['repeats']}; CPU: seconds per run\n\n"
+            + table(["clients", "requests/s", "tokens/s", "in-process tokens/s", "wall ratio", "in-process CPU s",
+                     "server CPU s", "client CPU s", "CPU ratio"], rows))
+
+
+def format_speedrun(r: dict) -> str:
+    runs, first = r["runs"], r["runs"][0]
+    rows = []
+    for s in r["seeds"] + [{"seed": "mean", "runs": r["summary"]}]:
+        for name in runs:
+            got = s["runs"][name] if s["seed"] == "mean" else s["runs"][name]["reached"]
+            if got is None:
+                rows.append([s["seed"], name, "not reached", "-", "-", "-", "-", "-"])
+                continue
+            base = r["summary"][first] if s["seed"] == "mean" else s["runs"][first]["reached"]
+            ratio = (lambda k: f"{got[k] / base[k]:.2f}x") if base else (lambda k: "-")
+            rows.append([s["seed"], name, num(got["iter"]), num(got["tokens"]), num(got["wall_s"], 1),
+                         num(got["cpu_s"], 1), ratio("wall_s"), ratio("cpu_s")])
+    models = "\n".join(f"{name}: {r['recipes'][name]}; {r['models'][name]}, {r['tokens_per_iter'][name]:,} tokens "
+                       f"per iteration" for name in runs)
+    e = r["eval"]
+    return (f"### Speedrun: training time to val loss {r['target']:.4f} on the whole val split\n"
+            f"target: {r['target_source']}; data: {r['data']}\n{models}\n"
+            f"evaluated every {e['every']} iterations, every {e['fine_every']} within {e['margin']} of the target; "
+            f"the runs take turns of {r['chunk']} iterations; times count training only (evaluation apart)\n\n"
+            + table(["seed", "run", "iters to target", "tokens", "train wall s", "train CPU s",
+                     f"wall vs {first}", f"CPU vs {first}"], rows))
+
+
 FORMATTERS = {"train": format_train, "loop": format_loop, "attention": format_attention, "decode": format_decode,
-              "prepare": format_prepare, "rolling": format_rolling, "memory": format_memory}
+              "prepare": format_prepare, "rolling": format_rolling, "memory": format_memory, "serve": format_serve,
+              "speedrun": format_speedrun}
 
 
 def main(argv: Sequence[str]) -> dict:
@@ -983,7 +1458,8 @@ def run(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     runners = {"train": lambda: bench_train(cfg, rt), "loop": lambda: bench_loop(cfg, rt),
                "attention": lambda: bench_attention(cfg, rt), "decode": lambda: bench_decode(cfg, rt),
                "prepare": lambda: bench_prepare(cfg), "rolling": lambda: bench_rolling(cfg, rt),
-               "memory": lambda: bench_memory(cfg, rt)}
+               "memory": lambda: bench_memory(cfg, rt), "serve": lambda: bench_serve(cfg, rt),
+               "speedrun": lambda: bench_speedrun(cfg, rt)}
     for name in SECTIONS:
         if name in section_list(cfg):
             t0 = time.perf_counter()

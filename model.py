@@ -57,6 +57,8 @@ class GPTConfig:
     n_kv_head: int | None = None  # None: n_head; fewer: grouped-query attention (Ainslie et al. 2023), smaller KV cache
     tie_embeddings: bool = True  # False: the head gets its own matrix
     logit_softcap: float | None = None  # c: logits = c * tanh(logits / c), bounded in (-c, c)
+    zero_init_proj: bool = False  # attn.c_proj and mlp.c_proj start at 0: every Block starts as the identity
+    unet_skips: bool = False  # the last n_layer // 2 Blocks also read the first half's outputs, mirrored (a U-net)
     norm_eps: float = 1e-5  # every norm's epsilon (LayerNorm, RMSNorm, q/k norm); Qwen3's models use 1e-6
     mlp_hidden: int | None = None  # the MLP's hidden width; None: 4C, or swiglu_hidden(C) for swiglu
 
@@ -104,7 +106,7 @@ class GPTConfig:
     def non_gpt2_fields(self) -> list[str]:
         """The recipe switches set away from GPT-2, as 'name=value': what transformers' GPT-2 cannot hold."""
         gpt2 = GPTConfig()
-        fields = ("pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "logit_softcap")
+        fields = ("pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "logit_softcap", "unet_skips")
         changed = [f"{f}={getattr(self, f)!r}" for f in fields if getattr(self, f) != getattr(gpt2, f)]
         if self.kv_heads != self.n_head:
             changed.append(f"n_kv_head={self.n_kv_head}")
@@ -460,6 +462,8 @@ class GPT(nn.Module):
             # Weight tying (Press & Wolf 2017): the head scores a token by its similarity to the
             # token's embedding. GPT-2 does it, and it saves vocab_size * n_embd parameters.
             self.lm_head.weight = self.transformer.wte.weight
+        if config.unet_skips:  # one learned weight per skip connection (modded-nanogpt)
+            self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
         self.init_weights()
 
     @torch.no_grad()
@@ -478,10 +482,15 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        # zero_init_proj (modded-nanogpt): the projections start at 0, so every Block adds nothing and the
+        # first steps train an embedding-to-head bigram model; c_fc and c_attn still get gradients
+        # once c_proj has moved off 0 after one step.
+        residual_std = 0.0 if self.config.zero_init_proj else 0.02 / math.sqrt(2 * self.config.n_layer)
         for block in self.transformer.h:
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+        if self.config.unet_skips:
+            nn.init.ones_(self.skip_weights)
 
     def forward(self, idx, targets=None, kv_cache=None, return_attn=False, last_only=False):
         """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
@@ -503,8 +512,7 @@ class GPT(nn.Module):
             rope = rope_angles(positions, self.config.head_size, self.config.rope_base)  # 2 x (T, hs/2)
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, None if kv_cache is None else kv_cache.layer(i), pos, attn, rope)  # (B, T, C)
+        x = self._blocks(x, kv_cache, pos, attn, rope)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:
@@ -514,6 +522,21 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return (logits, loss, torch.stack(attn)) if return_attn else (logits, loss)
+
+    def _blocks(self, x, kv_cache, pos, attn, rope):
+        """x (B, T, C) through every Block. unet_skips: Block L-1-j also gets the output of Block j (j < L // 2)
+        times a learned weight, added to its input: the late layers see the early features directly, as a
+        U-net's decoder sees its encoder's (modded-nanogpt)."""
+        L = self.config.n_layer
+        half = L // 2 if self.config.unet_skips else 0
+        skips = []  # the first half's outputs, read back last-in first-out
+        for i, block in enumerate(self.transformer.h):
+            if i >= L - half:
+                x = x + self.skip_weights[i - (L - half)] * skips.pop()
+            x = block(x, None if kv_cache is None else kv_cache.layer(i), pos, attn, rope)  # (B, T, C)
+            if i < half:
+                skips.append(x)
+        return x
 
     def _last_logits(self, x):
         """x (B, T, C) -> the last position's logits (B, 1, vocab) in float32.

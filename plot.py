@@ -3,6 +3,7 @@
     python plot.py out-shakespeare-char-cpu                      # -> out-shakespeare-char-cpu/loss.png
     python plot.py out-a out-b --out=compare.png                 # runs overlaid, labelled by what differs
     python plot.py out-a out-b --x=tokens                        # against tokens seen (runs of different batch)
+    python plot.py speedrun/1337/nanogpt speedrun/1337/ours --x=seconds --target=1.88   # bench.py's speedrun logs
     python plot.py attention --out_dir=out-shakespeare-char-cpu --prompt="ROMEO: But soft" --layer=1
     python plot.py attention --init_from=gpt2 --prompt="The cat sat on the mat because it" --summary=entropy
 
@@ -26,6 +27,8 @@ from typing import Sequence
 from core.config import parse_args
 from core.errors import UserError, run_cli
 
+# --x: the eval records' key of each time axis (bench.py --sections=speedrun --speedrun_log_dir writes both)
+TIMES = {"seconds": "train_s", "cpu_seconds": "train_cpu_s"}
 # Keys that say where or how a run was logged, not what was trained: never a label.
 UNLABELLED = {"out_dir", "wandb_log", "wandb_project", "wandb_run_name", "log_interval", "eval_only",
               "always_save_checkpoint", "checkpoint_interval", "dist_timeout_s", "hellaswag_file"}
@@ -34,13 +37,15 @@ UNLABELLED = {"out_dir", "wandb_log", "wandb_project", "wandb_run_name", "log_in
 @dataclasses.dataclass
 class LossPlotConfig:
     out: str | None = None   # the PNG; None: loss.png in the first out_dir
-    x: str = "iter"          # iter: iterations below, tokens seen on top; tokens: tokens seen below
+    x: str = "iter"          # iter: iterations below, tokens seen on top; tokens: tokens seen below;
+                             # seconds / cpu_seconds: training wall / CPU seconds (bench.py's speedrun logs them)
+    target: float | None = None  # a val loss to mark with a horizontal line
     title: str | None = None
     ymax: float | None = None  # clip the loss axis (the first iterations' loss can dwarf the rest)
 
     def validate(self) -> None:
-        if self.x not in ("iter", "tokens"):
-            raise UserError(f"x must be 'iter' or 'tokens', got '{self.x}'")
+        if self.x not in ("iter", "tokens", *TIMES):
+            raise UserError(f"x must be 'iter', 'tokens', 'seconds' or 'cpu_seconds', got '{self.x}'")
 
 
 @dataclasses.dataclass
@@ -132,9 +137,11 @@ def run_labels(runs: list[RunLog]) -> list[str]:
 # the loss picture
 
 
-def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, ymax: float | None = None):
+def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, ymax: float | None = None,
+                target: float | None = None):
     """The figure: loss (top), HellaSwag acc_norm if a run logged it (train.py --hellaswag_file), and the
-    learning rate (bottom) of every run, against iterations or tokens."""
+    learning rate (bottom) of every run, against iterations, tokens, or training seconds (x="seconds" or
+    "cpu_seconds": evaluations only, at each one's train_s or train_cpu_s)."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
@@ -150,27 +157,41 @@ def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, y
     if x == "tokens" and None in tpis:
         raise UserError(f"--x=tokens needs batch_size, block_size and gradient_accumulation_steps in each run's "
                         f"config.json; {runs[tpis.index(None)].out_dir} has none")
+    key = TIMES.get(x)
+    untimed = [r.out_dir for r in runs if key and not (r.evals and all(key in e for e in r.evals.values()))]
+    if untimed:
+        raise UserError(f"--x={x} needs {key} in every eval record (bench.py --sections=speedrun "
+                        f"--speedrun_log_dir writes it); {untimed[0]} has none")
     for i, (run, label) in enumerate(zip(runs, run_labels(runs))):
         color = f"C{i}"
         scale = run.tokens_per_iter if x == "tokens" else 1
         step_it, evals = list(run.steps), list(run.evals)
+        if key:  # the x of an evaluation is its training time so far; steps carry none
+            step_it, scale = [], 1
+            run = dataclasses.replace(run, evals={e[key]: e for e in run.evals.values()})
+            evals = list(run.evals)
         if step_it:
             ax.plot([s * scale for s in step_it], [run.steps[s]["loss"] for s in step_it], color=color, lw=0.8,
                     alpha=0.35)
         if evals:
             ax.plot([s * scale for s in evals], [run.evals[s]["val_loss"] for s in evals], color=color, lw=1.8,
                     marker="o", ms=3, label=label)
-            ax.plot([s * scale for s in evals], [run.evals[s]["train_loss"] for s in evals], color=color, lw=1.2,
-                    ls="--")
+            trained = [s for s in evals if "train_loss" in run.evals[s]]
+            ax.plot([s * scale for s in trained], [run.evals[s]["train_loss"] for s in trained], color=color,
+                    lw=1.2, ls="--")
         else:
             ax.plot([], [], color=color, lw=1.8, label=label)
         if hellaswag:
             hs = [s for s in evals if "hellaswag_acc_norm" in run.evals[s]]
             axes[1].plot([s * scale for s in hs], [run.evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
                          lw=1.5, marker="o", ms=3)
-        lr = run.steps or run.evals
+        lr = run.evals if key else run.steps or run.evals
         ax_lr.plot([s * scale for s in lr], [lr[s]["lr"] for s in lr], color=color, lw=1.2)
     ax.set_ylabel("loss (cross-entropy, nats/token)")
+    if target is not None:
+        ax.axhline(target, color="black", ls=":", lw=1)
+        ax.annotate(f"target {target:.4f}", (1, target), xycoords=("axes fraction", "data"), ha="right",
+                    va="bottom", fontsize=8)
     if ymax is not None:
         ax.set_ylim(top=ymax)
     ax.grid(alpha=0.3)
@@ -187,15 +208,16 @@ def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, y
     ax_lr.set_ylabel("learning rate")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     ax_lr.grid(alpha=0.3)
-    ax_lr.set_xlabel("tokens seen" if x == "tokens" else "iteration")
+    ax_lr.set_xlabel({"tokens": "tokens seen", "seconds": "training seconds (evaluation excluded)",
+                      "cpu_seconds": "training CPU seconds of the process (evaluation excluded)"}.get(x, "iteration"))
     if x == "tokens":
         ax_lr.xaxis.set_major_formatter(EngFormatter())
-    elif len(set(tpis)) == 1 and tpis[0]:
+    elif x == "iter" and len(set(tpis)) == 1 and tpis[0]:
         tpi = tpis[0]
         top = ax.secondary_xaxis("top", functions=(lambda it: it * tpi, lambda tok: tok / tpi))
         top.set_xlabel(f"tokens seen ({tpi:,} per iteration)")
         top.xaxis.set_major_formatter(EngFormatter())
-    else:
+    elif x == "iter":
         print("note: the runs see different numbers of tokens per iteration; the top axis is left out "
               "(--x=tokens plots against tokens seen)", file=sys.stderr)
     if title:
@@ -209,7 +231,7 @@ def loss_main(argv: Sequence[str]) -> Path:
     if not dirs:
         raise UserError("pass one or more out_dirs: python plot.py out-a [out-b ...] [--out=loss.png]")
     runs = [read_log(d) for d in dirs]
-    fig = plot_losses(runs, cfg.x, cfg.title, cfg.ymax)
+    fig = plot_losses(runs, cfg.x, cfg.title, cfg.ymax, cfg.target)
     out = Path(cfg.out) if cfg.out else Path(dirs[0]) / "loss.png"
     save(fig, out)
     return out

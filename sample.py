@@ -30,7 +30,7 @@ from core import checkpoint, runtime
 from core.chat import ChatTemplate, stream_reply
 from core.config import parse_args
 from core.errors import UserError, run_cli
-from core.tokenizer import Tokenizer, encode_prompt, read_prompt
+from core.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
 from model import GPT, GPT2_HUB_NAMES, window_shift
 
 SEPARATOR = "---------------"
@@ -85,32 +85,6 @@ class SampleConfig:
 
 # -----------------------------------------------------------------------------
 # decoding and printing
-
-
-class StreamDecoder:
-    """Turn token ids, fed one at a time, into text that can be printed as it comes.
-
-    A byte-level BPE token can end inside a multi-byte UTF-8 character (an emoji is often two or
-    three tokens), and decoding it alone gives U+FFFD. Ids are held back while their text ends in
-    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids).
-    """
-
-    def __init__(self, tok: Tokenizer):
-        self.tok = tok
-        self.pending: list[int] = []
-
-    def push(self, token: int) -> str:
-        self.pending.append(token)
-        text = self.tok.decode(self.pending)
-        if text.endswith("\ufffd"):
-            return ""
-        self.pending = []
-        return text
-
-    def flush(self) -> str:
-        text = self.tok.decode(self.pending) if self.pending else ""
-        self.pending = []
-        return text
 
 
 def cut_at_eot(ids: list[int], eot_token: int | None) -> list[int]:

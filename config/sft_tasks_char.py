@@ -14,10 +14,10 @@ eval_interval = 250
 eval_iters = 20
 log_interval = 50
 
-# 12 rows x 64 tokens hold about 25 conversations (the first of each row learned from its start), so
-# 2,000 iterations see the 3,600 train conversations many times over.
+# 12 rows x 64 tokens hold about 25 conversations (each row starts at a conversation), so
+# 1,000 iterations see the 3,600 train conversations about seven times.
 learning_rate = 2e-3
-max_iters = 2000
-lr_decay_iters = 2000
+max_iters = 1000
+lr_decay_iters = 1000
 min_lr = 2e-4
 warmup_iters = 50

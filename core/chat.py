@@ -24,7 +24,7 @@ the embedding by four rows (model.GPT.grow_vocab).
 from __future__ import annotations
 
 from core.errors import UserError
-from core.tokenizer import Tokenizer
+from core.tokenizer import GPT2_VOCAB, Tokenizer
 
 TEMPLATE_NAME = "role-tokens-v1"
 SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
@@ -50,7 +50,7 @@ def with_chat_tokens(tokenizer_meta: dict) -> dict:
     special = dict(tokenizer_meta.get("special_tokens") or {})
     kind = tokenizer_meta.get("tokenizer")
     if kind == "gpt2":
-        first = 50257
+        first = GPT2_VOCAB
     elif kind == "char" and isinstance(tokenizer_meta.get("itos"), list):
         first = len(tokenizer_meta["itos"])
     else:
@@ -69,8 +69,9 @@ class ChatTemplate:
         self.tok = tok
         self.role_id = {role: tok.special_tokens[name] for role, name in ROLES.items()}
         self.end_of_turn = tok.special_tokens[END]
-        # Any role token after a reply's first token also ends it: a turn the model should not write.
-        self.stop_tokens = {self.end_of_turn, *self.role_id.values()}
+        # A role token also ends a reply (a turn the model should not write), and so does a base
+        # vocabulary's <|endoftext|>.
+        self.stop_tokens = {self.end_of_turn, *self.role_id.values()} | ({tok.eot_token} - {None})
 
     @classmethod
     def for_tokenizer(cls, tok: Tokenizer) -> "ChatTemplate | None":

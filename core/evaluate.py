@@ -292,7 +292,8 @@ def chat_accuracy(model, template, conversations: list[list[dict]], max_new_toke
 
     was_training = model.training
     model.eval()
-    correct = sum(reply(model, template, conv[:-1], max_new_tokens, temperature=0.0) == conv[-1]["content"]
-                  for conv in conversations)
+    # A reply longer than the answer is wrong whatever follows: decoding stops one token past the answer.
+    correct = sum(reply(model, template, conv[:-1], min(max_new_tokens, len(template.tok.encode(conv[-1]["content"])) + 1),
+                        temperature=0.0) == conv[-1]["content"] for conv in conversations)
     model.train(was_training)
     return {"accuracy": correct / len(conversations), "correct": correct, "examples": len(conversations)}

@@ -47,7 +47,7 @@ UNGATED_ACTS = {"relu2": "relu2", ("gelu", "tanh"): "gelu_pytorch_tanh", ("gelu"
 # The switches the nearest-recipe search may flip, and to what.
 FLIPS = dict(qk_norm=[False, True], norm=["rmsnorm", "layernorm"], mlp=["swiglu", "relu2", "gelu"],
              pos_embedding=["rope", "learned"], logit_softcap=[None], bias=[False], tie_embeddings=[True],
-             n_kv_head=[None])
+             n_kv_head=[None], unet_skips=[False])
 
 
 # -----------------------------------------------------------------------------
@@ -56,7 +56,7 @@ FLIPS = dict(qk_norm=[False, True], norm=["rmsnorm", "layernorm"], mlp=["swiglu"
 
 def _holds(c: GPTConfig) -> str | None:
     """The transformers class that computes exactly this variant, or None."""
-    if c.logit_softcap is not None:
+    if c.logit_softcap is not None or c.unet_skips:  # a U-net's skip connections: no class has them
         return None
     if c.pos_embedding == "learned":
         plain_gpt2 = (c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.tie_embeddings
@@ -85,7 +85,7 @@ def architecture(c: GPTConfig) -> str:
 
 def _switches(c: GPTConfig) -> list[str]:
     gpt2 = GPTConfig()
-    names = ("pos_embedding", "norm", "qk_norm", "mlp", "logit_softcap")
+    names = ("pos_embedding", "norm", "qk_norm", "mlp", "logit_softcap", "unet_skips")
     return [f"{n}={getattr(c, n)!r}" for n in names if getattr(c, n) != getattr(gpt2, n)] or ["these switches"]
 
 

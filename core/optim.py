@@ -24,6 +24,7 @@ from core.errors import UserError
 from core.runtime import native_bf16
 
 OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 
 
 class MultiOptimizer:
@@ -88,12 +89,13 @@ def check_muon_params(named: list[tuple[str, nn.Parameter]]) -> None:
 
 def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_decay: float,
                     betas: tuple[float, float], device_type: str, muon_lr: float = 0.02,
-                    muon_momentum: float = 0.95, muon_weight_decay: float = 0.0):
+                    muon_momentum: float = 0.95, muon_weight_decay: float = 0.0, muon_ns_steps: int = 5):
     """AdamW (a torch.optim.AdamW), or Muon + AdamW (a MultiOptimizer of "muon" and "adamw").
 
     AdamW decays only matrices and embeddings (>= 2-D), not biases and gains, which set scales and
     offsets rather than store features. Every group records its own peak learning rate as
-    "base_lr"; set_lr scales them all by the schedule.
+    "base_lr"; set_lr scales them all by the schedule. muon_ns_steps: Newton-Schulz iterations per
+    Muon update (torch's default 5), each three matmuls per matrix: a cost per step, whatever the batch.
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -116,7 +118,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr
     # is the rate of a square matrix whatever the layer's aspect ratio.
     muon = muon_class([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
-                            momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original")
+                      momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original",
+                      ns_steps=muon_ns_steps)
     return MultiOptimizer({"muon": muon, "adamw": adamw})
 
 
@@ -210,3 +213,26 @@ def set_lr(optimizer, scale: float) -> None:
     """Set every group's learning rate to scale * its base_lr (scale: the schedule, 1 at the peak)."""
     for group in optimizer.param_groups:
         group["lr"] = scale * group["base_lr"]
+
+
+def lr_at(it: int, peak: float, min_lr: float, warmup_iters: int, decay_iters: int, schedule: str = "cosine",
+          cooldown_frac: float = 0.2) -> float:
+    """The learning rate at iteration `it`: linear warmup over warmup_iters, then down to min_lr at
+    decay_iters, then min_lr.
+
+    "cosine" (nanoGPT, GPT-3): a half cosine from peak to min_lr over the whole decay. "wsd"
+    (warmup-stable-decay, Hu et al. 2024 "MiniCPM"; modded-nanogpt's schedule): the peak until the last
+    cooldown_frac of decay_iters, then a straight line to min_lr. The loss falls fastest while the rate
+    comes down, and a stable phase keeps the rate high for longer before that.
+    """
+    if it < warmup_iters:
+        return peak * (it + 1) / (warmup_iters + 1)
+    if it >= decay_iters:
+        return min_lr
+    if schedule == "wsd":
+        start = max(warmup_iters, decay_iters - round(cooldown_frac * decay_iters))  # first iteration of the decay
+        ratio = max(0, it - start) / max(1, decay_iters - start)  # 0 -> 1
+        return peak + ratio * (min_lr - peak)
+    ratio = (it - warmup_iters) / max(1, decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
+    return min_lr + coeff * (peak - min_lr)

@@ -144,6 +144,32 @@ class GPT2Tokenizer(_Specials):
         return {"tokenizer": "gpt2", "vocab_size": self.vocab_size, "eot_token": self.eot_token} | self._meta_specials()
 
 
+class StreamDecoder:
+    """Turn token ids, fed one at a time, into text that can be printed as it comes.
+
+    A byte-level BPE token can end inside a multi-byte UTF-8 character (an emoji is often two or
+    three tokens), and decoding it alone gives U+FFFD. Ids are held back while their text ends in
+    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids).
+    """
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.pending: list[int] = []
+
+    def push(self, token: int) -> str:
+        self.pending.append(token)
+        text = self.tok.decode(self.pending)
+        if text.endswith("\ufffd"):
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.pending) if self.pending else ""
+        self.pending = []
+        return text
+
+
 def check_extends(base: dict, new: dict, source: str) -> None:
     """A UserError unless tokenizer metadata `new` keeps every id of `base` meaning the same (it may add
     special tokens after them): what fine-tuning a base model on a chat dataset needs."""

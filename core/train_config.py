@@ -12,7 +12,8 @@ from model import GPT2_HUB_NAMES, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attn_backend")
 # The modern-recipe switches (GPTConfig's fields of the same names; docs/recipe.md).
-RECIPE_KEYS = ("pos_embedding", "rope_base", "norm", "qk_norm", "mlp", "n_kv_head", "tie_embeddings", "logit_softcap")
+RECIPE_KEYS = ("pos_embedding", "rope_base", "norm", "qk_norm", "mlp", "n_kv_head", "tie_embeddings", "logit_softcap",
+               "zero_init_proj", "unet_skips")
 
 
 @dataclasses.dataclass
@@ -55,10 +56,13 @@ class TrainConfig:
     n_kv_head: int | None = None           # None: n_head; fewer: grouped-query attention
     tie_embeddings: bool = True
     logit_softcap: float | None = None
+    zero_init_proj: bool = False           # attn.c_proj and mlp.c_proj start at zero: each Block starts as the identity
+    unet_skips: bool = False               # the second half of the Blocks also reads the first half's outputs
     optimizer: str = "adamw"               # adamw | muon (Muon for hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02                  # Muon's peak lr; learning_rate stays AdamW's, the schedule scales both
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    muon_ns_steps: int = 5                 # Newton-Schulz iterations per Muon update (torch's default)
     # AdamW
     learning_rate: float = 6e-4
     max_iters: int = 600000
@@ -66,8 +70,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0                 # 0 disables clipping
-    # learning-rate schedule: linear warmup, then cosine decay to min_lr
+    # learning-rate schedule: linear warmup, then down to min_lr at lr_decay_iters (core/optim.py lr_at)
     decay_lr: bool = True
+    lr_schedule: str = "cosine"            # cosine (nanoGPT) | wsd: the peak, then linear over the last cooldown_frac
+    cooldown_frac: float = 0.2             # wsd only: the fraction of lr_decay_iters spent decaying
     warmup_iters: int = 2000
     lr_decay_iters: int = 600000
     min_lr: float = 6e-5
@@ -105,6 +111,11 @@ class TrainConfig:
         if not (self.muon_lr > 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0):
             raise UserError(f"need muon_lr > 0, 0 <= muon_momentum < 1, muon_weight_decay >= 0, got {self.muon_lr}, "
                             f"{self.muon_momentum}, {self.muon_weight_decay}")
+        if self.lr_schedule not in optim.SCHEDULES or not 0 < self.cooldown_frac <= 1:
+            raise UserError(f"lr_schedule must be one of {', '.join(optim.SCHEDULES)} and 0 < cooldown_frac <= 1, "
+                            f"got '{self.lr_schedule}', {self.cooldown_frac}")
+        if not 1 <= self.muon_ns_steps < 100:
+            raise UserError(f"muon_ns_steps must be in [1, 99], got {self.muon_ns_steps}")
         if not 0 < self.learning_rate < math.inf:
             raise UserError(f"need 0 < learning_rate < inf, got {self.learning_rate}")
         # min_lr is where the cosine decay ends; with decay_lr=False the rate stays at learning_rate.
@@ -125,16 +136,12 @@ class TrainConfig:
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
-    """Linear warmup for warmup_iters, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """Linear warmup for warmup_iters, decay (cosine, or wsd's stable phase and linear cooldown) to
+    min_lr at lr_decay_iters, then min_lr."""
     if not cfg.decay_lr:
         return cfg.learning_rate
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    if it >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
-    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+    return optim.lr_at(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule,
+                       cfg.cooldown_frac)
 
 
 def local_accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -147,4 +154,5 @@ def local_accum_steps(cfg: TrainConfig, world_size: int) -> int:
 def make_optimizer(model, cfg: TrainConfig, device_type: str):
     """cfg's optimizer (AdamW, or Muon + AdamW) over model's parameters, at cfg's peak learning rates."""
     return optim.build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
-                                 device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay)
+                                 device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay,
+                                 cfg.muon_ns_steps)

@@ -34,13 +34,15 @@ def run(cmd: list[str]) -> str:
     return result.stdout
 
 
-def run_timed(cmds: list[list[str]]) -> list[tuple[float, float]]:
-    """Run the commands at once (one thread each: OMP_NUM_THREADS=1); (wall s, CPU s) of each."""
+def run_timed(cmds: list[list[str]], while_running) -> list:
+    """Run the commands at once (one thread each: OMP_NUM_THREADS=1) and while_running() here meanwhile;
+    (wall s, CPU s) of each command, then while_running's result."""
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     procs = {subprocess.Popen([sys.executable, *cmd], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True).pid: i for i, cmd in enumerate(cmds)}
     times = [None] * len(cmds)
+    result = while_running()
     while procs:
         pid, status, usage = os.wait4(-1, 0)
         if pid not in procs:
@@ -49,7 +51,7 @@ def run_timed(cmds: list[list[str]]) -> list[tuple[float, float]]:
         if os.waitstatus_to_exitcode(status):
             sys.exit(f"failed: python {' '.join(cmds[i])}")
         times[i] = (time.perf_counter() - t0, usage.ru_utime + usage.ru_stime)
-    return times
+    return times + [result]
 
 
 def base_accuracy() -> str:
@@ -65,10 +67,11 @@ def base_accuracy() -> str:
 def main(argv: list[str]) -> None:
     run(["data/chat/tasks.py"])
     run(["data/chat/prepare.py", "--input=data/chat/tasks_train.jsonl", f"--tokenizer_from={BASE}", "--block_size=64"])
-    rows = [("base (no fine-tune)", "-", "-", base_accuracy())]
     runs = (("SFT, loss on assistant tokens", "out-sft-tasks-char", []),
             ("SFT, loss on every token (mask off)", "out-sft-tasks-char-nomask", ["--loss_mask=False"]))
-    times = run_timed([["train.py", *TRAIN_ARGS, f"--out_dir={out_dir}", *extra, *argv] for _, out_dir, extra in runs])
+    times = run_timed([["train.py", *TRAIN_ARGS, f"--out_dir={out_dir}", *extra, *argv] for _, out_dir, extra in runs],
+                      while_running=base_accuracy)
+    rows = [("base (no fine-tune)", "-", "-", times.pop())]
     for (name, out_dir, _), (wall, cpu) in zip(runs, times):
         line = run(["eval.py", f"--out_dir={out_dir}", "--task=chat", f"--chat_file={HELDOUT}"])
         rows.append((name, f"{wall:.0f}", f"{cpu:.0f}", line.split("accuracy ")[1].strip()))

@@ -251,3 +251,17 @@ def test_thread_count_is_restored(tmp_path):
     before = torch.get_num_threads()
     bench.main(tiny_argv(tmp_path, sections="attention", attn_lengths="16", threads=before + 1))
     assert torch.get_num_threads() == before
+
+
+def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
+    """A real serve.py process answers every request (bench_serve checks each reply's token count)."""
+    result = bench.main(tiny_argv(tmp_path, sections="serve", serve_clients="1,3", serve_max_tokens=5,
+                                  serve_prompt_len=4))
+    rows = result["serve"]["rows"]
+    assert [row["clients"] for row in rows] == [1, 3] and [row["tokens"] for row in rows] == [5, 15]
+    assert_positive_numbers(result["serve"])
+    for row in rows:
+        assert row["requests_per_s"] == pytest.approx(row["clients"] / row["server_s"])
+        assert row["overhead"] == pytest.approx(row["server_s"] / row["in_process_s"])
+    assert "### Serving" in capsys.readouterr().out
+    assert json.loads((tmp_path / "bench.json").read_text())["serve"]["rows"][1]["clients"] == 3

@@ -383,3 +383,42 @@ def test_sample_chat_prompt_answers_and_eval_reports_chat(sft_run):
     assert "exact-answer accuracy" in result.stdout
     result = run_script("sample.py", f"--out_dir={tmp / 'base'}", "--chat", "--prompt=upper: fab", "--device=cpu")
     assert_user_error(result, "has no chat tokens: it is a base model")
+
+
+def test_interactive_chat_ctrl_c_ends_the_reply_not_the_program(chat_dir, tmp_path, monkeypatch):
+    """Two messages typed, Ctrl-C during the first reply, then Ctrl-D: the first reply stops where it was,
+    stays in the conversation, and the second message is answered with it in the context."""
+    import builtins
+
+    import sample
+
+    train_tiny(tmp_path / "run", chat_dir, max_iters=2, lr_decay_iters=2)
+    typed = iter(["upper: ab", "", "reverse: ab"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+    monkeypatch.setattr(builtins, "input", fake_input)
+
+    real_stream, prompts = sample.stream_reply, []
+
+    def interrupted_once(model, template, prompt, max_new_tokens, **sampling):
+        prompts.append(prompt)
+        if len(prompts) > 1:
+            yield from real_stream(model, template, prompt, max_new_tokens, **sampling)
+            return
+        yield from template.tok.encode("ABC")  # the reply so far (an untrained model might stop at once)
+        raise KeyboardInterrupt  # as Ctrl-C does, between two tokens
+    monkeypatch.setattr(sample, "stream_reply", interrupted_once)
+
+    result = run_main(sample.main, [f"--out_dir={tmp_path / 'run'}", "--chat", "--device=cpu", "--max_new_tokens=8",
+                                    "--temperature=1.0", "--top_k=None"])
+    assert result.returncode == 0, result.stderr
+    assert "[stopped]" in result.stderr and len(prompts) == 2
+    template = ChatTemplate.for_tokenizer(tokenizer_from_meta(read_meta(chat_dir)))
+    first = template.tok.decode(template.render_prompt([user("upper: ab")]))
+    second = template.tok.decode(prompts[1])
+    assert second == first + "ABC<|end|><|user|>reverse: ab<|end|><|assistant|>"  # what was said stays
+    assert result.stdout.startswith("ABC\n")  # the reply printed up to Ctrl-C; then the next reply

@@ -17,20 +17,21 @@ import torch
 import train
 from core import config as configlib
 from core.checkpoint import load_checkpoint
-from tests.helpers import (REPO_ROOT, make_char_dataset, make_gpt2_dataset, needs_transformers, records, run_main,
-                           use_gpt2_bpe)
+from tests.helpers import (REPO_ROOT, make_char_dataset, make_chat_dataset, make_gpt2_dataset, needs_transformers,
+                           records, run_main, use_gpt2_bpe)
 
 CONFIGS = sorted((REPO_ROOT / "config").glob("*.py"))
 # The tokenizer of each dataset a config may name (what its data/<name>/prepare.py writes).
 DATA_KINDS = {"data/shakespeare_char": "char", "data/shakespeare": "gpt2", "data/fineweb": "gpt2",
-              "data/openwebtext": "gpt2"}
+              "data/openwebtext": "gpt2", "data/chat": "chat"}
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=2, max_iters=2, eval_interval=2,
             eval_iters=2, log_interval=1, device="cpu", dtype="float32", compile=False)
 TEXT = "O Romeo, Romeo! wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n" * 20
 
 
 # Overlays change a recipe, not a run: they compose after a base config, and are tested that way.
-OVERLAYS = {"modern.py"}
+OVERLAYS = {"modern.py", "sft_tasks_char.py"}
+FINE_TUNES = {"sft_tasks_char.py"}  # init_from names a base run's out_dir
 OVERLAY_BASE = REPO_ROOT / "config" / "train_shakespeare_char_cpu.py"
 
 
@@ -38,8 +39,10 @@ def config_files(path: Path) -> list[str]:
     return [str(f) for f in ([OVERLAY_BASE, path] if path.name in OVERLAYS else [path])]
 
 
-def config_of(path: Path) -> train.TrainConfig:
-    return configlib.parse_args(train.TrainConfig, config_files(path))
+def config_of(path: Path, tmp_path: Path) -> train.TrainConfig:
+    # A fine-tune of a base run names that run's out_dir, which exists only once the base has trained.
+    base = [f"--init_from={tmp_path}"] if path.name in FINE_TUNES else []
+    return configlib.parse_args(train.TrainConfig, config_files(path) + base)
 
 
 def test_there_are_configs():
@@ -47,8 +50,8 @@ def test_there_are_configs():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_config_parses_and_validates(path):
-    cfg = config_of(path)  # a UserError here is the bug a new user would meet first
+def test_config_parses_and_validates(path, tmp_path):
+    cfg = config_of(path, tmp_path)  # a UserError here is the bug a new user would meet first
     assert cfg.data_dir in DATA_KINDS, f"{path.name}: add {cfg.data_dir} to DATA_KINDS with its tokenizer"
     assert cfg.out_dir != train.TrainConfig.out_dir, f"{path.name} should write to its own out_dir"
 
@@ -62,6 +65,14 @@ def datasets(tmp_path_factory):
         if kind not in made:
             if kind == "char":
                 make_char_dataset(root / kind, TEXT)
+            elif kind == "chat":  # conversations in a base run's character vocabulary, and that base run
+                base = root / "chat_base"
+                result = run_main(train.main, [str(OVERLAY_BASE), *(f"--{k}={v}" for k, v in TINY.items()),
+                                               f"--data_dir={get('char')}", f"--out_dir={base}"])
+                assert result.returncode == 0, result.stderr[-2000:]
+                chats = [[{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]
+                         for w in ("Romeo", "father", "name", "thou") * 5]
+                make_chat_dataset(root / kind, chats, tokenizer_from=base, block_size=TINY["block_size"])
             else:
                 use_gpt2_bpe()
                 make_gpt2_dataset(root / kind, [TEXT])
@@ -85,11 +96,13 @@ def gpt2_dir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_runs_a_few_steps(path, tmp_path, datasets, request):
-    cfg = config_of(path)
+    cfg = config_of(path, tmp_path)
     overrides = TINY | {"out_dir": str(tmp_path / "out"), "data_dir": str(datasets(DATA_KINDS[cfg.data_dir]))}
     if cfg.gradient_accumulation_steps > 4:
         overrides["gradient_accumulation_steps"] = 4  # the same code path, fewer micro-steps
-    if cfg.init_from != "scratch":
+    if cfg.data_dir == "data/chat":
+        overrides["init_from"] = str(Path(overrides["data_dir"]).parent / "chat_base")
+    elif cfg.init_from != "scratch":
         overrides["init_from"] = str(request.getfixturevalue("gpt2_dir"))
     result = run_main(train.main, [*config_files(path), *(f"--{k}={v}" for k, v in overrides.items())])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -99,7 +112,7 @@ def test_config_runs_a_few_steps(path, tmp_path, datasets, request):
     assert evals and all(torch.isfinite(torch.tensor(r["val_loss"])) for r in evals)
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     for key, value in configlib.to_dict(cfg).items():  # the file's own settings survive, only sizes changed
-        if key not in overrides:
+        if key not in overrides and not (key == "init_from" and path.name in FINE_TUNES):
             assert written[key] == value, key
     if cfg.eval_only:
         assert [r["iter"] for r in logged] == [0] and not (tmp_path / "out" / "ckpt.pt").exists()
@@ -107,5 +120,7 @@ def test_config_runs_a_few_steps(path, tmp_path, datasets, request):
     assert [r["iter"] for r in logged if "loss" in r] == [0, 1]
     meta = load_checkpoint(tmp_path / "out" / "ckpt.pt")["meta"]
     assert meta["iter_num"] == 2 and meta["model_args"]["block_size"] == 16
-    if cfg.init_from != "scratch":
+    if cfg.data_dir == "data/chat":  # the base's characters and the four chat tokens appended
+        assert meta["model_args"]["vocab_size"] == json.loads((Path(overrides["data_dir"]) / "meta.json").read_text())["vocab_size"]
+    elif cfg.init_from != "scratch":
         assert meta["model_args"]["vocab_size"] == 50257  # GPT-2's own, from the folder

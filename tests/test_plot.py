@@ -56,7 +56,7 @@ def test_bad_logs_are_one_line(tmp_path):
     for path, fragment in cases:
         assert_user_error(run_main(plot.main, [str(path)]), fragment)
     assert_user_error(run_main(plot.main, []), "pass one or more out_dirs")
-    assert_user_error(run_main(plot.main, [str(tmp_path / "bad"), "--x=time"]), "x must be 'iter' or 'tokens'")
+    assert_user_error(run_main(plot.main, [str(tmp_path / "bad"), "--x=time"]), "x must be 'iter', 'tokens', 'seconds' or 'cpu_seconds'")
 
 
 def test_two_runs_overlay_with_their_differences_in_the_labels(tmp_path):

@@ -25,7 +25,8 @@ VARIANTS = {
     "gpt2": {}, "rope": dict(pos_embedding="rope"), "rmsnorm": dict(norm="rmsnorm"), "qk_norm": dict(qk_norm=True),
     "relu2": dict(mlp="relu2"), "swiglu": dict(mlp="swiglu"), "gqa": dict(n_kv_head=1),
     "untied": dict(tie_embeddings=False), "softcap": dict(logit_softcap=5.0), "all": ALL,
-    "all_swiglu": ALL | dict(mlp="swiglu"),
+    "all_swiglu": ALL | dict(mlp="swiglu"), "unet": dict(unet_skips=True),
+    "all_speedrun": ALL | dict(unet_skips=True, zero_init_proj=True),
 }
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 40
 
@@ -525,3 +526,80 @@ def test_bench_rolling_section(tmp_path):
                                         "rope, cached step inside the context"]
     assert all(r["ms_per_token"] > 0 for r in rows)
     assert json.loads((tmp_path / "bench.json").read_text())["rolling"]["new_tokens"] == 3
+
+
+# --- the speedrun switches (bench.py --sections=speedrun) --------------------------------------
+
+def test_zero_init_proj_starts_every_block_as_the_identity_and_still_trains_them():
+    torch.manual_seed(0)
+    model = GPT(config(zero_init_proj=True)).eval()
+    idx = idx_of(2, 16)
+    t = model.transformer
+    x = t.wte(idx) + t.wpe(torch.arange(16))
+    expected = model.lm_head(t.ln_f(x))  # no Block adds anything at the start
+    torch.testing.assert_close(model(idx)[0], expected)
+    torch.manual_seed(0)
+    default = GPT(config())
+    assert default.transformer.h[0].attn.c_proj.weight.abs().sum() > 0  # the default stays GPT-2's init
+    model.train()
+    opt = optim.build_optimizer(model, "adamw", 1e-2, 0.0, (0.9, 0.95), "cpu")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):  # step 1 moves c_proj off 0; step 2 then reaches c_fc and c_attn
+        model(idx, idx)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert unchanged == []
+
+
+def test_zero_init_proj_is_recorded_and_rebuilt_from_model_args():
+    cfg = train.TrainConfig(zero_init_proj=True, n_layer=2, n_head=2, n_embd=16, block_size=16)
+    margs = cfg.model_args() | {"vocab_size": 29}
+    assert margs["zero_init_proj"] is True and GPTConfig(**margs).zero_init_proj
+    assert GPTConfig(zero_init_proj=True).non_gpt2_fields() == []  # an initialisation: GPT-2 can hold the weights
+
+
+def test_muon_ns_steps_reaches_torchs_muon_and_changes_the_update():
+    updates = {}
+    for steps in (1, 5):
+        torch.manual_seed(0)
+        model = GPT(config())
+        opt = optim.build_optimizer(model, "muon", 1e-3, 0.0, (0.9, 0.95), "cpu", muon_ns_steps=steps)
+        assert opt.optimizers["muon"].param_groups[0]["ns_steps"] == steps
+        w = model.transformer.h[0].mlp.c_fc.weight
+        before = w.detach().clone()
+        model(idx_of(2, 16), idx_of(2, 16, seed=2))[1].backward()
+        opt.step()
+        updates[steps] = w.detach() - before
+    assert not torch.allclose(updates[1], updates[5])
+
+
+def test_lr_schedule_and_muon_ns_steps_are_checked():
+    with pytest.raises(UserError, match="lr_schedule must be one of cosine, wsd"):
+        configlib.parse_args(train.TrainConfig, ["--lr_schedule=linear"])
+    with pytest.raises(UserError, match="muon_ns_steps must be in"):
+        configlib.parse_args(train.TrainConfig, ["--muon_ns_steps=0"])
+    cfg = configlib.parse_args(train.TrainConfig, ["--lr_schedule=wsd", "--learning_rate=1.0", "--min_lr=0.0",
+                                                   "--warmup_iters=0", "--lr_decay_iters=10", "--cooldown_frac=0.5"])
+    assert [train.get_lr(it, cfg) for it in range(11)] == pytest.approx([1, 1, 1, 1, 1, 1, .8, .6, .4, .2, 0])
+
+
+def test_unet_skips_feed_block_j_output_into_block_L_minus_1_minus_j():
+    torch.manual_seed(0)
+    model = sharpen(GPT(config(n_layer=4, unet_skips=True))).double().eval()
+    with torch.no_grad():
+        model.skip_weights.copy_(torch.tensor([0.5, -2.0]))
+    seen = {}
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(f"out{i}", out))
+        block.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(f"in{i}", args[0]))
+    model(idx_of(2, 16))
+    torch.testing.assert_close(seen["in1"], seen["out0"])  # the first half: plain
+    torch.testing.assert_close(seen["in2"], seen["out1"] + 0.5 * seen["out1"])  # block 2 reads block 1 (weight 0)
+    torch.testing.assert_close(seen["in3"], seen["out2"] - 2.0 * seen["out0"])  # block 3 reads block 0 (weight 1)
+    plain = GPT(config(n_layer=4)).double().eval()
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if k != "skip_weights"})
+    with torch.no_grad():
+        model.skip_weights.zero_()  # no skip: the plain model
+    torch.testing.assert_close(model(idx_of(2, 16))[0], plain(idx_of(2, 16))[0])
+    assert GPTConfig(unet_skips=True).non_gpt2_fields() == ["unet_skips=True"]

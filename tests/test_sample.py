@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sample
-from core.tokenizer import CharTokenizer, GPT2Tokenizer
+from core.tokenizer import CharTokenizer, GPT2Tokenizer, StreamDecoder
 from model import GPT, GPTConfig
 from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, run_main, run_scripts, train_tiny,
                            use_gpt2_bpe)
@@ -300,11 +300,11 @@ def test_stream_decoder_never_splits_a_character():
     text = "naïve café 🙂 日本語 👩‍👩‍👧 ok"
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([i]) for i in ids)  # the text really has split characters
-    decoder = sample.StreamDecoder(tok)
+    decoder = StreamDecoder(tok)
     pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     chars = CharTokenizer.from_text("ab\ufffd")
-    decoder = sample.StreamDecoder(chars)
+    decoder = StreamDecoder(chars)
     assert [decoder.push(i) for i in chars.encode("a\ufffdb")] + [decoder.flush()] == ["a", "", "\ufffdb", ""]
 
 

@@ -1,0 +1,534 @@
+"""serve.py: real server processes on 127.0.0.1, driven by the official openai client (and httpx for
+what a client library would refuse to send).
+
+    python -m pytest tests/test_serve.py
+
+The models are trained here, so greedy text is a real continuation rather than one token repeated:
+a char model on a Shakespeare passage (a base model: completions only), a char model trained on chat
+conversations (its tokenizer carries core/chat.py's tokens; served with a key from SERVE_API_KEY), and
+a GPT-2 BPE model trained on text with multi-byte characters (skipped without tiktoken's BPE file).
+"""
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import serve  # noqa: E402
+from core.chat import ChatTemplate, with_chat_tokens  # noqa: E402
+from core.prepare import write_dataset  # noqa: E402
+from core.tokenizer import CharTokenizer  # noqa: E402
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
+                           run_scripts, train_tiny, use_gpt2_bpe)
+
+TEXT = """ROMEO:
+But, soft! what light through yonder window breaks?
+It is the east, and Juliet is the sun.
+Arise, fair sun, and kill the envious moon,
+Who is already sick and pale with grief.
+
+JULIET:
+O Romeo, Romeo! wherefore art thou Romeo?
+Deny thy father and refuse thy name;
+Or, if thou wilt not, be but sworn my love,
+And I'll no longer be a Capulet.
+
+""" * 8
+BLOCK_SIZE = 32
+KEY = "test-key-123"
+CONVERSATIONS = [("who are you?", "Romeo, the son of Montague."), ("where is she?", "At the window, above."),
+                 ("what light?", "It is the east.")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python serve.py ...` on a free loopback port; its output goes to a file (a pipe could fill up)."""
+
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"serve-{self.port}.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "serve.py", *args, f"--port={self.port}", "--device=cpu"],
+                                         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         env=os.environ | ONE_THREAD_ENV | (env or {}))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"serve.py did not start:\n{self.output()}")
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def client(self, key: str = "unused", **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        """Send sig; return the exit code, once it has exited (a test failure if it has not in time)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"serve.py did not exit within {timeout}s of {sig!r}:\n{self.output()}")
+
+
+@contextlib.contextmanager
+def running(tmp: Path, *args: str, env: dict | None = None):
+    server = Server(tmp, *args, env=env)
+    try:
+        yield server
+    finally:
+        code = server.stop()
+        assert code == 0 and "Traceback" not in server.output(), server.output()
+
+
+def train_chat_model(root: Path) -> Path:
+    """A char model trained on CONVERSATIONS rendered through the chat template: it answers each question
+    with its answer and then <|end|>."""
+    chars = sorted(set("".join(q + a for q, a in CONVERSATIONS)))
+    meta = with_chat_tokens(CharTokenizer(chars).meta())
+    from core.tokenizer import tokenizer_from_meta
+    template = ChatTemplate.for_tokenizer(tokenizer_from_meta(meta))
+    ids = []
+    for q, a in CONVERSATIONS * 60:
+        ids += template.render([{"role": "user", "content": q}, {"role": "assistant", "content": a}])[0]
+    write_dataset(root / "data", meta, {"train": ids, "val": ids})
+    train_tiny(root / "out", root / "data", block_size=96, n_embd=48, max_iters=150, lr_decay_iters=150,
+               eval_interval=150)
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def char_out(tmp_path_factory):
+    root = tmp_path_factory.mktemp("char")
+    make_char_dataset(root / "data", TEXT)
+    train_tiny(root / "out", root / "data", block_size=BLOCK_SIZE, n_layer=2, n_embd=48, max_iters=400,
+               lr_decay_iters=400, eval_interval=400, log_interval=100)
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def base(char_out, tmp_path_factory):
+    """The base model's server; max_tokens up to 100,000 so that a stream can outlast its client."""
+    with running(tmp_path_factory.mktemp("base-server"), f"--out_dir={char_out}", "--model_name=romeo",
+                 "--max_tokens_limit=100000", "--max_body_bytes=20000") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    out = train_chat_model(root)
+    with running(root, f"--out_dir={out}", "--model_name=chatty", env={serve.API_KEY_ENV: KEY}) as server:
+        yield server
+
+
+def complete(server: Server, **kw):
+    return server.client().completions.create(model="romeo", **kw)
+
+
+def streamed(server: Server, **kw) -> tuple[list, str]:
+    """The chunks of a streamed completion and the text they add up to (choice 0)."""
+    chunks = list(server.client().completions.create(model="romeo", stream=True, **kw))
+    return chunks, "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def sample_py(char_out: Path, *args: str) -> list[str]:
+    """What sample.py prints for each argument list (one sample each, its prompt included)."""
+    results = run_scripts(*[["sample.py", f"--out_dir={char_out}", "--device=cpu", "--num_samples=1", *a]
+                            for a in args])
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    return [r.stdout.split("\n---------------\n")[0] for r in results]
+
+
+# -----------------------------------------------------------------------------
+# completions
+
+
+def test_greedy_and_seeded_text_equal_sample_py(base, char_out):
+    greedy = complete(base, prompt="ROMEO:", max_tokens=100, temperature=0)
+    seeded = complete(base, prompt="JULIET:", max_tokens=100, temperature=0.8, seed=7, extra_body={"top_k": 200})
+    want = sample_py(char_out, ["--start=ROMEO:", "--max_new_tokens=100", "--temperature=0"],
+                     ["--start=JULIET:", "--max_new_tokens=100", "--temperature=0.8", "--top_k=200", "--seed=7"])
+    assert "ROMEO:" + greedy.choices[0].text == want[0]
+    assert "JULIET:" + seeded.choices[0].text == want[1]
+    assert len(set(greedy.choices[0].text)) > 10  # a trained model: real text, not one token over and over
+    assert greedy.choices[0].finish_reason == "length"
+    assert (greedy.usage.prompt_tokens, greedy.usage.completion_tokens, greedy.usage.total_tokens) == (6, 100, 106)
+    assert greedy.model == "romeo" and greedy.object == "text_completion"
+
+
+def test_same_seed_same_text_and_stream_equals_whole(base):
+    kw = dict(prompt="ROMEO:", max_tokens=60, temperature=1.0)
+    a, b, c = (complete(base, seed=s, **kw).choices[0].text for s in (11, 11, 12))
+    assert a == b != c
+    chunks, text = streamed(base, seed=11, stream_options={"include_usage": True}, **kw)
+    assert text == a
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-2])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 60
+    assert chunks[-1].usage.prompt_tokens == 6 and chunks[-1].usage.total_tokens == 66
+    plain, _ = streamed(base, seed=11, **kw)
+    assert all(ch.usage is None for ch in plain)  # no usage chunk unless asked for
+
+
+def test_raw_stream_is_openai_server_sent_events(base):
+    with httpx.stream("POST", base.url + "/v1/completions", timeout=30,
+                      json={"model": "romeo", "prompt": "ROMEO:", "max_tokens": 5, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    events = body.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_prompt_list_and_n_choices(base):
+    many = complete(base, prompt=["ROMEO:", "JULIET:"], n=3, max_tokens=20, seed=5)
+    assert [c.index for c in many.choices] == list(range(6))
+    for k, prompt in enumerate(["ROMEO:", "JULIET:"]):
+        alone = complete(base, prompt=prompt, n=3, max_tokens=20, seed=5)
+        assert [c.text for c in many.choices[3 * k:3 * k + 3]] == [c.text for c in alone.choices]
+    assert len({c.text for c in many.choices[:3]}) == 3  # three draws, not one copied
+    assert many.usage.prompt_tokens == 6 + 7 and many.usage.completion_tokens == 6 * 20
+    ids = complete(base, prompt=[CharTokenizer.from_text(TEXT).encode("ROMEO:")], n=3, max_tokens=20, seed=5)
+    assert [c.text for c in ids.choices] == [c.text for c in many.choices[:3]]  # token ids as the prompt
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(base):
+    full = complete(base, prompt="ROMEO:", max_tokens=100, temperature=0).choices[0].text
+    stop = full[30:33]  # a string the greedy text reaches after some way
+    cut = full[:full.index(stop)]
+    whole = complete(base, prompt="ROMEO:", max_tokens=100, temperature=0, stop=[stop, "never said"])
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens == full.index(stop) + len(stop)  # char model: one token per character
+    chunks, text = streamed(base, prompt="ROMEO:", max_tokens=100, temperature=0, stop=stop)
+    assert text == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_eight_concurrent_streams_each_get_what_a_lone_request_gets(base):
+    requests = [dict(prompt=p, seed=s, max_tokens=150, temperature=1.0)
+                for p, s in zip(["ROMEO:", "JULIET:"] * 4, range(8))]
+    lone = [complete(base, **r).choices[0].text for r in requests]
+    client = openai.AsyncOpenAI(base_url=base.url + "/v1", api_key="unused", max_retries=0)
+
+    async def one(r):
+        text, first = "", None
+        async for chunk in await client.completions.create(model="romeo", stream=True, **r):
+            first = first or time.monotonic()
+            text += chunk.choices[0].text if chunk.choices else ""
+        return text, first, time.monotonic()
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    results = asyncio.run(all_at_once())
+    assert [text for text, _, _ in results] == lone
+    # Decoded in turn, not one after another: every stream had started before the first one ended.
+    assert max(first for _, first, _ in results) < min(end for _, _, end in results)
+
+
+def test_a_client_that_leaves_stops_its_generation(base):
+    before = base.health()["tokens_generated"]
+    with httpx.stream("POST", base.url + "/v1/completions", timeout=30,
+                      json={"model": "romeo", "prompt": "ROMEO:", "max_tokens": 100000, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(10):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while base.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped = base.health()
+    assert stopped["running"] == 0
+    time.sleep(0.5)
+    assert base.health()["tokens_generated"] == stopped["tokens_generated"]
+    assert stopped["tokens_generated"] - before < 50000  # far from the 100,000 asked for
+
+
+def test_models_and_health(base):
+    models = base.client().models.list()
+    assert [m.id for m in models.data] == ["romeo"]
+    health = base.health()
+    assert health["status"] == "ok" and health["chat"] is False and health["context_length"] == BLOCK_SIZE
+
+
+# -----------------------------------------------------------------------------
+# bad requests: OpenAI's error shape, and the server goes on
+
+
+BAD = {  # name: (body, status, param, a fragment of the message)
+    "unknown model": ({"model": "gpt-4", "prompt": "ROMEO:"}, 400, "model", "not served here"),
+    "prompt too long": ({"model": "romeo", "prompt": "ROMEO: " * 10}, 400, "prompt", "longer than the model's context"),
+    "max_tokens 0": ({"model": "romeo", "prompt": "ROMEO:", "max_tokens": 0}, 400, "max_tokens", "1..100000"),
+    "max_tokens over the cap": ({"model": "romeo", "prompt": "ROMEO:", "max_tokens": 100001}, 400, "max_tokens",
+                                "1..100000"),
+    "negative temperature": ({"model": "romeo", "prompt": "ROMEO:", "temperature": -0.5}, 400, "temperature", ">= 0"),
+    "wrong type": ({"model": "romeo", "prompt": "ROMEO:", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    "prompt of the wrong type": ({"model": "romeo", "prompt": {"a": 1}}, 400, "prompt", "valid"),
+    "missing prompt": ({"model": "romeo"}, 400, "prompt", "required"),
+    "top_p 0": ({"model": "romeo", "prompt": "ROMEO:", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    "top_k 0": ({"model": "romeo", "prompt": "ROMEO:", "top_k": 0}, 400, "top_k", "at least 1"),
+    "n 0": ({"model": "romeo", "prompt": "ROMEO:", "n": 0}, 400, "n", "1..16"),
+    "five stops": ({"model": "romeo", "prompt": "ROMEO:", "stop": list("abcde")}, 400, "stop", "at most 4"),
+    "character outside the vocabulary": ({"model": "romeo", "prompt": "ROMEO 🙂"}, 400, "prompt", "'🙂'"),
+    "token id outside the vocabulary": ({"model": "romeo", "prompt": [5, 99999]}, 400, "prompt", "outside"),
+    "empty prompt, no <|endoftext|>": ({"model": "romeo", "prompt": ""}, 400, "prompt", "empty"),
+    "chat with a base model": ({"model": "romeo", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages",
+                               "no chat template"),
+}
+
+
+def assert_error(r: "httpx.Response", status: int, param, fragment: str) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["param"] == param and fragment in error["message"], error
+    assert "Traceback" not in r.text
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_request_gets_an_openai_error_and_the_server_goes_on(base, name):
+    body, status, param, fragment = BAD[name]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    assert_error(httpx.post(base.url + path, json=body, timeout=30), status, param, fragment)
+    assert complete(base, prompt="ROMEO:", max_tokens=3).choices[0].text
+
+
+BAD_BODIES = {  # name: (body, status, a fragment of the message)
+    "malformed JSON": (b'{"model": "romeo", "prompt": ', 400, "not valid JSON"),
+    "too large a body": (b'{"model": "romeo", "prompt": "' + b"R" * 30000 + b'"}', 413, "more than the 20000"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_BODIES)
+def test_bad_body_gets_an_openai_error_and_the_server_goes_on(base, name):
+    content, status, fragment = BAD_BODIES[name]
+    r = httpx.post(base.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert_error(r, status, None, fragment)
+    # The same body without a Content-Length (chunked) is counted as it arrives.
+    chunked = httpx.post(base.url + "/v1/completions", content=iter([content]),
+                         headers={"Content-Type": "application/json"})
+    assert chunked.status_code == status and chunked.json()["error"]["message"]
+    assert complete(base, prompt="ROMEO:", max_tokens=3).choices[0].text
+
+
+def test_the_openai_client_raises_its_own_errors(base):
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        base.client().completions.create(model="gpt-4", prompt="ROMEO:")
+    r = httpx.get(base.url + "/nowhere")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_no_cross_origin_access(base):
+    r = httpx.get(base.url + "/v1/models", headers={"Origin": "https://elsewhere.example"})
+    assert "access-control-allow-origin" not in r.headers
+    pre = httpx.options(base.url + "/v1/completions", headers={
+        "Origin": "https://elsewhere.example", "Access-Control-Request-Method": "POST"})
+    assert pre.status_code >= 400 and "access-control-allow-origin" not in pre.headers
+
+
+# -----------------------------------------------------------------------------
+# chat, and the API key
+
+
+def test_chat_streamed_and_not(chat):
+    client = chat.client(KEY)
+    for question, answer in CONVERSATIONS:
+        messages = [{"role": "user", "content": question}]
+        whole = client.chat.completions.create(model="chatty", messages=messages, temperature=0)
+        assert whole.choices[0].message.content == answer and whole.choices[0].finish_reason == "stop"
+        assert whole.choices[0].message.role == "assistant" and whole.object == "chat.completion"
+        tok = CharTokenizer(sorted(set("".join(q + a for q, a in CONVERSATIONS))))
+        assert whole.usage.prompt_tokens == len(tok.encode(question)) + 3  # <|user|> ... <|end|><|assistant|>
+        assert whole.usage.completion_tokens == len(answer) + 1  # and <|end|>
+        chunks = list(client.chat.completions.create(model="chatty", messages=messages, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+        assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage == whole.usage
+
+
+def test_chat_bad_messages(chat):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(chat.url + "/v1/chat/completions", headers=headers,
+                   json={"model": "chatty", "messages": [{"role": "assistant", "content": "hi"}]})
+    assert_error(r, 400, "messages", "roles out of order")
+    r = httpx.post(chat.url + "/v1/chat/completions", headers=headers, json={"model": "chatty", "messages": []})
+    assert_error(r, 400, "messages", "non-empty list")
+    r = httpx.post(chat.url + "/v1/chat/completions", headers=headers,
+                   json={"model": "chatty", "messages": [{"role": "user", "content": "where? " * 40}]})
+    assert_error(r, 400, "messages", "longer than the model's context")
+
+
+def test_api_key_is_required_on_every_v1_route(chat):
+    assert [m.id for m in chat.client(KEY).models.list().data] == ["chatty"]
+    for key in ("wrong-key", KEY + "x"):  # no key at all: the client refuses to send that, httpx below does
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            chat.client(key).chat.completions.create(model="chatty", messages=[{"role": "user", "content": "hi"}])
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
+            r = httpx.request(method, chat.url + path, headers=headers, json={})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    assert chat.health()["auth"] is True  # /health and the page stay open: they tell nothing secret
+
+
+# -----------------------------------------------------------------------------
+# whole characters, start-up, shut-down
+
+
+def test_stream_sends_whole_utf8_characters(tmp_path):
+    """GPT-2's BPE splits 🙂 and 日本 into several byte tokens; no chunk may hold half of one."""
+    use_gpt2_bpe()
+    make_gpt2_dataset(tmp_path / "data", ["naïve café 🙂 日本語 ÿ"] * 40)
+    train_tiny(tmp_path / "out", tmp_path / "data", vocab_size=50304, n_embd=16, block_size=16, batch_size=4,
+               max_iters=200, lr_decay_iters=200, learning_rate=3e-2, min_lr=3e-3, eval_interval=200, log_interval=100)
+    with running(tmp_path, f"--out_dir={tmp_path / 'out'}", "--model_name=bpe") as server:
+        client = server.client()
+        whole = client.completions.create(model="bpe", prompt="naïve", max_tokens=30, temperature=0)
+        chunks = list(client.completions.create(model="bpe", prompt="naïve", max_tokens=30, temperature=0,
+                                                stream=True))
+    text = whole.choices[0].text
+    assert "🙂" in text and "日本" in text and whole.choices[0].finish_reason == "stop"  # <|endoftext|>
+    pieces = [c.choices[0].text for c in chunks]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_and_sigterm_shut_down_cleanly_mid_stream(char_out, tmp_path, sig):
+    server = Server(tmp_path, f"--out_dir={char_out}", "--model_name=romeo", "--max_tokens_limit=100000")
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                          json={"model": "romeo", "prompt": "ROMEO:", "max_tokens": 100000, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            t0 = time.monotonic()
+            server.proc.send_signal(sig)
+            rest = list(lines)
+        assert server.proc.wait(15) == 0  # one signal: a second Ctrl-C would mean "stop waiting" (force exit)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert "shutting down" in "".join(rest)  # the stream says why it ends early
+    assert "Traceback" not in server.output() and "Finished server process" in server.output()
+
+
+def test_non_loopback_bind_without_a_key_warns_once(char_out, monkeypatch):
+    """main() up to uvicorn (replaced here: the test binds nothing): one warning line without a key."""
+    monkeypatch.setattr(serve, "serve", lambda app, host, port: None)
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    args = [f"--out_dir={char_out}", "--device=cpu", "--host=0.0.0.0"]
+    warned = run_main(serve.main, args)
+    assert warned.returncode == 0 and [line for line in warned.stderr.splitlines()
+                                       if line.startswith("warning:")] == [warned.stderr.splitlines()[-1]]
+    assert "0.0.0.0" in warned.stderr and "--api_key" in warned.stderr
+    for quiet in (args + ["--api_key=s3cret"], args[:-1], args[:-1] + ["--host=::1"]):
+        assert "warning" not in run_main(serve.main, quiet).stderr
+    assert "--api_key is empty" in run_main(serve.main, args + ["--api_key=''"]).stderr
+
+
+# -----------------------------------------------------------------------------
+# the page, in a real headless Chromium (Debian's package; .ci/run installs it)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -r requirements-dev.txt")
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).exists():
+        pytest.skip("no chromium: apt-get install chromium (.ci/run does)")
+    with sync_api.sync_playwright() as p:
+        # --no-sandbox: Chromium's sandbox cannot start as root, which CI containers are.
+        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+WATCH_REPLY = """() => { window.lengths = [];
+  new MutationObserver(() => { const r = document.querySelector('.turn:last-child .reply');
+                               if (r) window.lengths.push(r.textContent.length); })
+    .observe(document.getElementById('log'), { subtree: true, childList: true, characterData: true }); }"""
+
+
+def test_page_streams_a_completion_and_stops(base, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 900, "height": 600})
+    page.goto(base.url)
+    page.wait_for_function("() => document.getElementById('mode').textContent.includes('plain completion')")
+    assert not page.is_visible("#key")  # no key wanted: no key field
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "300")
+    page.evaluate(WATCH_REPLY)
+    page.fill("#input", "ROMEO:")
+    page.press("#input", "Enter")
+    page.wait_for_selector(".meta", timeout=60_000)
+    shown = page.inner_text(".turn:last-child .reply")
+    want = complete(base, prompt="ROMEO:", max_tokens=300, temperature=0).choices[0].text
+    assert page.text_content(".turn:last-child .reply") == want
+    assert shown.strip() and page.inner_text(".turn:last-child .meta") == "(max tokens reached)"
+    assert len(set(page.evaluate("window.lengths"))) > 3  # the text grew piece by piece as it streamed
+    page.screenshot(path=tmp_path / "completion.png")
+    assert (tmp_path / "completion.png").stat().st_size > 10_000
+
+    page.fill("#max-tokens", "100000")  # far more than it will get before the stop button
+    page.fill("#input", "JULIET:")
+    page.press("#input", "Enter")
+    page.wait_for_function("() => document.querySelector('.turn:last-child .reply').textContent.length > 20")
+    page.click("#stop")
+    page.wait_for_selector(".turn:last-child .meta:text('(stopped)')", timeout=10_000)
+    deadline = time.monotonic() + 10
+    while base.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert base.health()["running"] == 0  # the server stopped generating for it
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+
+def test_page_chats_with_history_and_a_key(chat, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 900, "height": 600})
+    sent = []
+    page.on("request", lambda r: sent.append(r) if r.url.endswith("/v1/chat/completions") else None)
+    page.goto(chat.url)
+    page.wait_for_function("() => document.getElementById('mode').textContent === 'chat'")
+    assert page.is_visible("#key")  # the server wants a key: the page asks for it
+    page.fill("#key", KEY)
+    page.fill("#temperature", "0")
+    (q1, a1), (q2, a2) = CONVERSATIONS[:2]
+    for n, question in enumerate((q1, q2), 1):
+        page.fill("#input", question)
+        page.press("#input", "Enter")
+        page.wait_for_selector(f".assistant:nth-of-type({2 * n}) .meta", state="attached", timeout=60_000)
+    replies = page.locator(".assistant .reply").all_text_contents()
+    assert replies == [a1, a2]
+    assert page.locator(".user").all_text_contents() == [q1, q2]
+    bodies = [json.loads(r.post_data) for r in sent]
+    assert bodies[1]["messages"] == [{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+                                     {"role": "user", "content": q2}]  # the history goes with each turn
+    assert all(r.headers["authorization"] == f"Bearer {KEY}" for r in sent)
+    page.screenshot(path=tmp_path / "chat.png")
+    assert (tmp_path / "chat.png").stat().st_size > 10_000
