@@ -410,3 +410,11 @@ def test_bad_folders_are_one_line(char_data, tmp_path, damage, fragment):
         save_hf_tokenizer(CharTokenizer(itos), path, BLOCK)
     result = run_main(sample.main, [f"--init_from={path}", "--start=a", "--max_new_tokens=2", "--device=cpu"])
     assert_user_error(result, fragment)
+
+
+def test_config_modern_exports_as_qwen3():
+    from core.config import read_config_file
+
+    overrides = read_config_file(str(REPO_ROOT / "config" / "modern.py"))
+    switches = {k: v for k, v in overrides.items() if k in GPTConfig.__dataclass_fields__}
+    assert hf.architecture(GPTConfig(n_layer=2, n_head=4, n_embd=32, **switches)) == "Qwen3ForCausalLM"
