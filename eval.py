@@ -36,7 +36,7 @@ TASKS = ("perplexity", "hellaswag", "chat")
 
 @dataclasses.dataclass
 class EvalConfig:
-    init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a save_pretrained directory
+    init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a transformers folder
     out_dir: str = "out"             # where init_from=resume finds ckpt.pt and config.json
     task: str = "perplexity"         # perplexity | hellaswag | chat
     data_dir: str | None = None      # perplexity: a prepared dataset; None: the run's own (out_dir/config.json)

@@ -31,7 +31,7 @@ GPT2_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257)
                "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257),  # 774M
                "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257)}  # 1558M
 GPT2_HUB_NAMES = tuple(GPT2_SHAPES)
-# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
+# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out) (core/hf.py).
 CONV1D_SUFFIXES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # transformers' names for our two GELUs; gelu_pytorch_tanh is the same function as gelu_new.
 HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -59,6 +59,8 @@ class GPTConfig:
     logit_softcap: float | None = None  # c: logits = c * tanh(logits / c), bounded in (-c, c)
     zero_init_proj: bool = False  # attn.c_proj and mlp.c_proj start at 0: every Block starts as the identity
     unet_skips: bool = False  # the last n_layer // 2 Blocks also read the first half's outputs, mirrored (a U-net)
+    norm_eps: float = 1e-5  # every norm's epsilon (LayerNorm, RMSNorm, q/k norm); Qwen3's models use 1e-6
+    mlp_hidden: int | None = None  # the MLP's hidden width; None: 4C, or swiglu_hidden(C) for swiglu
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -87,6 +89,11 @@ class GPTConfig:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base!r}")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(f"logit_softcap must be positive or None, got {self.logit_softcap!r}")
+        if not 0 < self.norm_eps < 1:
+            raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        hidden = self.mlp_hidden
+        if hidden is not None and (not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1):
+            raise ValueError(f"mlp_hidden must be a positive integer or None, got {hidden!r}")
 
     @property
     def head_size(self) -> int:
@@ -170,8 +177,8 @@ def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
     """The normalisation layer every Block and the final ln_f use: GPT-2's LayerNorm, or RMSNorm."""
     dim = dim or config.n_embd
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=1e-5)
-    return nn.LayerNorm(dim, bias=config.bias)
+        return nn.RMSNorm(dim, eps=config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 
 
 class CausalSelfAttention(nn.Module):
@@ -189,8 +196,8 @@ class CausalSelfAttention(nn.Module):
         kv_dim = self.n_kv_head * self.head_size
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
         # qk_norm: the score q.k/sqrt(hs) of unit-RMS q and k is at most sqrt(hs) times the gains.
-        self.q_norm = nn.RMSNorm(self.head_size, eps=1e-5) if config.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_size, eps=1e-5) if config.qk_norm else nn.Identity()
+        self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -276,7 +283,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.kind = config.mlp
-        hidden = swiglu_hidden(config.n_embd) if self.kind == "swiglu" else 4 * config.n_embd
+        hidden = config.mlp_hidden or (swiglu_hidden(config.n_embd) if self.kind == "swiglu" else 4 * config.n_embd)
         fc_out = 2 * hidden if self.kind == "swiglu" else hidden
         self.c_fc = nn.Linear(config.n_embd, fc_out, bias=config.bias)
         self.gelu = nn.GELU(approximate=config.gelu_approximate)
@@ -695,84 +702,26 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, override_args=None) -> "GPT":
-        """GPT-2 weights from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or from a directory
-        written by transformers' save_pretrained (or ours). Needs transformers.
+        """Outside weights: GPT-2 from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a folder written
+        by transformers' save_pretrained or export.py of any architecture core/hf.py maps (GPT-2, Llama,
+        Qwen3, Arcee, Nemotron). Needs transformers.
 
         override_args may set dropout and attn_backend; the architecture comes from the checkpoint.
         """
-        from transformers import GPT2LMHeadModel  # only interop needs transformers
+        from core import hf  # only interop needs transformers; core imports model, so not at the top
 
-        if not os.path.isdir(name_or_dir) and name_or_dir not in GPT2_HUB_NAMES:
+        if os.path.isdir(name_or_dir):
+            return hf.load_dir(name_or_dir, override_args)
+        if name_or_dir not in GPT2_HUB_NAMES:
             raise ValueError(f"{name_or_dir!r} is neither a directory nor one of {GPT2_HUB_NAMES}")
-        hf = GPT2LMHeadModel.from_pretrained(name_or_dir)
-        model = cls(_config_from_gpt2(hf.config, override_args or {}))
-        model._load_gpt2_state_dict(hf.state_dict())
-        return model
+        from transformers import GPT2LMHeadModel
 
-    @torch.no_grad()
-    def _load_gpt2_state_dict(self, hf_state):
-        ours = self.state_dict()
-        missing = set(ours) - set(hf_state)
-        if missing:
-            raise ValueError(f"GPT-2 checkpoint lacks {sorted(missing)[:5]}")
-        for name, tensor in ours.items():
-            source = hf_state[name]
-            is_conv1d = name.endswith(".weight") and name.removesuffix(".weight").endswith(CONV1D_SUFFIXES)
-            tensor.copy_(source.t() if is_conv1d else source)
+        return hf.from_transformers(GPT2LMHeadModel.from_pretrained(name_or_dir), override_args)
 
     def save_pretrained(self, directory):
-        """Write directory/config.json and model.safetensors, loadable by
-        transformers.GPT2LMHeadModel.from_pretrained(directory) and by GPT.from_pretrained."""
-        from safetensors.torch import save_file
-        from transformers import GPT2Config
+        """Write directory/config.json and model.safetensors for the transformers class that computes this
+        model's function (core/hf.py), loadable by transformers' from_pretrained and by GPT.from_pretrained.
+        export.py adds the tokenizer and generation_config.json."""
+        from core import hf
 
-        c = self.config
-        if c.non_gpt2_fields():
-            raise ValueError(f"save_pretrained writes GPT-2, which cannot hold {', '.join(c.non_gpt2_fields())}; "
-                             f"save a checkpoint instead (train.py writes ckpt.pt)")
-        # GPT-2's 50256 <|endoftext|> only exists in a GPT-2-sized vocabulary.
-        special = 50256 if c.vocab_size > 50256 else None
-        GPT2Config(
-            vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-            n_head=c.n_head, activation_function="gelu_new" if c.gelu_approximate == "tanh" else "gelu",
-            resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=1e-5,
-            tie_word_embeddings=True, bos_token_id=special, eos_token_id=special,
-            architectures=["GPT2LMHeadModel"],
-        ).save_pretrained(directory)
-        save_file(self._gpt2_state_dict(), os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-
-    @torch.no_grad()
-    def _gpt2_state_dict(self):
-        """Our weights under GPT-2's names and layout; zero biases where bias=False (the same function)."""
-        state = {}
-        for name, m in self.transformer.named_modules(prefix="transformer"):
-            if isinstance(m, nn.Embedding):
-                state[f"{name}.weight"] = m.weight
-            if isinstance(m, (nn.Linear, nn.LayerNorm)):
-                state[f"{name}.weight"] = m.weight.t() if name.endswith(CONV1D_SUFFIXES) else m.weight
-                state[f"{name}.bias"] = m.bias if m.bias is not None else m.weight.new_zeros(m.weight.size(0))
-        # lm_head is wte (tied) and is left out; transformers re-ties it on load.
-        return {name: t.detach().contiguous().clone() for name, t in state.items()}
-
-
-def _config_from_gpt2(hf_config, override_args) -> GPTConfig:
-    """GPTConfig from a transformers GPT2Config; ValueError for variants this model cannot represent."""
-    unknown = set(override_args) - {"dropout", "attn_backend"}
-    if unknown:
-        raise ValueError(f"override_args may set only dropout and attn_backend, got {sorted(unknown)}")
-    unsupported = {
-        "activation_function": hf_config.activation_function not in HF_ACTIVATIONS,
-        "n_inner": hf_config.n_inner not in (None, 4 * hf_config.n_embd),
-        "layer_norm_epsilon": hf_config.layer_norm_epsilon != 1e-5,
-        "scale_attn_weights": not hf_config.scale_attn_weights,
-        "scale_attn_by_inverse_layer_idx": hf_config.scale_attn_by_inverse_layer_idx,
-        "tie_word_embeddings": not getattr(hf_config, "tie_word_embeddings", True),
-    }
-    for field, bad in unsupported.items():
-        if bad:
-            raise ValueError(f"unsupported GPT-2 variant: {field}={getattr(hf_config, field)!r}")
-    return GPTConfig(
-        block_size=hf_config.n_positions, vocab_size=hf_config.vocab_size, n_layer=hf_config.n_layer,
-        n_head=hf_config.n_head, n_embd=hf_config.n_embd, bias=True,
-        gelu_approximate=HF_ACTIVATIONS[hf_config.activation_function], **override_args,
-    )
+        hf.to_transformers(self).save_pretrained(directory)

@@ -4,7 +4,7 @@
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=1   # streams as it decodes
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0   # greedy
     python sample.py --init_from=gpt2 --start="Hello, I'm a language model," --top_p=0.9 --stop_at_eot=True
-    python sample.py --init_from=path/to/dir   # a directory written by GPT.save_pretrained (or transformers)
+    python sample.py --init_from=path/to/dir   # a transformers folder: GPT-2, Llama, Qwen3, ... (docs/interop.md)
     python sample.py --out_dir=out-sft-tasks-char --chat           # talk to a chat fine-tune, turn by turn
     python sample.py --out_dir=out-sft-tasks-char --chat --system="Be brief." --prompt="reverse: abc" --temperature=0
 
@@ -38,7 +38,7 @@ SEPARATOR = "---------------"
 
 @dataclasses.dataclass
 class SampleConfig:
-    init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a save_pretrained directory
+    init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a transformers folder
     out_dir: str = "out"             # where init_from=resume finds ckpt.pt
     start: str = "\n"                # the prompt, or FILE:path to read it from a file
     num_samples: int = 10            # decoded together, as one batch

@@ -28,7 +28,7 @@ from core.data import TokenData, TrainBatches, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
 from core.runlog import RunLog
-from core.tokenizer import check_extends, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
+from core.tokenizer import check_extends, check_same_ids, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
 from core.train_config import RECIPE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer
 from model import GPT, GPTConfig
 
@@ -200,6 +200,17 @@ def load_resume_state(cfg: TrainConfig, out_dir: Path, rt: runtime.Runtime, log)
     return state, path
 
 
+def load_folder(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime) -> tuple[GPT, dict]:
+    """A transformers folder's model, fine-tuned on a dataset whose ids its tokenizer gives the same text."""
+    from core import hf  # transformers is needed only here
+
+    model, folder_tok = hf.load_folder(cfg.init_from, {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend})
+    data_tok = tokenizer_from_meta(data_meta, source=f"{cfg.data_dir}/meta.json")
+    check_same_ids(folder_tok, data_tok, f"the tokenizer of {cfg.init_from}", f"the dataset in {cfg.data_dir}")
+    check_memory(dataclasses.replace(model.config, block_size=min(cfg.block_size, model.config.block_size)), cfg, rt)
+    return model, tokenizer_meta(data_meta)
+
+
 def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
                 rt: runtime.Runtime) -> tuple[GPT, dict]:
     """The model for cfg.init_from, and the tokenizer metadata it is trained with. A run that plainly does
@@ -232,7 +243,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         tok = tokenizer_meta(data_meta)
     elif checkpoint.find_checkpoint(cfg.init_from) is not None:  # a base run: its weights, a new run
         model, tok = from_base_run(cfg, data_meta, rt)
-    else:  # GPT-2 weights from the hub or a save_pretrained directory
+    elif Path(cfg.init_from).is_dir():  # a transformers folder: GPT-2, Llama, Qwen3, ... (core/hf.py)
+        model, tok = load_folder(cfg, data_meta, rt)
+    else:  # GPT-2 weights from the hub
         if data_meta.get("tokenizer") != "gpt2":
             raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
                             f"{cfg.data_dir} uses {data_meta.get('tokenizer')!r}")

@@ -249,7 +249,8 @@ def load_model(init_from: str, out_dir: str | os.PathLike) -> tuple[GPT, Tokeniz
     """(model, tokenizer, one line naming the source), on the CPU: the one loader of every script.
 
     init_from="resume" reads out_dir's ckpt.pt (or the fsdp run's ckpt.dcp) with the tokenizer it was
-    trained with; a GPT-2 hub name or a save_pretrained directory loads those weights with GPT-2's BPE.
+    trained with; a GPT-2 hub name loads those weights with GPT-2's BPE; a transformers folder (GPT-2,
+    Llama, Qwen3, ... written by save_pretrained or export.py) loads with its tokenizer.json.
     Raises UserError, in one line, on any problem.
     """
     if init_from == "resume":
@@ -289,7 +290,13 @@ def _load_resume(out_dir: Path) -> tuple[GPT, Tokenizer, str]:
 
 
 def _load_pretrained(name_or_dir: str) -> tuple[GPT, Tokenizer, str]:
-    """GPT-2 weights (a hub name, or a save_pretrained directory) and GPT-2's BPE."""
+    """A transformers folder (GPT-2, Llama, Qwen3, ...: core/hf.py) with its tokenizer, or GPT-2 hub weights
+    and GPT-2's BPE."""
+    if Path(name_or_dir).is_dir():
+        from core import hf  # transformers is needed only here
+
+        model, tok = hf.load_folder(name_or_dir)
+        return model, tok, name_or_dir
     tok = GPT2Tokenizer()  # first: without the BPE file there is nothing to decode with
     try:
         model = GPT.from_pretrained(name_or_dir)

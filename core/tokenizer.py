@@ -182,6 +182,34 @@ def check_extends(base: dict, new: dict, source: str) -> None:
                         f"prepare the dataset with --tokenizer_from= the base run's out_dir")
 
 
+class HFTokenizer:
+    """A tokenizer.json of Hugging Face's `tokenizers` library: the tokenizer of a model imported from a
+    transformers folder. The JSON itself travels in the metadata, so a checkpoint fine-tuned from the
+    model decodes (and exports) with exactly the tokenizer it came with."""
+
+    def __init__(self, tokenizer_json: str, eot_token: int | None = None, bos_token: int | None = None):
+        from tokenizers import Tokenizer as Backend
+
+        self.json = tokenizer_json
+        self.backend = Backend.from_str(tokenizer_json)
+        # Special tokens' text stays text (as GPT2Tokenizer's encode_ordinary): a prompt cannot inject them.
+        self.backend.encode_special_tokens = True
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        self.special_tokens: dict[str, int] = {}  # tokenizer.json's own added tokens stay inside it
+        self.eot_token = eot_token
+        self.bos_token = bos_token
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids  # no post-processor BOS
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def meta(self) -> dict:
+        return {"tokenizer": "hf", "vocab_size": self.vocab_size, "eot_token": self.eot_token,
+                "bos_token": self.bos_token, "tokenizer_json": self.json}
+
+
 def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     kind = meta.get("tokenizer")
     if kind == "char":
@@ -190,7 +218,24 @@ def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
         return CharTokenizer(meta["itos"], _specials(meta, len(meta["itos"]), source))
     if kind == "gpt2":
         return GPT2Tokenizer(_specials(meta, GPT2_VOCAB, source))
-    raise UserError(f"{source} names tokenizer {kind!r}; expected 'char' or 'gpt2'")
+    if kind == "hf":
+        if not isinstance(meta.get("tokenizer_json"), str):
+            raise UserError(f"{source} says tokenizer 'hf' but holds no tokenizer_json")
+        return HFTokenizer(meta["tokenizer_json"], meta.get("eot_token"), meta.get("bos_token"))
+    raise UserError(f"{source} names tokenizer {kind!r}; expected 'char', 'gpt2' or 'hf'")
+
+
+def check_same_ids(tok: Tokenizer, other: Tokenizer, what: str, other_what: str) -> None:
+    """UserError unless the two tokenizers give every id the same text: a model and a dataset agree
+    whatever each tokenizer is called (a char vocabulary exported as tokenizer.json matches its dataset)."""
+    if tok.vocab_size != other.vocab_size:
+        raise UserError(f"{what} has {tok.vocab_size} token ids but {other_what} has {other.vocab_size}: they were "
+                        f"tokenized differently; prepare the data with the model's tokenizer")
+    for i in range(tok.vocab_size):
+        if tok.decode([i]) != other.decode([i]):
+            raise UserError(f"{what} and {other_what} map token id {i} to different text "
+                            f"({tok.decode([i])!r} vs {other.decode([i])!r}); prepare the data with the model's "
+                            f"tokenizer")
 
 
 def _specials(meta: dict, n_ordinary: int, source: str) -> dict[str, int] | None:
@@ -204,12 +249,18 @@ def _specials(meta: dict, n_ordinary: int, source: str) -> dict[str, int] | None
 
 def tokenizer_meta(meta: dict) -> dict:
     """The part of a dataset's meta.json that rebuilds its tokenizer (copied into every checkpoint)."""
-    return {k: meta[k] for k in ("tokenizer", "vocab_size", "itos", "stoi", "eot_token", "special_tokens") if k in meta}
+    keys = ("tokenizer", "vocab_size", "itos", "stoi", "eot_token", "special_tokens", "bos_token", "tokenizer_json")
+    return {k: meta[k] for k in keys if k in meta}
 
 
 def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
     """A trained model must read the dataset through the tokenizer it was trained with."""
     if tok == tokenizer_meta(data_meta):
+        return
+    if "hf" in (tok.get("tokenizer"), data_meta.get("tokenizer")):  # a transformers folder's: compare the ids
+        check_same_ids(tokenizer_from_meta(tok, "the model's tokenizer metadata"),
+                       tokenizer_from_meta(data_meta, f"{data_dir}/meta.json"), "the model's tokenizer",
+                       f"the dataset in {data_dir}")
         return
     kind, vocab = data_meta.get("tokenizer"), data_meta.get("vocab_size")
     if (tok.get("tokenizer"), tok.get("vocab_size")) != (kind, vocab):
@@ -258,3 +309,147 @@ def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = F
                             f"shorten it, or pass --truncate_prompt=True to keep its last {block_size} tokens")
         ids = ids[-block_size:]
     return ids
+
+
+# -----------------------------------------------------------------------------
+# as Hugging Face tokenizers, for transformers folders
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 bytes to printable characters, in which byte-level BPE vocabularies
+    are written (Radford et al. 2019, encoder.py): printable Latin-1 stays, the rest shifts past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The pair whose merge makes `token`: byte-level BPE on its bytes, with only the ranks below its own,
+    stops at exactly two parts (tiktoken keeps ranks, transformers' BPE keeps the merges)."""
+    rank = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], rank))
+        if ranks.get(parts[best] + parts[best + 1], rank) >= rank:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} is not the merge of two lower-ranked tokens")
+    return parts[0], parts[1]
+
+
+def _gpt2_backend():
+    """GPT-2's BPE as a `tokenizers` Tokenizer with the same ids, built from tiktoken's ranks."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    enc = _gpt2_encoding()
+    ranks = {enc.decode_single_token_bytes(i): i for i in range(GPT2_EOT)}
+    byte_char = bytes_to_unicode()
+    as_text = lambda b: "".join(byte_char[x] for x in b)  # noqa: E731
+    vocab = {as_text(b): i for b, i in ranks.items()}
+    merges = [tuple(as_text(p) for p in _merge_of(b, ranks)) for b, i in sorted(ranks.items(), key=lambda kv: kv[1])
+              if len(b) > 1]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    # ByteLevel's regex is GPT-2's (the pat_str of tiktoken's r50k_base); no prefix space, as tiktoken.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    return backend
+
+
+def _char_backend(itos: list[str]):
+    """A character vocabulary as a `tokenizers` Tokenizer: a BPE model with no merges splits text into
+    characters and looks each up; Fuse joins the decoded characters with nothing between them."""
+    from tokenizers import Tokenizer as Backend, decoders, models
+
+    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(itos)}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return backend
+
+
+def hf_backend(tok: Tokenizer, extra_special_tokens: tuple[str, ...] = ()):
+    """Our tokenizer as a `tokenizers` Tokenizer with the same ids; extra special tokens (a chat
+    template's) get the ids after the vocabulary's."""
+    from tokenizers import AddedToken, Tokenizer as Backend
+
+    if isinstance(tok, HFTokenizer):
+        backend = Backend.from_str(tok.json)
+    elif isinstance(tok, GPT2Tokenizer):
+        backend = _gpt2_backend()
+    elif isinstance(tok, CharTokenizer):
+        backend = _char_backend(tok.itos)
+    else:
+        raise UserError(f"no Hugging Face form for tokenizer {type(tok).__name__}")
+    own = sorted(getattr(tok, "special_tokens", {}).items(), key=lambda kv: kv[1])  # e.g. a chat template's markers
+    for name in [n for n, _ in own] + list(extra_special_tokens):
+        backend.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+    wrong = {n: i for n, i in own if backend.token_to_id(n) != i}
+    if wrong:  # tokenizers numbers added tokens in order, so a gap in our ids cannot be written
+        raise UserError(f"special tokens {wrong} do not follow the vocabulary without gaps; tokenizer.json cannot "
+                        "give them these ids")
+    return backend
+
+
+def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
+                      extra_special_tokens: tuple[str, ...] = ()) -> None:
+    """tokenizer.json and tokenizer_config.json in directory, which transformers' AutoTokenizer loads
+    (PreTrainedTokenizerFast) with our ids, and decodes without touching the spaces."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = hf_backend(tok, extra_special_tokens)
+    eot = None if tok.eot_token is None else backend.id_to_token(tok.eot_token)
+    bos = getattr(tok, "bos_token", None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+        eos_token=eot, bos_token=None if bos is None else backend.id_to_token(bos))
+    fast.save_pretrained(directory)
+
+
+def load_hf_tokenizer(directory) -> HFTokenizer:
+    """The tokenizer of a transformers folder (its tokenizer.json), with the end-of-text id from its
+    generation_config.json or tokenizer_config.json."""
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{directory} has no tokenizer.json; the folder needs its tokenizer "
+                        "(transformers' tokenizer.save_pretrained writes it)")
+    try:
+        text = path.read_text(encoding="utf-8")
+        tok = HFTokenizer(text)
+    except Exception as e:
+        raise UserError(f"{path} cannot be read as a tokenizers JSON ({type(e).__name__}); write it again") from None
+    tok.eot_token, tok.bos_token = _special_ids(directory, tok)
+    return tok
+
+
+def _special_ids(directory, tok: HFTokenizer) -> tuple[int | None, int | None]:
+    import json
+
+    ids = {}
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        if path.is_file():
+            data = json.loads(path.read_text())
+            for key in ("eos_token_id", "bos_token_id"):
+                value = data.get(key)
+                value = value[0] if isinstance(value, list) and value else value
+                if isinstance(value, int) and key not in ids:
+                    ids[key] = value
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        for key, field in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):
+            text = data.get(field)
+            text = text.get("content") if isinstance(text, dict) else text
+            if key not in ids and isinstance(text, str) and tok.backend.token_to_id(text) is not None:
+                ids[key] = tok.backend.token_to_id(text)
+    return ids.get("eos_token_id"), ids.get("bos_token_id")

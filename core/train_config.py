@@ -28,7 +28,7 @@ class TrainConfig:
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
     init_from: str = "scratch"            # 'scratch', 'resume', a base run's out_dir (its weights, a new run),
-                                          # a GPT-2 name, or a save_pretrained dir
+                                          # a GPT-2 name, or a transformers folder (docs/interop.md)
     # logging
     wandb_log: bool = False
     wandb_project: str = "nanogpt"

@@ -43,6 +43,10 @@ from core.train_config import RECIPE_KEYS, TrainConfig, get_lr, make_optimizer  
 from model import GPT, GPTConfig  # noqa: E402
 
 MODERN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "modern.py"
+# The ReLU² recipe (LayerNorm, biases), measured best but computed by no transformers class, and the
+# exportable recipes nearest to it; config/modern.py is the Qwen3 one (docs/recipe.md).
+MODERN_SWITCHES = {"pos_embedding": "rope", "qk_norm": True, "mlp": "relu2", "tie_embeddings": False,
+                   "optimizer": "muon", "muon_lr": 0.02}
 # One switch each, against classic GPT-2; "gqa" halves the key/value heads.
 VARIANTS = {
     "classic": {},
@@ -56,6 +60,9 @@ VARIANTS = {
     "softcap": {"logit_softcap": 15.0},
     "muon": {"optimizer": "muon"},
     "modern": "config/modern.py",
+    "modern_relu2": dict(MODERN_SWITCHES),                                                   # exports nowhere
+    "modern_nemotron": {**MODERN_SWITCHES, "qk_norm": False},                                # NemotronForCausalLM
+    "modern_arcee": {**MODERN_SWITCHES, "qk_norm": False, "norm": "rmsnorm"},                # ArceeForCausalLM
 }
 PHASES = ("all", "train", "time", "report")
 

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from core import hf as core_hf
 from model import GPT, GPTConfig
 from tests.helpers import needs_transformers
 
@@ -91,7 +92,7 @@ def test_parity_check_fails_for_a_broken_attention(tmp_path, break_it):
     hf = sharp_hf_model()
     hf.save_pretrained(tmp_path)
     model = GPT.from_pretrained(str(tmp_path)).eval()
-    model._load_gpt2_state_dict(break_it(hf.state_dict()))
+    core_hf.load_hf_state_dict(model, break_it(hf.state_dict()))
     idx = random_idx(101)
     with torch.no_grad():
         diff = (model(idx)[0] - hf(idx).logits).abs().max().item()

@@ -308,13 +308,16 @@ def test_softcap_bounds_the_logits():
     torch.testing.assert_close(logits, 3.0 * torch.tanh(raw / 3.0), atol=1e-12, rtol=0)
 
 
-def test_defaults_are_gpt2_and_save_pretrained_refuses_the_rest(tmp_path):
+def test_defaults_are_gpt2_and_save_pretrained_refuses_what_no_architecture_holds(tmp_path):
+    """save_pretrained writes any variant a transformers class computes (core/hf.py); ALL has a soft-cap
+    and q/k norm with ReLU^2, which none does, and is refused in one line naming them."""
     assert GPTConfig().non_gpt2_fields() == [] and config(n_kv_head=2).non_gpt2_fields() == []
     model = GPT(config(**ALL))
     with pytest.raises(ValueError) as e:
         model.save_pretrained(tmp_path)
     message = str(e.value)
-    assert "\n" not in message and "pos_embedding='rope'" in message and "n_kv_head=1" in message
+    assert "\n" not in message and "logit_softcap=5.0" in message and "qk_norm=True" in message
+    assert "nearest that exports" in message
     assert not (tmp_path / "config.json").exists()
 
 

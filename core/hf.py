@@ -1,0 +1,409 @@
+"""Our recipe variants <-> transformers architectures: which class computes exactly our function,
+and the config and state-dict maps both ways.
+
+    from core import hf
+    hf.architecture(model.config)                  # 'LlamaForCausalLM', or a UserError naming what no class holds
+    hf_model = hf.to_transformers(model)           # a transformers model with our weights, same logits
+    model = hf.from_transformers(hf_model)         # and back
+
+A class is listed only where its forward is our forward, switch by switch (read from transformers'
+modeling files; the tests compare logits to 1e-5):
+
+| our switches                                              | transformers class  |
+|-----------------------------------------------------------|---------------------|
+| learned positions, LayerNorm, GELU (tanh or erf), tied    | GPT2LMHeadModel     |
+| rope, RMSNorm, SwiGLU, no qk_norm, any n_kv_head, bias    | LlamaForCausalLM    |
+| rope, RMSNorm, SwiGLU, qk_norm, no biases                 | Qwen3ForCausalLM    |
+| rope, RMSNorm, ReLU^2 or GELU (ungated), no qk_norm       | ArceeForCausalLM    |
+| rope, LayerNorm, ReLU^2 or GELU (ungated), no qk_norm     | NemotronForCausalLM |
+
+What they share with us: RoPE on halves of each head (transformers' rotate_half, our apply_rope's
+chunk(2)); frequencies base^(-2i/hs); grouped-query heads where query head h reads key/value head
+h // (n_head // n_kv_head) (transformers' repeat_kv, torch's enable_gqa); q/k RMSNorm per head before
+the rotation (Qwen3). Nemotron's LayerNorm1P scales by (1 + weight), so its weight is ours minus one.
+No class holds logit_softcap (Gemma 2's soft-cap comes with a scaled embedding, (1 + w) norms and
+four norms per layer), nor qk_norm with LayerNorm or an ungated MLP, nor learned positions with any
+other switch.
+"""
+import itertools
+import os
+from dataclasses import replace
+
+import torch
+
+from core.errors import UserError, first_line
+from core.tokenizer import Tokenizer
+from model import CONV1D_SUFFIXES, GPT, GPTConfig, HF_ACTIVATIONS, swiglu_hidden
+
+
+class ConversionError(UserError, ValueError):
+    """A checkpoint or variant that has no exact counterpart on the other side (one line, what to do)."""
+
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM")
+ARCHITECTURES = ("GPT2LMHeadModel",) + LLAMA_FAMILY
+# Our ungated MLP nonlinearities under transformers' ACT2FN names (gelu_pytorch_tanh is tanh-GELU).
+UNGATED_ACTS = {"relu2": "relu2", ("gelu", "tanh"): "gelu_pytorch_tanh", ("gelu", "none"): "gelu"}
+# The switches the nearest-recipe search may flip, and to what.
+FLIPS = dict(qk_norm=[False, True], norm=["rmsnorm", "layernorm"], mlp=["swiglu", "relu2", "gelu"],
+             pos_embedding=["rope", "learned"], logit_softcap=[None], bias=[False], tie_embeddings=[True],
+             n_kv_head=[None], unet_skips=[False])
+
+
+# -----------------------------------------------------------------------------
+# which class holds a variant
+
+
+def _holds(c: GPTConfig) -> str | None:
+    """The transformers class that computes exactly this variant, or None."""
+    if c.logit_softcap is not None or c.unet_skips:  # a U-net's skip connections: no class has them
+        return None
+    if c.pos_embedding == "learned":
+        plain_gpt2 = (c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.tie_embeddings
+                      and c.kv_heads == c.n_head and c.mlp_hidden in (None, 4 * c.n_embd))
+        return "GPT2LMHeadModel" if plain_gpt2 else None
+    if c.mlp == "swiglu" and c.norm == "rmsnorm":
+        if not c.qk_norm:
+            return "LlamaForCausalLM"
+        return None if c.bias else "Qwen3ForCausalLM"
+    if c.qk_norm or c.mlp == "swiglu":
+        return None
+    return "ArceeForCausalLM" if c.norm == "rmsnorm" else "NemotronForCausalLM"
+
+
+def architecture(c: GPTConfig) -> str:
+    """The transformers class for this variant; a ConversionError naming the switches no class holds
+    and the nearest recipes that do export."""
+    arch = _holds(c)
+    if arch is not None:
+        return arch
+    switches = _switches(c)
+    raise ConversionError(f"no transformers architecture computes {', '.join(switches)}"
+                          f"{' together' if len(switches) > 1 else ''}; "
+                          f"nearest that exports: {'; or '.join(nearest_exportable(c))}")
+
+
+def _switches(c: GPTConfig) -> list[str]:
+    gpt2 = GPTConfig()
+    names = ("pos_embedding", "norm", "qk_norm", "mlp", "logit_softcap", "unet_skips")
+    return [f"{n}={getattr(c, n)!r}" for n in names if getattr(c, n) != getattr(gpt2, n)] or ["these switches"]
+
+
+def nearest_exportable(c: GPTConfig) -> list[str]:
+    """The smallest sets of switch changes that make c exportable, each as 'a=x, b=y (-> Class)'."""
+    options = [(name, value) for name, values in FLIPS.items() for value in values if getattr(c, name) != value]
+    for size in (1, 2, 3):
+        found = []
+        for combo in itertools.combinations(options, size):
+            if len({name for name, _ in combo}) < size:
+                continue
+            arch = _holds(replace(c, **dict(combo)))
+            if arch is not None:
+                found.append(", ".join(f"{n}={v!r}" for n, v in combo) + f" (-> {arch})")
+        if found:
+            return found
+    return ["the GPT-2 defaults (-> GPT2LMHeadModel)"]
+
+
+# -----------------------------------------------------------------------------
+# our model -> transformers
+
+
+def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int | None = None):
+    """The transformers config of the class architecture(c) names, for the same function."""
+    import transformers
+
+    arch = architecture(c)
+    if arch == "GPT2LMHeadModel":
+        return transformers.GPT2Config(
+            vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+            n_head=c.n_head, activation_function="gelu_new" if c.gelu_approximate == "tanh" else "gelu",
+            resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=c.norm_eps,
+            tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id, architectures=[arch])
+    hidden = c.mlp_hidden or (swiglu_hidden(c.n_embd) if c.mlp == "swiglu" else 4 * c.n_embd)
+    common = dict(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=hidden, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, head_dim=c.head_size,
+        max_position_embeddings=c.block_size, rope_parameters={"rope_type": "default", "rope_theta": c.rope_base},
+        attention_bias=c.bias, attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None, architectures=[arch])
+    if arch == "LlamaForCausalLM":
+        return transformers.LlamaConfig(**common, hidden_act="silu", mlp_bias=c.bias, rms_norm_eps=c.norm_eps)
+    if arch == "Qwen3ForCausalLM":
+        return transformers.Qwen3Config(**common, hidden_act="silu", rms_norm_eps=c.norm_eps,
+                                        use_sliding_window=False)
+    act = UNGATED_ACTS[c.mlp if c.mlp == "relu2" else (c.mlp, c.gelu_approximate)]
+    if arch == "ArceeForCausalLM":
+        return transformers.ArceeConfig(**common, hidden_act=act, mlp_bias=c.bias, rms_norm_eps=c.norm_eps)
+    common["rope_parameters"]["partial_rotary_factor"] = 1.0  # Nemotron rotates only half the head by default
+    return transformers.NemotronConfig(**common, hidden_act=act, mlp_bias=c.bias, norm_eps=c.norm_eps)
+
+
+@torch.no_grad()
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights under the names and layout of architecture(model.config); zero biases where ours
+    has none but the class always does (GPT-2's, Nemotron's LayerNorm)."""
+    c = model.config
+    arch = architecture(c)
+    ours = {name: t.detach() for name, t in model.state_dict().items()}
+    state = _gpt2_state(model) if arch == "GPT2LMHeadModel" else _llama_state(ours, c, arch)
+    return {name: t.contiguous().clone() for name, t in state.items()}
+
+
+def _gpt2_state(model: GPT) -> dict:
+    state = {}
+    for name, m in model.transformer.named_modules(prefix="transformer"):
+        if isinstance(m, torch.nn.Embedding):
+            state[f"{name}.weight"] = m.weight
+        if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)):
+            # GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
+            state[f"{name}.weight"] = m.weight.t() if name.endswith(CONV1D_SUFFIXES) else m.weight
+            state[f"{name}.bias"] = m.bias if m.bias is not None else m.weight.new_zeros(m.weight.size(0))
+    return state  # lm_head is wte (tied), and transformers ties it on load
+
+
+def _llama_state(ours: dict, c: GPTConfig, arch: str) -> dict:
+    nemotron = arch == "NemotronForCausalLM"
+    state = {"model.embed_tokens.weight": ours["transformer.wte.weight"]}
+    if not c.tie_embeddings:
+        state["lm_head.weight"] = ours["lm_head.weight"]
+    norms = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+    for ours_name, theirs in _llama_names(c, arch).items():
+        tensor = ours.get(ours_name)
+        if tensor is not None:
+            state[theirs] = tensor
+    for i in range(c.n_layer):
+        for ln, theirs in norms.items():
+            state.update(_norm(ours, f"transformer.h.{i}.{ln}", f"model.layers.{i}.{theirs}", nemotron))
+        state.update(_split_linear(ours, f"transformer.h.{i}.attn.c_attn", f"model.layers.{i}.self_attn",
+                                   ["q_proj", "k_proj", "v_proj"], [c.n_embd] + [c.kv_heads * c.head_size] * 2))
+        mlp_parts = ["gate_proj", "up_proj"] if c.mlp == "swiglu" else ["up_proj"]
+        fc = ours[f"transformer.h.{i}.mlp.c_fc.weight"].size(0)
+        state.update(_split_linear(ours, f"transformer.h.{i}.mlp.c_fc", f"model.layers.{i}.mlp", mlp_parts,
+                                   [fc // len(mlp_parts)] * len(mlp_parts)))
+    state.update(_norm(ours, "transformer.ln_f", "model.norm", nemotron))
+    return state
+
+
+def _llama_names(c: GPTConfig, arch: str) -> dict[str, str]:
+    """One-to-one renames, ours -> theirs (the projections back into the residual stream, q/k norms)."""
+    names = {}
+    for i in range(c.n_layer):
+        for suffix in ("weight", "bias"):
+            names[f"transformer.h.{i}.attn.c_proj.{suffix}"] = f"model.layers.{i}.self_attn.o_proj.{suffix}"
+            names[f"transformer.h.{i}.mlp.c_proj.{suffix}"] = f"model.layers.{i}.mlp.down_proj.{suffix}"
+        if arch == "Qwen3ForCausalLM":
+            names[f"transformer.h.{i}.attn.q_norm.weight"] = f"model.layers.{i}.self_attn.q_norm.weight"
+            names[f"transformer.h.{i}.attn.k_norm.weight"] = f"model.layers.{i}.self_attn.k_norm.weight"
+    return names
+
+
+def _norm(ours: dict, name: str, theirs: str, nemotron: bool) -> dict:
+    weight = ours[f"{name}.weight"]
+    if not nemotron:
+        return {f"{theirs}.weight": weight}
+    bias = ours.get(f"{name}.bias", torch.zeros_like(weight))
+    return {f"{theirs}.weight": weight - 1.0, f"{theirs}.bias": bias}  # LayerNorm1P: x_hat * (1 + w) + b
+
+
+def _split_linear(ours: dict, name: str, prefix: str, parts: list[str], sizes: list[int]) -> dict:
+    """A fused nn.Linear cut along its output rows into transformers' separate projections."""
+    out = {}
+    for suffix in ("weight", "bias"):
+        if f"{name}.{suffix}" in ours:
+            for part, tensor in zip(parts, ours[f"{name}.{suffix}"].split(sizes, dim=0)):
+                out[f"{prefix}.{part}.{suffix}"] = tensor
+    return out
+
+
+def to_transformers(model: GPT, eos_token_id: int | None = None, bos_token_id: int | None = None):
+    """A transformers model (float32, eval mode) computing the same function as ours, with our weights."""
+    import transformers
+
+    config = hf_config(model.config, eos_token_id, bos_token_id)
+    hf = getattr(transformers, config.architectures[0])(config)
+    state = {name: t.float() for name, t in hf_state_dict(model).items()}
+    theirs = hf.state_dict()
+    missing = [n for n in theirs if n not in state and not _is_tied_head(n, config)]
+    unexpected = [n for n in state if n not in theirs]
+    if missing or unexpected:  # a map out of step with transformers: a bug here, never the user's
+        raise RuntimeError(f"{config.architectures[0]} map: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    hf.load_state_dict(state, strict=False)
+    return hf.float().eval()
+
+
+def _is_tied_head(name: str, config) -> bool:
+    return name == "lm_head.weight" and config.tie_word_embeddings
+
+
+# -----------------------------------------------------------------------------
+# transformers -> our model
+
+
+def config_from_hf(hf_config, override_args: dict | None = None) -> GPTConfig:
+    """Our GPTConfig for a transformers config; ConversionError for anything we would compute differently."""
+    override_args = dict(override_args or {})
+    unknown = set(override_args) - {"dropout", "attn_backend"}
+    if unknown:
+        raise ConversionError(f"override_args may set only dropout and attn_backend, got {sorted(unknown)}")
+    arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+    if arch in ("GPT2LMHeadModel", "GPT2Config"):
+        return _config_from_gpt2(hf_config, override_args)
+    if arch not in LLAMA_FAMILY:
+        raise ConversionError(f"architecture {arch!r} is not supported; this repository loads "
+                              f"{', '.join(ARCHITECTURES)}")
+    return _config_from_llama(hf_config, arch, override_args)
+
+
+def _config_from_gpt2(h, override_args) -> GPTConfig:
+    unsupported = {
+        "activation_function": h.activation_function not in HF_ACTIVATIONS,
+        "n_inner": h.n_inner not in (None, 4 * h.n_embd),
+        "scale_attn_weights": not h.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx": h.scale_attn_by_inverse_layer_idx,
+        "reorder_and_upcast_attn": getattr(h, "reorder_and_upcast_attn", False),
+        "tie_word_embeddings": not getattr(h, "tie_word_embeddings", True),
+    }
+    for field, bad in unsupported.items():
+        if bad:
+            raise ConversionError(f"unsupported GPT-2 variant: {field}={getattr(h, field)!r}")
+    return GPTConfig(block_size=h.n_positions, vocab_size=h.vocab_size, n_layer=h.n_layer, n_head=h.n_head,
+                     n_embd=h.n_embd, bias=True, norm_eps=h.layer_norm_epsilon,
+                     gelu_approximate=HF_ACTIVATIONS[h.activation_function], **override_args)
+
+
+def _config_from_llama(h, arch: str, override_args) -> GPTConfig:
+    rope = dict(getattr(h, "rope_parameters", None) or {})
+    head_dim = getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads
+    act = h.hidden_act
+    mlp_bias = getattr(h, "mlp_bias", False)
+    ungated = {v: k for k, v in UNGATED_ACTS.items()}
+    gated = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    heads, width = h.num_attention_heads, h.hidden_size
+    problems = [
+        (rope.get("rope_type", "default") != "default", f"rope_type={rope.get('rope_type')!r} (scaled RoPE)"),
+        (rope.get("partial_rotary_factor", 1.0) != 1.0, f"partial_rotary_factor={rope.get('partial_rotary_factor')}"),
+        (head_dim * heads != width, f"head_dim={head_dim} with {heads} heads in a {width}-wide model"),
+        (act != "silu" if gated else act not in ungated, f"hidden_act={act!r}"),
+        (arch != "Qwen3ForCausalLM" and h.attention_bias != mlp_bias,
+         f"attention_bias={h.attention_bias} with mlp_bias={mlp_bias}"),
+        (arch == "Qwen3ForCausalLM" and h.attention_bias, "attention_bias=True"),
+        (getattr(h, "use_sliding_window", False), "use_sliding_window=True"),
+        (getattr(h, "pretraining_tp", 1) != 1, f"pretraining_tp={getattr(h, 'pretraining_tp', 1)}"),
+    ]
+    for bad, what in problems:
+        if bad:
+            raise ConversionError(f"unsupported {arch} variant: {what}; this repository computes only the plain form")
+    mlp, approx = ("swiglu", "tanh") if gated else (("relu2", "tanh") if act == "relu2" else ungated[act])
+    eps = h.norm_eps if arch == "NemotronForCausalLM" else h.rms_norm_eps
+    return GPTConfig(
+        block_size=h.max_position_embeddings, vocab_size=h.vocab_size, n_layer=h.num_hidden_layers,
+        n_head=h.num_attention_heads, n_embd=h.hidden_size, bias=bool(h.attention_bias),
+        n_kv_head=None if h.num_key_value_heads == h.num_attention_heads else h.num_key_value_heads,
+        pos_embedding="rope", rope_base=float(rope.get("rope_theta", 10000.0)),
+        norm="layernorm" if arch == "NemotronForCausalLM" else "rmsnorm", qk_norm=arch == "Qwen3ForCausalLM",
+        mlp=mlp, gelu_approximate=approx, tie_embeddings=bool(getattr(h, "tie_word_embeddings", False)),
+        norm_eps=float(eps), mlp_hidden=h.intermediate_size, **override_args)
+
+
+@torch.no_grad()
+def from_transformers(hf, override_args: dict | None = None) -> GPT:
+    """Our GPT with the weights of a transformers model of one of ARCHITECTURES."""
+    config = config_from_hf(hf.config, override_args)
+    model = GPT(config)
+    load_hf_state_dict(model, {n: t.detach() for n, t in hf.state_dict().items()})
+    return model
+
+
+@torch.no_grad()
+def load_hf_state_dict(model: GPT, theirs: dict[str, torch.Tensor]) -> None:
+    """Copy a transformers state dict (architecture(model.config)'s names) into our model, in place."""
+    c = model.config
+    arch = architecture(c)
+    mine = model.state_dict()
+    if arch == "GPT2LMHeadModel":
+        missing = sorted(set(mine) - set(theirs) - {"lm_head.weight"})
+        if missing:
+            raise ConversionError(f"GPT-2 checkpoint lacks {missing[:5]}")
+        for name, tensor in mine.items():
+            source = theirs[name] if name in theirs else theirs["transformer.wte.weight"]
+            is_conv1d = name.endswith(".weight") and name.removesuffix(".weight").endswith(CONV1D_SUFFIXES)
+            tensor.copy_(source.t() if is_conv1d else source)
+        return
+    expected = _llama_state(mine, c, arch)  # theirs names -> our tensors (views, or new for Nemotron's norms)
+    missing = sorted(n for n in expected if n not in theirs)
+    if missing:
+        raise ConversionError(f"{arch} checkpoint lacks {missing[:5]}")
+    for ours_name, theirs_name in _llama_names(c, arch).items():
+        if ours_name in mine:
+            mine[ours_name].copy_(theirs[theirs_name])
+    nemotron = arch == "NemotronForCausalLM"
+    norms = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+    pairs = [(f"transformer.h.{i}.{ln}", f"model.layers.{i}.{t}") for i in range(c.n_layer) for ln, t in norms.items()]
+    for ours_name, theirs_name in pairs + [("transformer.ln_f", "model.norm")]:
+        mine[f"{ours_name}.weight"].copy_(theirs[f"{theirs_name}.weight"] + (1.0 if nemotron else 0.0))
+        if nemotron and f"{ours_name}.bias" in mine:
+            mine[f"{ours_name}.bias"].copy_(theirs[f"{theirs_name}.bias"])
+        elif nemotron and theirs[f"{theirs_name}.bias"].any():
+            raise ConversionError(f"{arch} checkpoint has LayerNorm biases but no attention/MLP biases; "
+                                  "this repository ties the two")
+    for i in range(c.n_layer):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        mlp_parts = ["gate_proj", "up_proj"] if c.mlp == "swiglu" else ["up_proj"]
+        for suffix in ("weight", "bias"):
+            if f"transformer.h.{i}.attn.c_attn.{suffix}" in mine:
+                mine[f"transformer.h.{i}.attn.c_attn.{suffix}"].copy_(
+                    torch.cat([theirs[f"{attn}.{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")]))
+                mine[f"transformer.h.{i}.mlp.c_fc.{suffix}"].copy_(
+                    torch.cat([theirs[f"{mlp}.{p}.{suffix}"] for p in mlp_parts]))
+    mine["transformer.wte.weight"].copy_(theirs["model.embed_tokens.weight"])
+    if not c.tie_embeddings:
+        mine["lm_head.weight"].copy_(theirs["lm_head.weight"])
+
+
+def load_dir(directory: str | os.PathLike, override_args: dict | None = None, dtype=torch.float32) -> GPT:
+    """Our GPT from a folder transformers' save_pretrained wrote (or export.py); ConversionError, one line,
+    for anything missing, damaged or unsupported."""
+    import transformers
+
+    directory = str(directory)
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ConversionError(f"{directory} has no config.json; pass a folder written by save_pretrained "
+                              "or export.py")
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConversionError(f"{directory}/config.json cannot be read by transformers: {first_line(e)}") from None
+    config_from_hf(config, override_args)  # refuse an unsupported architecture before reading any weights
+    try:
+        hf, info = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
+    except Exception as e:  # a missing or truncated weights file surfaces as OSError, SafetensorError, ...
+        raise ConversionError(f"cannot load the weights in {directory}: {type(e).__name__}: {first_line(e)}; "
+                              "the folder is incomplete or damaged, write it again") from None
+    if info["missing_keys"]:  # transformers would start those from random values, with only a warning
+        raise ConversionError(f"the weights in {directory} lack {sorted(info['missing_keys'])[:3]}; "
+                              "the folder is incomplete or damaged, write it again")
+    return from_transformers(hf, override_args)
+
+
+
+def load_folder(directory: str | os.PathLike, override_args: dict | None = None) -> tuple[GPT, Tokenizer]:
+    """Model and tokenizer of a transformers folder: its tokenizer.json, or GPT-2's BPE for a GPT-2 folder
+    without one (GPT.save_pretrained writes only the weights)."""
+    from pathlib import Path
+
+    from core.tokenizer import GPT2Tokenizer, load_hf_tokenizer
+
+    directory = Path(directory)
+    model = load_dir(directory, override_args)
+    if (directory / "tokenizer.json").is_file():
+        tok = load_hf_tokenizer(directory)
+    elif architecture(model.config) == "GPT2LMHeadModel":
+        tok = GPT2Tokenizer()
+    else:
+        raise ConversionError(f"{directory} has no tokenizer.json; save the model's tokenizer beside it "
+                              "(tokenizer.save_pretrained(folder) in transformers)")
+    if tok.vocab_size > model.config.vocab_size:
+        raise ConversionError(f"{directory}: the tokenizer has {tok.vocab_size} ids but the model only "
+                              f"{model.config.vocab_size}; they do not belong together")
+    return model, tok

@@ -1,0 +1,101 @@
+"""Export a run as a transformers folder: config.json, model.safetensors, the tokenizer, generation_config.json.
+
+    python export.py --out_dir=out-shakespeare-char --hf_dir=hf-shakespeare-char     # from out_dir/ckpt.pt (or ckpt.dcp)
+    python export.py --out_dir=out-modern --hf_dir=hf-modern --dtype=bfloat16        # weights stored in bfloat16
+
+The folder loads without trust_remote_code:
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    model = AutoModelForCausalLM.from_pretrained("hf-shakespeare-char")
+    tok = AutoTokenizer.from_pretrained("hf-shakespeare-char")
+    pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", max_new_tokens=40, do_sample=False)
+
+The class is the one that computes exactly the run's recipe (core/hf.py: GPT2LMHeadModel, LlamaForCausalLM,
+Qwen3ForCausalLM, ArceeForCausalLM, NemotronForCausalLM); a recipe no class holds stops with one line naming
+the switches and the nearest recipe that exports. Before writing, the exported model's logits are checked
+against ours on a test sequence.
+"""
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from core import checkpoint, hf
+from core.config import parse_args
+from core.errors import UserError, run_cli
+from core.tokenizer import Tokenizer, save_hf_tokenizer
+from model import GPT
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    out_dir: str = "out"          # the run: out_dir/ckpt.pt, or out_dir/ckpt.dcp from --parallel=fsdp
+    hf_dir: str = ""              # the folder to write; it must not exist or be empty
+    dtype: str = "float32"        # float32, bfloat16 or float16: the stored weights' type
+    check: bool = True            # compare the transformers model's logits with ours before writing
+
+    def validate(self) -> None:
+        if not self.hf_dir:
+            raise UserError("pass --hf_dir=DIR, the folder to write the transformers model to")
+        if self.dtype not in DTYPES:
+            raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        path = Path(self.hf_dir)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise UserError(f"{path} exists and is not an empty folder; pass a new --hf_dir")
+
+
+def generation_config(model: GPT, tok: Tokenizer) -> dict:
+    """What transformers' generate needs beyond the weights: the end-of-text id and the context length."""
+    eos = tok.eot_token
+    return {"eos_token_id": eos, "pad_token_id": eos, "bos_token_id": getattr(tok, "bos_token", None),
+            "max_length": model.config.block_size}
+
+
+@torch.no_grad()
+def check_logits(model: GPT, hf_model, atol: float = 1e-4) -> float:
+    """The largest logit difference on one full-context sequence; a UserError past atol (float32 models)."""
+    T = model.config.block_size
+    idx = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    diff = (model.float()(idx)[0] - hf_model(idx).logits).abs().max().item()
+    if not diff <= atol:
+        raise UserError(f"the exported model's logits differ from ours by {diff:.3g}; the folder was not written")
+    return diff
+
+
+def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "float32", check: bool = True,
+           extra_special_tokens: tuple[str, ...] = ()) -> str:
+    """Write the transformers folder for model and tok; returns the class name."""
+    from transformers import GenerationConfig
+
+    arch = hf.architecture(model.config)  # a recipe no class holds stops here, before anything is written
+    if tok.vocab_size > model.config.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
+    gen = generation_config(model, tok)
+    hf_model = hf.to_transformers(model.float(), gen["eos_token_id"], gen["bos_token_id"])
+    if check:
+        check_logits(model, hf_model)
+    directory = Path(directory)
+    hf_model.to(DTYPES[dtype]).save_pretrained(directory)
+    GenerationConfig(**gen).save_pretrained(directory)
+    save_hf_tokenizer(tok, directory, model.config.block_size, extra_special_tokens)
+    return arch
+
+
+def main(argv: Sequence[str]) -> str:
+    cfg = parse_args(ExportConfig, argv)  # validates
+    model, tok, source = checkpoint.load_model("resume", cfg.out_dir)
+    model.eval()
+    arch = export(model, tok, cfg.hf_dir, cfg.dtype, cfg.check)
+    files = ", ".join(sorted(p.name for p in Path(cfg.hf_dir).iterdir()))
+    line = f"exported {source} as {arch} ({cfg.dtype}) to {cfg.hf_dir}: {files}"
+    print(line, file=sys.stderr)
+    return line
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    run_cli(main)
