@@ -199,7 +199,7 @@ class BenchConfig:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
         int_list(self.attn_lengths, "attn_lengths")
         int_list(self.serve_clients, "serve_clients")
-        if self.serve_prompt_len > self.decode_block_size:
+        if "serve" in section_list(self) and self.serve_prompt_len > self.decode_block_size:
             raise UserError(f"serve_prompt_len {self.serve_prompt_len} is longer than "
                             f"decode_block_size {self.decode_block_size}")
         int_list(self.speedrun_seeds, "speedrun_seeds")
