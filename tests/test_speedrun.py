@@ -3,11 +3,9 @@ reads; then a tiny race end to end and its logs drawn by plot.py. Speed itself i
 
     python -m pytest tests/test_speedrun.py
 """
-import dataclasses
 import json
 
 import pytest
-import torch
 
 import bench
 import plot
