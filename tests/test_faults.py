@@ -452,7 +452,7 @@ def kill_rank(proc: subprocess.Popen, rank: int, out_dir: Path, after_iter: int)
 
 
 def stop_job(proc: subprocess.Popen) -> None:
-    """Kill torchrun and its workers (each in a session of its own) if the test left them running."""
+    """Kill torchrun and its workers if the test left them running."""
     if proc.poll() is None:
         workers = child_pids(proc.pid)
         proc.kill()

@@ -124,7 +124,7 @@ def test_resume_two_processes_into_one_and_one_into_two(runs, data_dir, tmp_path
 
 
 def kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun's workers (each runs in a session of its own), then torchrun."""
+    """SIGKILL torchrun's workers one by one, then torchrun."""
     for pid in child_pids(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
