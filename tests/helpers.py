@@ -296,3 +296,19 @@ def make_chat_dataset(data_dir, conversations: list[list[dict]], tokenizer_from=
     args = [f"--input={jsonl}", f"--out_dir={data_dir}", f"--block_size={block_size}", f"--val_fraction={val_fraction}"]
     with contextlib.redirect_stdout(None):
         return prepare.main(args + ([f"--tokenizer_from={tokenizer_from}"] if tokenizer_from else []))
+
+
+# The scene test_sample and test_serve train their small models on.
+ROMEO_JULIET = """ROMEO:
+But, soft! what light through yonder window breaks?
+It is the east, and Juliet is the sun.
+Arise, fair sun, and kill the envious moon,
+Who is already sick and pale with grief.
+
+JULIET:
+O Romeo, Romeo! wherefore art thou Romeo?
+Deny thy father and refuse thy name;
+Or, if thou wilt not, be but sworn my love,
+And I'll no longer be a Capulet.
+
+""" * 8

@@ -17,22 +17,10 @@ import torch
 import sample
 from core.tokenizer import CharTokenizer, GPT2Tokenizer, StreamDecoder
 from model import GPT, GPTConfig
-from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, run_main, run_scripts, train_tiny,
-                           use_gpt2_bpe)
+from tests.helpers import (ROMEO_JULIET, assert_user_error, make_char_dataset, make_gpt2_dataset, run_main,
+                           run_scripts, train_tiny, use_gpt2_bpe)
 
-TEXT = """ROMEO:
-But, soft! what light through yonder window breaks?
-It is the east, and Juliet is the sun.
-Arise, fair sun, and kill the envious moon,
-Who is already sick and pale with grief.
-
-JULIET:
-O Romeo, Romeo! wherefore art thou Romeo?
-Deny thy father and refuse thy name;
-Or, if thou wilt not, be but sworn my love,
-And I'll no longer be a Capulet.
-
-""" * 8
+TEXT = ROMEO_JULIET
 VOCAB = set(TEXT)
 BLOCK_SIZE = 32
 SEP = sample.SEPARATOR

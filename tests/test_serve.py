@@ -29,22 +29,10 @@ import serve  # noqa: E402
 from core.chat import ChatTemplate, with_chat_tokens  # noqa: E402
 from core.prepare import write_dataset  # noqa: E402
 from core.tokenizer import CharTokenizer  # noqa: E402
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
+from tests.helpers import (ROMEO_JULIET, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)
 
-TEXT = """ROMEO:
-But, soft! what light through yonder window breaks?
-It is the east, and Juliet is the sun.
-Arise, fair sun, and kill the envious moon,
-Who is already sick and pale with grief.
-
-JULIET:
-O Romeo, Romeo! wherefore art thou Romeo?
-Deny thy father and refuse thy name;
-Or, if thou wilt not, be but sworn my love,
-And I'll no longer be a Capulet.
-
-""" * 8
+TEXT = ROMEO_JULIET
 BLOCK_SIZE = 32
 KEY = "test-key-123"
 CONVERSATIONS = [("who are you?", "Romeo, the son of Montague."), ("where is she?", "At the window, above."),
