@@ -13,7 +13,8 @@ The folder loads without trust_remote_code:
 The class is the one that computes exactly the run's recipe (core/hf.py: GPT2LMHeadModel, LlamaForCausalLM,
 Qwen3ForCausalLM, ArceeForCausalLM, NemotronForCausalLM); a recipe no class holds stops with one line naming
 the switches and the nearest recipe that exports. Before writing, the exported model's logits are checked
-against ours on a test sequence.
+against ours on a test sequence. A chat run's tokenizer carries the chat template (core/chat.py), so
+tok.apply_chat_template(messages) gives the ids the model was fine-tuned on (docs/chat.md).
 """
 import dataclasses
 import sys
