@@ -13,7 +13,8 @@ The folder loads without trust_remote_code:
 The class is the one that computes exactly the run's recipe (core/hf.py: GPT2LMHeadModel, LlamaForCausalLM,
 Qwen3ForCausalLM, ArceeForCausalLM, NemotronForCausalLM); a recipe no class holds stops with one line naming
 the switches and the nearest recipe that exports. Before writing, the exported model's logits are checked
-against ours on a test sequence.
+against ours on a test sequence. A chat run's tokenizer carries the chat template (core/chat.py), so
+tok.apply_chat_template(messages) gives the ids the model was fine-tuned on (docs/chat.md).
 """
 import dataclasses
 import sys
@@ -23,6 +24,7 @@ from typing import Sequence
 import torch
 
 from core import checkpoint, hf
+from core.chat import JINJA_TEMPLATE, ChatTemplate
 from core.config import parse_args
 from core.errors import UserError, run_cli
 from core.tokenizer import Tokenizer, save_hf_tokenizer
@@ -49,9 +51,11 @@ class ExportConfig:
 
 
 def generation_config(model: GPT, tok: Tokenizer) -> dict:
-    """What transformers' generate needs beyond the weights: the end-of-text id and the context length."""
-    eos = tok.eot_token
-    return {"eos_token_id": eos, "pad_token_id": eos, "bos_token_id": getattr(tok, "bos_token", None),
+    """What transformers' generate needs beyond the weights: the ids that end a reply (a chat model's
+    <|end|> first, then the end-of-text id) and the context length."""
+    eos, chat = tok.eot_token, ChatTemplate.for_tokenizer(tok)
+    stop = eos if chat is None else [chat.end_of_turn] + ([] if eos is None else [eos])
+    return {"eos_token_id": stop, "pad_token_id": eos, "bos_token_id": getattr(tok, "bos_token", None),
             "max_length": model.config.block_size}
 
 
@@ -75,13 +79,15 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
     if tok.vocab_size > model.config.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
     gen = generation_config(model, tok)
-    hf_model = hf.to_transformers(model.float(), gen["eos_token_id"], gen["bos_token_id"])
+    hf_model = hf.to_transformers(model.float(), tok.eot_token, gen["bos_token_id"])
     if check:
         check_logits(model, hf_model)
     directory = Path(directory)
     hf_model.to(DTYPES[dtype]).save_pretrained(directory)
     GenerationConfig(**gen).save_pretrained(directory)
-    save_hf_tokenizer(tok, directory, model.config.block_size, extra_special_tokens)
+    chat = ChatTemplate.for_tokenizer(tok) is not None  # apply_chat_template then renders our ids
+    save_hf_tokenizer(tok, directory, model.config.block_size, extra_special_tokens,
+                      chat_template=JINJA_TEMPLATE if chat else None)
     return arch
 
 

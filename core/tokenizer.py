@@ -397,9 +397,11 @@ def hf_backend(tok: Tokenizer, extra_special_tokens: tuple[str, ...] = ()):
 
 
 def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
-                      extra_special_tokens: tuple[str, ...] = ()) -> None:
+                      extra_special_tokens: tuple[str, ...] = (), chat_template: str | None = None) -> None:
     """tokenizer.json and tokenizer_config.json in directory, which transformers' AutoTokenizer loads
-    (PreTrainedTokenizerFast) with our ids, and decodes without touching the spaces."""
+    (PreTrainedTokenizerFast) with our ids, and decodes without touching the spaces. A chat template
+    (Jinja, core/chat.py's) goes in tokenizer_config.json's "chat_template", where transformers 4 and 5
+    both read it (transformers 5 would otherwise write a chat_template.jinja beside it)."""
     from transformers import PreTrainedTokenizerFast
 
     backend = hf_backend(tok, extra_special_tokens)
@@ -408,7 +410,8 @@ def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
         eos_token=eot, bos_token=None if bos is None else backend.id_to_token(bos))
-    fast.save_pretrained(directory)
+    fast.chat_template = chat_template
+    fast.save_pretrained(directory, save_jinja_files=False)
 
 
 def load_hf_tokenizer(directory) -> HFTokenizer:
