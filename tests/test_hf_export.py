@@ -35,7 +35,8 @@ SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 # Stands in for tiny Shakespeare in a fresh clone without ../shared.
 FALLBACK = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
             "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n\n"
-            "First Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n\n") * 40
+            "First Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n\n"
+            "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n") * 40  # every prompt's characters
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore", "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all"]  # 6, 21, 46 > 32
 BLOCK = 64
 RECIPES = {  # recipe switches -> the class that must hold them
