@@ -63,6 +63,15 @@ def char_data(tmp_path_factory):
     return data
 
 
+@pytest.fixture(scope="module")
+def shakespeare_data(char_data):
+    """The trained-model comparisons need real text: on the stand-in a model learns its few lines by heart,
+    and its logits grow so large that float32 rounding alone passes atol 1e-5."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"needs tiny Shakespeare at {SHAKESPEARE} (the compared models are trained on it)")
+    return char_data
+
+
 def sharpen(ckpt: Path, factor: float = 3.0) -> None:
     """Scale q and k up in place in a checkpoint: scores factor^2 larger, attention far from uniform.
     With qk_norm, q and k are normalised after the projection, so their gains are scaled instead."""
@@ -86,11 +95,11 @@ def attention_peak(model: GPT, idx) -> float:
 
 
 @pytest.fixture(scope="module", params=list(RECIPES))
-def exported(request, char_data, tmp_path_factory):
+def exported(request, shakespeare_data, tmp_path_factory):
     """(recipe name, run dir, hf dir, our model, tokenizer): trained 150 steps, sharpened, exported."""
     switches, arch = RECIPES[request.param]
     run = tmp_path_factory.mktemp(f"run-{request.param}")
-    ckpt = train_tiny(run, char_data, n_layer=2, n_head=4, n_embd=32, block_size=BLOCK, max_iters=150,
+    ckpt = train_tiny(run, shakespeare_data, n_layer=2, n_head=4, n_embd=32, block_size=BLOCK, max_iters=150,
                       lr_decay_iters=150, eval_interval=150, learning_rate=1e-2, **switches)
     sharpen(ckpt)
     hf_dir = run / "hf"
