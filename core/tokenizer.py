@@ -417,7 +417,6 @@ def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
 def load_hf_tokenizer(directory) -> HFTokenizer:
     """The tokenizer of a transformers folder (its tokenizer.json), with the end-of-text id from its
     generation_config.json or tokenizer_config.json."""
-    import json
     from pathlib import Path
 
     directory = Path(directory)
