@@ -557,7 +557,7 @@ def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
         optimizer = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
                                       lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2),
                                       fused=rt.device_type == "cuda")
-        scaler, accum, state = rt.grad_scaler(), local_accum_steps(tcfg, 1), {"it": 0, "xy": None, "timed": []}
+        accum, state = local_accum_steps(tcfg, 1), {"it": 0, "timed": []}
         warm = max(1, cfg.warmup) * 2
 
         def ours(n: int, *recipe: str) -> float:
@@ -578,29 +578,22 @@ def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
                 state["timed"].append(len(ms[warm:]))
             return statistics.fmean(ms[warm:]) / 1e3
 
-        def plain(n: int) -> float:  # nanoGPT's train.py loop, without its eval, checkpoints and logging
+        def set_lr(it: int) -> None:  # nanoGPT's: every group at the schedule's rate
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(it, tcfg)
+        train_bin = Path(tmp) / "train.bin"
+        step = plain_step(model, optimizer, lambda: nanogpt_batch(train_bin, tcfg.block_size, tcfg.batch_size,
+                                                                  rt.device), tcfg, rt, set_lr)
+
+        def plain(n: int) -> float:
             rt.synchronize()
             t0 = time.perf_counter()
-            x, y = state["xy"] or nanogpt_batch(Path(tmp) / "train.bin", tcfg.block_size, tcfg.batch_size, rt.device)
             for _ in range(n):
                 it = state["it"]
-                for group in optimizer.param_groups:
-                    group["lr"] = get_lr(it, tcfg)
-                for _ in range(accum):
-                    with rt.autocast():
-                        loss = model(x, y)[1] / accum
-                    x, y = nanogpt_batch(Path(tmp) / "train.bin", tcfg.block_size, tcfg.batch_size, rt.device)
-                    scaler.scale(loss).backward()
-                if tcfg.grad_clip > 0:
-                    scaler.unscale_(optimizer)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
+                loss = step(it)
                 if it % tcfg.log_interval == 0:
-                    loss.item()
+                    loss.item()  # nanoGPT's logging sync
                 state["it"] += 1
-            state["xy"] = (x, y)
             rt.synchronize()
             return (time.perf_counter() - t0) / n
 
@@ -1101,24 +1094,28 @@ def race(racers: list[Racer], chunk: int, target: float, every: int, fine_every:
 
 
 def plain_step(model, optimizer, batches: Callable[[], tuple], recipe: TrainConfig, rt: runtime.Runtime,
-               set_lr: Callable[[int], None]) -> Callable[[int], None]:
+               set_lr: Callable[[int], None]) -> Callable[[int], torch.Tensor]:
     """nanoGPT's train.py iteration without its eval, checkpoints and logging: set the lr, micro-steps
-    (forward under autocast, backward), clip, step, zero the grads."""
-    scaler, accum = rt.grad_scaler(), recipe.gradient_accumulation_steps
+    (forward under autocast, the next batch read while the device works, backward), clip, step, zero
+    the grads. step(it) returns the last micro-step's loss, unsynchronised."""
+    scaler, accum, xy = rt.grad_scaler(), recipe.gradient_accumulation_steps, []
 
-    def step(it: int) -> None:
+    def step(it: int) -> torch.Tensor:
         set_lr(it)
+        x, y = xy.pop() if xy else batches()
         for _ in range(accum):
-            x, y = batches()
             with rt.autocast():
                 loss = model(x, y)[1] / accum
+            x, y = batches()
             scaler.scale(loss).backward()
+        xy.append((x, y))  # the next iteration's first batch, read already
         if recipe.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        return loss
     return step
 
 
