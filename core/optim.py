@@ -125,29 +125,32 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
 
 def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                   eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Muon's orthogonalisation of a 2-D update: torch.optim._muon._zeropower_via_newtonschulz's
-    quintic iteration X <- a X + (b A + c A²) X, A = X Xᵀ, in `dtype` (torch's is bfloat16 always).
+    """Muon's orthogonalisation of a 2-D update, or of a batch (k, m, n) of them, each on its own:
+    torch.optim._muon._zeropower_via_newtonschulz's quintic iteration X <- a X + (b A + c A²) X,
+    A = X Xᵀ, in `dtype` (torch's is bfloat16 always).
 
     On a wide matrix (m x n, n > 1.5 m) the same iterates come from m x m products alone, with fewer
     FLOPs (gram_newton_schulz). DTensor shards (fully_shard) take the loop, whose matmuls gather what
     they need as torch's do."""
     a, b, c = coefficients
     x = grad.to(dtype)
-    tall = grad.size(0) > grad.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T  # iterate on the wide orientation: the Gram matrix x @ x.T is the smaller one
-    x = x / x.norm().clamp(min=eps)  # Frobenius norm >= spectral norm, so the spectrum lies in [0, 1]
-    if x.size(1) > 1.5 * x.size(0) and type(x) is torch.Tensor:  # not a DTensor
+        x = x.mT  # iterate on the wide orientation: the Gram matrix x @ x.T is the smaller one
+    # Each matrix over its Frobenius norm, >= its spectral norm: every spectrum lies in [0, 1].
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    if x.size(-1) > 1.5 * x.size(-2) and type(x) is torch.Tensor:  # not a DTensor
         x = gram_newton_schulz(x, a, b, c, steps)
     else:
+        addmm = torch.addmm if x.dim() == 2 else torch.baddbmm  # the same call, one matrix or a batch
         for _ in range(steps):
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b A + c A²) x
-    return x.T if tall else x
+            gram = x @ x.mT
+            x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b A + c A²) x
+    return x.mT if tall else x
 
 
 def gram_newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps: int) -> torch.Tensor:
-    """The Newton-Schulz iterates of x (m, n), m <= n, through its Gram matrix G = x xᵀ (m, m).
+    """The Newton-Schulz iterates of x (m, n) or (k, m, n), m <= n, through the Gram matrix G = x xᵀ (m, m).
 
     Each iterate is X_k = Q_k x with Q_k a polynomial in G, so A_k = X_k X_kᵀ and the step's
     P_k = a I + b A_k + c A_k² all commute: Q_{k+1} = P_k Q_k and A_{k+1} = P_k A_k P_k. The loop costs
@@ -155,17 +158,18 @@ def gram_newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps: int
     (config/modern.py's quick start: 37% less Newton-Schulz, tests/test_recipe.py). It equals the loop
     to 1e-12 in float64; in float32 it is within 1e-4 of exact (the loop: 4e-5; bfloat16: 1e-2 to 8e-2).
     """
-    gram = x @ x.T  # A_0 (m, m)
+    addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
+    gram = x @ x.mT  # A_0 (m, m)
     q = None
     for k in range(steps):
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A²
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A²
         if q is None:
-            q = poly + a * torch.eye(gram.size(0), dtype=gram.dtype, device=gram.device)  # Q_1 = P_0
+            q = poly + a * torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)  # Q_1 = P_0
         else:
-            q = torch.addmm(q, poly, q, beta=a)  # P Q = a Q + (b A + c A²) Q
+            q = addmm(q, poly, q, beta=a)  # P Q = a Q + (b A + c A²) Q
         if k < steps - 1:
-            ap = torch.addmm(gram, gram, poly, beta=a)  # A P
-            gram = torch.addmm(ap, poly, ap, beta=a)  # P A P = a (A P) + (b A + c A²)(A P)
+            ap = addmm(gram, gram, poly, beta=a)  # A P
+            gram = addmm(ap, poly, ap, beta=a)  # P A P = a (A P) + (b A + c A²)(A P)
     return q @ x  # (m, n)
 
 
@@ -189,6 +193,7 @@ class Float32Muon(torch.optim.Muon):
                 loss = closure()
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
+            updates = {}  # shape -> [(param, momentum update)]: one batch per shape (a layer's matrices)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -198,10 +203,25 @@ class Float32Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-_muon_lr(lr, group["adjust_lr_fn"], p.shape))
+                updates.setdefault(p.shape if type(update) is torch.Tensor else id(p), []).append((p, update))
+            for batch in updates.values():
+                params, ups = zip(*batch)
+                orthogonal = self._orthogonalise(ups, group)
+                for p, update in zip(params, orthogonal):
+                    p.mul_(1 - lr * group["weight_decay"])
+                    p.add_(update, alpha=-_muon_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
+
+    @staticmethod
+    def _orthogonalise(updates: tuple[torch.Tensor, ...], group: dict) -> list[torch.Tensor]:
+        """Newton-Schulz of equal-shape updates as one batch (k, m, n): each step is then one batched
+        matmul for all k, which two cores share where k small ones of one layer's size mostly wait on
+        each other (Muon's step on the CPU quick start: docs/performance.md). DTensor shards go one at a
+        time, as in torch's step."""
+        args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+        if type(updates[0]) is not torch.Tensor:
+            return [newton_schulz(u, *args) for u in updates]
+        return list(newton_schulz(torch.stack(updates), *args).unbind(0))
 
 
 def _muon_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:

@@ -428,8 +428,11 @@ def test_float32_muon_is_torchs_muon_but_for_the_precision_of_newton_schulz(monk
         # bf16 keeps 8 bits (rounding 2^-9 = 0.2%), which 5 iterations of 3 matmuls grow to ~1%
         assert 1e-4 < ((ours - theirs).norm() / theirs.norm()).item() < 0.03
     with monkeypatch.context() as m:
-        m.setattr(optim, "newton_schulz", lambda g, coeffs, steps, eps: _zeropower_via_newtonschulz(g, coeffs, steps, eps))
-        swapped, _ = muon_updates(optim.Float32Muon)
+        # torch's takes one matrix; ours gets equal shapes as a batch (k, m, n)
+        m.setattr(optim, "newton_schulz", lambda g, coeffs, steps, eps: torch.stack(
+            [_zeropower_via_newtonschulz(x, coeffs, steps, eps) for x in g]))
+        swapped, _ = muon_updates(optim.Float32Muon, shapes=((48, 16), (16, 48), (48, 16), (32, 32), (16, 48)))
+        torch_weights, _ = muon_updates(torch.optim.Muon, shapes=((48, 16), (16, 48), (48, 16), (32, 32), (16, 48)))
     assert all(torch.equal(a, b) for a, b in zip(swapped, torch_weights))
     torch_opt.load_state_dict(f32_opt.state_dict())  # the same state format: a checkpoint moves between them
     assert torch.equal(torch_opt.state_dict()["state"][0]["momentum_buffer"],
@@ -463,6 +466,27 @@ def test_gram_newton_schulz_is_the_same_iteration():
         for steps in (1, 2, 3, 5):
             ours = optim.newton_schulz(g, coeffs, steps, 1e-7, torch.float64)
             assert ((ours - loop_newton_schulz(g, coeffs, steps)).norm() / ours.norm()).item() < 1e-10, (shape, steps)
+
+
+def test_newton_schulz_of_a_batch_is_each_matrix_on_its_own():
+    """Float32Muon stacks equal-shape updates (k, m, n): each matrix keeps its own norm and iteration,
+    on the loop and the Gram path alike (a norm taken over the whole batch is off by O(1))."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C
+    coeffs, gen = (DEFAULT_A, DEFAULT_B, DEFAULT_C), torch.Generator().manual_seed(0)
+    for shape in ((16, 48), (96, 40), (24, 24)):
+        batch = torch.stack([decaying_spectrum(shape, gen) * scale for scale in (1.0, 30.0, 0.01)])
+        ours = optim.newton_schulz(batch, coeffs, 5, 1e-7, torch.float64)
+        for x, o in zip(batch, ours):
+            assert ((o - loop_newton_schulz(x, coeffs, 5)).norm() / o.norm()).item() < 1e-10, shape
+
+
+def test_float32_muon_orthogonalises_each_shape_as_one_batch(monkeypatch):
+    """One Newton-Schulz call per shape, holding every matrix of that shape (one per layer)."""
+    calls = []
+    real = optim.newton_schulz
+    monkeypatch.setattr(optim, "newton_schulz", lambda g, *a: calls.append(tuple(g.shape)) or real(g, *a))
+    muon_updates(optim.Float32Muon, steps=1, shapes=((48, 16), (16, 48), (48, 16), (32, 32), (48, 16)))
+    assert calls == [(3, 48, 16), (1, 16, 48), (1, 32, 32)]
 
 
 def test_newton_schulz_takes_the_gram_path_where_it_costs_less(monkeypatch):
