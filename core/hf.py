@@ -18,7 +18,7 @@ modeling files; the tests compare logits to 1e-5):
 | rope, LayerNorm, ReLU^2 or GELU (ungated), no qk_norm     | NemotronForCausalLM |
 
 What they share with us: RoPE on halves of each head (transformers' rotate_half, our apply_rope's
-chunk(2)); frequencies base^(-2i/hs); grouped-query heads where query head h reads key/value head
+roll by hs/2); frequencies base^(-2i/hs); grouped-query heads where query head h reads key/value head
 h // (n_head // n_kv_head) (transformers' repeat_kv, torch's enable_gqa); q/k RMSNorm per head before
 the rotation (Qwen3). Nemotron's LayerNorm1P scales by (1 + weight), so its weight is ours minus one.
 No class holds logit_softcap (Gemma 2's soft-cap comes with a scaled embedding, (1 + w) norms and
