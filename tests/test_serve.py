@@ -480,7 +480,9 @@ def test_page_streams_a_completion_and_stops(base, browser, tmp_path):
     want = complete(base, prompt="ROMEO:", max_tokens=300, temperature=0).choices[0].text
     assert page.text_content(".turn:last-child .reply") == want
     assert shown.strip() and page.inner_text(".turn:last-child .meta") == "(max tokens reached)"
-    assert len(set(page.evaluate("window.lengths"))) > 3  # the text grew piece by piece as it streamed
+    # It streamed: the page showed part of the reply before the whole. Not a count of parts: under
+    # load the browser reads many events at once (a loaded CI run saw lengths 0, 173, 300).
+    assert any(0 < n < len(want) for n in page.evaluate("window.lengths")), page.evaluate("window.lengths")
     page.screenshot(path=tmp_path / "completion.png")
     assert (tmp_path / "completion.png").stat().st_size > 10_000
 
