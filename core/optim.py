@@ -10,9 +10,10 @@ hidden matrices only: the embedding is a lookup table (one row per token, not a 
 head's rows are read one per token too, and gains and biases are vectors. Those stay on AdamW
 (modded-nanogpt, nanochat do the same).
 
-torch.optim.Muon runs Newton-Schulz in bfloat16, right where the device computes bf16 natively
-(runtime.native_bf16: CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM BF16). Elsewhere, most laptop
-and desktop CPUs among them, Float32Muon runs the same step with Newton-Schulz in float32.
+Newton-Schulz runs in bfloat16 only where the device computes bf16 natively (runtime.native_bf16:
+CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM BF16), in float32 elsewhere, most laptop and desktop
+CPUs among them. CUDA keeps torch.optim.Muon as torch ships it (bf16 always); every other device gets
+BatchedMuon, torch's step with each shape's updates orthogonalised as one batch, in the dtype chosen.
 """
 import contextlib
 import math
@@ -113,13 +114,17 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     if optimizer == "adamw":
         return adamw
     check_muon_params(groups["hidden"])
-    # torch.optim.Muon where bf16 is native (its Newton-Schulz runs in bf16), Float32Muon elsewhere.
-    muon_class = torch.optim.Muon if native_bf16(device_type) else Float32Muon
+    bf16 = native_bf16(device_type)
+    # On a CPU with native bf16 (Sapphire Rapids, AMX) torch's own step, one matrix at a time, is the slower:
+    # Muon's step for the quick start took 18 ms there against BatchedMuon's 9 in bf16, and at GPT-2
+    # width 317 against 231 (docs/performance.md). CUDA keeps torch's, never measured against ours.
+    muon_class = torch.optim.Muon if bf16 and device_type == "cuda" else BatchedMuon
+    ns_dtype = {} if muon_class is torch.optim.Muon else {"ns_dtype": torch.bfloat16 if bf16 else torch.float32}
     # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr
     # is the rate of a square matrix whatever the layer's aspect ratio.
     muon = muon_class([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
                       momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original",
-                      ns_steps=muon_ns_steps)
+                      ns_steps=muon_ns_steps, **ns_dtype)
     return MultiOptimizer({"muon": muon, "adamw": adamw})
 
 
@@ -130,8 +135,9 @@ def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], 
     A = X Xᵀ, in `dtype` (torch's is bfloat16 always).
 
     On a wide matrix (m x n, n > 1.5 m) the same iterates come from m x m products alone, with fewer
-    FLOPs (gram_newton_schulz). DTensor shards (fully_shard) take the loop, whose matmuls gather what
-    they need as torch's do."""
+    FLOPs (gram_newton_schulz), in float32 or float64 only: in bfloat16 the Gram matrix's powers lose the
+    small singular values (relative error 2.1 against the loop's 0.08 on a decaying spectrum). DTensor
+    shards (fully_shard) take the loop, whose matmuls gather what they need as torch's do."""
     a, b, c = coefficients
     x = grad.to(dtype)
     tall = x.size(-2) > x.size(-1)
@@ -139,7 +145,7 @@ def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], 
         x = x.mT  # iterate on the wide orientation: the Gram matrix x @ x.T is the smaller one
     # Each matrix over its Frobenius norm, >= its spectral norm: every spectrum lies in [0, 1].
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
-    if x.size(-1) > 1.5 * x.size(-2) and type(x) is torch.Tensor:  # not a DTensor
+    if x.size(-1) > 1.5 * x.size(-2) and dtype in (torch.float32, torch.float64) and type(x) is torch.Tensor:
         x = gram_newton_schulz(x, a, b, c, steps)
     else:
         addmm = torch.addmm if x.dim() == 2 else torch.baddbmm  # the same call, one matrix or a batch
@@ -173,17 +179,22 @@ def gram_newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps: int
     return q @ x  # (m, n)
 
 
-class Float32Muon(torch.optim.Muon):
-    """torch.optim.Muon with its Newton-Schulz in float32, for devices without native bfloat16.
+class BatchedMuon(torch.optim.Muon):
+    """torch.optim.Muon with Newton-Schulz in `ns_dtype`, and each shape's updates as one batch.
 
     torch runs Newton-Schulz in bfloat16 unconditionally (grad.bfloat16() in torch/optim/_muon.py).
     Where bf16 is emulated, as on every AVX2-only CPU, that is the whole cost of a step (config/modern.py
     on the CPU quick start: 870 ms/iter against 90 without Muon), and float32 is both fast and closer
-    to the exact orthogonalisation (tests/test_recipe.py measures both against the SVD). torch offers
-    no dtype switch, so this step is torch's _single_tensor_muon line for line with the one call
-    swapped, that call taking each shape's updates as one batch; the state ("momentum_buffer" per parameter) and param_groups are torch's own, so
-    checkpoints move between the two classes. tests/test_recipe.py pins it to torch's update.
+    to the exact orthogonalisation (tests/test_recipe.py measures both). torch offers no dtype switch,
+    so this step is torch's _single_tensor_muon line for line with the one call swapped, that call
+    taking each shape's updates as one batch (k, m, n). The state ("momentum_buffer" per parameter) and
+    param_groups are torch's own, so checkpoints move between the two classes; tests/test_recipe.py
+    pins the step to torch's update.
     """
+
+    def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype  # not in defaults: the state_dict stays torch's
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -212,13 +223,12 @@ class Float32Muon(torch.optim.Muon):
                     p.add_(update, alpha=-_muon_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
-    @staticmethod
-    def _orthogonalise(updates: tuple[torch.Tensor, ...], group: dict) -> list[torch.Tensor]:
+    def _orthogonalise(self, updates: tuple[torch.Tensor, ...], group: dict) -> list[torch.Tensor]:
         """Newton-Schulz of equal-shape updates as one batch (k, m, n): each step is then one batched
         matmul for all k, which two cores share where k small ones of one layer's size mostly wait on
         each other (Muon's step on the CPU quick start at two threads: 26-33 ms one matrix at a time, 17-19
         batched). DTensor shards go one at a time, as in torch's step."""
-        args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+        args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
         if type(updates[0]) is not torch.Tensor:
             return [newton_schulz(u, *args) for u in updates]
         return list(newton_schulz(torch.stack(updates), *args).unbind(0))

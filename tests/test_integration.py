@@ -210,12 +210,12 @@ import os, sys, torch, torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.optim._muon import _zeropower_via_newtonschulz, DEFAULT_A, DEFAULT_B, DEFAULT_C
 sys.path.insert(0, os.getcwd())  # the repository root: this script lives in a temporary folder
-from core.optim import Float32Muon
+from core.optim import BatchedMuon
 dist.init_process_group("gloo")
 mesh, rank = torch.distributed.device_mesh.init_device_mesh("cpu", (2,)), dist.get_rank()
 torch.manual_seed(0)
 report = open(f"{sys.argv[1]}/rank{rank}.txt", "w")  # one file per rank: their stdout lines would interleave
-for muon_class in (torch.optim.Muon, Float32Muon):  # bf16 Newton-Schulz (torch's), and float32 (ours)
+for muon_class in (torch.optim.Muon, BatchedMuon):  # bf16 Newton-Schulz (torch's), and float32 (ours)
     for shape in [(96, 32), (32, 96)]:  # both orientations: Newton-Schulz transposes the tall one
         w, grads = torch.randn(shape) * 0.1, [torch.randn(shape) for _ in range(3)]
         full, sharded = torch.nn.Parameter(w.clone()), torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
@@ -239,7 +239,7 @@ dist.destroy_process_group()
 def test_muon_on_dtensor_shards_does_the_full_matrix_math(tmp_path):
     """torch.optim.Muon knows nothing of DTensor, yet on fully_shard's Shard(0) DTensors its Newton-Schulz
     matmuls gather what they need: 3 steps update the weights as Muon on the full matrix does, to
-    bfloat16 rounding (torch's Newton-Schulz runs in bfloat16) or float32 rounding (Float32Muon, what
+    bfloat16 rounding (torch's Newton-Schulz runs in bfloat16) or float32 rounding (BatchedMuon in float32, what
     CPUs without native bf16 get), while orthogonalising each shard on its own would be a different
     update altogether."""
     script = tmp_path / "muon_dtensor.py"
