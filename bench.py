@@ -6,6 +6,7 @@
     python bench.py --sections=attention,decode        # only some of train, loop, attention, decode, prepare, rolling,
                                                        # memory, serve, speedrun (not in the default list: it trains for minutes)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
+    python bench.py --sections=muon --threads=0        # Muon's step alone: torch's against BatchedMuon, bf16 and float32
     python bench.py --sections=serve                   # serve.py's throughput at 1, 4, 16 clients vs in-process
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
@@ -30,6 +31,10 @@ How each figure is measured:
              loop_steps iterations alternating between the two, median over chunks of ms per iteration.
              Beside them, in the same alternation, train.py with --recipe_config on top (config/modern.py:
              Muon + the model switches), as a user runs `train.py config/... config/modern.py`.
+  muon       one optimizer step alone on the hidden matrices of that recipe's model (--muon_shape on top),
+             fixed gradients: torch.optim.Muon (Newton-Schulz in bf16, one matrix at a time) against
+             core.optim.BatchedMuon in bf16 and in float32 (each shape's matrices as one batch); the row
+             core.optim.build_optimizer picks on this device is marked.
   attention  peak memory above the inputs while one causal attention runs, without grad (forward) and
              with grad (forward + backward): model.scaled_dot_product_attention (the naive reference,
              which forms the (B, nh, T, T) scores) against torch's fused F.scaled_dot_product_attention.
@@ -104,7 +109,7 @@ from core.tokenizer import CharTokenizer, GPT2Tokenizer
 from core.train_config import TrainConfig, get_lr, local_accum_steps, make_optimizer
 from model import GPT, GPT2_SHAPES, GPTConfig, scaled_dot_product_attention, window_shift
 
-SECTIONS = ("train", "loop", "attention", "decode", "prepare", "rolling", "memory", "serve", "speedrun")
+SECTIONS = ("train", "loop", "muon", "attention", "decode", "prepare", "rolling", "memory", "serve", "speedrun")
 OOM = "OOM"  # a figure that did not fit in device memory
 # THREADS: one torch thread by default. On a shared 2-core machine two OpenMP threads spin-wait for each
 # other whenever another process holds a core, which makes the figures slower and erratic (docs/performance.md).
@@ -122,7 +127,7 @@ class BenchConfig:
     dtype: str = "auto"
     threads: int = 1           # torch intra-op threads; 0 keeps torch's default (one per core). See THREADS.
     seed: int = 1337
-    sections: str = "train,loop,attention,decode,prepare,rolling,memory,serve"
+    sections: str = "train,loop,muon,attention,decode,prepare,rolling,memory,serve"
     out: str = "bench.json"
     warmup: int = 1            # untimed runs before each timed figure
     repeats: int = 3           # timed runs; each figure is their median
@@ -139,6 +144,8 @@ class BenchConfig:
     loop_config: str = "config/train_shakespeare_char_cpu.py"
     loop_steps: int = 20       # iterations per timed chunk; `repeats` chunks of each, alternating
     recipe_config: str = "config/modern.py"  # timed beside them: train.py with this file after loop_config
+    # 1c. Muon's step alone, on the hidden matrices of loop_config + recipe_config's model
+    muon_shape: str = ""       # key=value pairs on that model, e.g. "n_layer=2,n_head=12,n_embd=768" (GPT-2's width)
     # 2. attention memory: one layer's attention of the same model, B=1, over a range of T
     attn_batch_size: int = 1
     attn_n_head: int = 6
@@ -612,6 +619,36 @@ def bench_loop(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
             "recipe_over_train_py": statistics.median(r / c for r, c in zip(times["recipe"], times["train_py"])),
             "muon_newton_schulz": "bfloat16" if runtime.native_bf16(rt.device) else "float32",
             "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}, "train_py_steps": state["timed"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1c. Muon's step alone
+
+MUON_STEPS = {  # what core.optim.build_optimizer chooses between, per device
+    "torch.optim.Muon, bf16": (torch.optim.Muon, {}),
+    "BatchedMuon, bf16": (optim.BatchedMuon, {"ns_dtype": torch.bfloat16}),
+    "BatchedMuon, float32": (optim.BatchedMuon, {"ns_dtype": torch.float32}),
+}
+
+
+def bench_muon(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
+    """ms per Muon step (momentum, Newton-Schulz, update) of each implementation on the same fixed gradients."""
+    tcfg = read_recipe([cfg.loop_config, cfg.recipe_config, *spec_list(cfg.muon_shape)], "--muon_shape")
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(**tcfg.model_args(), vocab_size=65)).to(rt.device)  # the vocab only sizes wte and the head
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    chosen = optim.build_optimizer(model, "muon", tcfg.learning_rate, 0.0, (0.9, 0.95), rt.device_type).optimizers["muon"]
+    hidden = [p for _, p in optim.split_params(model)["hidden"]]
+    rows = []
+    for name, (muon_class, kwargs) in MUON_STEPS.items():
+        opt = muon_class(hidden, lr=tcfg.muon_lr, momentum=tcfg.muon_momentum, adjust_lr_fn="original",
+                         ns_steps=tcfg.muon_ns_steps, **kwargs)
+        rows.append({"muon": name, "step_ms": median_time(opt.step, cfg.warmup, cfg.repeats, rt.synchronize) * 1e3,
+                     "chosen": type(chosen) is muon_class and getattr(chosen, "ns_dtype", None) == kwargs.get("ns_dtype")})
+    return {"model": model_text(model.config, tcfg.batch_size), "matrices": len(hidden),
+            "shapes": sorted({tuple(p.shape) for p in hidden}), "native_bf16": runtime.native_bf16(rt.device),
+            "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1259,12 +1296,14 @@ def machine_info(rt: runtime.Runtime) -> dict:
     return {
         "cpu": cpu, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": runtime.native_bf16(rt.device),
         "device": rt.device, "device_name": torch.cuda.get_device_name(rt.device) if rt.device_type == "cuda" else cpu,
         "dtype": rt.dtype, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "load_average_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         # Thread settings change CPU results a lot on a shared machine: OpenMP threads that spin
         # waiting for a descheduled peer make small ops many times slower.
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS") if k in os.environ},
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY",
+                                            "ONEDNN_MAX_CPU_ISA") if k in os.environ},
     }
 
 
@@ -1311,6 +1350,13 @@ def format_loop(r: dict) -> str:
         text += (f"\n\n{r['recipe_config']} / classic train.py: {r['recipe_over_train_py']:.2f}x "
                  f"(median over chunks of each against the one before it)")
     return text
+
+
+def format_muon(r: dict) -> str:
+    rows = [[row["muon"] + (" (chosen here)" if row["chosen"] else ""), num(row["step_ms"], 2)] for row in r["rows"]]
+    shapes = ", ".join("x".join(map(str, s)) for s in r["shapes"])
+    return (f"### Muon's step alone\n{r['model']}: {r['matrices']} hidden matrices ({shapes}); bf16 native here: "
+            f"{'yes' if r['native_bf16'] else 'no'}\n\n" + table(["Muon", "ms / step"], rows))
 
 
 def format_attention(r: dict) -> str:
@@ -1428,7 +1474,7 @@ def format_speedrun(r: dict) -> str:
                      f"wall vs {first}", f"CPU vs {first}"], rows))
 
 
-FORMATTERS = {"train": format_train, "loop": format_loop, "attention": format_attention, "decode": format_decode,
+FORMATTERS = {"train": format_train, "loop": format_loop, "muon": format_muon, "attention": format_attention, "decode": format_decode,
               "prepare": format_prepare, "rolling": format_rolling, "memory": format_memory, "serve": format_serve,
               "speedrun": format_speedrun}
 
@@ -1459,6 +1505,7 @@ def run(cfg: BenchConfig, rt: runtime.Runtime) -> dict:
     print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
           f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
     runners = {"train": lambda: bench_train(cfg, rt), "loop": lambda: bench_loop(cfg, rt),
+               "muon": lambda: bench_muon(cfg, rt),
                "attention": lambda: bench_attention(cfg, rt), "decode": lambda: bench_decode(cfg, rt),
                "prepare": lambda: bench_prepare(cfg), "rolling": lambda: bench_rolling(cfg, rt),
                "memory": lambda: bench_memory(cfg, rt), "serve": lambda: bench_serve(cfg, rt),
