@@ -1303,7 +1303,7 @@ def machine_info(rt: runtime.Runtime) -> dict:
         # Thread settings change CPU results a lot on a shared machine: OpenMP threads that spin
         # waiting for a descheduled peer make small ops many times slower.
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY",
-                                            "ONEDNN_MAX_CPU_ISA") if k in os.environ},
+                                            "ONEDNN_MAX_CPU_ISA", "TORCHINDUCTOR_CPP_MARCH") if k in os.environ},
     }
 
 

@@ -115,9 +115,9 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
         return adamw
     check_muon_params(groups["hidden"])
     bf16 = native_bf16(device_type)
-    # On a CPU with native bf16 (Sapphire Rapids, AMX) torch's own step, one matrix at a time, is the slower:
-    # Muon's step for the quick start took 18 ms there against BatchedMuon's 9 in bf16, and at GPT-2
-    # width 317 against 231 (docs/performance.md). CUDA keeps torch's, never measured against ours.
+    # On a CPU with native bf16 (AMX) torch's own step, one matrix at a time, is the slower: on 2 cores
+    # Muon's step for the quick start took 15 ms there against BatchedMuon's 7 in bf16, and at GPT-2
+    # width 269 against 207 (docs/performance.md). CUDA keeps torch's: bench.py --sections=muon compares.
     muon_class = torch.optim.Muon if bf16 and device_type == "cuda" else BatchedMuon
     ns_dtype = {} if muon_class is torch.optim.Muon else {"ns_dtype": torch.bfloat16 if bf16 else torch.float32}
     # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr

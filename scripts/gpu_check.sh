@@ -39,7 +39,7 @@ if [ "$dry" = "--cpu-dry-run" ]; then
     tiny=(--batch_size=2 --block_size=64 --n_layer=1 --n_head=2 --n_embd=64 --vocab_size=512 --repeats=1 --warmup=1
           --loop_config=config/train_shakespeare_char_cpu.py --loop_steps=2 --attn_n_head=2 --attn_lengths=256,512
           --attn_repeats=1 --decode_n_layer=1 --decode_n_head=2 --decode_n_embd=64 --decode_block_size=128
-          --decode_vocab_size=512 --decode_contexts=32,128 --gen_new_tokens=40 --compile=False)
+          --decode_vocab_size=512 --decode_contexts=32,128 --gen_new_tokens=40 --compile=False --muon_shape=n_layer=1)
 else
     device=(--device=cuda)
     tiny=()
@@ -53,8 +53,9 @@ fi
 cat "$out/environment.txt" | tail -n 2
 
 step pytest_gpu 270 python -m pytest -m gpu -v -rA -p no:cacheprovider
-step bench_gpt2 210 python bench.py --preset=gpt2 "${device[@]}" --sections=train,loop,attention,decode \
-    --gen_repeats=1 --out="$out/bench_gpt2.json" "${tiny[@]}"
+# muon: torch.optim.Muon (what CUDA gets) against BatchedMuon on GPT-2 small's 48 hidden matrices
+step bench_gpt2 210 python bench.py --preset=gpt2 "${device[@]}" --sections=train,loop,muon,attention,decode \
+    --muon_shape=n_layer=12,n_head=12,n_embd=768 --gen_repeats=1 --out="$out/bench_gpt2.json" "${tiny[@]}"
 step bench_gpt2_decode_b8 90 python bench.py --preset=gpt2 "${device[@]}" --sections=decode --decode_batch_size=8 \
     --gen_repeats=1 --out="$out/bench_gpt2_decode_b8.json" "${tiny[@]}"
 echo "results in $out"
