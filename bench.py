@@ -1474,9 +1474,9 @@ def format_speedrun(r: dict) -> str:
                      f"wall vs {first}", f"CPU vs {first}"], rows))
 
 
-FORMATTERS = {"train": format_train, "loop": format_loop, "muon": format_muon, "attention": format_attention, "decode": format_decode,
-              "prepare": format_prepare, "rolling": format_rolling, "memory": format_memory, "serve": format_serve,
-              "speedrun": format_speedrun}
+FORMATTERS = {"train": format_train, "loop": format_loop, "muon": format_muon, "attention": format_attention,
+              "decode": format_decode, "prepare": format_prepare, "rolling": format_rolling, "memory": format_memory,
+              "serve": format_serve, "speedrun": format_speedrun}
 
 
 def main(argv: Sequence[str]) -> dict:
