@@ -19,3 +19,25 @@ def pytest_configure(config):
     # The tests use tiny models: a second thread gains nothing, and on a busy two-core machine
     # OpenMP threads waiting for each other make them many times slower. Timing is never tested.
     torch.set_num_threads(1)
+
+
+# torch's backend flags as (read, write) through torch's own accessors. They are not plain attributes:
+# torch.backends.cuda.matmul serves allow_tf32 through __getattr__/__setattr__ and refuses delattr, so
+# monkeypatch.setattr's undo (which since pytest 9.2 deletes what the instance __dict__ did not hold)
+# cannot restore them. A test that lets the code under test set one saves and restores it here.
+BACKEND_FLAGS = {
+    "cuda.matmul.allow_tf32": (lambda: torch.backends.cuda.matmul.allow_tf32,
+                               lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
+    "cudnn.allow_tf32": (lambda: torch.backends.cudnn.allow_tf32,
+                         lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
+    "float32_matmul_precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+}
+
+
+@pytest.fixture
+def restore_backend_flags():
+    """Reads every flag in BACKEND_FLAGS, yields, and sets each back through torch's setter."""
+    saved = {name: read() for name, (read, _) in BACKEND_FLAGS.items()}
+    yield saved
+    for name, value in saved.items():
+        BACKEND_FLAGS[name][1](value)

@@ -26,7 +26,7 @@ SM = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 
 
 @pytest.fixture
-def fake_gpus(monkeypatch):
+def fake_gpus(monkeypatch, restore_backend_flags):
     """A CUDA machine with `count` GPUs of compute capability `capability`, as far as the driver calls
     go. Returns the record of the calls, in order."""
     calls = []
@@ -44,8 +44,6 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "CUDA_VISIBLE_DEVICES"):
             monkeypatch.delenv(key, raising=False)
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)  # setup() sets it; restored after
         return calls
     return install
 
@@ -73,6 +71,7 @@ def test_setup_single_process_gives_an_indexed_device_and_sets_it(fake_gpus, ask
     assert calls[0] == ("set_device", index)  # before the dtype probe, which would open a context on GPU 0
     assert ("capability", expected) in calls
     assert rt.dtype == "bfloat16"
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32  # restored after
 
 
 def test_setup_a_missing_gpu_is_one_line(fake_gpus):
