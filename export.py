@@ -27,7 +27,8 @@ from core import checkpoint, hf
 from core.chat import JINJA_TEMPLATE, ChatTemplate
 from core.config import parse_args
 from core.errors import UserError, run_cli
-from core.tokenizer import Tokenizer, save_hf_tokenizer
+from core.hf_tokenizer import save_hf_tokenizer
+from core.tokenizer import Tokenizer
 from model import GPT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -392,7 +392,8 @@ def load_folder(directory: str | os.PathLike, override_args: dict | None = None)
     without one (GPT.save_pretrained writes only the weights)."""
     from pathlib import Path
 
-    from core.tokenizer import GPT2Tokenizer, load_hf_tokenizer
+    from core.hf_tokenizer import load_hf_tokenizer
+    from core.tokenizer import GPT2Tokenizer
 
     directory = Path(directory)
     model = load_dir(directory, override_args)

@@ -24,7 +24,8 @@ import sample
 import train
 from core import checkpoint, hf
 from core.prepare import write_dataset
-from core.tokenizer import CharTokenizer, GPT2Tokenizer, hf_backend, save_hf_tokenizer
+from core.hf_tokenizer import hf_backend, save_hf_tokenizer
+from core.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
 from tests.helpers import (REPO_ROOT, assert_user_error, make_char_dataset, needs_transformers, run_main,
                            train_tiny, use_gpt2_bpe)

@@ -1,0 +1,147 @@
+"""Our tokenizers as Hugging Face `tokenizers` objects, for transformers folders: tokenizer.json export
+(export.py) and import (a folder's tokenizer.json, for --init_from=DIR), with the same ids both ways.
+"""
+from core.errors import UserError
+from core.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, _gpt2_encoding
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 bytes to printable characters, in which byte-level BPE vocabularies
+    are written (Radford et al. 2019, encoder.py): printable Latin-1 stays, the rest shifts past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The pair whose merge makes `token`: byte-level BPE on its bytes, with only the ranks below its own,
+    stops at exactly two parts (tiktoken keeps ranks, transformers' BPE keeps the merges)."""
+    rank = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], rank))
+        if ranks.get(parts[best] + parts[best + 1], rank) >= rank:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} is not the merge of two lower-ranked tokens")
+    return parts[0], parts[1]
+
+
+def _gpt2_backend():
+    """GPT-2's BPE as a `tokenizers` Tokenizer with the same ids, built from tiktoken's ranks."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    enc = _gpt2_encoding()
+    ranks = {enc.decode_single_token_bytes(i): i for i in range(GPT2_EOT)}
+    byte_char = bytes_to_unicode()
+    as_text = lambda b: "".join(byte_char[x] for x in b)  # noqa: E731
+    vocab = {as_text(b): i for b, i in ranks.items()}
+    merges = [tuple(as_text(p) for p in _merge_of(b, ranks)) for b, i in sorted(ranks.items(), key=lambda kv: kv[1])
+              if len(b) > 1]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    # ByteLevel's regex is GPT-2's (the pat_str of tiktoken's r50k_base); no prefix space, as tiktoken.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    return backend
+
+
+def _char_backend(itos: list[str]):
+    """A character vocabulary as a `tokenizers` Tokenizer: a BPE model with no merges splits text into
+    characters and looks each up; Fuse joins the decoded characters with nothing between them."""
+    from tokenizers import Tokenizer as Backend, decoders, models
+
+    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(itos)}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return backend
+
+
+def hf_backend(tok: Tokenizer, extra_special_tokens: tuple[str, ...] = ()):
+    """Our tokenizer as a `tokenizers` Tokenizer with the same ids; extra special tokens (a chat
+    template's) get the ids after the vocabulary's."""
+    from tokenizers import AddedToken, Tokenizer as Backend
+
+    if isinstance(tok, HFTokenizer):
+        backend = Backend.from_str(tok.json)
+    elif isinstance(tok, GPT2Tokenizer):
+        backend = _gpt2_backend()
+    elif isinstance(tok, CharTokenizer):
+        backend = _char_backend(tok.itos)
+    else:
+        raise UserError(f"no Hugging Face form for tokenizer {type(tok).__name__}")
+    own = sorted(getattr(tok, "special_tokens", {}).items(), key=lambda kv: kv[1])  # e.g. a chat template's markers
+    for name in [n for n, _ in own] + list(extra_special_tokens):
+        backend.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+    wrong = {n: i for n, i in own if backend.token_to_id(n) != i}
+    if wrong:  # tokenizers numbers added tokens in order, so a gap in our ids cannot be written
+        raise UserError(f"special tokens {wrong} do not follow the vocabulary without gaps; tokenizer.json cannot "
+                        "give them these ids")
+    return backend
+
+
+def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
+                      extra_special_tokens: tuple[str, ...] = (), chat_template: str | None = None) -> None:
+    """tokenizer.json and tokenizer_config.json in directory, which transformers' AutoTokenizer loads
+    (PreTrainedTokenizerFast) with our ids, and decodes without touching the spaces. A chat template
+    (Jinja, core/chat.py's) goes in tokenizer_config.json's "chat_template", where transformers 4 and 5
+    both read it (transformers 5 would otherwise write a chat_template.jinja beside it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = hf_backend(tok, extra_special_tokens)
+    eot = None if tok.eot_token is None else backend.id_to_token(tok.eot_token)
+    bos = getattr(tok, "bos_token", None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+        eos_token=eot, bos_token=None if bos is None else backend.id_to_token(bos))
+    fast.chat_template = chat_template
+    fast.save_pretrained(directory, save_jinja_files=False)
+
+
+def load_hf_tokenizer(directory) -> HFTokenizer:
+    """The tokenizer of a transformers folder (its tokenizer.json), with the end-of-text id from its
+    generation_config.json or tokenizer_config.json."""
+    from pathlib import Path
+
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{directory} has no tokenizer.json; the folder needs its tokenizer "
+                        "(transformers' tokenizer.save_pretrained writes it)")
+    try:
+        text = path.read_text(encoding="utf-8")
+        tok = HFTokenizer(text)
+    except Exception as e:
+        raise UserError(f"{path} cannot be read as a tokenizers JSON ({type(e).__name__}); write it again") from None
+    tok.eot_token, tok.bos_token = _special_ids(directory, tok)
+    return tok
+
+
+def _special_ids(directory, tok: HFTokenizer) -> tuple[int | None, int | None]:
+    import json
+
+    ids = {}
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        if path.is_file():
+            data = json.loads(path.read_text())
+            for key in ("eos_token_id", "bos_token_id"):
+                value = data.get(key)
+                value = value[0] if isinstance(value, list) and value else value
+                if isinstance(value, int) and key not in ids:
+                    ids[key] = value
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        for key, field in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):
+            text = data.get(field)
+            text = text.get("content") if isinstance(text, dict) else text
+            if key not in ids and isinstance(text, str) and tok.backend.token_to_id(text) is not None:
+                ids[key] = tok.backend.token_to_id(text)
+    return ids.get("eos_token_id"), ids.get("bos_token_id")
