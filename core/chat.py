@@ -19,12 +19,13 @@ the char tokenizer), so a user who types "<|end|><|assistant|>" gets those chara
 
 With GPT-2's BPE the four tokens take ids 50257-50260, inside the 50304 rows a GPT-2-shaped model
 already has; with a character vocabulary they are appended after its characters and a fine-tune grows
-the embedding by four rows (model.GPT.grow_vocab).
+the embedding by four rows (model.GPT.grow_vocab); a trained BPE (core/tokenizer.py's train_bpe) reserved
+their ids when it was trained.
 """
 from __future__ import annotations
 
 from core.errors import UserError
-from core.tokenizer import GPT2_VOCAB, Tokenizer
+from core.tokenizer import GPT2_VOCAB, Tokenizer, reserved_tokens
 
 TEMPLATE_NAME = "role-tokens-v1"
 SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
@@ -49,12 +50,18 @@ def with_chat_tokens(tokenizer_meta: dict) -> dict:
     """
     special = dict(tokenizer_meta.get("special_tokens") or {})
     kind = tokenizer_meta.get("tokenizer")
+    if kind == "bpe" and isinstance(tokenizer_meta.get("tokenizer_json"), str):  # trained with them reserved
+        reserved = reserved_tokens(tokenizer_meta["tokenizer_json"])
+        missing = [name for name in CHAT_TOKENS if name not in reserved]
+        if missing:
+            raise UserError(f"this BPE reserves no ids for the chat tokens {missing}; train it again with prepare.py")
+        return tokenizer_meta | {"special_tokens": special | {name: reserved[name] for name in CHAT_TOKENS}}
     if kind == "gpt2":
         first = GPT2_VOCAB
     elif kind == "char" and isinstance(tokenizer_meta.get("itos"), list):
         first = len(tokenizer_meta["itos"])
     else:
-        raise UserError(f"cannot add chat tokens to tokenizer {kind!r}; expected 'char' or 'gpt2' metadata")
+        raise UserError(f"cannot add chat tokens to tokenizer {kind!r}; expected 'char', 'gpt2' or 'bpe' metadata")
     next_id = max([first - 1, *special.values()]) + 1
     for name in CHAT_TOKENS:
         if name not in special:

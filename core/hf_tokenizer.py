@@ -145,3 +145,17 @@ def _special_ids(directory, tok: HFTokenizer) -> tuple[int | None, int | None]:
             if key not in ids and isinstance(text, str) and tok.backend.token_to_id(text) is not None:
                 ids[key] = tok.backend.token_to_id(text)
     return ids.get("eos_token_id"), ids.get("bos_token_id")
+
+
+def load_tokenizer_json(path) -> HFTokenizer:
+    """A transformers folder's tokenizer (load_hf_tokenizer), or a tokenizer.json file on its own."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_tokenizer(path)
+    try:
+        return HFTokenizer(path.read_text(encoding="utf-8"))
+    except Exception as e:
+        raise UserError(f"{path} is not a tokenizers JSON ({type(e).__name__}); pass a tokenizer.json that "
+                        "transformers or tokenizers wrote, or the folder holding it") from None

@@ -11,7 +11,7 @@ special token puts its id in (core/chat.py). decode() writes a special id as its
 """
 import functools
 from pathlib import Path
-from typing import Protocol
+from typing import Iterable, Protocol
 
 from core.errors import UserError
 
@@ -173,8 +173,8 @@ class StreamDecoder:
 def check_extends(base: dict, new: dict, source: str) -> None:
     """A UserError unless tokenizer metadata `new` keeps every id of `base` meaning the same (it may add
     special tokens after them): what fine-tuning a base model on a chat dataset needs."""
-    same = base.get("tokenizer") == new.get("tokenizer") and (base.get("tokenizer") != "char"
-                                                              or base.get("itos") == new.get("itos"))
+    same = base.get("tokenizer") == new.get("tokenizer") and all(  # a char or BPE vocabulary: the same one
+        base.get(key) == new.get(key) for key in ("itos", "tokenizer_json"))
     kept = all((new.get("special_tokens") or {}).get(k) == v for k, v in (base.get("special_tokens") or {}).items())
     if not (same and kept):
         raise UserError(f"{source}: the dataset's tokenizer ({new.get('tokenizer')!r}, vocab {new.get('vocab_size')}) "
@@ -210,6 +210,76 @@ class HFTokenizer:
                 "bos_token": self.bos_token, "tokenizer_json": self.json}
 
 
+# The split before BPE: Llama 3's pattern (GPT-4's cl100k_base split: case-insensitive contractions, letter
+# runs with one leading non-letter, digits in threes, punctuation runs with their newlines, whitespace
+# runs). llama.cpp implements it as the pre-tokenizer "llama-bpe" (LLAMA_VOCAB_PRE_TYPE_LLAMA3), so a
+# GGUF of a model trained with it can name its split rather than carry an unknown one.
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA_CPP_PRE = "llama-bpe"
+EOT = "<|endoftext|>"
+BYTE_ALPHABET = 256
+
+
+def reserved_tokens(tokenizer_json: str) -> dict[str, int]:
+    """The added (special) tokens of a tokenizers JSON, {content: id}."""
+    import json
+
+    return {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
+
+
+class BPETokenizer(HFTokenizer):
+    """A byte-level BPE trained on the dataset's own text (train_bpe), with SPLIT_PATTERN before it.
+
+    Its tokenizers JSON reserves <|endoftext|> (eot_token) and the chat tokens (core/chat.py) as added
+    special tokens after the ordinary ids. Only the ones named in special_tokens count as the vocabulary's
+    (a chat dataset names the chat tokens, so a base model's tokenizer has no chat template); the ids of
+    all of them are fixed by the training, so a chat fine-tune never grows the embedding.
+    """
+
+    def __init__(self, tokenizer_json: str, special_tokens: dict[str, int] | None = None):
+        super().__init__(tokenizer_json)
+        reserved = reserved_tokens(tokenizer_json)
+        if EOT not in reserved:
+            raise UserError(f"this BPE's tokenizer JSON reserves no {EOT}; train it again (--tokenizer=bpe:VOCAB)")
+        self.eot_token = reserved[EOT]
+        special = special_tokens or {}
+        wrong = {k: v for k, v in special.items() if reserved.get(k) != v}
+        if wrong:
+            raise UserError(f"special tokens {wrong} are not the ids this BPE reserved for them "
+                            f"({ {k: reserved.get(k) for k in wrong} }); re-run the dataset's prepare.py")
+        self.special_tokens = dict(special)
+
+    def meta(self) -> dict:
+        return ({"tokenizer": "bpe", "vocab_size": self.vocab_size, "eot_token": self.eot_token,
+                 "tokenizer_json": self.json} | ({"special_tokens": self.special_tokens} if self.special_tokens else {}))
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, reserved: tuple[str, ...], progress: bool = True) -> BPETokenizer:
+    """A byte-level BPE of `vocab_size` ids trained on the strings of `texts` (streamed: the trainer keeps
+    only the count of each distinct pre-token): 256 byte ids, then the merges, then `reserved` as special
+    tokens (the last ids). Deterministic: the same texts and vocab_size give the same merges."""
+    from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    check_bpe_vocab(vocab_size, reserved)
+    backend = Backend(models.BPE())  # no unknown token: every byte is in the alphabet
+    backend.pre_tokenizer = pre_tokenizers.Sequence([  # as Llama 3's tokenizer.json: split, then bytes as characters
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(reserved), show_progress=progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    backend.train_from_iterator(texts, trainer)
+    backend.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in reserved])
+    return BPETokenizer(backend.to_str())
+
+
+def check_bpe_vocab(vocab_size: int, reserved: tuple[str, ...]) -> None:
+    if vocab_size < BYTE_ALPHABET + len(reserved):
+        raise UserError(f"a byte-level BPE needs at least {BYTE_ALPHABET + len(reserved)} ids (the {BYTE_ALPHABET} "
+                        f"bytes and {len(reserved)} special tokens), got bpe:{vocab_size}; pass a larger vocabulary")
+
+
 def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     kind = meta.get("tokenizer")
     if kind == "char":
@@ -222,7 +292,11 @@ def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
         if not isinstance(meta.get("tokenizer_json"), str):
             raise UserError(f"{source} says tokenizer 'hf' but holds no tokenizer_json")
         return HFTokenizer(meta["tokenizer_json"], meta.get("eot_token"), meta.get("bos_token"))
-    raise UserError(f"{source} names tokenizer {kind!r}; expected 'char', 'gpt2' or 'hf'")
+    if kind == "bpe":
+        if not isinstance(meta.get("tokenizer_json"), str):
+            raise UserError(f"{source} says tokenizer 'bpe' but holds no tokenizer_json; re-run the dataset's prepare.py")
+        return BPETokenizer(meta["tokenizer_json"], meta.get("special_tokens"))
+    raise UserError(f"{source} names tokenizer {kind!r}; expected 'char', 'gpt2', 'bpe' or 'hf'")
 
 
 def check_same_ids(tok: Tokenizer, other: Tokenizer, what: str, other_what: str) -> None:

@@ -15,12 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 from core.config import parse_args  # noqa: E402
 from core.prepare import TextPrepareConfig, prepare_text_corpus  # noqa: E402
 from core.errors import run_cli  # noqa: E402
-from core.tokenizer import GPT2Tokenizer  # noqa: E402
 
 
 def main(argv: Sequence[str]) -> dict:
     cfg = parse_args(TextPrepareConfig, argv)
-    return prepare_text_corpus(cfg, lambda text: GPT2Tokenizer(), __file__)
+    return prepare_text_corpus(cfg, "gpt2", __file__)
 
 
 if __name__ == "__main__":
