@@ -8,7 +8,8 @@
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
 Perplexity scores each token once, in a fixed order (core/evaluate.py explains the windows), so
-two runs evaluated on the same split and block_size compare directly. On a chat dataset
+two runs evaluated on the same split and block_size compare directly. Bits per byte (the loss in bits
+over the UTF-8 bytes of the scored text) also compares models whose tokenizers differ, on the same text. On a chat dataset
 (data/chat/prepare.py) it scores the assistant's tokens only, each conversation read from its start.
 --task=chat replies greedily to each conversation of a JSONL file and counts exact answers. The result is one line on
 stdout; what was loaded goes to stderr.
@@ -28,7 +29,7 @@ from core.checkpoint import load_model
 from core.config import parse_args
 from core.data import TokenData, read_meta
 from core.errors import UserError, run_cli
-from core.tokenizer import check_same_tokenizer
+from core.tokenizer import check_same_tokenizer, token_bytes
 from model import GPT2_HUB_NAMES
 
 TASKS = ("perplexity", "hellaswag", "chat")
@@ -100,10 +101,11 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     if stride > block_size:
         raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens")
     r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size,
-                                progress=Progress() if rt.is_master else None)
+                                progress=Progress() if rt.is_master else None, token_bytes=token_bytes(tok))
     scored = "assistant tokens, each conversation from its start" if data.starts is not None else "tokens"
-    return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | {r.tokens:,} {scored} "
-            f"(block_size {block_size}, stride {stride})")
+    bpb = "n/a" if r.bpb is None else f"{r.bpb:.4f}"
+    return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | bits/byte {bpb} | "
+            f"{r.tokens:,} {scored}, {r.bytes:,} bytes (block_size {block_size}, stride {stride})")
 
 
 def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime, examples) -> str:

@@ -1,4 +1,4 @@
-"""Judging a model: perplexity on a whole split, and HellaSwag.
+"""Judging a model: perplexity and bits per byte on a whole split, and HellaSwag.
 
 Perplexity: every token of a prepared split is scored exactly once, from up to block_size tokens
 of context, in a fixed order, so the figure is deterministic and comparable across runs (the
@@ -64,16 +64,24 @@ class SplitResult:
     loss: float        # mean cross-entropy per token, in nats
     perplexity: float  # exp(loss)
     tokens: int        # tokens scored
+    bpb: float | None = None  # bits per UTF-8 byte of the scored text (given token_bytes), None otherwise
+    bytes: int = 0            # the UTF-8 bytes of the scored targets
 
 
 @torch.no_grad()
 def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
-                   autocast=None, rank: int = 0, world_size: int = 1, progress=None) -> SplitResult:
+                   autocast=None, rank: int = 0, world_size: int = 1, progress=None,
+                   token_bytes: list[int] | None = None) -> SplitResult:
     """Score every token of `data` (one split; each .bin file is its own stream) once.
 
     stride None means block_size: non-overlapping windows. With world_size > 1 each rank scores
     every world_size-th batch of windows and the sums are all-reduced. progress(done, total), if
     given, is called after each batch with how far into the list of all windows this rank is.
+
+    token_bytes (core.tokenizer.token_bytes: the UTF-8 bytes of each id) adds bits per byte: the summed
+    loss in bits over the bytes of the text scored, which tokenizers of any vocabulary share, so models
+    with different tokenizers compare on the same text. As nanochat's evaluate_bpb, special tokens
+    (no bytes) are left out of both sums.
     """
     T = data.block_size
     stride = stride or T
@@ -83,7 +91,8 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
                 for b, e, new in split_windows(end - s, T, stride)]
     else:
         jobs = [(path, w) for path, n in zip(data.paths, data.sizes) for w in split_windows(n, T, stride)]
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, tokens scored)
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # (summed loss, tokens, loss on bytes, bytes)
+    nbytes = None if token_bytes is None else torch.tensor(token_bytes, dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
     # Every rank runs as many forwards (a sharded model's are collectives): a rank past the end
@@ -95,14 +104,23 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
         with autocast() if autocast else contextlib.nullcontext():
             losses = token_losses(model, x, y)  # (B, T)
         if i < len(jobs):
-            sums += torch.stack([losses.double().sum(), (y >= 0).sum().double()])
+            b = _target_bytes(nbytes, y) if nbytes is not None else torch.zeros_like(losses, dtype=torch.float64)
+            sums += torch.stack([losses.double().sum(), (y >= 0).sum().double(), (losses.double() * (b > 0)).sum(),
+                                 b.sum()])
         if progress:
             progress(min(i + batch_size, len(jobs)), len(jobs))
     if world_size > 1:
         dist.all_reduce(sums)
     model.train(was_training)
     loss = sums[0].item() / sums[1].item()
-    return SplitResult(loss, math.exp(loss), int(sums[1].item()))
+    bpb = sums[2].item() / math.log(2) / sums[3].item() if nbytes is not None and sums[3].item() else None
+    return SplitResult(loss, math.exp(loss), int(sums[1].item()), bpb, int(sums[3].item()))
+
+
+def _target_bytes(nbytes: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The UTF-8 bytes of each target, (B, T) float64; 0 where y is -1 (not scored) or past the tokenizer."""
+    ok = (y >= 0) & (y < nbytes.numel())
+    return torch.where(ok, nbytes[y.clamp(0, nbytes.numel() - 1)], torch.zeros((), dtype=nbytes.dtype, device=y.device))
 
 
 def _window_batch(data: TokenData, jobs, T: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -317,6 +317,46 @@ def _specials(meta: dict, n_ordinary: int, source: str) -> dict[str, int] | None
     return None if special is None else check_special_tokens(special, n_ordinary, source)
 
 
+def token_bytes(tok: Tokenizer) -> list[int]:
+    """The UTF-8 bytes each id stands for, by id; 0 for a special token (it stands for no text). A byte-level
+    id can hold part of a character, so this counts its bytes, never len(decode([id]))."""
+    specials = set(getattr(tok, "special_tokens", {}).values()) | ({tok.eot_token} - {None})
+    if isinstance(tok, CharTokenizer):
+        ordinary = [len(c.encode("utf-8")) for c in tok.itos]
+    elif isinstance(tok, GPT2Tokenizer):
+        ordinary = [len(tok.enc.decode_single_token_bytes(i)) for i in range(GPT2_EOT)]
+    elif isinstance(tok, HFTokenizer):
+        ordinary = _hf_token_bytes(tok)
+        specials |= {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+    else:
+        raise UserError(f"no byte counts for tokenizer {type(tok).__name__}")
+    counts = ordinary + [0] * (tok.vocab_size - len(ordinary))
+    return [0 if i in specials else n for i, n in enumerate(counts)]
+
+
+def _hf_token_bytes(tok: "HFTokenizer") -> list[int]:
+    """Byte-level vocabularies (GPT-2's, Llama 3's, Qwen's, ours) write each byte as one character of
+    bytes_to_unicode's map; SentencePiece ones (Llama 2) write "<0xNN>" for a byte and "▁" for a space."""
+    import json
+    import re
+
+    from core.hf_tokenizer import bytes_to_unicode
+
+    decoder = json.loads(tok.json).get("decoder") or {}
+    byte_level = "ByteLevel" in json.dumps(decoder)
+    of_char = {c: 1 for c in bytes_to_unicode().values()}
+    out = []
+    for i in range(tok.backend.get_vocab_size(with_added_tokens=True)):
+        piece = tok.backend.id_to_token(i) or ""
+        if byte_level and all(c in of_char for c in piece):
+            out.append(len(piece))
+        elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            out.append(1)
+        else:
+            out.append(len(piece.replace("\u2581", " ").encode("utf-8")))
+    return out
+
+
 # -----------------------------------------------------------------------------
 # tokenizer metadata: what a checkpoint keeps of its dataset's meta.json
 

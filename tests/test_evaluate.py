@@ -103,7 +103,56 @@ def test_eval_command_reports_loss_perplexity_and_tokens(run):
     assert result.returncode == 0, result.stderr
     n = TokenData(data_dir, "val", 32).num_tokens
     assert result.stdout.strip() == (f"{data_dir} val: loss {expected.loss:.4f} | perplexity {expected.perplexity:.3f}"
-                                     f" | {n - 1:,} tokens (block_size 32, stride 8)")
+                                     f" | bits/byte {expected.loss / math.log(2):.4f} | {n - 1:,} tokens, {n - 1:,} bytes"
+                                     f" (block_size 32, stride 8)")  # ASCII characters: one byte per token
+
+
+MIXED = ("中文測試，日本語のテキスト。한국어 😀👍🏽👩‍💻\n\t\t  indented\r\n\r\nnbsp\u00a0here\u200bzero\u200dwidth"
+         "   \n\n\n  trailing  \n def f(x):\n    return 1234567 + x  # ünïcödé\n")
+
+
+def test_token_bytes_add_up_to_the_text(tmp_path):
+    """Every tokenizer's ids of a text hold exactly its UTF-8 bytes; special tokens hold none."""
+    use_gpt2_bpe()
+    from core.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
+    from core.tokenizer import EOT, GPT2Tokenizer, token_bytes, train_bpe
+
+    bpe = train_bpe(iter([MIXED * 3, TEXT]), 400, (EOT, "<|user|>"), progress=False)
+    save_hf_tokenizer(bpe, tmp_path, 64)
+    for tok in (GPT2Tokenizer(), bpe, load_hf_tokenizer(tmp_path), CharTokenizer.from_text(MIXED)):
+        counts = token_bytes(tok)
+        assert len(counts) == tok.vocab_size
+        assert sum(counts[i] for i in tok.encode(MIXED)) == len(MIXED.encode("utf-8")), type(tok).__name__
+        assert counts[tok.eot_token] == 0 if tok.eot_token is not None else True
+    assert token_bytes(bpe)[bpe.backend.token_to_id("<|user|>")] == 0
+
+
+def test_bits_per_byte_is_the_loss_in_bits_over_the_bytes_scored(tmp_path):
+    """A BPE dataset of multi-byte text: bits per byte = summed loss / ln 2 / the bytes of the decoded targets."""
+    import importlib.util
+
+    from core.checkpoint import load_model
+    from core.tokenizer import token_bytes
+    from tests.helpers import REPO_ROOT
+
+    for name in ("a", "b"):  # two documents: the val split is one whole document, starting with ASCII
+        (tmp_path / f"{name}.txt").write_text(f"document {name}: " + MIXED * 20, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("prepare_text", REPO_ROOT / "data" / "text" / "prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([f"--input={tmp_path / '?.txt'}", "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'data'}",
+                 "--val_fraction=0.5"])
+    train_tiny(tmp_path / "out", tmp_path / "data", max_iters=30, lr_decay_iters=30, eval_interval=30)
+    model, tok, _ = load_model("resume", tmp_path / "out")
+    data = TokenData(tmp_path / "data", "val", 32)
+    r = evaluate.evaluate_split(model, data, stride=16, token_bytes=token_bytes(tok))
+    ids = np.fromfile(tmp_path / "data" / "val.bin", dtype=np.uint16).tolist()
+    assert tok.eot_token not in ids  # one document: nothing special to leave out
+    scored_text = tok.decode(ids[1:])
+    assert r.bytes == len(scored_text.encode("utf-8")) > r.tokens  # multi-byte text: more bytes than tokens
+    assert r.bpb == pytest.approx(r.loss * r.tokens / math.log(2) / r.bytes, rel=1e-9)
+    line = run_main(eval_script.main, [f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--stride=16"]).stdout
+    assert f"| bits/byte {r.bpb:.4f} | {r.tokens:,} tokens, {r.bytes:,} bytes" in line
 
 
 def test_bad_perplexity_input_is_one_line(run, tmp_path):
@@ -137,7 +186,7 @@ def test_gpt2_weights_on_a_bpe_split(tmp_path):
                                      "--device=cpu"])
     assert ok.returncode == 0, ok.stderr
     n = TokenData(tmp_path / "bpe", "val", 32).num_tokens
-    assert f"| {n - 1:,} tokens (block_size 32, stride 32)" in ok.stdout
+    assert f"| {n - 1:,} tokens, " in ok.stdout and "(block_size 32, stride 32)" in ok.stdout
     loss = float(ok.stdout.split("loss ")[1].split()[0])
     assert abs(loss - math.log(50257)) < 0.5  # random weights: near-uniform over GPT-2's vocabulary
     bad = run_main(eval_script.main, [f"--init_from={tmp_path / 'gpt2'}", f"--data_dir={tmp_path / 'char'}",
