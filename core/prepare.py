@@ -396,7 +396,12 @@ def make_tokenizer(spec: str, segments: list[Segment], chars: set[str]) -> Token
     if spec.startswith("bpe:"):
         texts = (text for seg in segments if seg.split == "train" for text in segment_text(seg))
         print(f"training a byte-level BPE of {spec[4:]} ids on the train split", file=sys.stderr)
-        return train_bpe(texts, int(spec[4:]), bpe_reserved())
+        start = time.perf_counter()
+        tok = train_bpe(texts, int(spec[4:]), bpe_reserved())
+        if tok.vocab_size < int(spec[4:]):
+            print(f"the train split has only enough distinct pairs for {tok.vocab_size} ids", file=sys.stderr)
+        print(f"trained the BPE in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+        return tok
     from core.hf_tokenizer import load_tokenizer_json  # transformers folders only
 
     return load_tokenizer_json(spec)

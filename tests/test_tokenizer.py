@@ -279,3 +279,95 @@ def test_a_bpe_run_samples_and_exports_its_tokenizer(docs, tmp_path):
     tok = tokenizer_from_meta(meta)
     for text in (MIXED, *corpus_texts()):
         assert auto(text, split_special_tokens=True)["input_ids"] == tok.encode(text)
+
+
+# --- fine-tuning an imported model on your text ----------------------------------------------------
+
+
+def write_llama_folder(path: Path, bpe: BPETokenizer) -> int:
+    """A tiny random Llama from a config (sharpened attention), whose tokenizer.json is a byte-level BPE that,
+    as Llama 3's, puts <|begin_of_text|> before every text; returns that BOS id."""
+    transformers = needs_transformers()
+    import torch
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    backend = Tokenizer.from_str(bpe.json)
+    backend.add_special_tokens([AddedToken("<|begin_of_text|>", special=True, normalized=False)])
+    bos = backend.token_to_id("<|begin_of_text|>")
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", bos)])
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=backend.get_vocab_size(), hidden_size=32, intermediate_size=80,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                      bos_token_id=bos, eos_token_id=bpe.eot_token)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(30)
+    model.save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                         eos_token=EOT).save_pretrained(path)
+    return bos
+
+
+@pytest.mark.slow
+def test_fine_tune_an_imported_model_on_your_text(bpe, docs, tmp_path):
+    """--tokenizer=DIR tokenizes with the folder's tokenizer (its BOS before each document), train.py
+    --init_from=DIR trains on it, sample/eval use the folder's tokenizer, and the export's logits equal ours."""
+    transformers = needs_transformers()
+    import torch
+
+    import eval as eval_script
+    import export
+    import sample
+    from core.checkpoint import load_model
+
+    folder = tmp_path / "llama"
+    bos = write_llama_folder(folder, bpe)
+    data = tmp_path / "data"
+    meta = prepare(f"--input={tmp_path / 'in' / '*.txt'}", f"--tokenizer={folder}", f"--out_dir={data}",
+                   "--val_fraction=0.4")
+    assert meta["tokenizer"] == "hf" and meta["bos_token"] == bos and (data / "tokenizer.json").is_file()
+    auto = transformers.AutoTokenizer.from_pretrained(folder)
+    val = read_ids(data, "val")
+    starts = [i for i, t in enumerate(val) if t == bos]
+    assert starts[0] == 0 and len(starts) == meta["val_documents"] == 2  # the post-processor's BOS, per document
+    docs_text = {p.read_bytes().decode("utf-8") for p in docs}
+    for a, b in zip(starts, starts[1:] + [len(val)]):
+        assert auto.decode(val[a + 1:b]) in docs_text
+        assert val[a:b] == auto(auto.decode(val[a + 1:b]), split_special_tokens=True)["input_ids"]
+
+    run = tmp_path / "run"
+    train_tiny(run, data, init_from=str(folder), block_size=32, max_iters=6, eval_interval=6, learning_rate=1e-3)
+    model, tok, _ = load_model("resume", run)
+    assert tok.meta()["tokenizer_json"] == meta["tokenizer_json"]  # the checkpoint carries the folder's tokenizer
+    result = run_main(sample.main, [f"--out_dir={run}", "--device=cpu", "--num_samples=1", "--max_new_tokens=8",
+                                    "--start=def f(x):", "--temperature=0", "--stream=False"])
+    assert result.returncode == 0 and result.stdout.startswith("def f(x):"), result.stderr
+    line = run_main(eval_script.main, [f"--out_dir={run}", "--device=cpu"]).stdout
+    assert "bits/byte" in line and f"{data} val" in line
+    result = run_main(export.main, [f"--out_dir={run}", f"--hf_dir={tmp_path / 'hf'}"])
+    assert result.returncode == 0, result.stderr
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.tensor([val[:32]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(idx)[0], theirs(idx).logits, atol=1e-5, rtol=1e-5)
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert again("def f(x):")["input_ids"] == auto("def f(x):")["input_ids"] == [bos] + tok.encode("def f(x):")
+
+
+def test_a_dataset_of_another_tokenizer_is_one_line_for_an_imported_model(bpe, docs, tmp_path):
+    import train
+
+    folder = tmp_path / "llama"
+    write_llama_folder(folder, bpe)
+    other = train_bpe(iter(corpus_texts()[:1]), bpe.vocab_size, RESERVED, progress=False)  # same size, other merges
+    (tmp_path / "other.json").write_text(other.json)
+    prepare(f"--input={tmp_path / 'in' / '*.txt'}", f"--tokenizer={tmp_path / 'other.json'}",
+            f"--out_dir={tmp_path / 'data'}")
+    result = run_main(train.main, [f"--init_from={folder}", f"--data_dir={tmp_path / 'data'}",
+                                   f"--out_dir={tmp_path / 'run'}", "--device=cpu", "--dtype=float32",
+                                   "--compile=False", "--max_iters=1", "--block_size=16", "--batch_size=2"])
+    assert_user_error(result, "prepare the data with the model's tokenizer")
