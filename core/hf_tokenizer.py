@@ -1,7 +1,7 @@
 """Our tokenizers as Hugging Face `tokenizers` objects, for transformers folders: tokenizer.json export
 (export.py) and import (a folder's tokenizer.json, for --init_from=DIR), with the same ids both ways.
 """
-from core.errors import UserError
+from core.errors import UserError, first_line
 from core.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, _gpt2_encoding
 
 
@@ -154,8 +154,16 @@ def load_tokenizer_json(path) -> HFTokenizer:
     path = Path(path)
     if path.is_dir():
         return load_hf_tokenizer(path)
+    import json
+
+    hint = "pass a tokenizer.json that transformers or tokenizers wrote, or the folder holding it"
     try:
-        return HFTokenizer(path.read_text(encoding="utf-8"))
-    except Exception as e:
-        raise UserError(f"{path} is not a tokenizers JSON ({type(e).__name__}); pass a tokenizer.json that "
-                        "transformers or tokenizers wrote, or the folder holding it") from None
+        text = path.read_text(encoding="utf-8")
+        json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not a tokenizers JSON (not JSON: {first_line(e)}); {hint}") from None
+    try:
+        return HFTokenizer(text)
+    except Exception as e:  # tokenizers' own parse error: JSON, but not a tokenizer
+        raise UserError(f"{path} is not a tokenizers JSON (JSON, but not a tokenizer: {first_line(e)}); "
+                        f"{hint}") from None
