@@ -292,7 +292,8 @@ def scan_documents(files: list[Path], separator: str | None, chars: set | None =
     from tqdm import tqdm
 
     docs = []
-    with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="reading") as bar:
+    with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="reading",
+              disable=None) as bar:  # None: a bar on a terminal only, so a log or an error stays clean
         for path in files:
             start, n = 0, 0
             for offset, line in _lines(path):
@@ -397,7 +398,7 @@ def make_tokenizer(spec: str, segments: list[Segment], chars: set[str]) -> Token
         texts = (text for seg in segments if seg.split == "train" for text in segment_text(seg))
         print(f"training a byte-level BPE of {spec[4:]} ids on the train split", file=sys.stderr)
         start = time.perf_counter()
-        tok = train_bpe(texts, int(spec[4:]), bpe_reserved())
+        tok = train_bpe(texts, int(spec[4:]), bpe_reserved(), progress=sys.stderr.isatty())
         if tok.vocab_size < int(spec[4:]):
             print(f"the train split has only enough distinct pairs for {tok.vocab_size} ids", file=sys.stderr)
         print(f"trained the BPE in {time.perf_counter() - start:.1f}s", file=sys.stderr)
@@ -430,7 +431,8 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
     joiner = [tok.eot_token] if not (prefix or suffix) and tok.eot_token is not None else []
     whole = chunks_encode_whole(tok)
     counts = {split: 0 for split in files}
-    with tqdm(total=sum(s.end - s.begin for s in segments), unit="char", unit_scale=True, desc="tokenizing") as bar:
+    with tqdm(total=sum(s.end - s.begin for s in segments), unit="char", unit_scale=True, desc="tokenizing",
+              disable=None) as bar:
         for seg in segments:
             f = files[seg.split]
             head = (joiner if counts[seg.split] else []) + (prefix if seg.begin == 0 else [])

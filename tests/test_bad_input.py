@@ -143,7 +143,7 @@ CASES = {
                                            f"--out_dir={w['file'].parent / 'prepared'}"), ["is not UTF-8 text"]),
     "prepare_empty_input": lambda w: (prepare("shakespeare_char", f"--input={w['empty_txt']}",
                                               f"--out_dir={w['file'].parent / 'prepared'}"),
-                                      ["the input text has 0 characters"]),
+                                      ["holds no text; nothing written"]),
     "prepare_out_dir_under_a_file": lambda w: (prepare("shakespeare_char", f"--input={w['config_fails']}",
                                                        f"--out_dir={w['file'] / 'prepared'}"),
                                                ["cannot write to the output folder", "is a file"]),
