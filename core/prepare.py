@@ -1,5 +1,11 @@
 """Preparing token data: text sources, tokenizing, and writing token files and shards with their
 meta.json, in the format core/data.py reads. The data/<name>/prepare.py scripts call it.
+
+Any text (data/text/prepare.py, and tiny Shakespeare's two scripts) goes through prepare_corpus:
+files -> documents -> whole-document train/val -> a tokenizer (char, GPT-2's BPE, a BPE trained on the
+train split, a folder's tokenizer.json) -> streamed encoding -> train.bin, val.bin, meta.json. The web
+corpora (openwebtext, fineweb) go through prepare_web_corpus: Hugging Face datasets, GPT-2's BPE in
+worker processes, shards.
 """
 from __future__ import annotations
 
@@ -237,10 +243,6 @@ class Segment:
     begin: int
     end: int
     split: str
-
-    @property
-    def whole(self) -> bool:
-        return self.begin == 0 and self.end == self.doc.chars
 
 
 def input_files(patterns: list[str]) -> list[Path]:
