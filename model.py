@@ -171,7 +171,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     scores see relative positions, and no position table bounds the sequence length.
     Pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) is x cos + (x2, x1) (-sin, sin): the halves
     swapped by a roll, the sign in the table. Three elementwise passes, where halves rotated apart
-    and concatenated took seven (RoPE and its backward were ~5% of config/modern.py's CPU step).
+    and concatenated take seven.
     """
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)  # (B, nh, T, hs)
