@@ -347,7 +347,7 @@ def plot_summary(values, kind: str, title: str):
 
 
 def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
-    from core.checkpoint import load_model  # torch is imported only here: loss plots start without it
+    from core.weights import load_model  # torch is imported only here: loss plots start without it
     from core.tokenizer import encode_prompt, read_prompt
 
     cfg = parse_args(AttentionConfig, argv)

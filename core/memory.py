@@ -16,12 +16,13 @@ import os
 import torch
 
 from core.errors import UserError, first_line
+from core.optim import OPTIMIZERS
+from model import GPT
 
 # fp32 state tensors the optimizer keeps per parameter: AdamW's two moments; Muon's momentum for
-# the hidden matrices (its embeddings, head and gains go to AdamW, two each); plain SGD none.
+# the hidden matrices (its embeddings, head and gains go to AdamW, two each).
 ADAMW_SLOTS = 2
 MUON_SLOTS = 1
-OPTIMIZERS = ("adamw", "muon", "sgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +39,6 @@ class MemoryEstimate:
 
 
 def _params_on_meta(config) -> list[tuple[str, torch.Tensor]]:
-    from model import GPT  # model imports nothing from core: no cycle
-
     with torch.device("meta"):  # shapes only: no memory, no init cost
         return list(GPT(config).named_parameters())  # a tied matrix appears once
 
@@ -50,11 +49,9 @@ def parameter_count(config) -> int:
 
 
 def optimizer_slots(name: str, param: torch.Tensor, optimizer: str) -> int:
-    if optimizer == "adamw":
-        return ADAMW_SLOTS
-    if optimizer == "muon":
-        return MUON_SLOTS if name.startswith("transformer.h.") and param.dim() == 2 else ADAMW_SLOTS
-    return 0
+    if optimizer == "muon" and name.startswith("transformer.h.") and param.dim() == 2:
+        return MUON_SLOTS
+    return ADAMW_SLOTS
 
 
 def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
