@@ -131,7 +131,7 @@ def test_bits_per_byte_is_the_loss_in_bits_over_the_bytes_scored(tmp_path):
     """A BPE dataset of multi-byte text: bits per byte = summed loss / ln 2 / the bytes of the decoded targets."""
     import importlib.util
 
-    from core.checkpoint import load_model
+    from core.weights import load_model
     from core.tokenizer import token_bytes
     from tests.helpers import REPO_ROOT
 

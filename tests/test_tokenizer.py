@@ -322,7 +322,7 @@ def test_fine_tune_an_imported_model_on_your_text(bpe, docs, tmp_path):
     import eval as eval_script
     import export
     import sample
-    from core.checkpoint import load_model
+    from core.weights import load_model
 
     folder = tmp_path / "llama"
     bos = write_llama_folder(folder, bpe)
