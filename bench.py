@@ -67,7 +67,7 @@ How each figure is measured:
              (the server's overhead), and CPU seconds (the server's from /proc, the client's and the
              in-process model's from this process), which a loaded machine disturbs less than wall time.
   speedrun   training time to a target val loss (the whole val split, core.evaluate.evaluate_split): nanoGPT's
-             model and plain loop (speedrun_base: GPT-2, its AdamW fused only on CUDA, its cosine schedule)
+             model and plain loop (speedrun_base: GPT-2, its AdamW fused only on CUDA, its cosine schedule, float32 on a CPU as nanoGPT runs there)
              against ours (speedrun_base + speedrun_ours: config/modern.py's model, core.optim's optimizer and
              schedule). Both read batches as nanoGPT does, from a generator of their own seeded alike. The
              runs take turns of speedrun_chunk iterations, so that load from other processes hits both, and
@@ -1165,6 +1165,8 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
     from core.data import TokenData
     from core.evaluate import evaluate_split
 
+    if name == "nanogpt" and rt.device_type == "cpu":
+        rt = dataclasses.replace(rt, dtype="float32")  # nanoGPT's train.py uses no autocast on a CPU
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**(recipe.model_args() | {"vocab_size": vocab}))).to(rt.device).train()
     betas = (recipe.beta1, recipe.beta2)

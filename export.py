@@ -27,10 +27,9 @@ from core import checkpoint, hf
 from core.chat import JINJA_TEMPLATE, ChatTemplate
 from core.config import parse_args
 from core.errors import UserError, run_cli
+from core.runtime import DTYPES
 from core.tokenizer import Tokenizer, save_hf_tokenizer
 from model import GPT
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass
