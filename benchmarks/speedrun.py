@@ -89,6 +89,8 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
     """nanogpt: GPT-2 with nanoGPT's AdamW and cosine schedule; ours: the recipe's model and core.optim's
     optimizer and schedule. Both step as nanoGPT's loop does, read batches from their own generator seeded
     with `seed`, and start from torch.manual_seed(seed)."""
+    if name == "nanogpt" and rt.device_type == "cpu":
+        rt = dataclasses.replace(rt, dtype="float32")  # nanoGPT's train.py uses no autocast on a CPU
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**(recipe.model_args() | {"vocab_size": vocab}))).to(rt.device).train()
     if name == "nanogpt":

@@ -27,5 +27,5 @@ beta2 = 0.99
 warmup_iters = 100
 
 device = "cpu"
-dtype = "float32"  # these CPUs have no fast bfloat16
+dtype = "auto"  # bfloat16 autocast where the CPU computes it natively (AVX512-BF16, AMX), else float32
 compile = False

@@ -23,12 +23,12 @@ DATASHEET_PEAK_FLOPS = (
 )
 
 
-def cpu_matmul_peak_flops(n: int = 1024, repeats: int = 10) -> float:
-    """Measured float32 matmul FLOP/s on this CPU, with torch's current thread count: the honest
+def cpu_matmul_peak_flops(n: int = 1024, repeats: int = 10, dtype: torch.dtype = torch.float32) -> float:
+    """Measured matmul FLOP/s in `dtype` on this CPU, with torch's current thread count: the honest
     'peak' for CPU MFU. The fastest of several runs, since a peak is what the hardware can reach
     and slower runs only measure other processes sharing the cores."""
     gen = torch.Generator().manual_seed(0)  # never touch the global RNG: training draws from it
-    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
     a @ b  # warm-up
     best = math.inf
     for _ in range(repeats):
@@ -41,7 +41,9 @@ def cpu_matmul_peak_flops(n: int = 1024, repeats: int = 10) -> float:
 def peak_flops_with_source(rt: Runtime) -> tuple[float | None, str]:
     """(peak FLOP/s or None, which figure it is): None, saying why, where MFU would be wrong."""
     if rt.device_type == "cpu":
-        return cpu_matmul_peak_flops(), "measured float32 1024x1024 matmul, fastest of 10 (cpu_matmul_peak_flops)"
+        # In the run's dtype: a bf16 run against float32's peak would overstate its MFU.
+        return cpu_matmul_peak_flops(dtype=rt.ptdtype), (f"measured {rt.dtype} 1024x1024 matmul, fastest of 10 "
+                                                          f"(cpu_matmul_peak_flops)")
     if rt.device_type != "cuda":
         return None, f"no peak figure for {rt.device_type}; MFU not reported"
     name = torch.cuda.get_device_name(rt.device)

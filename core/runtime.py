@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from core.errors import UserError, first_line
 
+# The dtypes every script accepts (--dtype, export.py's stored weights): their one home.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # How long the other ranks wait for rank 0's file writes (on_master): a checkpoint of a large model
@@ -209,19 +210,40 @@ def _cpu_flags() -> set[str]:
     return set(lines[0].split(":", 1)[1].split()) if lines else set()
 
 
-def resolve_dtype(name: str, device_type: str, device: str = "cuda:0") -> str:
-    """'auto' is bfloat16 on GPUs with native bf16, else float16 on CUDA (with a GradScaler), else float32."""
+def resolve_dtype(name: str, device: str) -> str:
+    """'auto' is bfloat16 where the device computes it natively (native_bf16: CUDA sm80+ and AMD GPUs,
+    CPUs with AVX512-BF16, AMX or ARM's BF16), else float16 on CUDA (with a GradScaler), else float32.
+
+    bfloat16 is autocast over the forward pass (Runtime.autocast), never the stored model, on a GPU and a
+    CPU alike: the weights the optimizer updates, its state and the gradients stay float32, since a bf16
+    weight (8 bits of mantissa) cannot take an update smaller than 1/256 of itself. Under autocast the
+    matmuls (attention's too) run in bf16; what stays float32 and why:
+    - the residual stream (embeddings plus each block's output), so each block's norm and ln_f
+      normalise float32 values; q/k norm takes bf16 q and k but sums in float32 and rounds once;
+    - the loss: autocast runs cross_entropy in float32 on the head's bf16 logits, since its
+      log-sum-exp over the vocabulary would round in bf16;
+    - at sampling, the next-token logits (GPT._last_logits): bf16 would round close scores into ties.
+    """
+    kind = device.split(":")[0]
     if name == "auto":
-        if device_type == "cuda":
-            return "bfloat16" if native_bf16(device) else "float16"
-        return "float32"
+        if native_bf16(device):
+            return "bfloat16"
+        return "float16" if kind == "cuda" else "float32"
     if name not in DTYPES:
-        raise UserError(f"unknown dtype '{name}'; use float32, bfloat16, float16 or auto")
-    if name != "float32" and device_type != "cuda":
-        # CPU autocast runs, but these CPUs have no fast bf16 (~100x slower matmuls) and
-        # float16 needs a GradScaler path we only support on CUDA.
-        raise UserError(f"dtype {name} is not supported on {device_type}; use --dtype=float32 there")
+        raise UserError(f"unknown dtype '{name}'; use {', '.join(DTYPES)} or auto")
+    if name == "float32":
+        return name
+    if kind == "mps":
+        raise UserError(f"dtype {name} is not supported on mps; use --dtype=float32 there")
+    if name == "float16" and kind != "cuda":
+        raise UserError(f"dtype float16 is not supported on {kind}: its loss scaling runs on CUDA only; use "
+                        f"--dtype=auto (bfloat16 where this CPU computes it natively, else float32)")
     if name == "bfloat16" and not native_bf16(device):
+        if kind == "cpu":
+            raise UserError(f"dtype bfloat16 is not supported on this CPU: it has no native bfloat16 "
+                            f"(no AVX512-BF16, AMX or ARM BF16 in use; torch's kernels: "
+                            f"{torch.backends.cpu.get_cpu_capability()}), so bf16 matmuls are emulated, "
+                            f"~50x slower than float32; use --dtype=float32 or --dtype=auto")
         major, minor = torch.cuda.get_device_capability(device)
         raise UserError(f"{torch.cuda.get_device_name(device)} (sm{major}{minor}) has no native bfloat16 (it would be "
                         f"emulated, many times slower); use --dtype=float16 or --dtype=auto")
@@ -249,7 +271,7 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0) -
         # TF32 matmuls: ~8x the float32 throughput on Ampere+ at a precision training tolerates.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    dtype = resolve_dtype(dtype, device_type, device)
+    dtype = resolve_dtype(dtype, device)
     flag_group = master_group = None
     if world_size > 1:
         # A finite timeout: a dead peer ends the job with an error instead of a hang.

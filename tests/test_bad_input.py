@@ -112,7 +112,6 @@ CASES = {
     "wrong_type": lambda w: (train(w, max_iters="ten"), ["config key 'max_iters' expects int, got 'ten'"]),
     "n_embd_not_divisible": lambda w: (train(w, n_embd=33, n_head=2), ["n_embd (33) must be divisible by n_head (2)"]),
     "unknown_init_from": lambda w: (train(w, init_from="gpt3"), ["unknown init_from 'gpt3'"]),
-    "bfloat16_on_cpu": lambda w: (train(w, dtype="bfloat16"), ["dtype bfloat16 is not supported on cpu"]),
     "absent_device": lambda w: (train(w, device="cuda:99"), ["device 'cuda:99'"]),  # no GPU, or not 100 of them
     "expression_on_command_line": lambda w: (
         train(w, max_iters=f"__import__('pathlib').Path('{w['marker']}').touch()"), ["'max_iters' expects int"]),
@@ -163,6 +162,7 @@ IN_PROCESS_CASES = {
     "beta_out_of_range": lambda w: (train(w, beta2=1.5), ["need 0 <= beta1, beta2 < 1"]),
     "infinite_learning_rate": lambda w: (train(w, learning_rate="1e999"), ["need 0 < learning_rate", "got inf"]),
     "unknown_dtype": lambda w: (train(w, dtype="float64"), ["unknown dtype 'float64'"]),
+    "float16_on_cpu": lambda w: (train(w, dtype="float16"), ["dtype float16 is not supported on cpu"]),
     "unknown_device": lambda w: (train(w, device="tpu"), ["unknown device 'tpu'"]),
     "meta_not_json": lambda w: (train(w, data_dir=w["data_bad_meta"]), ["meta.json is not valid JSON"]),
     "meta_without_vocab_size": lambda w: (train(w, data_dir=w["data_no_vocab"]), ["has no integer vocab_size"]),

@@ -4,21 +4,24 @@ path, the float16 GradScaler, torch.compile training, and what the training step
     python -m pytest tests/test_mixed_precision.py
     python -m pytest tests/test_mixed_precision.py -m "not slow"    # without the torch.compile run
 
-The command line refuses bfloat16 and float16 on the CPU (slow there); these tests build the Runtime
-directly, so the code paths a GPU run takes are exercised here with the CPU's autocast and GradScaler.
+--dtype=auto is bfloat16 on a CPU that computes it natively (runtime.cpu_native_bf16), float32 elsewhere;
+the command line refuses float16 on the CPU, and bfloat16 where it is emulated. Most tests here build the
+Runtime directly, so these code paths run on any CPU with its autocast and GradScaler; the one through
+the scripts fakes the CPU's answer both ways.
 """
 import math
 
 import pytest
 import torch
 
+import eval as eval_script
 import sample
 import train
 from benchmarks import common
 from core import runtime
 from core.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
-from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, train_tiny
+from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, run_main, train_tiny
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 BF16 = runtime.Runtime("cpu", "cpu", "bfloat16")
@@ -53,6 +56,29 @@ def test_bf16_autocast_training_step(tmp_path, data_dir, monkeypatch):
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
     state = load_checkpoint(tmp_path / "ckpt.pt")
     assert {t.dtype for t in state["model"].values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_every_script_follows_the_cpus_bf16(tmp_path, data_dir, monkeypatch, native):
+    """--dtype=auto through runtime.setup: where the CPU computes bf16 natively, train.py and eval.py run
+    their forwards under bf16 autocast (every nn.Linear's output is bf16) with float32 weights and a
+    float32 checkpoint, and sample.py decodes with its weights cast to bf16 (runtime.inference_model);
+    elsewhere all three run float32 throughout."""
+    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: native)
+    dtype, want = ("bfloat16", torch.bfloat16) if native else ("float32", torch.float32)
+    seen, linear = [], torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda m, x: seen.append((m.weight.dtype, linear(m, x).dtype))
+                        or linear(m, x))
+    train_tiny(tmp_path, data_dir, dtype="auto", max_iters=4, lr_decay_iters=4, eval_interval=4)
+    assert set(seen) == {(torch.float32, want)}  # training forwards and train.py's own evaluation
+    assert {t.dtype for t in load_checkpoint(tmp_path / "ckpt.pt")["model"].values()} == {torch.float32}
+    assert f'"dtype": "{dtype}"' in (tmp_path / "config.json").read_text()
+    seen.clear()
+    result = run_main(eval_script.main, [f"--out_dir={tmp_path}", "--device=cpu"])
+    assert result.returncode == 0 and f"cpu in {dtype}" in result.stderr and set(seen) == {(torch.float32, want)}
+    seen.clear()
+    result = run_main(sample.main, [f"--out_dir={tmp_path}", "--device=cpu", "--num_samples=1", "--max_new_tokens=4"])
+    assert result.returncode == 0 and f"cpu {dtype}" in result.stderr and set(seen) == {(want, want)}
 
 
 @pytest.fixture(scope="module")

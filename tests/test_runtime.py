@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from core import flops, runtime
 from core.errors import UserError
-from tests.helpers import ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, char_data_fixture
+from tests.helpers import ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, run_scripts
 
 SM = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 
@@ -135,6 +135,76 @@ def test_explicit_bf16_on_an_sm70_gpu_is_one_line(fake_gpus):
     with pytest.raises(UserError, match=r"Tesla V100-SXM2-16GB \(sm70\) has no native bfloat16.*--dtype=float16"):
         runtime.setup("cuda", "bfloat16")
     assert runtime.setup("cuda", "float16").dtype == "float16"
+
+
+def fake_cpu(monkeypatch, capability: str, flags: set[str], isa: str | None = None) -> None:
+    """A CPU as cpu_native_bf16 sees it: torch's kernel capability, /proc/cpuinfo's flags, oneDNN's cap."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(runtime, "_cpu_flags", lambda: flags)
+    if isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+
+
+@pytest.mark.parametrize("capability, flags, isa, expected", [
+    ("AVX2", {"avx2", "fma"}, None, "float32"),                        # most laptops and desktops
+    ("AVX512", {"avx512f", "avx512bw"}, None, "float32"),              # Skylake-X: AVX-512, no bf16 units
+    ("AVX512", {"avx512f", "avx512_bf16"}, None, "bfloat16"),          # Zen 4, Cooper Lake
+    ("AVX512", {"avx512f", "amx_bf16"}, None, "bfloat16"),             # Sapphire Rapids
+    ("AVX2", {"avx512f", "avx512_bf16"}, None, "float32"),             # Zen 4 under ATEN_CPU_CAPABILITY=avx2
+    ("AVX512", {"avx512f", "avx512_bf16"}, "AVX2", "float32"),         # ... or ONEDNN_MAX_CPU_ISA=AVX2
+    ("DEFAULT", {"fp", "asimd", "bf16"}, None, "bfloat16"),            # ARM with BF16 (Graviton 3)
+])
+def test_auto_dtype_on_a_cpu_is_bf16_autocast_only_where_it_is_native(monkeypatch, capability, flags, isa, expected):
+    """The rule CUDA follows: --dtype=auto is bfloat16 where the CPU computes it natively, else float32.
+    bf16 is autocast over the forward (a CPU autocast context), no GradScaler; float32 runs as is."""
+    fake_cpu(monkeypatch, capability, flags, isa)
+    rt = runtime.setup("cpu", "auto")
+    assert rt.dtype == expected and not rt.grad_scaler().is_enabled()
+    with rt.autocast():
+        assert torch.is_autocast_enabled("cpu") == (expected == "bfloat16")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 or expected == "float32"
+    assert runtime.setup("cpu", "float32").dtype == "float32"
+
+
+def test_explicit_bf16_on_a_cpu_is_allowed_only_where_it_is_native(monkeypatch):
+    fake_cpu(monkeypatch, "AVX512", {"avx512f", "avx512_bf16"})
+    assert runtime.setup("cpu", "bfloat16").dtype == "bfloat16"
+    fake_cpu(monkeypatch, "AVX2", {"avx2", "fma"})
+    with pytest.raises(UserError, match=r"^dtype bfloat16 is not supported on this CPU: it has no native bfloat16 "
+                                        r"\(.*torch's kernels: AVX2\).*emulated.*use --dtype=float32 or --dtype=auto$"):
+        runtime.setup("cpu", "bfloat16")
+    for native in ({"avx2"}, {"avx512_bf16"}):  # float16 needs loss scaling, which runs on CUDA only
+        fake_cpu(monkeypatch, "AVX512", native)
+        with pytest.raises(UserError, match=r"^dtype float16 is not supported on cpu.*--dtype=auto"):
+            runtime.setup("cpu", "float16")
+    with pytest.raises(UserError, match="unknown dtype 'float64'; use float32, bfloat16, float16 or auto"):
+        runtime.setup("cpu", "float64")
+
+
+@pytest.mark.slow
+def test_avx2_emulation_chooses_float32_and_refuses_bf16():
+    """Under scripts/cpu_capabilities.sh's avx2 variables a native-bf16 CPU answers as an AVX2 one:
+    --dtype=auto is float32, and train.py --dtype=bfloat16 is one line, exit 2 (on any CPU)."""
+    env = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    probe = "import torch; from core import runtime; print(runtime.setup('cpu').dtype, torch.backends.cpu.get_cpu_capability())"
+    choice, refusal = run_scripts(["-c", probe], ["train.py", "--device=cpu", "--dtype=bfloat16"], env=env)
+    assert choice.returncode == 0 and choice.stdout.split() == ["float32", "AVX2"], choice
+    assert_user_error(refusal, "dtype bfloat16 is not supported on this CPU", "use --dtype=float32 or --dtype=auto")
+
+
+def test_cpu_peak_for_mfu_is_measured_in_the_runs_dtype(monkeypatch):
+    """A bf16 run's MFU is against a bf16 matmul's rate: float32's (several times slower where bf16 is
+    native) would overstate it. (A small matmul here: bf16 emulated on an AVX2 CPU is ~50x slower.)"""
+    seen, measure = [], flops.cpu_matmul_peak_flops
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append(a.dtype) or torch.mm(a, b))
+    monkeypatch.setattr(flops, "cpu_matmul_peak_flops", lambda **kw: measure(n=64, **kw))
+    for dtype in ("float32", "bfloat16"):
+        peak, source = flops.peak_flops_with_source(runtime.Runtime("cpu", "cpu", dtype))
+        assert peak > 0 and f"measured {dtype} 1024x1024 matmul" in source
+    assert seen == [torch.float32] * 11 + [torch.bfloat16] * 11, seen
 
 
 # Dense peak FLOP/s, NVIDIA datasheets: BF16 and TF32 are quoted "with sparsity" (x2), FP32 is plain.

@@ -131,6 +131,26 @@ def tiny_speedrun(tmp_path, data, **extra) -> list[str]:
     return [f"--{k}={v}" for k, v in (args | extra).items()]
 
 
+def test_nanogpt_runs_float32_on_a_cpu_and_ours_follows_the_runtime(tiny_data, monkeypatch):
+    """nanoGPT's train.py has no autocast on a CPU: its side trains and scores in float32 even where ours
+    runs bf16 autocast (a native-bf16 CPU's --dtype=auto)."""
+    import torch
+    from core import runtime
+    from core.data import read_meta
+
+    seen, linear = [], torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda m, x: seen.append(linear(m, x).dtype) or linear(m, x))
+    cfg = bench.load_config(tiny_speedrun(tiny_data, tiny_data))
+    recipe = common.read_recipe(["n_layer=1", "n_head=2", "n_embd=32", "block_size=16", "batch_size=4"], "test")
+    rt, vocab = runtime.Runtime("cpu", "cpu", "bfloat16"), read_meta(tiny_data)["vocab_size"]
+    for name, want in (("nanogpt", torch.float32), ("ours", torch.bfloat16)):
+        seen.clear()
+        racer = speedrun.build_racer(name, recipe, 1, str(tiny_data), vocab, 2, cfg, rt, None)
+        with one_thread():
+            racer.step(0), racer.evaluate()
+        assert seen and set(seen) == {want}, name
+
+
 @pytest.mark.slow
 def test_speedrun_section_end_to_end_and_its_logs_plot_against_seconds(tmp_path, tiny_data, capsys):
     with one_thread():

@@ -1,0 +1,50 @@
+"""benchmarks/bandwidth.py: the bytes a cached decode step reads, its bound, and the copy that measures
+the bandwidth (with a scripted clock: speed itself is never asserted).
+
+    python -m pytest tests/test_bandwidth.py
+"""
+import pytest
+import torch
+
+from benchmarks import bandwidth
+from core import runtime
+from model import GPT, GPTConfig
+
+TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=40, dropout=0.0)
+
+
+def test_decode_reads_every_weight_but_the_looked_up_tables():
+    """Tied head (GPT-2): the token table is the head, read whole; the position table is one row. Untied:
+    the token table is one row and the head whole. bf16 weights are half the bytes."""
+    tied = GPT(GPTConfig(**TINY))
+    C, V = 16, 40
+    blocks = sum(p.numel() for p in tied.transformer.h.parameters()) + sum(p.numel() for p in tied.transformer.ln_f.parameters())
+    assert bandwidth.decode_weight_bytes(tied) == 4 * (blocks + V * C + C)  # + wte whole, + one wpe row
+    untied = GPT(GPTConfig(**TINY, tie_embeddings=False, pos_embedding="rope"))
+    blocks = sum(p.numel() for p in untied.transformer.h.parameters()) + sum(p.numel() for p in untied.transformer.ln_f.parameters())
+    assert bandwidth.decode_weight_bytes(untied) == 4 * (blocks + V * C + C)  # + the head whole, + one wte row
+    bf16 = runtime.inference_model(GPT(GPTConfig(**TINY)), runtime.Runtime("cpu", "cpu", "bfloat16"))
+    assert bandwidth.decode_weight_bytes(bf16) * 2 == bandwidth.decode_weight_bytes(tied)
+
+
+def test_kv_bytes_and_the_bound():
+    """Keys and values of every layer and kv head over the attended context; grouped-query attention
+    reads fewer. The bound is every byte at the bandwidth."""
+    c = GPTConfig(**TINY)
+    assert bandwidth.kv_cache_bytes(c, context=8, itemsize=4) == 2 * 2 * 2 * 8 * 8 * 4
+    gqa = GPTConfig(**TINY | dict(n_head=4, n_kv_head=1))
+    assert bandwidth.kv_cache_bytes(gqa, context=8, itemsize=4, batch_size=3) == 2 * 2 * 3 * 1 * 8 * 4 * 4
+    assert bandwidth.bound_s(3_000, 1_000, 2_000.0) == 2.0
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        bandwidth.bound_s(1, 1, 0.0)
+
+
+def test_copy_bandwidth_counts_the_read_and_the_write_of_the_fastest_copy():
+    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 2.75])  # copies of 0.5, 0.25 and 0.75 s
+    n = 1 << 20
+    assert bandwidth.copy_bandwidth(n, repeats=3, clock=lambda: next(ticks)) == 2 * n / 0.25
+
+
+def test_cached_step_runs_the_cache_at_a_fixed_position():
+    model = GPT(GPTConfig(**TINY)).eval()
+    assert bandwidth.cached_step_s(model, context=8, warmup=1, repeats=2) > 0
