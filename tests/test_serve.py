@@ -685,3 +685,59 @@ def test_completion_logprobs_shape_and_offsets():
     got = serve.completion_logprobs(tok, [(a, None), (b, TokenScore(-0.5, [(b, -0.5), (a, -1.5)]))])
     assert got == {"tokens": ["a", "b"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"b": -0.5, "a": -1.5}],
                    "text_offset": [0, 1]}
+
+
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness, the outside client: the same scores through the server as on the exported weights
+
+LM_EVAL_TASKS = REPO_ROOT / "tests" / "lm_eval_tasks"
+
+
+def lm_eval_run(model: str, model_args: dict) -> dict:
+    lm_eval = pytest.importorskip("lm_eval", reason="pip install -r requirements-dev.txt")
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["romeo_mc", "romeo_ll", "romeo_gen"],
+                                   task_manager=TaskManager(include_path=str(LM_EVAL_TASKS)), log_samples=True,
+                                   batch_size=1, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                                   fewshot_random_seed=0)
+
+
+def per_item(result: dict, task: str) -> list:
+    return [s["filtered_resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_through_the_server_equal_the_exported_weights(base, char_out, tmp_path, monkeypatch):
+    """lm-eval's local-completions against serve.py, and its hf model on export.py's folder of the same run:
+    every loglikelihood agrees to 1e-4, every generation and metric is equal; then with no tokenizer given,
+    lm-eval finds the server's tokenizer endpoints and scores the same."""
+    hf_dir = tmp_path / "hf"
+    exported = run_scripts(["export.py", f"--out_dir={char_out}", f"--hf_dir={hf_dir}"])[0]
+    assert exported.returncode == 0, exported.stderr
+    # lm-eval's hf model decodes the tokenizer's EOS to stop generations; a char vocabulary has none, so the
+    # folder's tokenizer names "\n", where the generate_until task stops anyway.
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "\n"}))
+    monkeypatch.chdir(LM_EVAL_TASKS)  # the task files name their data files relative to themselves
+    url = base.url + "/v1/completions"
+    local = dict(model="romeo", base_url=url, tokenizer=str(hf_dir), tokenizer_backend="huggingface",
+                 tokenized_requests=True, num_concurrent=1, max_retries=1, max_length=BLOCK_SIZE)
+    server = lm_eval_run("local-completions", local)
+    hf = lm_eval_run("hf", dict(pretrained=str(hf_dir), device="cpu", dtype="float32", max_length=BLOCK_SIZE))
+    remote = lm_eval_run("local-completions", {k: v for k, v in local.items()
+                                               if k not in ("tokenizer", "tokenizer_backend")})
+    for task in ("romeo_mc", "romeo_ll"):
+        for ours, theirs, far in zip(per_item(server, task), per_item(hf, task), per_item(remote, task)):
+            for (ll, greedy), (hf_ll, hf_greedy), (r_ll, r_greedy) in zip(ours, theirs, far):
+                assert abs(float(ll) - float(hf_ll)) < 1e-4 and abs(float(r_ll) - float(ll)) < 1e-4, task
+                assert greedy == hf_greedy == r_greedy, task
+    assert per_item(server, "romeo_gen") == per_item(hf, "romeo_gen") == per_item(remote, "romeo_gen")
+    for task in ("romeo_mc", "romeo_ll", "romeo_gen"):
+        metrics = {k: v for k, v in server["results"][task].items() if "stderr" not in k and isinstance(v, float)}
+        # equal, up to the float rounding of perplexity's exp of a summed 1e-4-close loglikelihood
+        for other in (hf, remote):
+            assert metrics == pytest.approx({k: other["results"][task][k] for k in metrics}, rel=1e-5, abs=1e-6)
+        assert metrics, task
+    lls = [float(ll) for item in per_item(server, "romeo_mc") for ll, _ in item]
+    assert len(set(lls)) == len(lls)  # a trained model: every choice scored apart, not one value over and over
