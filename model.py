@@ -155,15 +155,17 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def rope_angles(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (T, hs), of the rotary angles positions * base^(-2i/hs), i < hs/2: column i
     and column i + hs/2 hold pair i's angle, and sin's first half is negated (see apply_rope).
+    positions (B, T), each row at its own positions, gives (B, 1, T, hs): one table per row, for every head.
 
     Computed in float64 where the device has it: a position's angle then stays exact far past
     block_size, so a key rotated at position p scores the same against any later query.
     """
     dtype = torch.float32 if positions.device.type == "mps" else torch.float64
     inv_freq = base ** -(torch.arange(0, head_size, 2, device=positions.device, dtype=dtype) / head_size)  # (hs/2,)
-    angles = positions.to(dtype)[:, None] * inv_freq[None, :]  # (T, hs/2)
+    angles = positions.to(dtype)[..., None] * inv_freq  # (T, hs/2) or (B, T, hs/2)
     cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (T, hs) each
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (T, hs) or (B, T, hs) each
+    return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])  # (B, 1, T, hs): every head
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -213,6 +215,8 @@ class CausalSelfAttention(nn.Module):
 
         kv: this layer's (k, v) cache buffers (B, nkv, max_len, hs); the chunk's keys and values
         are written at [pos:pos+T] and the queries attend to [0:pos+T] (see _write_cache past max_len).
+        pos may be a LongTensor (B,): each row at its own position (the server's batch, see KVCache);
+        row b writes at [pos[b]:pos[b]+T] and its queries are masked to their own keys.
         attn_out: a list; the naive backend appends this layer's weights (B, nh, T, Tk) to it.
         rope: (cos, sin) of the chunk's positions, each (T, hs), for pos_embedding="rope".
         """
@@ -225,12 +229,15 @@ class CausalSelfAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv is not None:
+        mask = None
+        if kv is not None and isinstance(pos, torch.Tensor):
+            k, v, mask = self._write_rows(kv, pos, k, v)  # (B, nkv, Tk, hs), mask (B, 1, T, Tk)
+        elif kv is not None:
             k, v = self._write_cache(kv, pos, k, v)  # (B, nkv, pos+T, hs)
         if self.backend == "sdpa":
-            y = self._sdpa(q, k, v)
+            y = self._sdpa(q, k, v, mask)
         else:
-            y = self._naive(q, k, v, attn_out)
+            y = self._naive(q, k, v, attn_out, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C), heads side by side again
         return self.resid_dropout(self.c_proj(y))  # c_proj mixes what the heads found
 
@@ -249,10 +256,26 @@ class CausalSelfAttention(nn.Module):
         v_cache[:, :, pos:pos + T] = v
         return k_cache[:, :, :pos + T], v_cache[:, :, :pos + T]  # (B, nkv, pos+T, hs)
 
-    def _sdpa(self, q, k, v):
+    @staticmethod
+    def _write_rows(kv, pos, k, v):
+        """Each row b at its own position pos[b] (B,): its T keys go to [pos[b]:pos[b]+T], and the keys are the
+        first max(pos) + T slots of every row, masked per row to the ones it has written: (k, v, mask)."""
+        k_cache, v_cache = kv
+        B, T = k.size(0), k.size(2)
+        at = pos.to(k.device)[:, None] + torch.arange(T, device=k.device)  # (B, T) each new key's slot
+        rows = torch.arange(B, device=k.device)[:, None]  # (B, 1)
+        k_cache[rows, :, at] = k.transpose(1, 2)  # (B, T, nkv, hs) into (B, nkv, max_len, hs)
+        v_cache[rows, :, at] = v.transpose(1, 2)
+        Tk = int(pos.max()) + T
+        mask = torch.arange(Tk, device=k.device) <= at[:, :, None]  # (B, T, Tk): key j up to the query's own slot
+        return k_cache[:, :, :Tk], v_cache[:, :, :Tk], mask[:, None]  # (B, nkv, Tk, hs) x 2, (B, 1, T, Tk)
+
+    def _sdpa(self, q, k, v, mask=None):
         Tq, Tk = q.size(2), k.size(2)
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.n_kv_head != self.n_head  # torch repeats each k/v head for its group of query heads
+        if mask is not None:  # rows at their own positions: each row's own causal mask
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
         if Tq == Tk:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
         # One new token is the last position and sees every key: no mask, which keeps decoding
@@ -261,10 +284,14 @@ class CausalSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               enable_gqa=gqa)  # (B, nh, T, hs)
 
-    def _naive(self, q, k, v, attn_out):
+    def _naive(self, q, k, v, attn_out, mask=None):
         group = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
-        att = attention_weights(q, k, causal=True)  # (B, nh, T, Tk)
+        if mask is None:
+            att = attention_weights(q, k, causal=True)  # (B, nh, T, Tk)
+        else:  # rows at their own positions: a row's keys past its own are -inf (its mask, (B, 1, T, Tk))
+            scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+            att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         if attn_out is not None:
             attn_out.append(att)
         return self.attn_dropout(att) @ v  # (B, nh, T, hs)
@@ -338,13 +365,26 @@ class KVCache:
     Rolling (rotary positions only): once full, a model with pos_embedding="rope" may feed one
     token at a time past max_len; it overwrites the oldest slot, so the queries attend to the
     last max_len keys (a sliding window). pos keeps counting: it is the new token's rotary position.
+
+    Each row at its own position (the server's batch, core/engine.py): pos may be a LongTensor (B,) on
+    the CPU. Row b's chunk goes to [pos[b]:pos[b]+T] and its queries see only its own keys, so rows of
+    different lengths share one forward; advance moves every row, in place. rows(i, j) is a view of
+    slots i..j-1 sharing the buffers and the positions, for a forward over some of the rows.
     """
 
     def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32):
         shape = (n_layer, batch_size, n_head, max_len, head_size)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nkv, max_len, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nkv, max_len, hs)
-        self.pos = 0
+        self.pos: int | torch.Tensor = 0
+
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """Slots start..stop-1 as a cache of their own: the same buffers, and a view of the per-row positions."""
+        if not isinstance(self.pos, torch.Tensor):
+            raise ValueError("rows() needs per-row positions: set pos to a LongTensor (B,) first")
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.pos = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop]
+        return view
 
     @property
     def batch_size(self) -> int:
@@ -359,11 +399,14 @@ class KVCache:
         return self.k[i], self.v[i]
 
     def advance(self, n: int):
-        self.pos += n
+        self.pos += n  # in place for per-row positions, so a rows() view moves its parent's rows
 
     def reset(self):
         """Forget everything; the buffers are reused from position 0."""
-        self.pos = 0
+        if isinstance(self.pos, torch.Tensor):
+            self.pos.zero_()
+        else:
+            self.pos = 0
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
@@ -436,6 +479,13 @@ class Sampling:
     window_shift: int = 1
     vocab_size: int | None = None
     rolling_cache: bool = False
+
+
+def slide_window(start: int, length: int, block_size: int, shift: int) -> int:
+    """Where the context window of a sequence of `length` tokens starts once the window tokens[start:] has
+    outgrown block_size: `shift` further on, or further still if that is not enough (a prompt longer than
+    block_size). generate and the server's engine both slide by this one rule."""
+    return max(start + shift, length - block_size)
 
 
 def window_shift(requested: int | None, block_size: int) -> int:
@@ -515,7 +565,10 @@ class GPT(nn.Module):
         """
         B, T = idx.size()
         pos = self._check_input(B, T, kv_cache, return_attn)
-        positions = torch.arange(pos, pos + T, device=idx.device)  # (T,)
+        if isinstance(pos, torch.Tensor):  # each row at its own position: (B, T)
+            positions = pos.to(idx.device)[:, None] + torch.arange(T, device=idx.device)
+        else:
+            positions = torch.arange(pos, pos + T, device=idx.device)  # (T,)
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
         if self.config.pos_embedding == "learned":
             x = x + self.transformer.wpe(positions)
@@ -566,11 +619,19 @@ class GPT(nn.Module):
         c = self.config.logit_softcap
         return logits if c is None else c * torch.tanh(logits / c)
 
-    def _check_input(self, B, T, kv_cache, return_attn) -> int:
-        """The position of idx's first token; raise ValueError if the model cannot take the chunk."""
+    def _check_input(self, B, T, kv_cache, return_attn) -> int | torch.Tensor:
+        """The position of idx's first token (an int, or a LongTensor (B,) when the cache's rows stand at
+        different positions); raise ValueError if the model cannot take the chunk."""
         pos = 0 if kv_cache is None else kv_cache.pos
-        seen = pos + T  # keys the last query attends to
-        if kv_cache is not None and self.config.pos_embedding == "rope" and T == 1 and pos >= kv_cache.max_len:
+        if isinstance(pos, torch.Tensor):
+            if pos.numel() and bool((pos == pos[0]).all()):
+                pos = int(pos[0])  # every row at one position: the plain path, the same floats as generate
+            elif return_attn:
+                raise ValueError("return_attn needs every row of the cache at one position")
+        per_row = isinstance(pos, torch.Tensor)
+        seen = (int(pos.max()) if per_row else pos) + T  # keys the last query attends to
+        if (kv_cache is not None and not per_row and self.config.pos_embedding == "rope" and T == 1
+                and pos >= kv_cache.max_len):
             seen = kv_cache.max_len  # a full rotary cache rolls: the oldest key makes room (see KVCache)
         if seen > self.config.block_size:
             raise ValueError(f"sequence of {seen} tokens exceeds block_size {self.config.block_size}")
@@ -627,7 +688,7 @@ class GPT(nn.Module):
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
         for _ in range(max_new_tokens):
             if idx.size(1) - start > block_size:
-                start = max(start + s.window_shift, idx.size(1) - block_size)
+                start = slide_window(start, idx.size(1), block_size, s.window_shift)
                 if cache is not None and not s.rolling_cache:
                     cache.reset()  # every token moved to a new position: the cached keys are stale
                     origin = start

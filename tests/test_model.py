@@ -214,6 +214,28 @@ def test_chunked_kv_cache_equals_full_forward(backend):
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("overrides", [dict(), dict(attn_backend="naive"), dict(pos_embedding="rope", n_kv_head=1)])
+def test_rows_at_their_own_positions_equal_each_row_alone(overrides):
+    """One forward over rows of different lengths (per-row positions, masked) gives each row what it gets
+    alone; the cache is written per row, so the next step goes on from each row's own position."""
+    torch.manual_seed(0)
+    model = sharp_model(**overrides) if "wpe" in tiny_model(**overrides).transformer else tiny_model(**overrides)
+    lengths = [3, 17, 9]
+    idx = random_idx(3, 20)
+    with torch.no_grad():
+        alone = [model(idx[b:b + 1, :n + 2])[0][0, n:n + 2] for b, n in enumerate(lengths)]  # (2, V) each
+        cache = model.new_kv_cache(3)
+        cache.pos = torch.zeros(3, dtype=torch.long)
+        for b, n in enumerate(lengths):  # each row prefilled on its own slot
+            model(idx[b:b + 1, :n], kv_cache=cache.rows(b, b + 1))
+        assert cache.pos.tolist() == lengths
+        steps = [model(torch.stack([idx[b, n + t] for b, n in enumerate(lengths)])[:, None], kv_cache=cache)[0]
+                 for t in range(2)]  # (3, 1, V) each: every row's next token at its own position
+    assert cache.pos.tolist() == [n + 2 for n in lengths]
+    for b in range(3):
+        torch.testing.assert_close(torch.cat([steps[0][b], steps[1][b]]), alone[b], atol=1e-5, rtol=0)
+
+
 def test_kv_cache_capacity_and_reset():
     model = tiny_model()
     cache = model.new_kv_cache(1, max_len=6)

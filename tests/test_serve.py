@@ -522,3 +522,222 @@ def test_page_chats_with_history_and_a_key(chat, browser, tmp_path):
     assert all(r.headers["authorization"] == f"Bearer {KEY}" for r in sent)
     page.screenshot(path=tmp_path / "chat.png")
     assert (tmp_path / "chat.png").stat().st_size > 10_000
+
+
+# -----------------------------------------------------------------------------
+# batching, logprobs and echo, every field honoured or refused, the tokenizer endpoints, /metrics
+
+
+def test_sixteen_concurrent_streams_greedy_and_seeded_get_their_lone_text(base):
+    requests = [dict(prompt=p, seed=s, max_tokens=80, temperature=t)
+                for p, s, t in zip(["ROMEO:", "JULIET:", "O Romeo", "What"] * 4, range(16), [0, 1.0] * 8)]
+    lone = [complete(base, **r).choices[0].text for r in requests]
+    client = openai.AsyncOpenAI(base_url=base.url + "/v1", api_key="unused", max_retries=0)
+
+    async def one(r):
+        return "".join([c.choices[0].text async for c in await client.completions.create(model="romeo", stream=True,
+                                                                                          **r) if c.choices])
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    assert asyncio.run(all_at_once()) == lone
+    metrics = httpx.get(base.url + "/metrics").text
+    sizes = [line for line in metrics.splitlines() if line.startswith("nanogpt_batch_size_bucket")]
+    le8 = next(float(line.split()[-1]) for line in sizes if 'le="8.0"' in line)
+    total = next(float(line.split()[-1]) for line in sizes if 'le="+Inf"' in line)
+    assert total > le8  # some decoding steps held more than 8 rows: the requests were batched
+
+
+def test_echo_logprobs_are_lm_evals_request(base, char_out):
+    """lm-eval's loglikelihood request: token ids, echo, max_tokens 1, logprobs 1."""
+    tok = CharTokenizer.from_text(TEXT)
+    ids = tok.encode("ROMEO: But soft, what light")
+    r = httpx.post(base.url + "/v1/completions", timeout=30, json={
+        "model": "romeo", "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+        "echo": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and lp["tokens"][:len(ids)] == list("ROMEO: But soft, what light")
+    assert lp["text_offset"] == list(range(len(ids) + 1)) and r["choices"][0]["text"].startswith("ROMEO: But")
+    import torch
+    from core.checkpoint import load_model
+    model, _, _ = load_model("resume", str(char_out))
+    with torch.no_grad():
+        logits, _ = model.eval()(torch.tensor([ids + [tok.encode(lp["tokens"][-1])[0]]]))
+    want = torch.log_softmax(logits[0, :-1].float(), -1)
+    every = ids[1:] + tok.encode(lp["tokens"][-1])
+    for i, (t, got) in enumerate(zip(every, lp["token_logprobs"][1:])):
+        assert abs(got - want[i, t].item()) < 1e-5
+    assert lp["token_logprobs"][-1] == max(lp["top_logprobs"][-1].values())  # greedy: lm-eval's is_greedy ==
+    scored = httpx.post(base.url + "/v1/completions", timeout=30, json={
+        "model": "romeo", "prompt": "ROMEO: But soft, what light", "max_tokens": 0, "echo": True, "logprobs": 0})
+    choice = scored.json()["choices"][0]
+    assert choice["text"] == "ROMEO: But soft, what light" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"][:len(ids)], abs=1e-5)
+    assert scored.json()["usage"]["completion_tokens"] == 0
+
+
+def test_logit_bias_and_penalties_change_the_text(base):
+    tok = CharTokenizer.from_text(TEXT)
+    z = tok.encode("z")[0] if "z" in TEXT else 0
+    plain = complete(base, prompt="ROMEO:", max_tokens=40, temperature=0).choices[0].text
+    forced = complete(base, prompt="ROMEO:", max_tokens=10, temperature=0, logit_bias={str(z): 100})
+    assert forced.choices[0].text == tok.decode([z]) * 10  # +100 forces the token
+    banned = complete(base, prompt="ROMEO:", max_tokens=40, temperature=0,
+                      logit_bias={str(i): -100 for i in tok.encode("t")}).choices[0].text
+    assert "t" in plain and "t" not in banned
+    for field in ("frequency_penalty", "presence_penalty"):
+        text = complete(base, prompt="ROMEO:", max_tokens=40, temperature=0, **{field: 2.0}).choices[0].text
+        assert text != plain and len(set(text)) > len(set(plain)), (field, text, plain)
+
+
+REFUSED = {"best_of": 2, "suffix": "x", "response_format": {"type": "json_object"}, "foo": 1, "max_token": 5,
+           "tools": [], "user": "me", "logprobs_": 1}
+
+
+@pytest.mark.parametrize("field", REFUSED)
+def test_every_field_not_implemented_is_refused_by_name(base, field):
+    body = {"model": "romeo", "prompt": "ROMEO:", field: REFUSED[field]}
+    r = httpx.post(base.url + "/v1/completions", json=body, timeout=30)
+    assert_error(r, 400, field, f"'{field}'")
+    assert r.json()["error"]["code"] == "unsupported_field"
+
+
+def test_chat_logprobs_and_refused_tools(chat):
+    client = chat.client(KEY)
+    question, answer = CONVERSATIONS[0]
+    r = client.chat.completions.create(model="chatty", messages=[{"role": "user", "content": question}],
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == answer
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model="chatty", messages=[{"role": "user", "content": question}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_model_retrieve_tokenizer_endpoints_and_metrics(base):
+    assert base.client().models.retrieve("romeo").id == "romeo"
+    with pytest.raises(openai.NotFoundError):
+        base.client().models.retrieve("gpt-4")
+    info = httpx.get(base.url + "/tokenizer_info").json()
+    assert "eos_token" in info and info["model_max_length"] == BLOCK_SIZE
+    tok = CharTokenizer.from_text(TEXT)
+    t = httpx.post(base.url + "/tokenize", json={"prompt": "ROMEO:", "add_special_tokens": False}).json()
+    assert t == {"tokens": tok.encode("ROMEO:"), "count": 6, "max_model_len": BLOCK_SIZE}
+    assert httpx.post(base.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "ROMEO:"}
+    complete(base, prompt="ROMEO:", max_tokens=5)
+    metrics = httpx.get(base.url + "/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    names = {line.split("{")[0].split(" ")[0] for line in metrics.text.splitlines() if not line.startswith("#")}
+    for name in ("nanogpt_requests_running", "nanogpt_requests_waiting", "nanogpt_prompt_tokens_total",
+                 "nanogpt_generation_tokens_total", "nanogpt_time_to_first_token_seconds_bucket",
+                 "nanogpt_time_per_output_token_seconds_bucket", "nanogpt_batch_size_bucket"):
+        assert name in names, name
+
+
+# -----------------------------------------------------------------------------
+# the text side, without a server
+
+
+def pushed(row: "serve.Row", ids: list[int]) -> list[str]:
+    return [row.push(i) for i in ids]
+
+
+def test_row_holds_back_a_possible_stop_string_and_cuts_at_it():
+    tok = CharTokenizer.from_text("abcdefgh lowrd")
+    row = serve.Row(tok, ["lo w", "zz"], set(), max_tokens=100)
+    pieces = pushed(row, tok.encode("hello world"))
+    assert "".join(pieces) == "hel" and row.text == "hel" and row.finish == "stop"
+    # "l" could start "lo w": held back; at "ll" the first is safe; "lo", "lo " wait; "lo w" is cut off
+    assert pieces[:8] == ["h", "e", "", "l", "", "", "", ""]
+    assert row.tokens == 7  # the ids taken up to the end of the stop string, "hello w"
+
+
+def test_row_finish_reasons_length_and_stop_token():
+    tok = CharTokenizer.from_text("abc")
+    row = serve.Row(tok, [], {tok.encode("c")[0]}, max_tokens=3)
+    assert pushed(row, tok.encode("ab")) == ["a", "b"] and row.finish is None
+    assert row.push(tok.encode("c")[0]) == "" and row.finish == "stop" and row.text == "ab"
+    row = serve.Row(tok, [], set(), max_tokens=2)
+    assert pushed(row, tok.encode("aba")) == ["a", "b", ""] and row.finish == "length" and row.tokens == 2
+
+
+def test_row_sends_only_whole_utf8_characters():
+    use_gpt2_bpe()
+    from core.tokenizer import GPT2Tokenizer
+    tok = GPT2Tokenizer()
+    text = "naïve 🙂 日本語"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # several ids per character somewhere
+    row = serve.Row(tok, [], set(), max_tokens=len(ids))
+    pieces = pushed(row, ids)
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces) and row.finish == "length"
+    assert "" in pieces  # some ids ended inside a character and were held back
+
+
+def test_completion_logprobs_shape_and_offsets():
+    from core.engine import TokenScore
+    tok = CharTokenizer.from_text("abc")
+    a, b = tok.encode("ab")
+    got = serve.completion_logprobs(tok, [(a, None), (b, TokenScore(-0.5, [(b, -0.5), (a, -1.5)]))])
+    assert got == {"tokens": ["a", "b"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"b": -0.5, "a": -1.5}],
+                   "text_offset": [0, 1]}
+
+
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness, the outside client: the same scores through the server as on the exported weights
+
+LM_EVAL_TASKS = REPO_ROOT / "tests" / "lm_eval_tasks"
+
+
+def lm_eval_run(model: str, model_args: dict) -> dict:
+    lm_eval = pytest.importorskip("lm_eval", reason="pip install -r requirements-dev.txt")
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["romeo_mc", "romeo_ll", "romeo_gen"],
+                                   task_manager=TaskManager(include_path=str(LM_EVAL_TASKS)), log_samples=True,
+                                   batch_size=1, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                                   fewshot_random_seed=0)
+
+
+def per_item(result: dict, task: str) -> list:
+    return [s["filtered_resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_through_the_server_equal_the_exported_weights(base, char_out, tmp_path, monkeypatch):
+    """lm-eval's local-completions against serve.py, and its hf model on export.py's folder of the same run:
+    every loglikelihood agrees to 1e-4, every generation and metric is equal; then with no tokenizer given,
+    lm-eval finds the server's tokenizer endpoints and scores the same."""
+    hf_dir = tmp_path / "hf"
+    exported = run_scripts(["export.py", f"--out_dir={char_out}", f"--hf_dir={hf_dir}"])[0]
+    assert exported.returncode == 0, exported.stderr
+    # lm-eval's hf model decodes the tokenizer's EOS to stop generations; a char vocabulary has none, so the
+    # folder's tokenizer names "\n", where the generate_until task stops anyway.
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "\n"}))
+    monkeypatch.chdir(LM_EVAL_TASKS)  # the task files name their data files relative to themselves
+    url = base.url + "/v1/completions"
+    local = dict(model="romeo", base_url=url, tokenizer=str(hf_dir), tokenizer_backend="huggingface",
+                 tokenized_requests=True, num_concurrent=1, max_retries=1, max_length=BLOCK_SIZE)
+    server = lm_eval_run("local-completions", local)
+    hf = lm_eval_run("hf", dict(pretrained=str(hf_dir), device="cpu", dtype="float32", max_length=BLOCK_SIZE))
+    remote = lm_eval_run("local-completions", {k: v for k, v in local.items()
+                                               if k not in ("tokenizer", "tokenizer_backend")})
+    for task in ("romeo_mc", "romeo_ll"):
+        for ours, theirs, far in zip(per_item(server, task), per_item(hf, task), per_item(remote, task)):
+            for (ll, greedy), (hf_ll, hf_greedy), (r_ll, r_greedy) in zip(ours, theirs, far):
+                assert abs(float(ll) - float(hf_ll)) < 1e-4 and abs(float(r_ll) - float(ll)) < 1e-4, task
+                assert greedy == hf_greedy == r_greedy, task
+    assert per_item(server, "romeo_gen") == per_item(hf, "romeo_gen") == per_item(remote, "romeo_gen")
+    for task in ("romeo_mc", "romeo_ll", "romeo_gen"):
+        metrics = {k: v for k, v in server["results"][task].items() if "stderr" not in k and isinstance(v, float)}
+        # equal, up to the float rounding of perplexity's exp of a summed 1e-4-close loglikelihood
+        for other in (hf, remote):
+            assert metrics == pytest.approx({k: other["results"][task][k] for k in metrics}, rel=1e-5, abs=1e-6)
+        assert metrics, task
+    lls = [float(ll) for item in per_item(server, "romeo_mc") for ll, _ in item]
+    assert len(set(lls)) == len(lls)  # a trained model: every choice scored apart, not one value over and over

@@ -1,0 +1,371 @@
+"""BatchEngine: continuous batching for the server. One thread; each step runs one model forward over the
+next token of every decoding row of every request, each row at its own position in one KV cache.
+
+    engine = BatchEngine(model, max_batch=16, window_shift=128, vocab_size=tok.vocab_size)
+    engine.start()
+    handle = engine.submit(EngineRequest(prompt=ids, n=1, max_tokens=50, sampling=Sampling(temperature=0)), loop)
+    async for event in handle.events(): ...     # PromptScores once (with echo), then one list[RowStep] per step
+
+The cache holds max_batch slots, preallocated once; a request's n rows take n free slots. A new request
+is prefilled on its own slot (its prompt in chunks of prefill_chunk tokens, one chunk per step, so a long
+prompt does not stall the rows already decoding) and joins the batch at the next step. A request that
+finishes, fails or is cancelled frees its slots at once. Rows decode through model.py's forward with
+per-row positions (KVCache): a free or prefilling slot rides along as a dummy row whose key is
+overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a view, never a copy.
+
+The decoding math is model.py's, not a second copy: sample_next draws each request's rows with the
+request's own generator, slide_window moves a row's context window past block_size as generate does
+(refilling the row's cache, as generate refills its own), and tokens not yet in the cache are fed as
+generate's _next_logits feeds them. So a request's text is what model.generate gives for it alone
+(tests/test_engine.py), whatever runs beside it, up to the rounding of batched matmuls (which has not
+changed a token in the tests). A request's n choices share its generator, so they are sampled together
+(one multinomial over n rows, as generate does) and leave the batch together.
+"""
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+import torch
+from torch.nn import functional as F
+
+from core.errors import first_line
+from model import GPT, Sampling, sample_next, slide_window
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    """One prompt's generation: n rows drawn with `sampling` (its generator seeded by the caller)."""
+    prompt: list[int]
+    n: int
+    max_tokens: int  # 0: score the prompt only (with echo)
+    sampling: Sampling
+    logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and the k most likely
+    echo: bool = False  # also the prompt's own logprobs (PromptScores)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class TokenScore:
+    """A token's log-probability and the `top` most likely tokens at its position, [(id, logprob)]."""
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class RowStep:
+    token: int
+    score: TokenScore | None  # with logprobs
+
+
+@dataclasses.dataclass
+class PromptScores:
+    """The prompt's tokens scored by the model: scores[0] is None (nothing predicts the first token)."""
+    scores: list[TokenScore | None]
+
+
+class ServerStopping(Exception):
+    pass
+
+
+def adjust_logits(logits: torch.Tensor, counts: torch.Tensor | None, presence: float, frequency: float,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """OpenAI's penalties and logit_bias on logits (n, V): minus frequency * (times the row has generated the
+    token) minus presence * (once it has), plus the bias. counts (n, V), bias (V,) or None."""
+    if counts is not None and (presence or frequency):
+        logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return logits if bias is None else logits + bias
+
+
+def score(logprobs: torch.Tensor, tokens: torch.Tensor, k: int, vocab_size: int) -> list[TokenScore]:
+    """TokenScores of tokens (n,) under logprobs (n, V): the token's float and the k most likely ids below
+    vocab_size, taken from the same tensor, so the argmax's float is identical in both."""
+    picked = logprobs.gather(1, tokens[:, None])[:, 0].tolist()  # (n,)
+    if k == 0:
+        return [TokenScore(lp, []) for lp in picked]
+    top = logprobs[:, :vocab_size].topk(min(k, vocab_size), dim=-1)
+    return [TokenScore(lp, list(zip(ids, vals))) for lp, ids, vals in
+            zip(picked, top.indices.tolist(), top.values.tolist())]
+
+
+class Handle:
+    """A submitted request: its events cross from the engine thread to the caller's event loop."""
+
+    def __init__(self, req: EngineRequest, loop: asyncio.AbstractEventLoop):
+        self.req, self.loop = req, loop
+        self.out: asyncio.Queue = asyncio.Queue()  # PromptScores, list[RowStep] per step; then None or an exception
+        self.cancelled = threading.Event()
+        self.submitted = time.monotonic()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (shutting down): nobody is waiting for this any more
+            pass
+
+    async def events(self) -> AsyncIterator:
+        """Each event until the generation ends; leaving early (the caller's break or close) cancels it."""
+        try:
+            while (item := await self.out.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancelled.set()
+
+
+class Active:
+    """A request in the batch: its slots, every row's tokens so far, its context window."""
+
+    def __init__(self, handle: Handle, slots: list[int], vocab: int, block_size: int, device):
+        req = handle.req
+        self.handle, self.req, self.slots = handle, req, slots
+        self.tokens = [list(req.prompt) for _ in slots]  # each row's whole sequence
+        # The context window is tokens[start:], the cache's position 0 at tokens[start] (generate's rule).
+        self.start = max(0, len(req.prompt) - block_size)
+        self.generated = 0
+        self.done = torch.zeros(len(slots), dtype=torch.bool)  # rows that emitted eot (then padded with it)
+        self.prompt_scores: list[TokenScore | None] = [None]
+        self.prompt_last: torch.Tensor | None = None  # log-softmax of the last prefilled position (with echo)
+        penalised = req.presence_penalty or req.frequency_penalty
+        self.counts = torch.zeros(len(slots), vocab, device=device) if penalised else None
+        self.bias = None
+        if req.logit_bias:
+            self.bias = torch.zeros(vocab, device=device)
+            self.bias[list(req.logit_bias)] = torch.tensor(list(req.logit_bias.values()), dtype=torch.float32,
+                                                          device=device)
+
+
+class BatchEngine:
+    """See the module docstring. metrics, if given, is told of each step (see serve.py's Metrics)."""
+
+    def __init__(self, model: GPT, max_batch: int, window_shift: int, vocab_size: int, prefill_chunk: int = 512,
+                 metrics=None):
+        self.model, self.max_batch, self.window_shift, self.vocab_size = model, max_batch, window_shift, vocab_size
+        self.prefill_chunk, self.metrics = prefill_chunk, metrics
+        self.block_size = model.config.block_size
+        self.device = model.transformer.wte.weight.device
+        self.cache = model.new_kv_cache(max_batch)
+        self.cache.pos = torch.zeros(max_batch, dtype=torch.long)  # each slot at its own position
+        self.free = list(range(max_batch))
+        self.active: list[Active] = []
+        self.pending: queue.Queue[Handle] = queue.Queue()
+        self.waiting: list[Handle] = []  # taken from pending, not yet admitted (no room)
+        self.stopping = threading.Event()
+        self.running = 0  # requests in the batch (for /health and /metrics)
+        self.tokens_generated = 0  # steps taken, one per request per step (for /health)
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # --- the caller's side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def submit(self, req: EngineRequest, loop: asyncio.AbstractEventLoop) -> Handle:
+        if not 1 <= req.n <= self.max_batch:
+            raise ValueError(f"n must be in 1..{self.max_batch} (the engine's max_batch), got {req.n}")
+        if self.stopping.is_set():
+            raise ServerStopping()
+        handle = Handle(req, loop)
+        self.pending.put(handle)
+        return handle
+
+    def waiting_count(self) -> int:
+        return len(self.waiting) + self.pending.qsize()
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self._admit(block=not self.active)
+                self._drop_cancelled()
+                if self.active:
+                    self.step()
+            except Exception as e:  # out of memory, a broken model: these requests fail, the server goes on
+                for a in list(self.active):
+                    self._finish(a, RuntimeError(f"generation failed: {first_line(e)}"))
+        for a in list(self.active):
+            self._finish(a, ServerStopping())
+        for h in self.waiting + list(self.pending.queue):
+            h.put(ServerStopping())
+
+    def _admit(self, block: bool) -> None:
+        """Move requests that fit into free slots, first come first served; wait a little when idle."""
+        try:
+            while True:
+                self.waiting.append(self.pending.get(timeout=0.1) if block and not self.waiting
+                                    else self.pending.get_nowait())
+                block = False
+        except queue.Empty:
+            pass
+        while self.waiting and self.waiting[0].req.n <= len(self.free):
+            handle = self.waiting.pop(0)
+            if handle.cancelled.is_set():
+                handle.put(None)
+                continue
+            slots = sorted(self.free)[:handle.req.n]  # the lowest free slots keep the decode batch short
+            self.free = [s for s in self.free if s not in slots]
+            self.cache.pos[slots] = 0
+            try:
+                self.active.append(Active(handle, slots, self.model.config.vocab_size, self.block_size, self.device))
+            except Exception as e:  # a logit_bias id past the model's vocabulary, say: this request fails alone
+                self.free += slots
+                handle.put(RuntimeError(f"generation failed: {first_line(e)}"))
+        self.running = len(self.active)
+
+    def _drop_cancelled(self) -> None:
+        for a in list(self.active):
+            if a.handle.cancelled.is_set():
+                self._finish(a, None)
+
+    def _finish(self, a: Active, end) -> None:
+        a.handle.put(end)
+        self.active.remove(a)
+        self.cache.pos[a.slots] = 0  # a free slot rides along as a dummy at position 0
+        self.free += a.slots
+        self.running = len(self.active)
+
+    def step(self) -> None:
+        """One step: one forward over every decoding row, then a prefill chunk for requests with more than one
+        token not yet cached; then every request whose rows have next-token logits draws its tokens.
+
+        Decoding first: a prefilling slot then rides along at a position its next chunk overwrites, and never
+        at block_size (where a prompt that fills the context would leave it after its last chunk)."""
+        decoding = [a for a in self.active if a.generated and self._uncached(a) == 1]
+        ready = self._decode(decoding) if decoding else []
+        budget = self.prefill_chunk
+        for a in self.active:
+            if a not in decoding and budget > 0:
+                logits, used = self._prefill(a, budget)
+                budget -= used
+                if logits is not None:
+                    ready.append((a, logits))
+        for a, logits in ready:
+            self._draw(a, logits)
+
+    def _uncached(self, a: Active) -> int:
+        """Tokens of a's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
+        return len(a.tokens[0]) - a.start - int(self.cache.pos[a.slots[0]])
+
+    def _prefill(self, a: Active, budget: int) -> tuple[torch.Tensor | None, int]:
+        """Feed up to budget uncached tokens of each of a's rows; their logits (n, V) once none are left."""
+        if a.generated == 0:  # the prompt: one row prefilled, its keys copied to the others
+            return self._prefill_prompt(a, budget)
+        rows, used = [], 0
+        for r, slot in enumerate(a.slots):  # a window moved: every row refills its own window, as generate does
+            logits, n = self._feed(slot, a.tokens[r][a.start:], budget, last_only=True)
+            rows.append(logits)
+            used += n
+        return (None if any(x is None for x in rows) else torch.cat(rows)), used
+
+    def _prefill_prompt(self, a: Active, budget: int):
+        slot, seq = a.slots[0], a.tokens[0][a.start:]
+        first = int(self.cache.pos[slot])
+        logits, used = self._feed(slot, seq, budget, last_only=not a.req.echo)
+        if a.req.echo:
+            self._score_prompt(a, seq, first, logits)
+            logits = logits[:, -1]  # (1, V): the next token's
+        T = len(seq)
+        if int(self.cache.pos[slot]) < T:
+            return None, used
+        for other in a.slots[1:]:  # the other choices start from the same prompt's keys
+            self.cache.k[:, other, :, :T] = self.cache.k[:, slot, :, :T]
+            self.cache.v[:, other, :, :T] = self.cache.v[:, slot, :, :T]
+            self.cache.pos[other] = T
+        if a.req.echo:
+            a.handle.put(PromptScores(a.prompt_scores))
+        return logits.float().expand(len(a.slots), -1), used
+
+    def _feed(self, slot: int, seq: list[int], budget: int, last_only: bool):
+        """Run the next chunk of seq's uncached tokens through slot's cache -> (logits or None, tokens fed).
+        logits: (1, V) of the last token once seq is all cached (last_only), else (1, T, V) of the chunk."""
+        view = self.cache.rows(slot, slot + 1)
+        pos = int(view.pos[0])
+        chunk = seq[pos:pos + budget]
+        idx = torch.tensor([chunk], dtype=torch.long, device=self.device)  # (1, T)
+        logits, _ = self.model(idx, kv_cache=view, last_only=last_only)
+        done = pos + len(chunk) == len(seq)
+        if last_only:
+            return (logits[:, -1] if done else None), len(chunk)
+        return logits, len(chunk)
+
+    def _score_prompt(self, a: Active, seq: list[int], first: int, logits: torch.Tensor) -> None:
+        """Prompt logprobs of the chunk just fed (logits (1, T, V) of positions first..first+T-1)."""
+        lp = F.log_softmax(logits[0].float(), dim=-1)  # (T, V)
+        if a.prompt_last is not None:
+            lp = torch.cat([a.prompt_last, lp])
+        T = logits.size(1)
+        targets = torch.tensor(seq[first + 1 - (a.prompt_last is not None):first + T], dtype=torch.long,
+                               device=lp.device)
+        if len(targets):
+            a.prompt_scores += score(lp[:len(targets)], targets, a.req.logprobs or 0, self.vocab_size)
+        a.prompt_last = lp[-1:]
+
+    def _decode(self, decoding: list[Active]) -> list[tuple[Active, torch.Tensor]]:
+        """One forward over slots 0..hi-1: each decoding row's last token at its own position; free and
+        prefilling slots ride along as dummies (token 0, their position put back, their output unused: the
+        key a dummy writes at its position is overwritten by its next chunk before anything reads it)."""
+        hi = max(s for a in decoding for s in a.slots) + 1
+        idx = torch.zeros(hi, 1, dtype=torch.long)
+        live = torch.zeros(hi, dtype=torch.bool)
+        for a in decoding:
+            for r, slot in enumerate(a.slots):
+                idx[slot, 0] = a.tokens[r][-1]
+                live[slot] = True
+        if self.metrics is not None:
+            self.metrics.batch(int(live.sum()))
+        view = self.cache.rows(0, hi)
+        logits, _ = self.model(idx.to(self.device), kv_cache=view, last_only=True)  # (hi, 1, V)
+        self.cache.pos[:hi] -= (~live).long()  # a dummy's key at its position is overwritten before it is read
+        return [(a, logits[a.slots, 0]) for a in decoding]
+
+    def _draw(self, a: Active, logits: torch.Tensor) -> None:
+        """Draw a's next token for each row from logits (n, V), as generate does; send them; finish a if done."""
+        req, s = a.req, a.req.sampling
+        if req.max_tokens == 0:  # only the prompt's scores were wanted
+            self._finish(a, None)
+            return
+        cut = adjust_logits(logits[:, :s.vocab_size], a.counts, req.presence_penalty, req.frequency_penalty,
+                            a.bias if a.bias is None else a.bias[:s.vocab_size])
+        token = sample_next(cut, s.temperature, s.top_k, s.top_p, s.generator)  # (n, 1)
+        if s.eot_token is not None:
+            token = token.masked_fill(a.done[:, None].to(token.device), s.eot_token)
+            a.done |= token[:, 0].cpu() == s.eot_token
+        scores = [None] * len(a.slots)
+        if req.logprobs is not None:
+            scores = score(F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.vocab_size)
+        if a.counts is not None:
+            a.counts.scatter_add_(1, token, torch.ones_like(token, dtype=a.counts.dtype))
+        ids = token[:, 0].tolist()
+        for r, t in enumerate(ids):
+            a.tokens[r].append(t)
+        a.generated += 1
+        self.tokens_generated += 1
+        if self.metrics is not None:
+            self.metrics.token(a.handle, len(ids))
+        a.handle.put([RowStep(t, sc) for t, sc in zip(ids, scores)])
+        if a.generated == req.max_tokens or (s.eot_token is not None and bool(a.done.all())):
+            self._finish(a, None)
+            return
+        if len(a.tokens[0]) - a.start > self.block_size:  # generate's window rule, and its cache refill
+            a.start = slide_window(a.start, len(a.tokens[0]), self.block_size, s.window_shift)
+            self.cache.pos[a.slots] = 0
+
+
+def engine_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int, device,
+                    eot: int | None, window_shift: int, vocab_size: int) -> Sampling:
+    """model.Sampling for one request, its generator seeded: what generate would be given for it alone."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, eot_token=eot,
+                    window_shift=window_shift, vocab_size=vocab_size)
+

@@ -1,0 +1,220 @@
+"""core/engine.py's BatchEngine: continuous batching equals model.generate row for row, one forward per step
+for every row, logprobs, penalties and logit_bias, the cap on rows in flight.
+
+    python -m pytest tests/test_engine.py
+"""
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.engine import BatchEngine, EngineRequest, PromptScores, adjust_logits, engine_sampling
+from core.evaluate import token_losses
+from core.checkpoint import load_model
+from model import GPT, GPTConfig, Sampling
+from tests.helpers import ROMEO_JULIET, make_char_dataset, one_thread, train_tiny
+
+VARIANTS = {"learned": dict(), "rope+gqa": dict(pos_embedding="rope", n_kv_head=2),
+            "naive+rmsnorm": dict(attn_backend="naive", norm="rmsnorm", mlp="swiglu")}
+SHIFT = 16
+
+
+def sharp_model(**overrides) -> GPT:
+    """A random model made peaked (embeddings and attention scaled up), so its tokens depend on the context."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=4, n_embd=32, **overrides)).eval()
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(20)
+        for block in model.transformer.h:
+            block.attn.c_attn.weight.mul_(5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A char model trained on a Shakespeare passage: greedy text is text, not one token repeated."""
+    root = tmp_path_factory.mktemp("engine")
+    make_char_dataset(root / "data", ROMEO_JULIET)
+    train_tiny(root / "out", root / "data", block_size=32, n_layer=2, n_embd=48, max_iters=300,
+               lr_decay_iters=300, eval_interval=300, log_interval=100)
+    model, tok, _ = load_model("resume", str(root / "out"))
+    return model.eval(), tok
+
+
+def alone(model, prompt, n, max_tokens, temperature, seed, eot=None):
+    """What model.generate gives this request by itself, as lists of new ids per row."""
+    s = Sampling(temperature=temperature, generator=torch.Generator().manual_seed(seed), window_shift=SHIFT,
+                 vocab_size=model.config.vocab_size, eot_token=eot)
+    return model.generate(torch.tensor([prompt] * n), max_tokens, s)[:, len(prompt):].tolist()
+
+
+def request(model, prompt, n, max_tokens, temperature, seed, eot=None, **kw) -> EngineRequest:
+    V = model.config.vocab_size
+    return EngineRequest(prompt, n, max_tokens, engine_sampling(temperature, None, None, seed, "cpu", eot, SHIFT, V),
+                         **kw)
+
+
+def run(engine: BatchEngine, reqs: list[EngineRequest]) -> list[dict]:
+    """Submit every request at once; each one's rows' ids, its steps and its prompt scores."""
+    async def one(req, loop):
+        handle = engine.submit(req, loop)
+        got = {"rows": [[] for _ in range(req.n)], "steps": [], "prompt": None}
+        async for event in handle.events():
+            if isinstance(event, PromptScores):
+                got["prompt"] = event.scores
+                continue
+            got["steps"].append(event)
+            for r, step in enumerate(event):
+                got["rows"][r].append(step.token)
+        return got
+
+    async def every():
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*(one(r, loop) for r in reqs))
+
+    engine.start()
+    try:
+        with one_thread():
+            return asyncio.run(every())
+    finally:
+        engine.stop()
+        engine.thread.join()
+
+
+# (prompt, n, max_tokens, temperature, seed): greedy and seeded, past block_size (32), n > 1, a prompt that
+# fills the context, prompts longer than the prefill chunk (7)
+REQUESTS = [([1, 2, 3], 1, 60, 0.0, 1), ([4] * 20, 2, 45, 1.0, 2), ([5, 6], 1, 70, 0.9, 3),
+            ([7] * 32, 3, 10, 1.0, 4), ([9], 1, 80, 0.0, 5), ([3, 3], 2, 33, 1.0, 6), ([8, 1] * 6, 1, 40, 0.7, 7)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_request_gets_what_generate_gives_it_alone(variant):
+    model = sharp_model(**VARIANTS[variant])
+    engine = BatchEngine(model, max_batch=8, window_shift=SHIFT, vocab_size=50, prefill_chunk=7)
+    got = run(engine, [request(model, *r) for r in REQUESTS])  # 11 rows for 8 slots: some wait their turn
+    for r, g in zip(REQUESTS, got):
+        assert g["rows"] == alone(model, *r), r
+    assert len({tuple(g["rows"][0]) for g in got}) == len(REQUESTS)  # not one token over and over
+    assert engine.free and sorted(engine.free) == list(range(8)) and not engine.active  # every slot back
+
+
+def test_trained_model_text_and_eot_equal_generate(trained):
+    model, tok = trained
+    eot = tok.encode(",")[0]  # rows stop at a comma, as at <|endoftext|>: padded with it until all stop
+    prompts = [tok.encode(p) for p in ("ROMEO:", "JULIET:", "O Romeo, Romeo", "What light", "But soft")]
+    reqs = [(p, n, 50, t, seed) for p, n, t, seed in zip(prompts, [1, 3, 1, 2, 1], [0, 1.0, 0.8, 1.0, 0], range(5))]
+    engine = BatchEngine(model, max_batch=16, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    got = run(engine, [request(model, *r, eot=eot) for r in reqs])
+    for r, g in zip(reqs, got):
+        assert g["rows"] == alone(model, *r, eot=eot), r
+    text = "".join(tok.decode(row) for g in got for row in g["rows"])
+    assert len(set(text)) > 10, text  # real text
+    assert any(len(row) < 50 for g in got for row in g["rows"])  # some rows stopped at the comma
+
+
+def test_one_forward_per_step_for_every_row(trained, monkeypatch):
+    """16 requests decode together: each step is one forward over all 16 rows, not 16 forwards."""
+    model, tok = trained
+    calls = []
+    real = model.forward
+
+    def spy(idx, *args, **kwargs):
+        calls.append(tuple(idx.shape))
+        return real(idx, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    prompt = tok.encode("ROMEO:")
+    reqs = [request(model, prompt, 1, 20, 1.0, seed) for seed in range(16)]
+    engine = BatchEngine(model, max_batch=16, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    got = run(engine, reqs)
+    monkeypatch.undo()
+    decode = [c for c in calls if c[1] == 1]
+    assert [c for c in calls if c[1] > 1] == [(1, len(prompt))] * 16  # each prompt prefilled once, on its slot
+    assert (16, 1) in decode and len(decode) <= 19 + 16  # 19 decode steps once all have joined, not 16 * 19
+    assert sum(b for b, _ in decode) >= 16 * 19
+    for seed, g in enumerate(got):
+        assert g["rows"] == alone(model, prompt, 1, 20, 1.0, seed)
+
+
+def test_logprobs_are_the_models_log_softmax_and_echo_scores_the_prompt(trained):
+    model, tok = trained
+    text = "ROMEO: But soft, what light"
+    ids = tok.encode(text)
+    engine = BatchEngine(model, max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size, prefill_chunk=5)
+    got = run(engine, [request(model, ids, 1, 6, 0.0, 0, logprobs=3, echo=True),
+                       request(model, ids, 1, 0, 0.0, 0, logprobs=0, echo=True)])
+    whole = ids + got[0]["rows"][0]
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([whole[:-1]]))
+        want = F.log_softmax(logits[0].float(), dim=-1)  # (T, V)
+        losses = token_losses(model, torch.tensor([ids[:-1]]), torch.tensor([ids[1:]]))  # eval.py's loss
+    prompt = got[0]["prompt"]
+    assert prompt[0] is None and len(prompt) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(prompt[i].logprob - want[i - 1, ids[i]].item()) < 1e-5
+    for t, (step,) in enumerate(got[0]["steps"]):
+        p = len(ids) - 1 + t
+        assert abs(step.score.logprob - want[p, step.token].item()) < 1e-5
+        top_id, top_lp = step.score.top[0]
+        assert top_id == step.token and top_lp == step.score.logprob  # greedy: the argmax, the same float
+        assert [i for i, _ in step.score.top] == want[p].topk(3).indices.tolist()
+    total = sum(s.logprob for s in prompt[1:])
+    assert abs(total - -(losses.mean().item() * len(ids[1:]))) < 1e-4
+    assert got[1]["steps"] == []  # max_tokens 0: the prompt's scores only (chunked apart: equal to rounding)
+    assert [s.logprob for s in got[1]["prompt"][1:]] == pytest.approx([s.logprob for s in prompt[1:]], abs=1e-5)
+
+
+def test_logit_bias_and_penalties(trained):
+    model, tok = trained
+    prompt = tok.encode("ROMEO:")
+    z = tok.encode("z")[0] if "z" in ROMEO_JULIET else 0
+    engine = BatchEngine(model, max_batch=8, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    plain, forced, banned, fpen, ppen = run(engine, [
+        request(model, prompt, 1, 30, 0.0, 0), request(model, prompt, 1, 30, 0.0, 0, logit_bias={z: 100}),
+        request(model, prompt, 1, 30, 0.0, 0, logit_bias={t: -100 for t in set(tok.encode("e "))}),
+        request(model, prompt, 1, 30, 0.0, 0, frequency_penalty=2.0),
+        request(model, prompt, 1, 30, 0.0, 0, presence_penalty=2.0)])
+    assert forced["rows"][0] == [z] * 30  # +100 forces the token
+    assert not set(tok.encode("e ")) & set(banned["rows"][0]) and set(tok.encode("e ")) & set(plain["rows"][0])
+    for pen in (fpen, ppen):  # penalised: fewer repeats than the greedy text
+        assert pen["rows"][0] != plain["rows"][0]
+        assert len(set(pen["rows"][0])) > len(set(plain["rows"][0]))
+
+
+def test_adjust_logits_is_openais_formula():
+    logits = torch.zeros(2, 4)
+    counts = torch.tensor([[0., 1, 3, 0], [2, 0, 0, 0]])
+    bias = torch.tensor([0., 0, 0, 5])
+    got = adjust_logits(logits, counts, presence=0.5, frequency=0.25, bias=bias)
+    assert got.tolist() == [[0, -0.75, -1.25, 5], [-1.0, 0, 0, 5]]
+
+
+def test_max_batch_queues_and_cancel_frees_the_slot(trained):
+    """One slot: a second request waits; cancelling the first (its client left) lets the second run at once."""
+    model, tok = trained
+    engine = BatchEngine(model, max_batch=1, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    prompt = tok.encode("ROMEO:")
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.submit(request(model, prompt, 2, 5, 0.0, 0), None)
+
+    async def both():
+        loop = asyncio.get_running_loop()
+        first = engine.submit(request(model, prompt, 1, 100000, 1.0, 0), loop)
+        second = engine.submit(request(model, prompt, 1, 5, 0.0, 0), loop)
+        events = first.events()
+        for _ in range(3):
+            await events.__anext__()
+        assert engine.waiting_count() == 1 and engine.running == 1
+        await events.aclose()  # the client leaves
+        return [[s.token for s in e] async for e in second.events()]
+
+    engine.start()
+    try:
+        with one_thread():
+            got = asyncio.run(both())
+    finally:
+        engine.stop()
+        engine.thread.join()
+    assert [t for (t,) in got] == alone(model, prompt, 1, 5, 0.0, 0)[0]
+    assert engine.tokens_generated < 1000
