@@ -320,10 +320,13 @@ def inference_model(model: torch.nn.Module, rt: Runtime, compile: bool = False) 
     """The model as it decodes: on the device, in eval mode, its weights cast once to the run's dtype.
 
     Not autocast: it keeps float32 weights and casts each one again at every token (with --compile
-    too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), and
-    the KV cache takes the weights' dtype.
+    too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), from
+    a float32 copy of the head made here once (GPT.keep_float32_head), and the KV cache takes the
+    weights' dtype.
     """
     model = model.eval().to(rt.device, rt.ptdtype)
+    if rt.ptdtype != torch.float32:
+        model.keep_float32_head()
     if compile:
         model.compile()
     return model

@@ -124,6 +124,13 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     logits = model(idx, last_only=True)[0][:, -1, :]  # what generation reads for the next token
     assert logits.dtype == torch.float32 and logits.shape == (2, model.config.vocab_size)
     assert not torch.equal(logits, logits.bfloat16().float())  # finer than bfloat16's 8-bit mantissa
+    # from the float32 head copied once, not the bf16 head cast again per token: scaling the copy moves them
+    assert model.head_float32.dtype == torch.float32
+    assert torch.equal(model.head_float32, model.lm_head.weight.float())
+    with torch.no_grad():
+        model.head_float32.mul_(2)
+        assert torch.allclose(model(idx, last_only=True)[0][:, -1, :], 2 * logits)
+        model.head_float32.div_(2)
 
     reference = model_from_checkpoint(trained).eval()
     context = reference.generate(idx, model.config.block_size - idx.size(1), temperature=0.0)  # (2, 32)
