@@ -109,9 +109,10 @@ def config_help(cls) -> str:
     return "\n".join(lines)
 
 
-def parse_args(cls: type[T], argv: Sequence[str]) -> T:
-    """Build a `cls` config: defaults, then each config file in order, then each --key=value."""
-    cfg = cls()
+def parse_args(cls: type[T], argv: Sequence[str], base: T | None = None, validate: bool = True) -> T:
+    """Build a `cls` config: defaults (or `base`), then each config file in order, then each --key=value.
+    validate=False leaves cls.validate() to a later call (a first pass that only reads a key or two)."""
+    cfg = cls() if base is None else base
     hints = typing.get_type_hints(cls)
     for arg in argv:
         if arg in ("-h", "--help"):
@@ -129,9 +130,9 @@ def parse_args(cls: type[T], argv: Sequence[str]) -> T:
             cfg = apply_overrides(cfg, {key: value}, "command line")
         else:
             cfg = apply_overrides(cfg, read_config_file(arg), f"in {arg}")
-    validate = getattr(cfg, "validate", None)
-    if validate is not None:
-        validate()
+    check = getattr(cfg, "validate", None)
+    if check is not None and validate:
+        check()
     return cfg
 
 

@@ -16,11 +16,12 @@ import datetime
 import gc
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
 
-from core.errors import UserError, first_line
+from core.errors import Stopped, UserError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -308,17 +309,40 @@ def inference_model(model: torch.nn.Module, rt: Runtime, compile: bool = False) 
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop saves and exits after the current step. A second
-    SIGINT interrupts at once."""
+    """Set by SIGTERM/SIGINT. The work checks it at its next boundary (a training step, an eval batch,
+    a start-up phase) and stops there: train.py saves and exits 0. The first signal prints `message` at
+    once (when `announce`), so a long step or batch is not mistaken for a lost Ctrl-C; a second SIGINT
+    interrupts at once."""
 
-    def __init__(self):
-        self.signal_name = None
+    def __init__(self, announce: bool = True, message: str = "stopping after this batch; saving"):
+        self.signal_name, self.announce, self.message = None, announce, message
 
-    def install(self) -> None:
+    def install(self) -> "StopFlag":
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        return self
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def check(self, where: str) -> None:
+        """Raise Stopped if a signal came: `where` says what had not happened yet ("before training")."""
+        if self.requested:
+            raise Stopped(self.signal_name, where)
 
     def _handle(self, signum, frame):
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
+        if self.announce:
+            _say(f"{self.signal_name}: {self.message} (Ctrl-C again to interrupt at once)")
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler: os.write, not print, which would raise if the handler
+    interrupted another write to the same buffered stream."""
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stderr with no file (captured in-process)
+        sys.stderr.write(line + "\n")

@@ -29,6 +29,7 @@ class TrainConfig:
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
     init_from: str = "scratch"            # 'scratch', 'resume', a base run's out_dir (its weights, a new run),
                                           # a GPT-2 name, or a transformers folder (docs/interop.md)
+    overwrite: bool = False               # a new run may replace the checkpoint out_dir already holds
     # logging
     wandb_log: bool = False
     wandb_project: str = "nanogpt"

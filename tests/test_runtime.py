@@ -240,7 +240,8 @@ def test_rank0_write_failure_stops_every_rank_at_once_with_the_same_line(tmp_pat
     (out / "ckpt.pt").mkdir(parents=True)
     (out / "ckpt.pt" / "keep").write_text("a directory in the way\n")
     started = time.monotonic()
-    job = start_torchrun("train.py", tmp_path, "fail", out_dir=out, data_dir=data_dir, dist_timeout_s=120.0)
+    job = start_torchrun("train.py", tmp_path, "fail", out_dir=out, data_dir=data_dir, dist_timeout_s=120.0,
+                         overwrite=True)  # past the refusal to replace what looks like a checkpoint
     finish(job, timeout=100)
     assert time.monotonic() - started < 60  # imports and 4 steps included; a timeout would take 120 s
     stderr = (tmp_path / "fail.err").read_text()
