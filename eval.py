@@ -49,6 +49,7 @@ class EvalConfig:
     chat_file: str = "data/chat/tasks_heldout.jsonl"  # chat: conversations whose last turn is the expected answer
     device: str = "auto"
     dtype: str = "auto"
+    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -147,7 +148,7 @@ def main(argv: Sequence[str]) -> str:
     cfg = parse_args(EvalConfig, argv)
     # From the start: loading a large model takes a while, and a signal then must not be lost.
     stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping; no result").install()
-    rt = runtime.setup(cfg.device, cfg.dtype)
+    rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     try:
         # A missing or malformed file is found before the model is loaded.
         examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None

@@ -21,11 +21,13 @@ import json
 import math
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from core import checkpoint, config as configlib, evaluate, flops, memory, optim, parallel, runtime
 from core.data import TokenData, TrainBatches, batch_generator, read_meta
@@ -43,7 +45,7 @@ def main(argv) -> None:
     stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
     with alike_on_every_rank():
         cfg = parse_config(argv)
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s, cfg.threads)
     try:
         train(cfg, rt, stop)
     except RuntimeError as e:  # torch.OutOfMemoryError included
@@ -94,6 +96,9 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
     peak, peak_source = flops.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
+    note = gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
+    if note:
+        log(note)
     batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device)
     stop.message = "stopping after this batch; saving"
 
@@ -419,12 +424,16 @@ def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runti
     """
     out = {}
     model.eval()
+    # A bar on rank 0 for an eval that takes more than a few seconds (a GPU config on a CPU: minutes).
+    padded = -(-cfg.eval_iters // rt.world_size) * rt.world_size  # batches per split, a multiple of world_size
+    bar = tqdm(total=len(data) * padded, desc="eval", unit=" batches", delay=5.0, leave=False,
+               disable=not rt.is_master, file=sys.stderr)
     for split, ds in data.items():
         total = torch.zeros(2, device=rt.device)  # (sum of losses, count)
-        # Every rank runs as many forwards: under fsdp each one is a collective (its all-gathers).
-        padded = -(-cfg.eval_iters // rt.world_size) * rt.world_size
+        # Every rank runs as many forwards (padded): under fsdp each one is a collective (its all-gathers).
         for k in range(rt.rank, padded, rt.world_size):
             if stopped is not None and stopped():
+                bar.close()
                 model.train()
                 return None
             x, y = ds.get_batch(cfg.batch_size, batch_generator(cfg.seed, "eval", split, k % cfg.eval_iters), rt.device)
@@ -432,11 +441,34 @@ def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runti
                 _, loss = model(x, y)
             if k < cfg.eval_iters:
                 total += torch.stack([loss.float(), torch.ones((), device=rt.device)])
+            bar.update(rt.world_size)  # every rank's batch of this round
         if rt.ddp:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
+    bar.close()
     model.train()
     return out
+
+
+# A CPU run whose arithmetic alone, at the CPU's measured matmul peak, takes longer than this is sized for a GPU.
+GPU_SIZED_S = 3600.0
+
+
+def gpu_sized_note(model: GPT, cfg: TrainConfig, rt: runtime.Runtime, peak: float | None, iter_num: int) -> str | None:
+    """One line for a run on a CPU that is sized for a GPU (config/train_shakespeare_char.py there): the time
+    its FLOPs alone take at the CPU's peak, a lower bound of what it will take; None for a CPU-sized run."""
+    if rt.device_type != "cpu" or not peak:
+        return None
+    per_token = model.flops_per_token() / peak  # seconds of a forward and backward, per token
+    step_s = per_token * local_accum_steps(cfg, rt.world_size) * cfg.batch_size * cfg.block_size
+    eval_s = per_token / 3 * 2 * -(-cfg.eval_iters // rt.world_size) * cfg.batch_size * cfg.block_size  # forwards
+    left = cfg.max_iters - iter_num
+    total_s = step_s * left + eval_s * (left // cfg.eval_interval + 1)
+    if total_s < GPU_SIZED_S:
+        return None
+    return (f"note: this config is sized for a GPU: on this CPU each eval (2 x {cfg.eval_iters} batches of "
+            f"{cfg.batch_size} x {cfg.block_size}) takes at least {format_duration(eval_s)}, the run at least "
+            f"{format_duration(total_s)}; config/train_shakespeare_char_cpu.py is sized for a CPU")
 
 
 def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:

@@ -236,8 +236,18 @@ def dist_env() -> tuple[int, int, int]:
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0) -> Runtime:
-    """Pick device and dtype; join the process group when launched by torchrun."""
+def set_threads(threads: int) -> None:
+    """torch's intra-op CPU threads: `threads` if positive; 0 keeps torch's default (one per core, or
+    OMP_NUM_THREADS). The one place the scripts' --threads acts."""
+    if threads < 0:
+        raise UserError(f"threads must be 0 (torch's default) or a positive count, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, threads: int = 0) -> Runtime:
+    """Pick device and dtype and the CPU threads (set_threads); join the process group when launched by torchrun."""
+    set_threads(threads)
     rank, local_rank, world_size = dist_env()
     device = resolve_device(device, local_rank if world_size > 1 else None)
     device_type = device.split(":")[0]
