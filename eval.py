@@ -22,14 +22,12 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from core import evaluate, runtime
+from core import evaluate, runtime, weights
 from core.chat import ChatTemplate
-from core.checkpoint import load_model
 from core.config import parse_args
 from core.data import TokenData, read_meta
 from core.errors import Stopped, UserError, run_cli
 from core.tokenizer import check_same_tokenizer
-from model import GPT2_HUB_NAMES
 
 TASKS = ("perplexity", "hellaswag", "chat")
 
@@ -60,9 +58,7 @@ class EvalConfig:
                 raise UserError(f"{key} must be at least 1, got {value}")
         if self.max_examples < 0:
             raise UserError(f"max_examples must be >= 0 (0: all), got {self.max_examples}")
-        if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
-            raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
-                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+        weights.check_init_from(self.init_from)
 
 
 def run_data_dir(cfg: EvalConfig) -> str:
@@ -155,7 +151,7 @@ def main(argv: Sequence[str]) -> str:
         if cfg.task == "chat":
             examples = evaluate.load_chat_file(cfg.chat_file, cfg.max_examples)
         stop.check("before the evaluation; no result")
-        model, tok, source = load_model(cfg.init_from, cfg.out_dir)
+        model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
         stop.check("before the evaluation; no result")
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)

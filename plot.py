@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from core.config import parse_args
+from core.config import config_help, parse_args
 from core.errors import UserError, run_cli
 
 # --x: the eval records' key of each time axis (bench.py --sections=speedrun --speedrun_log_dir writes both)
@@ -70,7 +70,8 @@ class AttentionConfig:
 
 
 @dataclasses.dataclass
-class RunLog:
+class RunHistory:
+    """One run's log.jsonl read back (core.runlog.RunLog writes it)."""
     out_dir: Path
     config: dict
     steps: dict[int, dict]   # iter -> {"loss", "lr", ...}, one per logged iteration
@@ -83,7 +84,7 @@ class RunLog:
         return math.prod(c[k] for k in keys) if all(isinstance(c.get(k), int) for k in keys) else None
 
 
-def read_log(out_dir: str | Path) -> RunLog:
+def read_log(out_dir: str | Path) -> RunHistory:
     """A run's log.jsonl and config.json. A last line cut short (a run writing or killed) is skipped;
     a bad line before it is an error naming it."""
     out_dir = Path(out_dir)
@@ -112,10 +113,10 @@ def read_log(out_dir: str | Path) -> RunLog:
         print(f"note: {config_path} is missing or unreadable; {out_dir.name} is drawn without tokens seen",
               file=sys.stderr)
         config = {}
-    return RunLog(out_dir, config, dict(sorted(steps.items())), dict(sorted(evals.items())))
+    return RunHistory(out_dir, config, dict(sorted(steps.items())), dict(sorted(evals.items())))
 
 
-def run_labels(runs: list[RunLog]) -> list[str]:
+def run_labels(runs: list[RunHistory]) -> list[str]:
     """Each run's folder name and, with several runs, the config values that differ between them."""
     names = [r.out_dir.resolve().name for r in runs]
     if len(runs) == 1:
@@ -139,7 +140,7 @@ def run_labels(runs: list[RunLog]) -> list[str]:
 # the loss picture
 
 
-def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, ymax: float | None = None,
+def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = None, ymax: float | None = None,
                 target: float | None = None):
     """The figure: loss (top), HellaSwag acc_norm if a run logged it (train.py --hellaswag_file), and the
     learning rate (bottom) of every run, against iterations, tokens, or training seconds (x="seconds" or
@@ -356,7 +357,7 @@ def plot_summary(values, kind: str, title: str):
 
 
 def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
-    from core.checkpoint import load_model  # torch is imported only here: loss plots start without it
+    from core.weights import load_model  # torch is imported only here: loss plots start without it
     from core.tokenizer import encode_prompt, read_prompt
 
     cfg = parse_args(AttentionConfig, argv)
@@ -380,9 +381,17 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
     return out, summary_out
 
 
+USAGE = """usage: python plot.py OUT_DIR [OUT_DIR ...] [--key=value ...]   loss curves of one or more runs
+       python plot.py attention [--key=value ...]              attention maps (python plot.py attention --help)
+loss curves' """
+
+
 def main(argv: Sequence[str]):
     if argv and argv[0] == "attention":
         return attention_main(argv[1:])
+    if any(a in ("-h", "--help") for a in argv):  # the subcommand and the out_dirs, which parse_args cannot list
+        print(USAGE + config_help(LossPlotConfig))
+        sys.exit(0)
     return loss_main(argv)
 
 

@@ -4,26 +4,45 @@ read the same config files, so it lives here rather than in train.py.
 """
 import dataclasses
 import math
-from pathlib import Path
 
-from core import optim, parallel
+from core import optim, parallel, weights
+from core.config import field_help
 from core.errors import UserError
-from model import GPT2_HUB_NAMES, GPTConfig
+from model import CHOICES, RECIPE_SWITCHES, GPTConfig
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attn_backend")
-# The modern-recipe switches (GPTConfig's fields of the same names; docs/recipe.md).
-RECIPE_KEYS = ("pos_embedding", "rope_base", "norm", "qk_norm", "mlp", "n_kv_head", "tie_embeddings", "logit_softcap",
-               "zero_init_proj", "unet_skips")
+# The model keys are GPTConfig's fields, each with GPTConfig's default, except vocab_size: None there
+# is the dataset's meta.json vocab_size. A field added to GPTConfig is a key here with nothing to edit.
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+RECIPE_KEYS = RECIPE_SWITCHES  # the modern recipe's switches (docs/recipe.md)
+# The keys a resumed run must share with its checkpoint: all but how the model runs (block_size may shrink).
+ARCHITECTURE_KEYS = tuple(k for k in MODEL_KEYS if k not in ("block_size", "dropout", "attn_backend"))
+
+
+def _model_fields() -> list[tuple[str, type, dataclasses.Field]]:
+    """GPTConfig's fields, each with its --help text and allowed values from GPTConfig's own comments and CHOICES."""
+    helps = field_help(GPTConfig)
+
+    helps["vocab_size"] = "None: the dataset's meta.json vocab_size"
+
+    def key(f: dataclasses.Field) -> tuple[str, type, dataclasses.Field]:
+        tp, default = (int | None, None) if f.name == "vocab_size" else (f.type, f.default)
+        return f.name, tp, dataclasses.field(default=default, metadata={"help": helps.get(f.name, ""),
+                                                                         "choices": CHOICES.get(f.name)})
+    return [key(f) for f in dataclasses.fields(GPTConfig)]
+
+
+# GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them).
+ModelKeys = dataclasses.make_dataclass("ModelKeys", _model_fields())
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(ModelKeys):
     # I/O
-    out_dir: str = "out"
-    eval_interval: int = 2000
-    log_interval: int = 1
-    eval_iters: int = 200
-    eval_only: bool = False
+    out_dir: str = "out"                   # checkpoints, config.json and log.jsonl
+    eval_interval: int = 2000              # estimate train and val loss (and save) every N iterations
+    log_interval: int = 1                  # print and log the training loss every N iterations
+    eval_iters: int = 200                  # batches per split in each eval
+    eval_only: bool = False                # evaluate once and exit, saving nothing
     hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
@@ -31,66 +50,47 @@ class TrainConfig:
                                           # a GPT-2 name, or a transformers folder (docs/interop.md)
     overwrite: bool = False               # a new run may replace the checkpoint out_dir already holds
     # logging
-    wandb_log: bool = False
-    wandb_project: str = "nanogpt"
-    wandb_run_name: str = "run"
+    wandb_log: bool = False                # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = "nanogpt"         # wandb's project
+    wandb_run_name: str = "run"            # wandb's run name
     # data
-    data_dir: str = "data/fineweb"
+    data_dir: str = "data/fineweb"         # a folder prepare.py wrote: train.bin, val.bin, meta.json
     gradient_accumulation_steps: int = 40  # global: across all processes together
     batch_size: int = 12                   # micro-batch per process
-    block_size: int = 1024
     loss_mask: bool = True                 # chat datasets: learn only the assistant's tokens; False: every token
-    # model
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True
-    attn_backend: str = "sdpa"
-    vocab_size: int | None = None          # None: the dataset's meta.json vocab_size
-    # the modern recipe, one switch each (see model.GPTConfig); the defaults are GPT-2
-    pos_embedding: str = "learned"         # learned | rope
-    rope_base: float = 10000.0
-    norm: str = "layernorm"                # layernorm | rmsnorm
-    qk_norm: bool = False
-    mlp: str = "gelu"                      # gelu | relu2 | swiglu
-    n_kv_head: int | None = None           # None: n_head; fewer: grouped-query attention
-    tie_embeddings: bool = True
-    logit_softcap: float | None = None
-    zero_init_proj: bool = False           # attn.c_proj and mlp.c_proj start at zero: each Block starts as the identity
-    unet_skips: bool = False               # the second half of the Blocks also reads the first half's outputs
+    # the model: every GPTConfig field (ModelKeys above), then the optimizer
     optimizer: str = "adamw"               # adamw | muon (Muon for hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02                  # Muon's peak lr; learning_rate stays AdamW's, the schedule scales both
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.0
+    muon_momentum: float = 0.95            # Muon's Nesterov momentum
+    muon_weight_decay: float = 0.0         # Muon's decoupled weight decay
     muon_ns_steps: int = 5                 # Newton-Schulz iterations per Muon update (torch's default)
     # AdamW
-    learning_rate: float = 6e-4
-    max_iters: int = 600000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    learning_rate: float = 6e-4            # AdamW's peak learning rate
+    max_iters: int = 600000                # iterations in all; a resumed run stops here too
+    weight_decay: float = 0.1              # AdamW's, on matrices and embeddings only
+    beta1: float = 0.9                     # AdamW's first-moment decay
+    beta2: float = 0.95                    # AdamW's second-moment decay
     grad_clip: float = 1.0                 # 0 disables clipping
     # learning-rate schedule: linear warmup, then down to min_lr at lr_decay_iters (core/optim.py lr_at)
-    decay_lr: bool = True
+    decay_lr: bool = True                  # False: learning_rate throughout, no warmup or decay
     lr_schedule: str = "cosine"            # cosine (nanoGPT) | wsd: the peak, then linear over the last cooldown_frac
     cooldown_frac: float = 0.2             # wsd only: the fraction of lr_decay_iters spent decaying
-    warmup_iters: int = 2000
-    lr_decay_iters: int = 600000
-    min_lr: float = 6e-5
+    warmup_iters: int = 2000               # linear warmup from 0 over N iterations
+    lr_decay_iters: int = 600000           # where the decay reaches min_lr (usually max_iters)
+    min_lr: float = 6e-5                   # the learning rate at and after lr_decay_iters
     # system
     device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"                    # auto, float32, bfloat16, float16
     threads: int = 1                       # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
     compile: bool | None = None            # None: on for CUDA, off elsewhere
-    seed: int = 1337
+    seed: int = 1337                       # weights, dropout and batches all follow from it
     dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
     parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/parallel.py)
     activation_checkpointing: bool = False  # recompute each Block in the backward pass: less memory, more compute
 
     def model_args(self) -> dict:
         """The GPTConfig fields this config sets; vocab_size comes from the dataset (or the checkpoint)."""
-        return {k: getattr(self, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"}
+        return {k: getattr(self, k) for k in MODEL_KEYS if k != "vocab_size"}
 
     def validate(self) -> None:
         positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
@@ -132,9 +132,7 @@ class TrainConfig:
         parallel.check_parallel(self.parallel, self.dtype)
         if not self.dist_timeout_s > 0:
             raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
-        if self.init_from not in ("scratch", "resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
-            raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, a base run's out_dir, "
-                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+        weights.check_init_from(self.init_from, scratch=True)
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
