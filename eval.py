@@ -17,17 +17,17 @@ stdout; what was loaded goes to stderr.
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from tqdm import tqdm
 
 from core import evaluate, runtime, weights
 from core.chat import ChatTemplate
 from core.config import parse_args
 from core.data import TokenData, read_meta
-from core.errors import UserError, run_cli
+from core.errors import Stopped, UserError, run_cli
 from core.tokenizer import check_same_tokenizer, token_bytes
 
 TASKS = ("perplexity", "hellaswag", "chat")
@@ -48,6 +48,7 @@ class EvalConfig:
     chat_file: str = "data/chat/tasks_heldout.jsonl"  # chat: conversations whose last turn is the expected answer
     device: str = "auto"
     dtype: str = "auto"
+    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -75,18 +76,32 @@ def run_data_dir(cfg: EvalConfig) -> str:
 
 
 class Progress:
-    """Prints how far a long evaluation has got to stderr, about every 10 seconds."""
+    """A tqdm bar on stderr for a long evaluation, as its progress(done, total) callback; silent on
+    ranks other than 0 and for work under a few seconds (tqdm's delay)."""
 
-    def __init__(self, every_s: float = 10.0):
-        self.every_s, self.last = every_s, time.perf_counter()
+    def __init__(self, unit: str, enabled: bool = True):
+        self.unit, self.enabled, self.bar = unit, enabled, None
 
     def __call__(self, done: int, total: int) -> None:
-        if time.perf_counter() - self.last >= self.every_s:
-            self.last = time.perf_counter()
-            print(f"  ~{done / total:.0%} of {total:,} windows", file=sys.stderr)
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=total, unit=f" {self.unit}", file=sys.stderr, delay=2.0, dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
-def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
+def result_or_stop(result, stop: runtime.StopFlag):
+    """An evaluation's result, or Stopped when a signal ended it early (the evaluation returned None)."""
+    if result is None:
+        raise Stopped(stop.signal_name or "a signal to another process", "during the evaluation; no result")
+    return result
+
+
+def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime.StopFlag) -> str:
     data_dir = run_data_dir(cfg)
     check_same_tokenizer(tok.meta(), read_meta(data_dir), data_dir)
     block_size = cfg.block_size or model.config.block_size
@@ -96,48 +111,61 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime) -> str:
     stride = cfg.stride or block_size
     if stride > block_size:
         raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens")
+    progress = Progress("windows", rt.is_master)
     r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size,
-                                progress=Progress() if rt.is_master else None, token_bytes=token_bytes(tok))
+                                progress=progress, token_bytes=token_bytes(tok),
+                                stopped=lambda: rt.any_rank(stop.requested)[0])
+    progress.close()
+    r = result_or_stop(r, stop)
     scored = "assistant tokens, each conversation from its start" if data.starts is not None else "tokens"
     bpb = "n/a" if r.bpb is None else f"{r.bpb:.4f}"
     return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | bits/byte {bpb} | "
             f"{r.tokens:,} {scored}, {r.bytes:,} bytes (block_size {block_size}, stride {stride})")
 
 
-def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime, examples) -> str:
+def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime, examples, stop: runtime.StopFlag) -> str:
     rendered = evaluate.render_examples(examples, tok, model.config.block_size)
-    r = evaluate.evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
+    progress = Progress("examples", rt.is_master)
+    r = evaluate.evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size,
+                                    progress=progress, stopped=lambda: rt.any_rank(stop.requested)[0])
+    progress.close()
+    r = result_or_stop(r, stop)
     return (f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
             f"{r['examples']} examples")
 
 
-def chat(cfg: EvalConfig, model, tok, conversations) -> str:
+def chat(cfg: EvalConfig, model, tok, conversations, stop: runtime.StopFlag) -> str:
     template = ChatTemplate.for_tokenizer(tok)
     if template is None:
         raise UserError("this model's tokenizer has no chat tokens (a base model): --task=chat needs a chat "
                         "fine-tune (docs/chat.md)")
-    r = evaluate.chat_accuracy(model, template, conversations)
+    r = result_or_stop(evaluate.chat_accuracy(model, template, conversations, stopped=lambda: stop.requested), stop)
     return f"chat {cfg.chat_file}: exact-answer accuracy {r['accuracy']:.4f} ({r['correct']}/{r['examples']})"
 
 
 def main(argv: Sequence[str]) -> str:
     cfg = parse_args(EvalConfig, argv)
-    rt = runtime.setup(cfg.device, cfg.dtype)
+    # From the start: loading a large model takes a while, and a signal then must not be lost.
+    stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping; no result").install()
+    rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     try:
         # A missing or malformed file is found before the model is loaded.
         examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
         if cfg.task == "chat":
             examples = evaluate.load_chat_file(cfg.chat_file, cfg.max_examples)
+        stop.check("before the evaluation; no result")
         model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
+        stop.check("before the evaluation; no result")
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
         model.to(rt.device)
+        stop.message = "stopping after this batch; no result"
         if cfg.task == "perplexity":
-            line = perplexity(cfg, model, tok, rt)
+            line = perplexity(cfg, model, tok, rt, stop)
         elif cfg.task == "chat":
-            line = chat(cfg, model, tok, examples)
+            line = chat(cfg, model, tok, examples, stop)
         else:
-            line = hellaswag(cfg, model, tok, rt, examples)
+            line = hellaswag(cfg, model, tok, rt, examples, stop)
         if rt.is_master:
             print(line)
         return line

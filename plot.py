@@ -3,6 +3,7 @@
     python plot.py out-shakespeare-char-cpu                      # -> out-shakespeare-char-cpu/loss.png
     python plot.py out-a out-b --out=compare.png                 # runs overlaid, labelled by what differs
     python plot.py out-a out-b --x=tokens                        # against tokens seen (runs of different batch)
+    python plot.py out-a --x=elapsed                             # against wall time (log.jsonl's elapsed_s)
     python plot.py speedrun/1337/nanogpt speedrun/1337/ours --x=seconds --target=1.88   # bench.py's speedrun logs
     python plot.py attention --out_dir=out-shakespeare-char-cpu --prompt="ROMEO: But soft" --layer=1
     python plot.py attention --init_from=gpt2 --prompt="The cat sat on the mat because it" --summary=entropy
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from core.config import parse_args
+from core.config import config_help, parse_args
 from core.errors import UserError, run_cli
 
 # --x: the eval records' key of each time axis (bench.py --sections=speedrun --speedrun_log_dir writes both)
@@ -37,15 +38,16 @@ UNLABELLED = {"out_dir", "wandb_log", "wandb_project", "wandb_run_name", "log_in
 @dataclasses.dataclass
 class LossPlotConfig:
     out: str | None = None   # the PNG; None: loss.png in the first out_dir
-    x: str = "iter"          # iter: iterations below, tokens seen on top; tokens: tokens seen below;
+    x: str = "iter"          # iter: iterations below, tokens seen on top; tokens: tokens seen below; elapsed: wall
+                             # seconds of the run, evals and saves included (every record's elapsed_s);
                              # seconds / cpu_seconds: training wall / CPU seconds (bench.py's speedrun logs them)
     target: float | None = None  # a val loss to mark with a horizontal line
     title: str | None = None
     ymax: float | None = None  # clip the loss axis (the first iterations' loss can dwarf the rest)
 
     def validate(self) -> None:
-        if self.x not in ("iter", "tokens", *TIMES):
-            raise UserError(f"x must be 'iter', 'tokens', 'seconds' or 'cpu_seconds', got '{self.x}'")
+        if self.x not in ("iter", "tokens", "elapsed", *TIMES):
+            raise UserError(f"x must be 'iter', 'tokens', 'elapsed', 'seconds' or 'cpu_seconds', got '{self.x}'")
 
 
 @dataclasses.dataclass
@@ -163,9 +165,17 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     if untimed:
         raise UserError(f"--x={x} needs {key} in every eval record (bench.py --sections=speedrun "
                         f"--speedrun_log_dir writes it); {untimed[0]} has none")
+    unstamped = [r.out_dir for r in runs if x == "elapsed" and any("elapsed_s" not in rec for rec in
+                                                                   [*r.steps.values(), *r.evals.values()])]
+    if unstamped:
+        raise UserError(f"--x=elapsed needs elapsed_s in every log record (train.py writes it); {unstamped[0]}'s "
+                        f"log.jsonl was written without it: plot it with --x=iter")
     for i, (run, label) in enumerate(zip(runs, run_labels(runs))):
         color = f"C{i}"
         scale = run.tokens_per_iter if x == "tokens" else 1
+        if x == "elapsed":  # each record at its wall time since the run started
+            run = dataclasses.replace(run, steps={s["elapsed_s"]: s for s in run.steps.values()},
+                                      evals={e["elapsed_s"]: e for e in run.evals.values()})
         step_it, evals = list(run.steps), list(run.evals)
         if key:  # the x of an evaluation is its training time so far; steps carry none
             step_it, scale = [], 1
@@ -209,7 +219,7 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     ax_lr.set_ylabel("learning rate")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     ax_lr.grid(alpha=0.3)
-    ax_lr.set_xlabel({"tokens": "tokens seen", "seconds": "training seconds (evaluation excluded)",
+    ax_lr.set_xlabel({"tokens": "tokens seen", "elapsed": "seconds since the run started (wall clock)", "seconds": "training seconds (evaluation excluded)",
                       "cpu_seconds": "training CPU seconds of the process (evaluation excluded)"}.get(x, "iteration"))
     if x == "tokens":
         ax_lr.xaxis.set_major_formatter(EngFormatter())
@@ -371,9 +381,17 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
     return out, summary_out
 
 
+USAGE = """usage: python plot.py OUT_DIR [OUT_DIR ...] [--key=value ...]   loss curves of one or more runs
+       python plot.py attention [--key=value ...]              attention maps (python plot.py attention --help)
+loss curves' """
+
+
 def main(argv: Sequence[str]):
     if argv and argv[0] == "attention":
         return attention_main(argv[1:])
+    if any(a in ("-h", "--help") for a in argv):  # the subcommand and the out_dirs, which parse_args cannot list
+        print(USAGE + config_help(LossPlotConfig))
+        sys.exit(0)
     return loss_main(argv)
 
 

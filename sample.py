@@ -54,6 +54,7 @@ class SampleConfig:
     stream: bool | None = None       # print tokens as they are produced; None: only when num_samples == 1
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
+    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
     compile: bool = False            # torch.compile the model (recompiles for each new input shape at first)
     chat: bool = False               # a conversation with a chat fine-tune (core/chat.py's template)
     system: str | None = None        # chat: the system message
@@ -171,7 +172,7 @@ def chat_turn(model: GPT, template: ChatTemplate, messages: list[dict], cfg: Sam
 
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(SampleConfig, argv)
-    rt = runtime.setup(cfg.device, cfg.dtype)
+    rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
     if cfg.chat:
         return run_chat(cfg, model, tok, source, rt)

@@ -4,40 +4,50 @@
     python train.py config/train_shakespeare_char.py --device=cpu --max_iters=200
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py
     torchrun --nnodes=2 --node_rank=0 --rdzv_endpoint=HOST:29500 --nproc_per_node=8 train.py config/gpt2_small.py
-    python train.py config/train_shakespeare_char.py --init_from=resume   # continue from out_dir/ckpt.pt
+    python train.py --init_from=resume --out_dir=out-shakespeare-char   # continue a run: its config.json, ckpt.pt
     python train.py config/train_shakespeare_char_cpu.py config/sft_tasks_char.py   # chat fine-tune of that base
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/parallel.py
 
 Configuration: the TrainConfig defaults (core/train_config.py), overridden by config files (Python
-files that assign names), overridden by --key=value. The resolved config is written
+files that assign names), overridden by --key=value; a resumed run starts from its own config.json
+instead of the defaults. The resolved config is written
 to out_dir/config.json, and every logged iteration and eval to out_dir/log.jsonl.
 
-SIGTERM or SIGINT (Ctrl-C) finishes the current step, saves a checkpoint and exits 0.
+SIGTERM or SIGINT (Ctrl-C) finishes the current step or eval batch, saves a checkpoint of the last completed
+step and exits 0; during start-up it stops before training, writing nothing (exit 128 + the signal).
 """
 import dataclasses
+import json
 import math
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from core import checkpoint, config as configlib, evaluate, flops, memory, optim, parallel, runtime, weights
 from core.data import TokenData, TrainBatches, batch_generator, read_meta
-from core.errors import UserError, first_line, run_cli
+from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run_cli
 from core.fileio import write_json
-from core.runlog import RunLog
+from core.runlog import RunLog, format_duration
 from core.tokenizer import check_extends, check_same_ids, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
 from core.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer
 from model import GPT, GPTConfig
 
 
 def main(argv) -> None:
-    cfg = configlib.parse_args(TrainConfig, argv)
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s)
+    # From the start: joining the process group, reading data and building the model can take minutes, and
+    # under torchrun the SIGTERM it sends when another process fails must not cut this one's error short.
+    stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
+    with alike_on_every_rank():
+        cfg = parse_config(argv)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s, cfg.threads)
     try:
-        train(cfg, rt)
+        train(cfg, rt, stop)
     except RuntimeError as e:  # torch.OutOfMemoryError included
         if not memory.is_out_of_memory(e):
             raise
@@ -46,16 +56,20 @@ def main(argv) -> None:
         runtime.teardown(rt)
 
 
-def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
+def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
     log = print if rt.is_master else (lambda *a, **k: None)
-    accum = local_accum_steps(cfg, rt.world_size)
-    out_dir = prepare_out_dir(cfg, rt)
-    data_meta = read_meta(cfg.data_dir)
+    starting = "before training started; nothing was written"  # what a signal during start-up leaves
+    stop.check(starting)
+    with alike_on_every_rank():
+        accum = local_accum_steps(cfg, rt.world_size)
+        out_dir = check_out_dir(cfg)
+        data_meta = read_meta(cfg.data_dir)
     # The data first: a missing file or a block_size longer than the data is found in a second,
     # before a model of that block_size is built.
     data = {split: TokenData(cfg.data_dir, split, cfg.block_size, loss_mask=cfg.loss_mask) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model, tok_meta, resumed = build_model(cfg, data_meta, rt, log)  # resumed: None unless init_from=resume
+    stop.check(starting)
     # Then dropout masks of their own per rank (batches come from their own generators, never from this).
     torch.manual_seed(cfg.seed + rt.rank)
     hellaswag = None if cfg.hellaswag_file is None else evaluate.render_examples(
@@ -71,6 +85,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
         iter_num, best_val_loss = restore_state(resumed.state, resumed.path, raw_model, optimizer, scaler, rt, log)
         del resumed
 
+    stop.check(starting)
+    write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
         f"{rt.dtype} | {tokens_per_iter:,} tokens per iteration")
@@ -78,11 +94,25 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
     peak, peak_source = flops.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
+    note = gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
+    if note:
+        log(note)
     batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device)
-    stop = runtime.StopFlag()
-    stop.install()
+    stop.message = "stopping after this batch; saving"
+
+    def stopped() -> bool:  # every rank calls it at the same eval batches
+        return rt.any_rank(stop.requested)[0]
     stop_requested, last_saved = False, iter_num if cfg.init_from == "resume" else -1
-    mfu_avg, steps_run = -1.0, 0
+    mfu_avg, steps_run, loop_start = -1.0, 0, time.perf_counter()
+
+    def eta() -> str:  # the rest of the run at this launch's pace so far, evals and saves included
+        per_step = (time.perf_counter() - loop_start) / max(steps_run, 1)
+        return format_duration(per_step * (cfg.max_iters - iter_num))
+
+    def finish(how: str) -> None:
+        best = f"best val loss {best_val_loss:.4f}" if math.isfinite(best_val_loss) else "no val loss yet"
+        log(f"{how} at iter {iter_num}/{cfg.max_iters} after {format_duration(runlog.elapsed())} of training (this "
+            f"launch: {steps_run} iterations in {format_duration(time.perf_counter() - loop_start)}); {best}")
 
     def save(reason: str) -> None:  # every rank calls it
         meta = {"iter_num": iter_num, "best_val_loss": best_val_loss,
@@ -94,7 +124,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     while True:
         if stop_requested:
             save(f"stopped by {stop.signal_name or 'a signal to another process'}")
-            log(f"stopped at iter {iter_num}; continue with --init_from=resume --out_dir={out_dir}")
+            finish("stopped")
+            log(f"stopped at iter {iter_num}; continue with: {resume_command(out_dir, rt)}")
             return
         lr = get_lr(iter_num, cfg)
         optim.set_lr(optimizer, lr / cfg.learning_rate)
@@ -102,8 +133,13 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
         # evaluate and save between steps
         want_save = bool(cfg.checkpoint_interval) and iter_num % cfg.checkpoint_interval == 0
         if iter_num % cfg.eval_interval == 0 or cfg.eval_only:
-            losses = estimate_loss(model, data, cfg, rt)
-            scores = evaluate.hellaswag_scores(raw_model, hellaswag, rt)  # {} without hellaswag_file
+            losses = estimate_loss(model, data, cfg, rt, stopped)
+            scores = None if losses is None else evaluate.hellaswag_scores(raw_model, hellaswag, rt, stopped)
+            if scores is None:  # a signal during the eval: save the last completed step, unevaluated
+                if cfg.eval_only:
+                    raise Stopped(stop.signal_name or "a signal to another process", "during the eval; no result")
+                stop_requested = True
+                continue
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                 + "".join(f", {k} {v:.4f}" for k, v in scores.items()))
             runlog.write({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr}
@@ -116,6 +152,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
             save("end of training" if iter_num >= cfg.max_iters else "scheduled")
             last_saved = iter_num
         if iter_num >= cfg.max_iters:
+            finish("done")
             return
 
         # the step: forward and backward over this process's micro-batches
@@ -134,7 +171,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
             loss_sum += loss.detach()
         # The non-finite guard: the step's one host sync, since it must see this loss before the update.
         # The stop flags travel with it on a host-side group, so the device is not left waiting.
-        stop_requested, any_bad = rt.any_rank(stop.signal_name is not None, not math.isfinite(loss_sum.item()))
+        stop_requested, any_bad = rt.any_rank(stop.requested, not math.isfinite(loss_sum.item()))
         logging = (iter_num + 1) % cfg.log_interval == 0
         loss = global_mean(loss_sum, rt) if any_bad or logging else None  # a device collective: only when used
         if any_bad:
@@ -154,21 +191,77 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
             if peak and steps_run > 5:  # the first steps include warm-up and compilation
                 mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, peak)
                 mfu_avg = mfu if mfu_avg < 0 else 0.9 * mfu_avg + 0.1 * mfu
-            log(f"iter {iter_num - 1}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
-                f"{tokens_per_iter / dt:,.0f} tok/s" + (f", mfu {mfu_avg * 100:.2f}%" if mfu_avg >= 0 else ""))
+            log(f"iter {iter_num - 1}/{cfg.max_iters}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
+                f"{tokens_per_iter / dt:,.0f} tok/s" + (f", mfu {mfu_avg * 100:.2f}%" if mfu_avg >= 0 else "")
+                + f" | elapsed {format_duration(runlog.elapsed())}, eta {eta()}")
             runlog.write({"iter": iter_num - 1, "loss": loss, "lr": lr, "ms": dt * 1000,
                           "tok_per_s": tokens_per_iter / dt, "mfu": mfu_avg if mfu_avg >= 0 else None})
+
+
+def parse_config(argv) -> TrainConfig:
+    """The TrainConfig defaults, then config files, then --key=value; with init_from=resume, the run's own
+    out_dir/config.json in place of the defaults, so `--init_from=resume --out_dir=RUN` is the whole command.
+    Keys given still apply on top of it (max_iters, eval_interval, ...); those a checkpoint cannot take, such
+    as another n_layer, are refused when the checkpoint loads."""
+    cfg = configlib.parse_args(TrainConfig, argv, validate=False)
+    saved = Path(cfg.out_dir) / "config.json"
+    if cfg.init_from != "resume" or not saved.is_file():
+        return configlib.parse_args(TrainConfig, argv)
+    try:
+        run = json.loads(saved.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {saved} ({first_line(e)}); pass the run's config files again") from None
+    if not isinstance(run, dict):
+        raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
+    # What the run resolved for its own machine ("auto" became cuda:0, bfloat16): resolved again here.
+    run = {k: v for k, v in run.items() if k not in ("world_size", "device", "dtype")}
+    return configlib.parse_args(TrainConfig, argv, base=configlib.from_dict(TrainConfig, run, f"in {saved}"))
+
+
+def resume_command(out_dir: Path, rt: runtime.Runtime) -> str:
+    """The command that continues this run, to paste as it is printed."""
+    args = f"train.py --init_from=resume --out_dir={shlex.quote(str(out_dir))}"
+    if not rt.ddp:
+        return f"python {args}"
+    if int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)) != rt.world_size:  # several nodes
+        return f"the same torchrun launch on each node, of {args}"
+    return f"torchrun --standalone --nproc_per_node={rt.world_size} {args}"
 
 
 # -----------------------------------------------------------------------------
 # what train() calls, in the order it calls it
 
 
-def prepare_out_dir(cfg: TrainConfig, rt: runtime.Runtime) -> Path:
-    """Create out_dir and write the resolved config, before any training: an unwritable
-    directory is found now, not at the first checkpoint."""
+def check_out_dir(cfg: TrainConfig) -> Path:
+    """out_dir, checked before any work and without writing to it: writable (found now, not at the first
+    checkpoint), and, for a new run, not holding another run's checkpoint unless overwrite=True."""
     out_dir = Path(cfg.out_dir)
+    existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "Not a directory" if not existing.is_dir() else "Permission denied"
+        raise UserError(f"cannot write to out_dir '{out_dir}': {why}; choose a writable --out_dir")
+    new_run = cfg.init_from != "resume" and not cfg.eval_only  # eval_only saves nothing
+    found = checkpoint.find_checkpoint(out_dir) if new_run and not cfg.overwrite else None
+    if found is not None:
+        raise UserError(f"{out_dir} already holds a run's checkpoint ({describe_checkpoint(found)}); continue it "
+                        f"with --init_from=resume, replace it with --overwrite=True, or choose another --out_dir")
+    return out_dir
 
+
+def describe_checkpoint(path: Path) -> str:
+    """'iter N, val loss X' from a checkpoint's metadata, for the refusal to overwrite it."""
+    try:
+        meta = checkpoint.read_sharded_meta(path) if path.is_dir() else checkpoint.load_checkpoint(path)["meta"]
+    except UserError as e:
+        return f"{path.name}, unreadable: {e}"
+    loss = meta.get("best_val_loss")
+    loss_text = f"best val loss {loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "no val loss yet"
+    return f"{path.name} at iter {meta.get('iter_num')}, {loss_text}"
+
+
+def write_run_config(cfg: TrainConfig, out_dir: Path, rt: runtime.Runtime) -> None:
+    """out_dir/config.json, the resolved config, once the run is about to train: a run stopped by a
+    mistake (a missing dataset, a wrong setting) leaves no file behind."""
     def write() -> None:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,7 +270,6 @@ def prepare_out_dir(cfg: TrainConfig, rt: runtime.Runtime) -> Path:
         except OSError as e:
             raise UserError(f"cannot write to out_dir '{out_dir}': {e.strerror}; choose a writable --out_dir") from None
     rt.on_master(write)
-    return out_dir
 
 
 def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
@@ -290,29 +382,61 @@ def restore_state(state: dict, path: Path, model: GPT, optimizer, scaler, rt: ru
 
 
 @torch.no_grad()
-def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runtime.Runtime) -> dict[str, float]:
-    """Mean loss over eval_iters fixed batches per split, shared among the processes.
+def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runtime.Runtime,
+                  stopped=None) -> dict[str, float] | None:
+    """Mean loss over eval_iters fixed batches per split, shared among the processes; None if
+    stopped() (called before each batch, on every rank alike) said a signal came.
 
     Eval batches come from their own generators, so evaluating never changes which
     batches training reads, and every eval uses the same batches (comparable numbers).
     """
     out = {}
     model.eval()
+    # A bar on rank 0 for an eval that takes more than a few seconds (a GPU config on a CPU: minutes).
+    padded = -(-cfg.eval_iters // rt.world_size) * rt.world_size  # batches per split, a multiple of world_size
+    bar = tqdm(total=len(data) * padded, desc="eval", unit=" batches", delay=5.0, leave=False,
+               disable=not rt.is_master, file=sys.stderr)
     for split, ds in data.items():
         total = torch.zeros(2, device=rt.device)  # (sum of losses, count)
-        # Every rank runs as many forwards: under fsdp each one is a collective (its all-gathers).
-        padded = -(-cfg.eval_iters // rt.world_size) * rt.world_size
+        # Every rank runs as many forwards (padded): under fsdp each one is a collective (its all-gathers).
         for k in range(rt.rank, padded, rt.world_size):
+            if stopped is not None and stopped():
+                bar.close()
+                model.train()
+                return None
             x, y = ds.get_batch(cfg.batch_size, batch_generator(cfg.seed, "eval", split, k % cfg.eval_iters), rt.device)
             with rt.autocast():
                 _, loss = model(x, y)
             if k < cfg.eval_iters:
                 total += torch.stack([loss.float(), torch.ones((), device=rt.device)])
+            bar.update(rt.world_size)  # every rank's batch of this round
         if rt.ddp:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
+    bar.close()
     model.train()
     return out
+
+
+# A CPU run whose arithmetic alone, at the CPU's measured matmul peak, takes longer than this is sized for a GPU.
+GPU_SIZED_S = 3600.0
+
+
+def gpu_sized_note(model: GPT, cfg: TrainConfig, rt: runtime.Runtime, peak: float | None, iter_num: int) -> str | None:
+    """One line for a run on a CPU that is sized for a GPU (config/train_shakespeare_char.py there): the time
+    its FLOPs alone take at the CPU's peak, a lower bound of what it will take; None for a CPU-sized run."""
+    if rt.device_type != "cpu" or not peak:
+        return None
+    per_token = model.flops_per_token() / peak  # seconds of a forward and backward, per token
+    step_s = per_token * local_accum_steps(cfg, rt.world_size) * cfg.batch_size * cfg.block_size
+    eval_s = per_token / 3 * 2 * -(-cfg.eval_iters // rt.world_size) * cfg.batch_size * cfg.block_size  # forwards
+    left = cfg.max_iters - iter_num
+    total_s = step_s * left + eval_s * (left // cfg.eval_interval + 1)
+    if total_s < GPU_SIZED_S:
+        return None
+    return (f"note: this config is sized for a GPU: on this CPU each eval (2 x {cfg.eval_iters} batches of "
+            f"{cfg.batch_size} x {cfg.block_size}) takes at least {format_duration(eval_s)}, the run at least "
+            f"{format_duration(total_s)}; config/train_shakespeare_char_cpu.py is sized for a CPU")
 
 
 def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:

@@ -49,7 +49,8 @@ def train_py_ms(cfg, tmp: str, overrides: dict, warm: int, n: int, *recipe: str)
     read after loop_config."""
     out = Path(tmp) / ("out-recipe" if recipe else "out")
     run = overrides | dict(max_iters=warm + n, log_interval=1, eval_interval=warm + n + 1, eval_iters=1,
-                           compile=False, seed=cfg.seed, out_dir=str(out))
+                           compile=False, seed=cfg.seed, out_dir=str(out), overwrite=True,  # each chunk anew
+                           threads=torch.get_num_threads())
     argv = [f"--{k}={v}" for k, v in run.items()]
     env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads()),
                         "MKL_NUM_THREADS": str(torch.get_num_threads())}

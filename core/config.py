@@ -9,8 +9,12 @@ type stop with one line naming the key.
 import ast
 import dataclasses
 import difflib
+import inspect
+import io
 import runpy
 import sys
+import textwrap
+import tokenize
 import types
 import typing
 from pathlib import Path
@@ -102,16 +106,56 @@ def apply_overrides(cfg: T, overrides: dict[str, Any], source: str) -> T:
 
 
 def config_help(cls) -> str:
-    hints = typing.get_type_hints(cls)
+    """Every key: its default, its type and allowed values, and its one-line description (field_help)."""
+    hints, helps = typing.get_type_hints(cls), field_help(cls)
     lines = ["options (config files and --key=value override these defaults):"]
     for f in dataclasses.fields(cls):
-        lines.append(f"  --{f.name}={f.default!r}  ({_type_name(hints[f.name])})")
+        base = _optional_inner(hints[f.name]) or hints[f.name]
+        allowed = f.metadata.get("choices") or ((True, False) if base is bool else ())
+        kind = _type_name(hints[f.name]) + (f": {' | '.join(map(str, allowed))}" if allowed else "")
+        lines.append(f"  --{f.name}={f.default!r}  ({kind})" + (f"  {helps[f.name]}" if helps.get(f.name) else ""))
     return "\n".join(lines)
 
 
-def parse_args(cls: type[T], argv: Sequence[str]) -> T:
-    """Build a `cls` config: defaults, then each config file in order, then each --key=value."""
-    cfg = cls()
+def field_help(cls) -> dict[str, str]:
+    """Each field's description: the comment after it in the source of the dataclass that declares it (the
+    comment-only lines indented under it continue it), or, for a field made in code, its metadata["help"].
+    The comments the config classes carry are the one home of the help text."""
+    helps = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            try:
+                helps |= _source_comments(textwrap.dedent(inspect.getsource(klass)))
+            except (OSError, TypeError):  # made by dataclasses.make_dataclass: no source
+                pass
+    return helps | {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
+
+
+def _source_comments(source: str) -> dict[str, str]:
+    """{field: its comment} of a class's source: `name: type = default  # comment` and continuation lines."""
+    lines = source.splitlines()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    body = ast.parse(source).body[0].body
+    found = {}
+    for i, node in enumerate(body):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)) or node.end_lineno not in comments:
+            continue
+        text, end = [comments[node.end_lineno]], body[i + 1].lineno if i + 1 < len(body) else len(lines) + 1
+        for number in range(node.end_lineno + 1, end):
+            line = lines[number - 1]
+            if number not in comments or not line.lstrip().startswith("#") or \
+                    len(line) - len(line.lstrip()) <= node.col_offset:  # a section comment, not a continuation
+                break
+            text.append(comments[number])
+        found[node.target.id] = " ".join(text)
+    return found
+
+
+def parse_args(cls: type[T], argv: Sequence[str], base: T | None = None, validate: bool = True) -> T:
+    """Build a `cls` config: defaults (or `base`), then each config file in order, then each --key=value.
+    validate=False leaves cls.validate() to a later call (a first pass that only reads a key or two)."""
+    cfg = cls() if base is None else base
     hints = typing.get_type_hints(cls)
     for arg in argv:
         if arg in ("-h", "--help"):
@@ -129,9 +173,9 @@ def parse_args(cls: type[T], argv: Sequence[str]) -> T:
             cfg = apply_overrides(cfg, {key: value}, "command line")
         else:
             cfg = apply_overrides(cfg, read_config_file(arg), f"in {arg}")
-    validate = getattr(cfg, "validate", None)
-    if validate is not None:
-        validate()
+    check = getattr(cfg, "validate", None)
+    if check is not None and validate:
+        check()
     return cfg
 
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # torch is imported where batches are made: prepare.py script
     import torch
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DATA_ROOT = Path(__file__).resolve().parents[1] / "data"  # data/<name>/prepare.py, one per dataset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 def read_meta(data_dir: str | os.PathLike) -> dict:
     path = Path(data_dir) / "meta.json"
     if not path.is_file():
-        raise UserError(f"{path} not found; run the dataset's prepare.py (python {Path(data_dir) / 'prepare.py'})")
+        raise UserError(f"{path} not found; run the dataset's prepare.py ({_prepare_hint(Path(data_dir))})")
     try:
         meta = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -53,6 +54,16 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
         raise UserError(f"{path} holds a {type(meta).__name__}, expected a JSON object; "
                         f"re-run the dataset's prepare.py")
     return meta
+
+
+def _prepare_hint(data_dir: Path) -> str:
+    """Which prepare.py to run for data_dir: its own if it has one, else the datasets that exist."""
+    if (data_dir / "prepare.py").is_file():
+        return f"python {data_dir / 'prepare.py'}"
+    # data/hellaswag is an eval set (eval.py --task=hellaswag), not a dataset to train on
+    names = sorted(p.parent.name for p in DATA_ROOT.glob("*/prepare.py") if p.parent.name != "hellaswag")
+    return (f"{data_dir} has none; prepared datasets live in data/NAME after python data/NAME/prepare.py, "
+            f"NAME one of {', '.join(names)}")
 
 
 def shard_paths(data_dir: Path, split: str) -> list[Path]:

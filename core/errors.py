@@ -1,5 +1,7 @@
 """User-facing failures: one clear line and a non-zero exit, never a traceback."""
+import contextlib
 import os
+import signal
 import sys
 from typing import Callable, NoReturn, Sequence
 
@@ -8,6 +10,26 @@ EXIT_USER_ERROR = 2
 
 class UserError(Exception):
     """A problem the user can fix. Its message says what is wrong and what to do."""
+
+
+@contextlib.contextmanager
+def alike_on_every_rank():
+    """A UserError raised inside is one every process of a torchrun node raises alike (a setting, a file
+    they share): only local rank 0 prints it, so the user reads it once, not once per process."""
+    try:
+        yield
+    except UserError as e:
+        e.quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+        raise
+
+
+class Stopped(Exception):
+    """Work ended early by SIGTERM/SIGINT (core.runtime.StopFlag) at a point with nothing to save: exit
+    128 + the signal's number, as a shell reports a process a signal ended."""
+
+    def __init__(self, signal_name: str, where: str):
+        super().__init__(f"stopped by {signal_name} {where}")
+        self.signal_name = signal_name
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:
@@ -22,8 +44,12 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
     try:
         main(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        sys.exit(128 + signal.Signals[e.signal_name].value)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)

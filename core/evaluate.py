@@ -71,7 +71,7 @@ class SplitResult:
 @torch.no_grad()
 def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
                    autocast=None, rank: int = 0, world_size: int = 1, progress=None,
-                   token_bytes: list[int] | None = None) -> SplitResult:
+                   token_bytes: list[int] | None = None, stopped=None) -> SplitResult | None:
     """Score every token of `data` (one split; each .bin file is its own stream) once.
 
     stride None means block_size: non-overlapping windows. With world_size > 1 each rank scores
@@ -82,6 +82,9 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     loss in bits over the bytes of the text scored, which tokenizers of any vocabulary share, so models
     with different tokenizers compare on the same text. As nanochat's evaluate_bpb, special tokens
     (no bytes) are left out of both sums.
+
+    stopped(), if given, is called before each batch on every rank alike (it may be a collective);
+    True ends the evaluation, returning None.
     """
     T = data.block_size
     stride = stride or T
@@ -98,6 +101,9 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     # Every rank runs as many forwards (a sharded model's are collectives): a rank past the end
     # scores the first batch again and does not count it.
     for step in range(math.ceil(len(jobs) / (world_size * batch_size))):
+        if stopped is not None and stopped():
+            model.train(was_training)
+            return None
         i = (step * world_size + rank) * batch_size
         x, y = _window_batch(data, jobs[i:i + batch_size] if i < len(jobs) else jobs[:batch_size], T)
         x, y = x.to(device), y.to(device)
@@ -243,15 +249,20 @@ def render_examples(examples: list[HellaSwagExample], tok: Tokenizer, block_size
 
 @torch.no_grad()
 def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None, rank: int = 0,
-                       world_size: int = 1) -> dict[str, float]:
+                       world_size: int = 1, progress=None, stopped=None) -> dict[str, float] | None:
     """acc, acc_norm and the number of examples, from render_examples' output. With world_size > 1
     each rank scores every world_size-th example and the counts are all-reduced; every rank runs
     the same number of forwards (a rank short of one scores a spare it does not count), which
-    sharded models need. The model is left in the mode it came in."""
+    sharded models need. progress(done, total) as in evaluate_split; stopped(), if given, is called
+    before each example on every rank, and True ends the evaluation with None. The model is left in
+    the mode it came in."""
     was_training = model.training
     model.eval()
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # (right by sum, right by mean, examples)
     for step in range(math.ceil(len(rendered) / world_size)):
+        if stopped is not None and stopped():
+            model.train(was_training)
+            return None
         index = step * world_size + rank
         tokens, mask, label = rendered[min(index, len(rendered) - 1)]
         with autocast() if autocast else contextlib.nullcontext():
@@ -259,6 +270,8 @@ def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None
         if index < len(rendered):
             counts += torch.tensor([int(total.argmin()) == label, int(mean.argmin()) == label, 1.0],
                                    dtype=torch.float64, device=device)
+        if progress:
+            progress(min(index + 1, len(rendered)), len(rendered))
     if world_size > 1:
         dist.all_reduce(counts)
     model.train(was_training)
@@ -266,12 +279,14 @@ def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None
     return {"acc": right / n, "acc_norm": right_norm / n, "examples": int(n)}
 
 
-def hellaswag_scores(model, rendered: list[tuple] | None, rt) -> dict[str, float]:
-    """train.py's eval record entries, {} when no HellaSwag file was given. Pass the plain module:
-    examples vary in length, which a compiled one would recompile for."""
+def hellaswag_scores(model, rendered: list[tuple] | None, rt, stopped=None) -> dict[str, float] | None:
+    """train.py's eval record entries, {} when no HellaSwag file was given, None if stopped() said so.
+    Pass the plain module: examples vary in length, which a compiled one would recompile for."""
     if not rendered:
         return {}
-    r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size)
+    r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size, stopped=stopped)
+    if r is None:
+        return None
     return {"hellaswag_acc": r["acc"], "hellaswag_acc_norm": r["acc_norm"]}
 
 
@@ -303,15 +318,22 @@ def load_chat_file(path: str | Path, limit: int = 0) -> list[list[dict]]:
 
 
 @torch.no_grad()
-def chat_accuracy(model, template, conversations: list[list[dict]], max_new_tokens: int = 64) -> dict:
+def chat_accuracy(model, template, conversations: list[list[dict]], max_new_tokens: int = 64,
+                  stopped=None) -> dict | None:
     """The fraction of conversations whose last assistant turn the model reproduces exactly, greedily,
-    from the messages before it."""
+    from the messages before it; None if stopped(), called before each conversation, says so."""
     from core.chat import reply
 
     was_training = model.training
     model.eval()
-    # A reply longer than the answer is wrong whatever follows: decoding stops one token past the answer.
-    correct = sum(reply(model, template, conv[:-1], min(max_new_tokens, len(template.tok.encode(conv[-1]["content"])) + 1),
-                        temperature=0.0) == conv[-1]["content"] for conv in conversations)
+    correct = 0
+    for conv in conversations:
+        if stopped is not None and stopped():
+            model.train(was_training)
+            return None
+        answer = conv[-1]["content"]
+        # A reply longer than the answer is wrong whatever follows: decoding stops one token past the answer.
+        n = min(max_new_tokens, len(template.tok.encode(answer)) + 1)
+        correct += reply(model, template, conv[:-1], n, temperature=0.0) == answer
     model.train(was_training)
     return {"accuracy": correct / len(conversations), "correct": correct, "examples": len(conversations)}

@@ -4,9 +4,14 @@ a failure (a full disk) stops every rank with the same one line.
 
     log = RunLog(out_dir / "log.jsonl", rt, resume_iter=None, wandb_config=None)
     log.write({"iter": 10, "loss": 2.31, "lr": 6e-4, "ms": 41.2, "tok_per_s": 18650.0, "mfu": None})
+
+Each record also gets `time` (Unix seconds, wall clock) and `elapsed_s`: seconds since the log started,
+counted on from the last record kept when a run resumes, so a resumed run's log reads as one run's
+wall time (the time between a stop and its resume left out). plot.py --x=time draws against it.
 """
 import json
 import math
+import time
 from pathlib import Path
 
 from core.errors import UserError
@@ -23,9 +28,15 @@ class RunLog:
         """A fresh log (resume_iter None), or the log of the run being resumed at resume_iter.
         wandb_config (the run's config, with wandb_project and wandb_run_name) also starts a wandb run."""
         self.path, self.rt, self.wandb = path, rt, None
+        self.started, self.elapsed_before = time.monotonic(), 0.0
         rt.on_master(self._start, resume_iter, wandb_config)
 
+    def elapsed(self) -> float:
+        """Seconds of this run so far, its earlier launches' included (see the module docstring)."""
+        return self.elapsed_before + time.monotonic() - self.started
+
     def write(self, record: dict) -> None:
+        record = record | {"time": round(time.time(), 3), "elapsed_s": round(self.elapsed(), 3)}
         self.rt.on_master(self._append, record)
 
     def _start(self, resume_iter: int | None, wandb_config: dict | None) -> None:
@@ -36,6 +47,7 @@ class RunLog:
             # Keep only the iterations before the checkpoint: the resumed run redoes the rest, and
             # the log then reads as one run. A line cut short by a kill is dropped with them.
             kept = [line for line in path.read_text().splitlines() if _record_iter(line) < resume_iter]
+            self.elapsed_before = max((_record_elapsed(line) for line in kept), default=0.0)
             try:
                 with atomic_path(path) as tmp:
                     tmp.write_text("".join(line + "\n" for line in kept))
@@ -55,6 +67,24 @@ class RunLog:
 
     def _error(self, e: OSError) -> UserError:
         return UserError(f"could not write {self.path}: {e.strerror or e}; the last checkpoint is intact")
+
+
+def _record_elapsed(line: str) -> float:
+    try:
+        value = json.loads(line).get("elapsed_s", 0.0)  # logs written before timestamps have none
+        return float(value) if isinstance(value, (int, float)) else 0.0
+    except (json.JSONDecodeError, AttributeError):
+        return 0.0
+
+
+def format_duration(seconds: float) -> str:
+    """'42s', '3m05s', '2h07m': a duration as a person reads it in a progress line."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _record_iter(line: str) -> float:

@@ -16,11 +16,12 @@ import datetime
 import gc
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
 
-from core.errors import UserError, first_line
+from core.errors import Stopped, UserError, first_line
 
 # The dtypes every script accepts (--dtype, export.py's stored weights): their one home.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -257,8 +258,18 @@ def dist_env() -> tuple[int, int, int]:
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0) -> Runtime:
-    """Pick device and dtype; join the process group when launched by torchrun."""
+def set_threads(threads: int) -> None:
+    """torch's intra-op CPU threads: `threads` if positive; 0 keeps torch's default (one per core, or
+    OMP_NUM_THREADS). The one place the scripts' --threads acts."""
+    if threads < 0:
+        raise UserError(f"threads must be 0 (torch's default) or a positive count, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, threads: int = 0) -> Runtime:
+    """Pick device and dtype and the CPU threads (set_threads); join the process group when launched by torchrun."""
+    set_threads(threads)
     rank, local_rank, world_size = dist_env()
     device = resolve_device(device, local_rank if world_size > 1 else None)
     device_type = device.split(":")[0]
@@ -333,17 +344,40 @@ def inference_model(model: torch.nn.Module, rt: Runtime, compile: bool = False) 
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop saves and exits after the current step. A second
-    SIGINT interrupts at once."""
+    """Set by SIGTERM/SIGINT. The work checks it at its next boundary (a training step, an eval batch,
+    a start-up phase) and stops there: train.py saves and exits 0. The first signal prints `message` at
+    once (when `announce`), so a long step or batch is not mistaken for a lost Ctrl-C; a second SIGINT
+    interrupts at once."""
 
-    def __init__(self):
-        self.signal_name = None
+    def __init__(self, announce: bool = True, message: str = "stopping after this batch; saving"):
+        self.signal_name, self.announce, self.message = None, announce, message
 
-    def install(self) -> None:
+    def install(self) -> "StopFlag":
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        return self
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def check(self, where: str) -> None:
+        """Raise Stopped if a signal came: `where` says what had not happened yet ("before training")."""
+        if self.requested:
+            raise Stopped(self.signal_name, where)
 
     def _handle(self, signum, frame):
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
+        if self.announce:
+            _say(f"{self.signal_name}: {self.message} (Ctrl-C again to interrupt at once)")
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler: os.write, not print, which would raise if the handler
+    interrupted another write to the same buffered stream."""
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stderr with no file (captured in-process)
+        sys.stderr.write(line + "\n")

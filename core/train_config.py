@@ -6,8 +6,9 @@ import dataclasses
 import math
 
 from core import optim, parallel, weights
+from core.config import field_help
 from core.errors import UserError
-from model import RECIPE_SWITCHES, GPTConfig
+from model import CHOICES, RECIPE_SWITCHES, GPTConfig
 
 # The model keys are GPTConfig's fields, each with GPTConfig's default, except vocab_size: None there
 # is the dataset's meta.json vocab_size. A field added to GPTConfig is a key here with nothing to edit.
@@ -18,8 +19,16 @@ ARCHITECTURE_KEYS = tuple(k for k in MODEL_KEYS if k not in ("block_size", "drop
 
 
 def _model_fields() -> list[tuple[str, type, dataclasses.Field]]:
-    return [(f.name, int | None, dataclasses.field(default=None)) if f.name == "vocab_size"
-            else (f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(GPTConfig)]
+    """GPTConfig's fields, each with its --help text and allowed values from GPTConfig's own comments and CHOICES."""
+    helps = field_help(GPTConfig)
+
+    helps["vocab_size"] = "None: the dataset's meta.json vocab_size"
+
+    def key(f: dataclasses.Field) -> tuple[str, type, dataclasses.Field]:
+        tp, default = (int | None, None) if f.name == "vocab_size" else (f.type, f.default)
+        return f.name, tp, dataclasses.field(default=default, metadata={"help": helps.get(f.name, ""),
+                                                                         "choices": CHOICES.get(f.name)})
+    return [key(f) for f in dataclasses.fields(GPTConfig)]
 
 
 # GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them).
@@ -29,50 +38,52 @@ ModelKeys = dataclasses.make_dataclass("ModelKeys", _model_fields())
 @dataclasses.dataclass
 class TrainConfig(ModelKeys):
     # I/O
-    out_dir: str = "out"
-    eval_interval: int = 2000
-    log_interval: int = 1
-    eval_iters: int = 200
-    eval_only: bool = False
+    out_dir: str = "out"                   # checkpoints, config.json and log.jsonl
+    eval_interval: int = 2000              # estimate train and val loss (and save) every N iterations
+    log_interval: int = 1                  # print and log the training loss every N iterations
+    eval_iters: int = 200                  # batches per split in each eval
+    eval_only: bool = False                # evaluate once and exit, saving nothing
     hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
     init_from: str = "scratch"            # 'scratch', 'resume', a base run's out_dir (its weights, a new run),
                                           # a GPT-2 name, or a transformers folder (docs/interop.md)
+    overwrite: bool = False               # a new run may replace the checkpoint out_dir already holds
     # logging
-    wandb_log: bool = False
-    wandb_project: str = "nanogpt"
-    wandb_run_name: str = "run"
+    wandb_log: bool = False                # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = "nanogpt"         # wandb's project
+    wandb_run_name: str = "run"            # wandb's run name
     # data
-    data_dir: str = "data/fineweb"
+    data_dir: str = "data/fineweb"         # a folder prepare.py wrote: train.bin, val.bin, meta.json
     gradient_accumulation_steps: int = 40  # global: across all processes together
     batch_size: int = 12                   # micro-batch per process
     loss_mask: bool = True                 # chat datasets: learn only the assistant's tokens; False: every token
     # the model: every GPTConfig field (ModelKeys above), then the optimizer
     optimizer: str = "adamw"               # adamw | muon (Muon for hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02                  # Muon's peak lr; learning_rate stays AdamW's, the schedule scales both
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.0
+    muon_momentum: float = 0.95            # Muon's Nesterov momentum
+    muon_weight_decay: float = 0.0         # Muon's decoupled weight decay
     muon_ns_steps: int = 5                 # Newton-Schulz iterations per Muon update (torch's default)
     # AdamW
-    learning_rate: float = 6e-4
-    max_iters: int = 600000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    learning_rate: float = 6e-4            # AdamW's peak learning rate
+    max_iters: int = 600000                # iterations in all; a resumed run stops here too
+    weight_decay: float = 0.1              # AdamW's, on matrices and embeddings only
+    beta1: float = 0.9                     # AdamW's first-moment decay
+    beta2: float = 0.95                    # AdamW's second-moment decay
     grad_clip: float = 1.0                 # 0 disables clipping
     # learning-rate schedule: linear warmup, then down to min_lr at lr_decay_iters (core/optim.py lr_at)
-    decay_lr: bool = True
+    decay_lr: bool = True                  # False: learning_rate throughout, no warmup or decay
     lr_schedule: str = "cosine"            # cosine (nanoGPT) | wsd: the peak, then linear over the last cooldown_frac
     cooldown_frac: float = 0.2             # wsd only: the fraction of lr_decay_iters spent decaying
-    warmup_iters: int = 2000
-    lr_decay_iters: int = 600000
-    min_lr: float = 6e-5
+    warmup_iters: int = 2000               # linear warmup from 0 over N iterations
+    lr_decay_iters: int = 600000           # where the decay reaches min_lr (usually max_iters)
+    min_lr: float = 6e-5                   # the learning rate at and after lr_decay_iters
     # system
     device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"                    # auto, float32, bfloat16, float16
+    threads: int = 1                       # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
     compile: bool | None = None            # None: on for CUDA, off elsewhere
-    seed: int = 1337
+    seed: int = 1337                       # weights, dropout and batches all follow from it
     dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
     parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/parallel.py)
     activation_checkpointing: bool = False  # recompute each Block in the backward pass: less memory, more compute

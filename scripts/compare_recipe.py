@@ -269,6 +269,11 @@ def plot(runs: dict, order: list[str], target: float | None, path: Path) -> None
 
 
 def main(argv: Sequence[str]) -> None:
+    if any(a in ("-h", "--help") for a in argv):  # this script's own keys, then the training config's
+        print("\n".join(["this script's own keys:", *configlib.config_help(CompareConfig).splitlines()[1:],
+                         "the training config every variant shares (config files and --key=value, as train.py):",
+                         *configlib.config_help(TrainConfig).splitlines()[1:]]))
+        sys.exit(0)
     mine, rest = split_argv(argv)
     cmp = configlib.parse_args(CompareConfig, mine)
     base = configlib.parse_args(TrainConfig, rest)

@@ -85,7 +85,9 @@ def make_world(root: Path) -> dict[str, Path]:
 
 
 def train(w, **overrides) -> list[str]:
-    args = TINY_TRAIN | {"out_dir": w["out"], "data_dir": w["data"], "max_iters": 2} | overrides
+    """A new run into an out_dir of its own (w["out"] holds the trained run the sample cases read, which a
+    new run would refuse to replace before it saw its mistake)."""
+    args = TINY_TRAIN | {"out_dir": w["out"].parent / "new_run", "data_dir": w["data"], "max_iters": 2} | overrides
     return ["train.py", *(f"--{k}={v}" for k, v in args.items())]
 
 
@@ -218,13 +220,14 @@ def test_bad_input_in_process_is_one_clear_line(world, name):
 
 @pytest.mark.slow
 def test_accumulation_not_divisible_by_world_size_under_torchrun(results):
-    """torchrun reports the failed workers in its own summary (and exits 1); each worker's own output is
-    our one line, exit 2, and no traceback from train.py."""
+    """torchrun reports the failed workers in its own summary (and exits 1); the workers' own output is
+    our one line, printed once (by local rank 0: every rank has the same setting), exit 2, and no
+    traceback from train.py."""
     result = results["torchrun_accumulation"]
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert lines and all(line == "error: gradient_accumulation_steps (3) must be divisible by the number of "
-                                 "processes (2); it counts micro-steps across all processes" for line in lines), lines
+    assert lines == ["error: gradient_accumulation_steps (3) must be divisible by the number of processes (2); it "
+                     "counts micro-steps across all processes"], result.stderr
     assert "exitcode  : 2" in result.stderr
     assert 'train.py", line' not in result.stderr  # torchrun's traceback is its own, never one through train.py
 

@@ -151,3 +151,45 @@ def test_a_config_file_sets_the_norm_epsilon_mlp_width_and_gelu(tmp_path):
     f.write_text("norm_eps = 1e-6\nmlp_hidden = 100\ngelu_approximate = 'none'\n")
     config = train.scratch_config(parse_args(TrainConfig, [str(f)]), {"vocab_size": 65})
     assert (config.norm_eps, config.mlp_hidden, config.gelu_approximate) == (1e-6, 100, "none")
+
+
+# --- help from the fields' own comments -------------------------------------------------------------
+
+@dataclasses.dataclass
+class Commented:
+    plain: int = 1
+    # a section comment, not a description
+    described: str = "a"  # one line
+    long: float = 2.0     # a first line,
+                          # and its continuation
+    flag: bool = False
+
+
+def test_help_is_each_fields_own_comment_with_its_allowed_values():
+    from core.config import config_help, field_help
+
+    assert field_help(Commented) == {"described": "one line", "long": "a first line, and its continuation"}
+    text = config_help(Commented)
+    assert "  --plain=1  (int)\n" in text and "  --long=2.0  (float)  a first line, and its continuation" in text
+    assert "  --flag=False  (bool: True | False)" in text and "section comment" not in text
+
+
+def test_train_help_describes_every_commented_key_with_its_values():
+    """train.py --help: TrainConfig's keys with their comments, the model keys with GPTConfig's own comments and
+    the allowed values GPTConfig checks (model.CHOICES): no second list."""
+    import inspect
+    import re
+
+    import model
+    from core.config import config_help
+    from core.train_config import TrainConfig
+
+    text = config_help(TrainConfig)
+    source = inspect.getsource(model.GPTConfig)
+    for name, values in model.CHOICES.items():
+        comment = re.search(rf"^\s+{name}: [^#]*# (.*)$", source, re.M).group(1)
+        assert f"(str: {' | '.join(values)})  {comment}" in text, name
+    assert "--max_iters=600000  (int)  iterations in all" in text
+    assert "--init_from='scratch'  (str)  'scratch', 'resume', a base run's out_dir (its weights, a new run), a GPT-2" in text
+    described = [line for line in text.splitlines()[1:] if re.match(r"  --\w+=\S+  \([^)]*\)  \S", line)]
+    assert len(described) >= len(dataclasses.fields(TrainConfig)) - 6, text  # n_layer, n_head, n_embd, dropout, ...

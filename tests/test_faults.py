@@ -272,6 +272,79 @@ def test_sigterm_and_sigint_save_exit_zero_and_resume_exactly(tmp_path, data_dir
         assert losses(tmp_path / sig.name) == reference[:end], sig.name
 
 
+# A signal during an eval: honoured between batches. The eval below asks for 2 x 10**7 batches of 8 x 32
+# tokens; even at 10 microseconds a forward (this model takes ~1 ms on a CPU core) finishing it costs over
+# 200 CPU seconds, so a run that waits for the eval's end cannot exit within EVAL_STOP_CPU_S of its own CPU
+# time, while one batch, a save and the interpreter's exit cost a few.
+EVAL_STOP_CPU_S = 30.0
+
+
+@pytest.mark.slow
+def test_sigterm_in_a_long_eval_saves_the_last_step_and_exits_zero(tmp_path, data_dir):
+    """A run resumed at iter 3 with a huge eval every 5 iterations trains iters 3 and 4, then starts the eval
+    at 5: SIGTERM then says so at once, ends the eval at its next batch, saves iter 5 (the last completed
+    step, unevaluated) and exits 0, within EVAL_STOP_CPU_S of the process's own CPU time."""
+    out = tmp_path / "run"
+    train_tiny(out, data_dir, max_iters=3, eval_interval=1000, log_interval=1)
+    proc = start_train(out, data_dir, "long_eval", init_from="resume", max_iters=10**6, eval_interval=5,
+                       eval_iters=10**7, log_interval=1)
+    try:
+        assert wait_for(lambda: logged_iters(out) >= 5, proc, timeout=120), (tmp_path / "long_eval.err").read_text()
+        time.sleep(0.5)  # into the eval (a signal a moment earlier is seen at its first batch all the same)
+        proc.send_signal(signal.SIGTERM)
+        budget = Budget(EVAL_STOP_CPU_S, proc.pid)
+        while proc.poll() is None:
+            assert not budget.spent(), "no exit after SIGTERM during the eval"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stdout, stderr = (tmp_path / "long_eval.out").read_text(), (tmp_path / "long_eval.err").read_text()
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM: stopping after this batch; saving" in stderr
+    assert load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"] == 5
+    assert "stopped at iter 5; continue with: python train.py --init_from=resume" in stdout
+    assert losses(out)[-1][0] == 4 and "step 5:" not in stdout  # no eval result was made up
+
+
+def test_a_signal_during_start_up_stops_before_training_and_writes_nothing(tmp_path, data_dir, monkeypatch):
+    """SIGTERM while the model is being built: the run stops at the next phase with one line and exit
+    128 + 15, before training, writing nothing (not even config.json)."""
+    real_build = train.build_model
+
+    def build_then_signal(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_build(*args)
+    monkeypatch.setattr(train, "build_model", build_then_signal)
+    steps = spy_optimizer_steps(monkeypatch)
+    result = run_main(train.main, train_argv(out_dir=tmp_path / "out", data_dir=data_dir))
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "stopped by SIGTERM before training started; nothing was written"
+    assert "SIGTERM: stopping before training starts" in result.stderr
+    assert steps == [] and not (tmp_path / "out").exists()
+
+
+def test_a_signal_during_eval_py_ends_it_at_the_next_batch(tmp_path, data_dir, monkeypatch):
+    """eval.py: SIGINT after its second batch of windows ends the evaluation there, with one line, exit 130."""
+    import eval as evallib
+    from core import evaluate
+
+    train_tiny(tmp_path, data_dir, max_iters=2)
+    real, batches = evaluate.token_losses, []
+
+    def count_then_signal(*args):
+        batches.append(1)
+        if len(batches) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+    monkeypatch.setattr(evaluate, "token_losses", count_then_signal)
+    result = run_main(evallib.main, [f"--out_dir={tmp_path}", "--device=cpu", "--batch_size=1", "--block_size=8"])
+    assert result.returncode == 128 + signal.SIGINT, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "stopped by SIGINT during the evaluation; no result"
+    assert len(batches) == 2 and result.stdout == ""
+
+
 # --- damaged checkpoints -----------------------------------------------------------------------
 
 SHORT_RUN = dict(max_iters=6, lr_decay_iters=10, log_interval=1, checkpoint_interval=2, dropout=0.1)

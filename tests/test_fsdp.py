@@ -337,4 +337,6 @@ def test_parallel_mistakes_are_one_line(sharded_out, data_dir):
     common = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
     assert_user_error(run_main(train.main, [*common, "--parallel=zero"]), "parallel must be 'ddp' or 'fsdp'")
     assert_user_error(run_main(train.main, [*common, "--parallel=fsdp", "--dtype=float16"]), "not float16")
-    assert_user_error(run_main(train.main, [*common, "--init_from=resume"]), "resume it with --parallel=fsdp")
+    # --parallel given (without it, resume takes the run's own fsdp from config.json)
+    assert_user_error(run_main(train.main, [*common, "--init_from=resume", "--parallel=ddp"]),
+                      "resume it with --parallel=fsdp")

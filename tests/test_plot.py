@@ -56,7 +56,7 @@ def test_bad_logs_are_one_line(tmp_path):
     for path, fragment in cases:
         assert_user_error(run_main(plot.main, [str(path)]), fragment)
     assert_user_error(run_main(plot.main, []), "pass one or more out_dirs")
-    assert_user_error(run_main(plot.main, [str(tmp_path / "bad"), "--x=time"]), "x must be 'iter', 'tokens', 'seconds' or 'cpu_seconds'")
+    assert_user_error(run_main(plot.main, [str(tmp_path / "bad"), "--x=time"]), "x must be 'iter', 'tokens', 'elapsed', 'seconds' or 'cpu_seconds'")
 
 
 def test_two_runs_overlay_with_their_differences_in_the_labels(tmp_path):
@@ -103,6 +103,20 @@ def test_against_tokens_when_the_runs_see_different_batches(tmp_path):
     assert [list(line.get_xdata()) for line in val] == [[0, 15 * 64, 30 * 64], [0, 15 * 128, 30 * 128]]
     fig = plot.plot_losses([a, b])  # by iteration: no single tokens axis fits both
     assert not fig.axes[0].child_axes
+
+
+def test_against_wall_time_from_each_records_elapsed_s(tmp_path):
+    """--x=elapsed puts every record (steps and evals) at its elapsed_s; a log written without it is one line."""
+    out = write_run(tmp_path / "a")
+    stamped = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    (out / "log.jsonl").write_text("".join(json.dumps(r | {"elapsed_s": 2.0 * r["iter"] + ("val_loss" in r)}) + "\n"
+                                           for r in stamped))
+    fig = plot.plot_losses([plot.read_log(out)], x="elapsed")
+    ax, ax_lr = fig.axes[:2]
+    assert ax_lr.get_xlabel() == "seconds since the run started (wall clock)"
+    assert list(ax.get_lines()[1].get_xdata()) == [1.0, 31.0, 61.0]  # the evals, at their own elapsed_s
+    assert list(ax.get_lines()[0].get_xdata()) == [2.0 * it for it in range(0, 30, 3)]  # each logged step
+    assert_user_error(run_main(plot.main, [str(write_run(tmp_path / "old")), "--x=elapsed"]), "--x=elapsed needs elapsed_s")
 
 
 def test_plot_command_writes_a_png_of_a_real_run(tmp_path):

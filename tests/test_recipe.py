@@ -584,8 +584,8 @@ def test_muon_resume_is_exact_and_the_variant_is_rebuilt(tmp_path, data_dir):
 
 def test_resume_with_another_optimizer_or_switch_is_one_line(tmp_path, data_dir):
     train_tiny(tmp_path, data_dir, max_iters=2, optimizer="muon")
-    with pytest.raises(UserError, match="optimizer=muon, this run uses optimizer=adamw"):
-        train_tiny(tmp_path, data_dir, max_iters=4, init_from="resume")
+    with pytest.raises(UserError, match="optimizer=muon, this run uses optimizer=adamw"):  # given: not the run's
+        train_tiny(tmp_path, data_dir, max_iters=4, init_from="resume", optimizer="adamw")
     with pytest.raises(UserError, match="config mlp='relu2' differs|config mlp=relu2 differs"):
         train_tiny(tmp_path, data_dir, max_iters=4, init_from="resume", optimizer="muon", mlp="relu2")
 

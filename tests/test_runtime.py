@@ -311,7 +311,8 @@ def test_rank0_write_failure_stops_every_rank_at_once_with_the_same_line(tmp_pat
     (out / "ckpt.pt").mkdir(parents=True)
     (out / "ckpt.pt" / "keep").write_text("a directory in the way\n")
     started = time.monotonic()
-    job = start_torchrun("train.py", tmp_path, "fail", out_dir=out, data_dir=data_dir, dist_timeout_s=120.0)
+    job = start_torchrun("train.py", tmp_path, "fail", out_dir=out, data_dir=data_dir, dist_timeout_s=120.0,
+                         overwrite=True)  # past the refusal to replace what looks like a checkpoint
     finish(job, timeout=100)
     assert time.monotonic() - started < 60  # imports and 4 steps included; a timeout would take 120 s
     stderr = (tmp_path / "fail.err").read_text()
@@ -412,3 +413,36 @@ def test_next_batch_is_prefetched_across_steps_and_loss_synced_only_to_log(tmp_p
     monkeypatch.setattr(train, "global_mean", lambda *a: means.append(1) or real_mean(*a))
     train_tiny(tmp_path, data_dir, max_iters=20, log_interval=5, gradient_accumulation_steps=2)
     assert seen == list(range(1, 20)) and len(means) == 4
+
+
+# --- threads ----------------------------------------------------------------------------------------
+
+def test_threads_are_set_once_in_setup_and_each_script_passes_its_key(monkeypatch, tmp_path):
+    """--threads=N sets torch's CPU threads in runtime.setup (0 leaves torch's own count, a negative count is
+    one line); train.py, sample.py and eval.py each pass their --threads there."""
+    import eval as evallib
+    import sample
+    import train
+    from core.errors import UserError
+    from tests.helpers import run_main
+
+    before = torch.get_num_threads()
+    try:
+        runtime.setup("cpu", "float32", threads=2)
+        assert torch.get_num_threads() == 2
+        runtime.setup("cpu", "float32", threads=0)
+        assert torch.get_num_threads() == 2  # 0: as it was
+        with pytest.raises(UserError, match="threads must be 0"):
+            runtime.setup("cpu", "float32", threads=-1)
+    finally:
+        torch.set_num_threads(before)
+    seen = []
+
+    def record_then_stop(device, dtype, *args, threads=0, **kwargs):
+        seen.append(threads if not args[1:] else args[1])
+        raise UserError("stop here")
+    monkeypatch.setattr(runtime, "setup", record_then_stop)
+    for main, default in ((train.main, 1), (sample.main, 1), (evallib.main, 1)):
+        for argv, expected in (([], default), (["--threads=3"], 3)):
+            assert run_main(main, [f"--out_dir={tmp_path}", *argv]).returncode == 2
+            assert seen.pop() == expected, main.__module__

@@ -155,6 +155,10 @@ def test_exact_resume_and_the_log_trimmed_to_the_checkpoint(tmp_path, data_dir, 
         assert torch.equal(tensor, sb["model"][name]), name
 
 
+def records_untimed(logged: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in logged]
+
+
 def test_eval_only_evaluates_once_and_writes_no_checkpoint(tmp_path, data_dir):
     train_tiny(tmp_path, data_dir, max_iters=8, lr_decay_iters=8, eval_interval=8)
     trained = records(tmp_path)
@@ -164,10 +168,11 @@ def test_eval_only_evaluates_once_and_writes_no_checkpoint(tmp_path, data_dir):
         eval_interval=8)).items()])
     assert result.returncode == 0, result.stderr
     assert "step 8: train loss" in result.stdout and "\niter " not in result.stdout and "saved" not in result.stdout
-    assert records(tmp_path) == trained  # the eval at 8 again, the same batches: the same numbers
+    assert records(tmp_path, timings=False) == records_untimed(trained)  # the eval at 8 again: the same numbers
     assert (tmp_path / "ckpt.pt").read_bytes() == saved and not (tmp_path / "ckpt.prev.pt").exists()
     train_tiny(tmp_path / "scratch", data_dir, eval_only=True)
-    assert [set(r) for r in records(tmp_path / "scratch")] == [{"iter", "train_loss", "val_loss", "lr"}]
+    assert [set(r) for r in records(tmp_path / "scratch")] == [{"iter", "train_loss", "val_loss", "lr", "time",
+                                                                 "elapsed_s"}]
     assert not (tmp_path / "scratch" / "ckpt.pt").exists()
 
 
@@ -240,3 +245,101 @@ def test_nonfinite_weights_are_never_saved(tmp_path, data_dir, monkeypatch):
     assert_user_error(result, "non-finite weights at iter 8", f"not saving over the last good checkpoint in {tmp_path}")
     state = load_checkpoint(tmp_path / "ckpt.pt")
     assert state["meta"]["iter_num"] == 4 and all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+# --- a newcomer's mistakes: another run's checkpoint, resuming, the stop hint -------------------------
+
+def tiny_argv(**cfg) -> list[str]:
+    return [f"--{key}={value!r}" for key, value in (TINY_TRAIN | cfg).items()]
+
+
+def test_a_new_run_never_replaces_another_runs_checkpoint(tmp_path, data_dir):
+    """A scratch run into an out_dir holding a checkpoint stops with one line naming that checkpoint's
+    iteration and loss and the ways on, and touches nothing; --overwrite=True replaces it."""
+    out = tmp_path / "run"
+    train_tiny(out, data_dir, max_iters=4)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    best = load_checkpoint(out / "ckpt.pt")["meta"]["best_val_loss"]
+    result = run_main(train.main, tiny_argv(out_dir=str(out), data_dir=str(data_dir), max_iters=2))
+    assert_user_error(result, f"{out} already holds", "ckpt.pt at iter 4", f"best val loss {best:.4f}",
+                      "--init_from=resume", "--overwrite=True")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    train_tiny(out, data_dir, max_iters=2, overwrite=True)
+    assert load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"] == 2
+
+
+def test_resume_takes_the_runs_own_config(tmp_path, data_dir):
+    """`--init_from=resume --out_dir=RUN` alone resumes RUN with its config.json (its data, model and
+    schedule): the losses equal an uninterrupted run's; a key given on top applies (max_iters), and one
+    the checkpoint cannot take is refused as before."""
+    run = dict(max_iters=4, log_interval=1, n_embd=48, dropout=0.1)
+    train_tiny(tmp_path / "a", data_dir, **run)
+    resumed = run_main(train.main, ["--init_from=resume", f"--out_dir={tmp_path / 'a'}", "--max_iters=8"])
+    assert resumed.returncode == 0, resumed.stderr
+    train_tiny(tmp_path / "b", data_dir, **(run | dict(max_iters=8)))
+    assert losses(tmp_path / "a") == losses(tmp_path / "b") and len(losses(tmp_path / "b")) == 8
+    assert_user_error(run_main(train.main, ["--init_from=resume", f"--out_dir={tmp_path / 'a'}", "--n_layer=3"]),
+                      "n_layer=3 differs from the checkpoint's 1")
+
+
+@pytest.mark.slow
+def test_the_stop_hint_works_when_pasted(tmp_path, data_dir, monkeypatch):
+    """SIGTERM after 3 steps (the 4th, under way, is finished): train.py prints a command; run exactly as
+    printed (python is this interpreter), it resumes the run and finishes it."""
+    import os
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    from tests.helpers import ONE_THREAD_ENV, REPO_ROOT
+
+    spy_optimizer_steps(monkeypatch, after=lambda opt, n: n == 3 and os.kill(os.getpid(), signal.SIGTERM))
+    out = tmp_path / "a run"  # a space: the hint must quote it
+    stopped = run_main(train.main, tiny_argv(out_dir=str(out), data_dir=str(data_dir), max_iters=6))
+    assert stopped.returncode == 0, stopped.stderr
+    hint = stopped.stdout.split("continue with: ", 1)[1].splitlines()[0]
+    argv = shlex.split(hint)
+    assert argv[0] == "python"
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env=os.environ | ONE_THREAD_ENV, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"resuming from {out / 'ckpt.pt'} at iter 4" in done.stdout  # the step under way was finished
+    assert load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"] == 6
+
+
+def test_a_missing_dataset_names_only_prepare_scripts_that_exist_and_leaves_no_file(tmp_path):
+    """--data_dir=data/nope: one line whose suggested prepare scripts all exist; out_dir is never created."""
+    import re
+    from tests.helpers import REPO_ROOT
+
+    result = run_main(train.main, tiny_argv(out_dir=str(tmp_path / "out"), data_dir="data/nope"))
+    assert_user_error(result, "data/nope/meta.json not found", "data/nope has none", "shakespeare_char")
+    names = re.search(r"NAME one of ([\w, ]+)\)", result.stderr).group(1).split(", ")
+    assert "hellaswag" not in names and all((REPO_ROOT / "data" / n / "prepare.py").is_file() for n in names), names
+    assert "data/nope/prepare.py" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_progress_position_eta_total_time_and_timestamped_log(tmp_path, data_dir):
+    """Each logged iteration shows iter/max_iters, elapsed and ETA; the end shows the total time and the
+    best val loss; every log record has a wall-clock time and elapsed_s, which a resume counts on from."""
+    import time
+
+    started = time.time()
+    result = run_main(train.main, tiny_argv(out_dir=str(tmp_path), data_dir=str(data_dir), max_iters=8,
+                                            eval_interval=4, log_interval=2))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("iter ")]
+    assert [line.split(":")[0] for line in lines] == ["iter 1/8", "iter 3/8", "iter 5/8", "iter 7/8"]
+    assert all(" | elapsed " in line and ", eta " in line for line in lines), lines
+    assert lines[-1].endswith("eta 0s")
+    best = load_checkpoint(tmp_path / "ckpt.pt")["meta"]["best_val_loss"]
+    end = result.stdout.strip().splitlines()[-1]
+    assert end.startswith("done at iter 8/8 after ") and end.endswith(f"best val loss {best:.4f}"), end
+    first = records(tmp_path)
+    assert all(started - 1 <= r["time"] <= time.time() + 1 for r in first)
+    elapsed = [r["elapsed_s"] for r in first]
+    assert elapsed == sorted(elapsed) and elapsed[-1] > 0
+    train_tiny(tmp_path, data_dir, max_iters=10, eval_interval=4, log_interval=2, init_from="resume")
+    resumed = records(tmp_path)[len(first):]
+    assert resumed and min(r["elapsed_s"] for r in resumed) >= elapsed[-1]
