@@ -119,7 +119,8 @@ def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int |
             vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
             n_head=c.n_head, activation_function="gelu_new" if c.gelu_approximate == "tanh" else "gelu",
             resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=c.norm_eps,
-            tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id, architectures=[arch])
+            tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id, architectures=[arch],
+            n_ctx=c.block_size)  # GPT-2's original name for n_positions; llama.cpp's converter reads only it
     hidden = c.mlp_hidden or (swiglu_hidden(c.n_embd) if c.mlp == "swiglu" else 4 * c.n_embd)
     common = dict(
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=hidden, num_hidden_layers=c.n_layer,
