@@ -22,14 +22,12 @@ from typing import Sequence
 
 import torch
 
-from core import evaluate, runtime
+from core import evaluate, runtime, weights
 from core.chat import ChatTemplate
-from core.checkpoint import load_model
 from core.config import parse_args
 from core.data import TokenData, read_meta
 from core.errors import UserError, run_cli
 from core.tokenizer import check_same_tokenizer
-from model import GPT2_HUB_NAMES
 
 TASKS = ("perplexity", "hellaswag", "chat")
 
@@ -59,9 +57,7 @@ class EvalConfig:
                 raise UserError(f"{key} must be at least 1, got {value}")
         if self.max_examples < 0:
             raise UserError(f"max_examples must be >= 0 (0: all), got {self.max_examples}")
-        if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
-            raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
-                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+        weights.check_init_from(self.init_from)
 
 
 def run_data_dir(cfg: EvalConfig) -> str:
@@ -130,7 +126,7 @@ def main(argv: Sequence[str]) -> str:
         examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
         if cfg.task == "chat":
             examples = evaluate.load_chat_file(cfg.chat_file, cfg.max_examples)
-        model, tok, source = load_model(cfg.init_from, cfg.out_dir)
+        model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
         model.to(rt.device)

@@ -25,15 +25,13 @@ from typing import Sequence
 
 import torch
 
-from core import checkpoint, hf
+from core import hf, weights
 from core.chat import JINJA_TEMPLATE, ChatTemplate
 from core.config import parse_args
+from core.runtime import DTYPES
 from core.errors import UserError, run_cli
 from core.tokenizer import END_OF_TEXT, CharTokenizer, Tokenizer, save_hf_tokenizer, tokenizer_from_meta
 from model import GPT
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclasses.dataclass
 class ExportConfig:
@@ -117,7 +115,7 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
 
 def main(argv: Sequence[str]) -> str:
     cfg = parse_args(ExportConfig, argv)  # validates
-    model, tok, source = checkpoint.load_model("resume", cfg.out_dir)
+    model, tok, source = weights.load_model("resume", cfg.out_dir)
     model.eval()
     arch = export(model, tok, cfg.hf_dir, cfg.dtype, cfg.check)
     files = ", ".join(sorted(p.name for p in Path(cfg.hf_dir).iterdir()))

@@ -13,7 +13,7 @@ References:
 """
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
 import torch
@@ -31,10 +31,6 @@ GPT2_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257)
                "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257),  # 774M
                "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257)}  # 1558M
 GPT2_HUB_NAMES = tuple(GPT2_SHAPES)
-# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out) (core/hf.py).
-CONV1D_SUFFIXES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-# transformers' names for our two GELUs; gelu_pytorch_tanh is the same function as gelu_new.
-HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 @dataclass
@@ -71,11 +67,7 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
-        if self.gelu_approximate not in GELU_APPROXIMATIONS:
-            raise ValueError(f"gelu_approximate must be one of {GELU_APPROXIMATIONS}, got {self.gelu_approximate!r}")
-        for name, allowed in (("pos_embedding", POS_EMBEDDINGS), ("norm", NORMS), ("mlp", MLPS)):
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         kv = self.n_kv_head
@@ -106,11 +98,21 @@ class GPTConfig:
     def non_gpt2_fields(self) -> list[str]:
         """The recipe switches set away from GPT-2, as 'name=value': what transformers' GPT-2 cannot hold."""
         gpt2 = GPTConfig()
-        fields = ("pos_embedding", "norm", "qk_norm", "mlp", "tie_embeddings", "logit_softcap", "unet_skips")
-        changed = [f"{f}={getattr(self, f)!r}" for f in fields if getattr(self, f) != getattr(gpt2, f)]
-        if self.kv_heads != self.n_head:
-            changed.append(f"n_kv_head={self.n_kv_head}")
-        return changed
+        same = {"n_kv_head": self.kv_heads == self.n_head, "mlp_hidden": self.mlp_hidden in (None, 4 * self.n_embd)}
+        return [f"{name}={getattr(self, name)!r}" for name in RECIPE_SWITCHES
+                if name not in GPT2_HOLDS and not same.get(name, getattr(self, name) == getattr(gpt2, name))]
+
+
+# GPTConfig's fields that size the model or say how it runs; every other field is a recipe switch,
+# so a new field is one (train.py's config, the GPT-2 and transformers checks read this list).
+SHAPE_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "attn_backend")
+RECIPE_SWITCHES = tuple(f.name for f in fields(GPTConfig) if f.name not in SHAPE_FIELDS)
+# Switches whose other values transformers' GPT-2 holds too (zero biases, either GELU, any epsilon), or
+# that leave the function unchanged (an initialisation; RoPE's base without RoPE).
+GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base")
+# The values a switch takes where it is one of a few named choices (GPTConfig checks them).
+CHOICES = {"attn_backend": ATTN_BACKENDS, "gelu_approximate": GELU_APPROXIMATIONS, "pos_embedding": POS_EMBEDDINGS,
+           "norm": NORMS, "mlp": MLPS}
 
 
 def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
@@ -171,7 +173,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     scores see relative positions, and no position table bounds the sequence length.
     Pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) is x cos + (x2, x1) (-sin, sin): the halves
     swapped by a roll, the sign in the table. Three elementwise passes, where halves rotated apart
-    and concatenated took seven (RoPE and its backward were ~5% of config/modern.py's CPU step).
+    and concatenated take seven.
     """
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)  # (B, nh, T, hs)
@@ -396,13 +398,15 @@ def _nucleus(logits, top_p):
     return sorted_logits.scatter(-1, order, sorted_logits)  # back to vocabulary order
 
 
-def check_sampling_args(temperature, top_k, top_p):
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+def check_sampling_args(temperature, top_k, top_p) -> None:
+    """The one check of how tokens are drawn (generate, sample.py, serve.py): a ValueError whose
+    message starts with the setting's name."""
+    if not temperature >= 0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        raise ValueError(f"top_k must be at least 1 (or unset: no limit), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+        raise ValueError(f"top_p must be in (0, 1] (or unset: no limit), got {top_p}")
 
 
 @dataclass(frozen=True)
@@ -436,8 +440,11 @@ class Sampling:
 
 def window_shift(requested: int | None, block_size: int) -> int:
     """How far the context window slides at once past block_size (see GPT.generate): `requested`, or
-    by default half the window, so that a KV cache is refilled only once per block_size // 2 tokens."""
-    shift = requested or max(1, block_size // 2)
+    by default half the window, so that a KV cache is refilled only once per block_size // 2 tokens.
+    The one check of window_shift: a ValueError for less than 1 or more than block_size."""
+    shift = max(1, block_size // 2) if requested is None else requested
+    if shift < 1:
+        raise ValueError(f"window_shift must be at least 1 (or None for block_size // 2), got {shift}")
     if shift > block_size:
         raise ValueError(f"window_shift {shift} is larger than the model's block_size {block_size}")
     return shift
@@ -603,8 +610,7 @@ class GPT(nn.Module):
         check_sampling_args(s.temperature, s.top_k, s.top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not 1 <= s.window_shift <= self.config.block_size:
-            raise ValueError(f"window_shift must be in [1, block_size={self.config.block_size}], got {s.window_shift}")
+        window_shift(s.window_shift, self.config.block_size)
         if s.vocab_size is not None and not 1 <= s.vocab_size <= self.config.vocab_size:
             raise ValueError(f"vocab_size must be in [1, {self.config.vocab_size}], got {s.vocab_size}")
         if s.rolling_cache and (self.config.pos_embedding != "rope" or s.window_shift != 1):
@@ -656,7 +662,7 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """nanoGPT's AdamW (weight decay on matrices and embeddings only); the groups, and Muon,
         live in core/optim.py."""
-        from core.optim import build_optimizer  # core imports model, so not at the top
+        from core.optim import build_optimizer  # here, not at the top: see from_pretrained
 
         return build_optimizer(self, "adamw", learning_rate, weight_decay, betas, device_type)
 
@@ -712,20 +718,18 @@ class GPT(nn.Module):
 
         override_args may set dropout and attn_backend; the architecture comes from the checkpoint.
         """
-        from core import hf  # only interop needs transformers; core imports model, so not at the top
+        # Imported here, not at the top: core/hf.py builds GPTs, so it imports this file, and this file
+        # imports core/ only inside methods (these two and configure_optimizers): no import circle.
+        from core import hf
 
         if os.path.isdir(name_or_dir):
-            return hf.load_dir(name_or_dir, override_args)
-        if name_or_dir not in GPT2_HUB_NAMES:
-            raise ValueError(f"{name_or_dir!r} is neither a directory nor one of {GPT2_HUB_NAMES}")
-        from transformers import GPT2LMHeadModel
-
-        return hf.from_transformers(GPT2LMHeadModel.from_pretrained(name_or_dir), override_args)
+            return hf.from_folder(name_or_dir, override_args)
+        return hf.from_hub(name_or_dir, override_args)
 
     def save_pretrained(self, directory):
         """Write directory/config.json and model.safetensors for the transformers class that computes this
         model's function (core/hf.py), loadable by transformers' from_pretrained and by GPT.from_pretrained.
         export.py adds the tokenizer and generation_config.json."""
-        from core import hf
+        from core import hf  # inside the method, as in from_pretrained
 
         hf.to_transformers(self).save_pretrained(directory)

@@ -68,7 +68,8 @@ class AttentionConfig:
 
 
 @dataclasses.dataclass
-class RunLog:
+class RunHistory:
+    """One run's log.jsonl read back (core.runlog.RunLog writes it)."""
     out_dir: Path
     config: dict
     steps: dict[int, dict]   # iter -> {"loss", "lr", ...}, one per logged iteration
@@ -81,7 +82,7 @@ class RunLog:
         return math.prod(c[k] for k in keys) if all(isinstance(c.get(k), int) for k in keys) else None
 
 
-def read_log(out_dir: str | Path) -> RunLog:
+def read_log(out_dir: str | Path) -> RunHistory:
     """A run's log.jsonl and config.json. A last line cut short (a run writing or killed) is skipped;
     a bad line before it is an error naming it."""
     out_dir = Path(out_dir)
@@ -110,10 +111,10 @@ def read_log(out_dir: str | Path) -> RunLog:
         print(f"note: {config_path} is missing or unreadable; {out_dir.name} is drawn without tokens seen",
               file=sys.stderr)
         config = {}
-    return RunLog(out_dir, config, dict(sorted(steps.items())), dict(sorted(evals.items())))
+    return RunHistory(out_dir, config, dict(sorted(steps.items())), dict(sorted(evals.items())))
 
 
-def run_labels(runs: list[RunLog]) -> list[str]:
+def run_labels(runs: list[RunHistory]) -> list[str]:
     """Each run's folder name and, with several runs, the config values that differ between them."""
     names = [r.out_dir.resolve().name for r in runs]
     if len(runs) == 1:
@@ -137,7 +138,7 @@ def run_labels(runs: list[RunLog]) -> list[str]:
 # the loss picture
 
 
-def plot_losses(runs: list[RunLog], x: str = "iter", title: str | None = None, ymax: float | None = None,
+def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = None, ymax: float | None = None,
                 target: float | None = None):
     """The figure: loss (top), HellaSwag acc_norm if a run logged it (train.py --hellaswag_file), and the
     learning rate (bottom) of every run, against iterations, tokens, or training seconds (x="seconds" or
@@ -346,7 +347,7 @@ def plot_summary(values, kind: str, title: str):
 
 
 def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
-    from core.checkpoint import load_model  # torch is imported only here: loss plots start without it
+    from core.weights import load_model  # torch is imported only here: loss plots start without it
     from core.tokenizer import encode_prompt, read_prompt
 
     cfg = parse_args(AttentionConfig, argv)

@@ -21,17 +21,16 @@ import dataclasses
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from core import checkpoint, runtime
+from core import runtime, weights
 from core.chat import ChatTemplate, stream_reply
 from core.config import parse_args
 from core.errors import UserError, run_cli
 from core.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
-from model import GPT, GPT2_HUB_NAMES, window_shift
+from model import GPT, check_sampling_args, window_shift
 
 SEPARATOR = "---------------"
 
@@ -61,24 +60,18 @@ class SampleConfig:
     prompt: str | None = None        # chat: answer this one user message (or FILE:path) and exit
 
     def validate(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise UserError(f"temperature must be >= 0 (0 is greedy decoding), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise UserError(f"top_k must be at least 1, or None for no limit; got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], or None for no limit; got {self.top_p}")
+        try:
+            check_sampling_args(self.temperature, self.top_k, self.top_p)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         if self.num_samples < 1:
             raise UserError(f"num_samples must be at least 1, got {self.num_samples}")
         if self.max_new_tokens < 0:
             raise UserError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.window_shift is not None and self.window_shift < 1:
-            raise UserError(f"window_shift must be at least 1 (or None for block_size // 2), got {self.window_shift}")
         if self.stream and self.num_samples != 1:
             raise UserError(f"stream=True prints one sample as it is decoded; use --num_samples=1 "
                             f"(got {self.num_samples}) or --stream=False")
-        if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
-            raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
-                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+        weights.check_init_from(self.init_from)
         if not self.chat and (self.system is not None or self.prompt is not None):
             raise UserError("--system and --prompt are for chat; add --chat (or use --start= for plain text)")
 
@@ -179,7 +172,7 @@ def chat_turn(model: GPT, template: ChatTemplate, messages: list[dict], cfg: Sam
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    model, tok, source = checkpoint.load_model(cfg.init_from, cfg.out_dir)
+    model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
     if cfg.chat:
         return run_chat(cfg, model, tok, source, rt)
     eot = tok.eot_token if cfg.stop_at_eot else None

@@ -32,13 +32,12 @@ from typing import Any, AsyncIterator, Sequence
 
 import torch
 
-from core import runtime
-from core.checkpoint import load_model
+from core import runtime, weights
 from core.chat import ChatTemplate
 from core.config import parse_args
 from core.errors import UserError, first_line, run_cli
 from core.tokenizer import StreamDecoder, Tokenizer
-from model import GPT, GPT2_HUB_NAMES, Sampling, window_shift
+from model import GPT, Sampling, check_sampling_args, window_shift
 
 API_KEY_ENV = "SERVE_API_KEY"
 PAGE = Path(__file__).with_name("serve.html")
@@ -65,13 +64,9 @@ class ServeConfig:
         for key in ("max_tokens_limit", "max_n", "max_body_bytes"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
-        if self.window_shift is not None and self.window_shift < 1:
-            raise UserError(f"window_shift must be at least 1 (or None for block_size // 2), got {self.window_shift}")
         if self.api_key == "":
             raise UserError("--api_key is empty; pass a secret, or leave it out to serve without one")
-        if self.init_from not in ("resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
-            raise UserError(f"unknown init_from '{self.init_from}'; use resume (a checkpoint in out_dir), "
-                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+        weights.check_init_from(self.init_from)
 
 
 # -----------------------------------------------------------------------------
@@ -394,12 +389,11 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
             raise APIError(400, f"max_tokens must be in 1..{cfg.max_tokens_limit} on this server, got {max_tokens}",
                            "max_tokens")
-        if not req.temperature >= 0:
-            raise APIError(400, f"temperature must be >= 0 (0 is greedy), got {req.temperature}", "temperature")
-        if not 0 < req.top_p <= 1:
-            raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", "top_p")
-        if req.top_k is not None and req.top_k < 1:
-            raise APIError(400, f"top_k must be at least 1 (or left out), got {req.top_k}", "top_k")
+        top_p = None if req.top_p == 1 else req.top_p
+        try:
+            check_sampling_args(req.temperature, req.top_k, top_p)
+        except ValueError as e:  # the message starts with the setting's name
+            raise APIError(400, str(e), str(e).split()[0]) from None
         if not 1 <= req.n <= cfg.max_n:
             raise APIError(400, f"n must be in 1..{cfg.max_n} on this server, got {req.n}", "n")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -408,7 +402,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         if not 0 <= seed < 2 ** 64:
             raise APIError(400, f"seed must be in 0..2**64-1, got {seed}", "seed")
-        return Params(max_tokens, req.temperature, req.top_k, None if req.top_p == 1 else req.top_p, seed), stops
+        return Params(max_tokens, req.temperature, req.top_k, top_p, seed), stops
 
     def encode(text: str, param: str) -> list[int]:
         try:
@@ -583,7 +577,7 @@ def serve(app, host: str, port: int) -> None:
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(ServeConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    model, tok, source = load_model(cfg.init_from, cfg.out_dir)
+    model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
     model = runtime.inference_model(model, rt)  # as sample.py: weights cast once, float32 next-token logits
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if cfg.init_from == "resume" else cfg.init_from)
     app = build_app(model, tok, cfg, name, rt.device)

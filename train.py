@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core import checkpoint, config as configlib, evaluate, flops, memory, optim, parallel, runtime
+from core import checkpoint, config as configlib, evaluate, flops, memory, optim, parallel, runtime, weights
 from core.data import TokenData, TrainBatches, batch_generator, read_meta
 from core.errors import UserError, first_line, run_cli
 from core.fileio import write_json
 from core.runlog import RunLog
 from core.tokenizer import check_extends, check_same_ids, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
-from core.train_config import RECIPE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer
+from core.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer
 from model import GPT, GPTConfig
 
 
@@ -51,12 +51,11 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     accum = local_accum_steps(cfg, rt.world_size)
     out_dir = prepare_out_dir(cfg, rt)
     data_meta = read_meta(cfg.data_dir)
-    resume_state, resume_path = load_resume_state(cfg, out_dir, rt, log)  # None, None unless init_from=resume
     # The data first: a missing file or a block_size longer than the data is found in a second,
     # before a model of that block_size is built.
     data = {split: TokenData(cfg.data_dir, split, cfg.block_size, loss_mask=cfg.loss_mask) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
-    model, tok_meta = build_model(cfg, data_meta, resume_state, rt)
+    model, tok_meta, resumed = build_model(cfg, data_meta, rt, log)  # resumed: None unless init_from=resume
     # Then dropout masks of their own per rank (batches come from their own generators, never from this).
     torch.manual_seed(cfg.seed + rt.rank)
     hellaswag = None if cfg.hellaswag_file is None else evaluate.render_examples(
@@ -68,9 +67,9 @@ def train(cfg: TrainConfig, rt: runtime.Runtime) -> None:
     optimizer = make_optimizer(raw_model, cfg, rt.device_type)  # after sharding: fsdp replaces the parameters
     scaler = rt.grad_scaler()
     iter_num, best_val_loss = 0, float("inf")
-    if resume_state is not None:
-        iter_num, best_val_loss = restore_state(resume_state, resume_path, raw_model, optimizer, scaler, rt, log)
-        del resume_state
+    if resumed is not None:
+        iter_num, best_val_loss = restore_state(resumed.state, resumed.path, raw_model, optimizer, scaler, rt, log)
+        del resumed
 
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
@@ -181,90 +180,32 @@ def prepare_out_dir(cfg: TrainConfig, rt: runtime.Runtime) -> Path:
     return out_dir
 
 
-def load_resume_state(cfg: TrainConfig, out_dir: Path, rt: runtime.Runtime, log) -> tuple[dict | None, Path | None]:
-    """The checkpoint to resume from, and its path: (None, None) unless init_from=resume. With fsdp
-    only its metadata is read now; weights and optimizer load after sharding (restore_state)."""
-    if cfg.init_from != "resume":
-        return None, None
-    if cfg.parallel == "fsdp":
-        saved_meta, path = checkpoint.load_latest_sharded(out_dir, log=log)
-        state = {"meta": saved_meta, "model": None}
-    else:
-        state, path = checkpoint.load_latest(out_dir, log=log)
-    log(f"resuming from {path} at iter {state['meta']['iter_num']}")
-    saved_world = state["meta"].get("world_size", rt.world_size)
-    if saved_world != rt.world_size:
-        log(f"note: the checkpoint was saved by {saved_world} process(es) and resumes on {rt.world_size}: "
-            f"the same global batch ({cfg.gradient_accumulation_steps} micro-batches) split differently, so "
-            f"losses match the uninterrupted run to float rounding, not bit for bit")
-    return state, path
+def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
+                log) -> tuple[GPT, dict, weights.Weights | None]:
+    """The model for cfg.init_from (core/weights.py), the tokenizer metadata it is trained with, and for
+    init_from=resume the checkpoint it resumes (restore_state). The training checks run on the
+    architecture before any weight is read, so a run that plainly does not fit in memory stops first."""
 
+    def check(w: weights.Weights) -> None:
+        if w.kind == "resume":
+            check_resume(cfg, w, data_meta, rt, log)
+        elif w.kind == "run":  # a base run: its weights, a new run (e.g. a chat fine-tune)
+            check_extends(w.tokenizer_meta, tokenizer_meta(data_meta), f"init_from={cfg.init_from}")
+        elif w.kind == "folder":  # GPT-2, Llama, Qwen3, ...: its tokenizer must give the dataset's ids the same text
+            data_tok = tokenizer_from_meta(data_meta, source=f"{cfg.data_dir}/meta.json")
+            check_same_ids(w.tokenizer, data_tok, f"the tokenizer of {cfg.init_from}", f"the dataset in {cfg.data_dir}")
+        elif w.kind == "hub":
+            check_gpt2(cfg, data_meta)
+        check_memory(dataclasses.replace(w.config, block_size=min(cfg.block_size, w.config.block_size)), cfg, rt)
 
-def load_folder(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime) -> tuple[GPT, dict]:
-    """A transformers folder's model, fine-tuned on a dataset whose ids its tokenizer gives the same text."""
-    from core import hf  # transformers is needed only here
-
-    model, folder_tok = hf.load_folder(cfg.init_from, {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend})
-    data_tok = tokenizer_from_meta(data_meta, source=f"{cfg.data_dir}/meta.json")
-    check_same_ids(folder_tok, data_tok, f"the tokenizer of {cfg.init_from}", f"the dataset in {cfg.data_dir}")
-    check_memory(dataclasses.replace(model.config, block_size=min(cfg.block_size, model.config.block_size)), cfg, rt)
-    return model, tokenizer_meta(data_meta)
-
-
-def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
-                rt: runtime.Runtime) -> tuple[GPT, dict]:
-    """The model for cfg.init_from, and the tokenizer metadata it is trained with. A run that plainly does
-    not fit in memory stops before the model is built (scratch, resume), or as soon as GPT-2's weights load."""
-    if resume_state is not None:
-        saved = resume_state["meta"]
-        margs = saved["model_args"]
-        gpt2 = GPTConfig()
-        for key in ("n_layer", "n_head", "n_embd", "bias", "vocab_size") + RECIPE_KEYS:
-            mine, theirs = getattr(cfg, key), margs.get(key, getattr(gpt2, key))
-            if key == "n_kv_head":  # None and n_head are the same attention
-                mine, theirs = mine or cfg.n_head, theirs or margs["n_head"]
-            if mine is not None and mine != theirs:
-                raise UserError(f"config {key}={mine} differs from the checkpoint's {theirs}; resume with the "
-                                "config the run started with, or use a new out_dir")
-        if cfg.block_size > margs["block_size"]:
-            raise UserError(f"block_size {cfg.block_size} is larger than the checkpoint's {margs['block_size']}; "
-                            f"resume with --block_size={margs['block_size']} or smaller")
-        check_memory(GPTConfig(**margs), cfg, rt)
-        model = checkpoint.model_from_checkpoint(resume_state, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
-        tok = saved["tokenizer"]
-        check_same_tokenizer(tok, data_meta, cfg.data_dir)
-    elif cfg.init_from == "scratch":
-        vocab = cfg.vocab_size or data_meta.get("vocab_size")
-        if not isinstance(vocab, int):
-            raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
-        margs = cfg.model_args() | {"vocab_size": vocab}
-        check_memory(GPTConfig(**margs), cfg, rt)
-        model = GPT(GPTConfig(**margs))
-        tok = tokenizer_meta(data_meta)
-    elif checkpoint.find_checkpoint(cfg.init_from) is not None:  # a base run: its weights, a new run
-        model, tok = from_base_run(cfg, data_meta, rt)
-    elif Path(cfg.init_from).is_dir():  # a transformers folder: GPT-2, Llama, Qwen3, ... (core/hf.py)
-        model, tok = load_folder(cfg, data_meta, rt)
-    else:  # GPT-2 weights from the hub
-        if data_meta.get("tokenizer") != "gpt2":
-            raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
-                            f"{cfg.data_dir} uses {data_meta.get('tokenizer')!r}")
-        switched = GPTConfig(**cfg.model_args()).non_gpt2_fields()
-        if switched:
-            raise UserError(f"init_from={cfg.init_from} loads GPT-2's architecture, which has none of "
-                            f"{', '.join(switched)}; drop those settings (or config/modern.py) to fine-tune it")
-        try:
-            model = GPT.from_pretrained(cfg.init_from, {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend})
-        except (OSError, ValueError) as e:
-            raise UserError(f"could not load GPT-2 weights '{cfg.init_from}': {first_line(e)}") from None
-        # Weights are loaded by now (on the CPU); the optimizer, activations and the device copy are not.
-        check_memory(dataclasses.replace(model.config, block_size=min(cfg.block_size, model.config.block_size)),
-                     cfg, rt)
-        tok = tokenizer_meta(data_meta)
+    training = weights.Training({"dropout": cfg.dropout, "attn_backend": cfg.attn_backend},
+                                lambda: scratch_config(cfg, data_meta), check, cfg.parallel == "fsdp", log)
+    w = weights.resolve(cfg.init_from, cfg.out_dir, training)
+    model = w.model
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
         raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
-    if resume_state is None and cfg.init_from != "scratch" and data_meta.get("special_tokens"):
+    if w.kind not in ("scratch", "resume") and data_meta.get("special_tokens"):
         # Fine-tuning on a chat set: ids past the model's rows are the chat tokens appended to its vocabulary.
         model.grow_vocab(max(data_vocab, model.config.vocab_size))
     if data_vocab > model.config.vocab_size:
@@ -274,22 +215,50 @@ def build_model(cfg: TrainConfig, data_meta: dict, resume_state: dict | None,
         model.crop_block_size(cfg.block_size)
     elif cfg.block_size > model.config.block_size:
         raise UserError(f"block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
-    return model, tok
+    if w.kind == "resume":
+        return model, w.tokenizer_meta, w
+    return model, tokenizer_meta(data_meta), None
 
 
-def from_base_run(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime) -> tuple[GPT, dict]:
-    """A base run's weights (its out_dir's checkpoint) for a new run, e.g. a chat fine-tune. Unlike
-    init_from=resume, only the weights are taken: the optimizer, schedule, iteration count, RNG and log
-    start fresh, and the architecture is the checkpoint's (cfg's n_layer, n_embd, ... do not apply)."""
-    path = checkpoint.find_checkpoint(cfg.init_from)
-    state = checkpoint.load_checkpoint(path)
-    base_tok = state["meta"].get("tokenizer")
-    if not isinstance(base_tok, dict):
-        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be fine-tuned on a dataset")
-    check_extends(base_tok, tokenizer_meta(data_meta), f"init_from={cfg.init_from}")
-    check_memory(GPTConfig(**state["meta"]["model_args"]), cfg, rt)
-    model = checkpoint.model_from_checkpoint(state, dropout=cfg.dropout, attn_backend=cfg.attn_backend)
-    return model, tokenizer_meta(data_meta)
+def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
+    vocab = cfg.vocab_size or data_meta.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
+    return GPTConfig(**(cfg.model_args() | {"vocab_size": vocab}))
+
+
+def check_resume(cfg: TrainConfig, w: weights.Weights, data_meta: dict, rt: runtime.Runtime, log) -> None:
+    """A resumed run continues the run it resumes: the same architecture, tokenizer and a block that fits."""
+    saved = w.state["meta"]
+    log(f"resuming from {w.path} at iter {saved['iter_num']}")
+    saved_world = saved.get("world_size", rt.world_size)
+    if saved_world != rt.world_size:
+        log(f"note: the checkpoint was saved by {saved_world} process(es) and resumes on {rt.world_size}: "
+            f"the same global batch ({cfg.gradient_accumulation_steps} micro-batches) split differently, so "
+            f"losses match the uninterrupted run to float rounding, not bit for bit")
+    margs = saved["model_args"]
+    for key in ARCHITECTURE_KEYS:
+        mine, theirs = getattr(cfg, key), getattr(w.config, key)
+        if key == "n_kv_head":  # None and n_head are the same attention
+            mine, theirs = mine or cfg.n_head, theirs or w.config.n_head
+        if mine is not None and mine != theirs:
+            raise UserError(f"config {key}={mine} differs from the checkpoint's {theirs}; resume with the "
+                            "config the run started with, or use a new out_dir")
+    if cfg.block_size > margs["block_size"]:
+        raise UserError(f"block_size {cfg.block_size} is larger than the checkpoint's {margs['block_size']}; "
+                        f"resume with --block_size={margs['block_size']} or smaller")
+    check_same_tokenizer(w.tokenizer_meta, data_meta, cfg.data_dir)
+
+
+def check_gpt2(cfg: TrainConfig, data_meta: dict) -> None:
+    """GPT-2's weights fine-tune on GPT-2's BPE, in GPT-2's architecture."""
+    if data_meta.get("tokenizer") != "gpt2":
+        raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
+                        f"{cfg.data_dir} uses {data_meta.get('tokenizer')!r}")
+    switched = GPTConfig(**cfg.model_args()).non_gpt2_fields()
+    if switched:
+        raise UserError(f"init_from={cfg.init_from} loads GPT-2's architecture, which has none of "
+                        f"{', '.join(switched)}; drop those settings (or config/modern.py) to fine-tune it")
 
 
 def check_memory(config: GPTConfig, cfg: TrainConfig, rt: runtime.Runtime) -> None:

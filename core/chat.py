@@ -151,14 +151,6 @@ class ChatTemplate:
         raise UserError(f"the last message alone is {len(ids)} tokens with the template, longer than the {max_len} "
                         f"the model can take with room for a reply; shorten it")
 
-    def reply_text(self, ids: list[int]) -> str:
-        """The text of generated reply ids, up to the first stop token (not included)."""
-        for n, i in enumerate(ids):
-            if i in self.stop_tokens:
-                ids = ids[:n]
-                break
-        return self.tok.decode(ids)
-
     def _encode(self, text: str, index: int) -> list[int]:
         try:
             return self.tok.encode(text)  # ordinary tokens only: never a special id

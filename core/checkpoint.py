@@ -45,7 +45,6 @@ from core import optim, parallel
 from core.errors import UserError, first_line
 from core.fileio import atomic_path, fsync_dir, remove_orphaned_temps, write_json
 from core.runtime import Runtime
-from core.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
 from model import GPT, GPTConfig
 
 FORMAT = "nanogpt-checkpoint/1"
@@ -178,7 +177,7 @@ def model_from_checkpoint(state: dict[str, Any], **overrides) -> GPT:
 
 
 # -----------------------------------------------------------------------------
-# saving from a training run, and loading a model for sampling, evaluation, plots
+# saving from a training run (loading a model for any script: core/weights.py)
 
 
 def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module, optimizer, scaler, rt: Runtime,
@@ -243,66 +242,6 @@ def restore_rng(rng: dict | None, rt: Runtime, log) -> None:
     torch.set_rng_state(rng["cpu"][rt.rank])
     if rt.device_type == "cuda" and "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
-
-
-def load_model(init_from: str, out_dir: str | os.PathLike) -> tuple[GPT, Tokenizer, str]:
-    """(model, tokenizer, one line naming the source), on the CPU: the one loader of every script.
-
-    init_from="resume" reads out_dir's ckpt.pt (or the fsdp run's ckpt.dcp) with the tokenizer it was
-    trained with; a GPT-2 hub name loads those weights with GPT-2's BPE; a transformers folder (GPT-2,
-    Llama, Qwen3, ... written by save_pretrained or export.py) loads with its tokenizer.json.
-    Raises UserError, in one line, on any problem.
-    """
-    if init_from == "resume":
-        model, tok, source = _load_resume(Path(out_dir))
-    else:
-        model, tok, source = _load_pretrained(init_from)
-    if tok.vocab_size > model.config.vocab_size:
-        raise UserError(f"{source}: the tokenizer has {tok.vocab_size} ids but the model only "
-                        f"{model.config.vocab_size}; they do not belong together")
-    return model, tok, source
-
-
-def _load_resume(out_dir: Path) -> tuple[GPT, Tokenizer, str]:
-    """The model and tokenizer of out_dir/ckpt.pt, exactly that file: a damaged one is an error."""
-    path, prev = out_dir / CKPT_NAME, out_dir / PREV_NAME
-    if not path.exists() and (out_dir / SHARDED_NAME).exists():  # saved by --parallel=fsdp
-        path, prev = out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME
-    # ckpt.prev.pt is the complete checkpoint saved before ckpt.pt; name it rather than silently
-    # loading an older model than the user thinks.
-    hint = f"; {prev} holds the checkpoint saved before it: copy it to {path} to use it" if prev.exists() else ""
-    if not path.exists():
-        raise UserError(f"no checkpoint in {out_dir}: {path} not found; train one first "
-                        f"(python train.py ... --out_dir={out_dir}) or pass --out_dir=...{hint}")
-    try:
-        state = load_checkpoint(path)
-    except UserError as e:
-        raise UserError(f"{e}{hint}") from None
-    meta = state["meta"]
-    if not isinstance(meta.get("tokenizer"), dict):
-        raise UserError(f"checkpoint {path} has no tokenizer metadata; it cannot be decoded")
-    tok = tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
-    try:
-        model = model_from_checkpoint(state, dropout=0.0)
-    except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
-    return model, tok, f"{path} (iter {meta.get('iter_num')})"
-
-
-def _load_pretrained(name_or_dir: str) -> tuple[GPT, Tokenizer, str]:
-    """A transformers folder (GPT-2, Llama, Qwen3, ...: core/hf.py) with its tokenizer, or GPT-2 hub weights
-    and GPT-2's BPE."""
-    if Path(name_or_dir).is_dir():
-        from core import hf  # transformers is needed only here
-
-        model, tok = hf.load_folder(name_or_dir)
-        return model, tok, name_or_dir
-    tok = GPT2Tokenizer()  # first: without the BPE file there is nothing to decode with
-    try:
-        model = GPT.from_pretrained(name_or_dir)
-    except (OSError, ValueError) as e:  # offline, unknown name, not a GPT-2 directory, unsupported variant
-        raise UserError(f"could not load GPT-2 weights '{name_or_dir}': {first_line(e)}") from None
-    return model, tok, name_or_dir
 
 
 # -----------------------------------------------------------------------------

@@ -38,11 +38,6 @@ def cpu_matmul_peak_flops(n: int = 1024, repeats: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def peak_flops(rt: Runtime) -> float | None:
-    """Peak FLOP/s for MFU: the datasheet for known GPUs, a measured matmul on CPU, else None."""
-    return peak_flops_with_source(rt)[0]
-
-
 def peak_flops_with_source(rt: Runtime) -> tuple[float | None, str]:
     """(peak FLOP/s or None, which figure it is): None, saying why, where MFU would be wrong."""
     if rt.device_type == "cpu":

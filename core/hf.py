@@ -28,12 +28,18 @@ other switch.
 import itertools
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from core.errors import UserError, first_line
-from core.tokenizer import Tokenizer
-from model import CONV1D_SUFFIXES, GPT, GPTConfig, HF_ACTIVATIONS, swiglu_hidden
+from core.tokenizer import GPT2Tokenizer, Tokenizer, load_hf_tokenizer
+from model import CHOICES, GPT, GPT2_HUB_NAMES, RECIPE_SWITCHES, GPTConfig, swiglu_hidden
+
+# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
+CONV1D_SUFFIXES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# transformers' names for our two GELUs; gelu_pytorch_tanh is the same function as gelu_new.
+HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 class ConversionError(UserError, ValueError):
@@ -44,10 +50,10 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "Nem
 ARCHITECTURES = ("GPT2LMHeadModel",) + LLAMA_FAMILY
 # Our ungated MLP nonlinearities under transformers' ACT2FN names (gelu_pytorch_tanh is tanh-GELU).
 UNGATED_ACTS = {"relu2": "relu2", ("gelu", "tanh"): "gelu_pytorch_tanh", ("gelu", "none"): "gelu"}
-# The switches the nearest-recipe search may flip, and to what.
-FLIPS = dict(qk_norm=[False, True], norm=["rmsnorm", "layernorm"], mlp=["swiglu", "relu2", "gelu"],
-             pos_embedding=["rope", "learned"], logit_softcap=[None], bias=[False], tie_embeddings=[True],
-             n_kv_head=[None], unet_skips=[False])
+# The values the nearest-recipe search may give each recipe switch: every choice of a named one or a
+# bool, else GPT-2's default (a flip that changes nothing is never part of a smallest set).
+FLIPS = {name: list(CHOICES.get(name) or ([False, True] if isinstance(default, bool) else [default]))
+         for name, default in ((n, getattr(GPTConfig(), n)) for n in RECIPE_SWITCHES)}
 
 
 # -----------------------------------------------------------------------------
@@ -84,9 +90,7 @@ def architecture(c: GPTConfig) -> str:
 
 
 def _switches(c: GPTConfig) -> list[str]:
-    gpt2 = GPTConfig()
-    names = ("pos_embedding", "norm", "qk_norm", "mlp", "logit_softcap", "unet_skips")
-    return [f"{n}={getattr(c, n)!r}" for n in names if getattr(c, n) != getattr(gpt2, n)] or ["these switches"]
+    return c.non_gpt2_fields() or ["these switches"]
 
 
 def nearest_exportable(c: GPTConfig) -> list[str]:
@@ -362,9 +366,9 @@ def load_hf_state_dict(model: GPT, theirs: dict[str, torch.Tensor]) -> None:
         mine["lm_head.weight"].copy_(theirs["lm_head.weight"])
 
 
-def load_dir(directory: str | os.PathLike, override_args: dict | None = None, dtype=torch.float32) -> GPT:
-    """Our GPT from a folder transformers' save_pretrained wrote (or export.py); ConversionError, one line,
-    for anything missing, damaged or unsupported."""
+def folder_config(directory: str | os.PathLike, override_args: dict | None = None) -> GPTConfig:
+    """Our GPTConfig for a folder transformers' save_pretrained wrote (or export.py), read from its
+    config.json alone; ConversionError, one line, for a missing, unreadable or unsupported one."""
     import transformers
 
     directory = str(directory)
@@ -375,9 +379,18 @@ def load_dir(directory: str | os.PathLike, override_args: dict | None = None, dt
         config = transformers.AutoConfig.from_pretrained(directory)
     except (OSError, ValueError, KeyError) as e:
         raise ConversionError(f"{directory}/config.json cannot be read by transformers: {first_line(e)}") from None
-    config_from_hf(config, override_args)  # refuse an unsupported architecture before reading any weights
+    return config_from_hf(config, override_args)
+
+
+def from_folder(directory: str | os.PathLike, override_args: dict | None = None, dtype=torch.float32) -> GPT:
+    """Our GPT with the weights of a transformers folder; ConversionError, one line, for anything
+    missing, damaged or unsupported."""
+    import transformers
+
+    folder_config(directory, override_args)  # refuse an unsupported architecture before reading any weights
     try:
-        hf, info = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
+        hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype,
+                                                                     output_loading_info=True)
     except Exception as e:  # a missing or truncated weights file surfaces as OSError, SafetensorError, ...
         raise ConversionError(f"cannot load the weights in {directory}: {type(e).__name__}: {first_line(e)}; "
                               "the folder is incomplete or damaged, write it again") from None
@@ -387,24 +400,22 @@ def load_dir(directory: str | os.PathLike, override_args: dict | None = None, dt
     return from_transformers(hf, override_args)
 
 
-
-def load_folder(directory: str | os.PathLike, override_args: dict | None = None) -> tuple[GPT, Tokenizer]:
-    """Model and tokenizer of a transformers folder: its tokenizer.json, or GPT-2's BPE for a GPT-2 folder
-    without one (GPT.save_pretrained writes only the weights)."""
-    from pathlib import Path
-
-    from core.tokenizer import GPT2Tokenizer, load_hf_tokenizer
-
+def folder_tokenizer(directory: str | os.PathLike, config: GPTConfig) -> Tokenizer:
+    """The tokenizer of a transformers folder of architecture `config`: its tokenizer.json, or GPT-2's BPE
+    for a GPT-2 folder without one (GPT.save_pretrained writes only the weights)."""
     directory = Path(directory)
-    model = load_dir(directory, override_args)
     if (directory / "tokenizer.json").is_file():
-        tok = load_hf_tokenizer(directory)
-    elif architecture(model.config) == "GPT2LMHeadModel":
-        tok = GPT2Tokenizer()
-    else:
-        raise ConversionError(f"{directory} has no tokenizer.json; save the model's tokenizer beside it "
-                              "(tokenizer.save_pretrained(folder) in transformers)")
-    if tok.vocab_size > model.config.vocab_size:
-        raise ConversionError(f"{directory}: the tokenizer has {tok.vocab_size} ids but the model only "
-                              f"{model.config.vocab_size}; they do not belong together")
-    return model, tok
+        return load_hf_tokenizer(directory)
+    if architecture(config) == "GPT2LMHeadModel":
+        return GPT2Tokenizer()
+    raise ConversionError(f"{directory} has no tokenizer.json; save the model's tokenizer beside it "
+                          "(tokenizer.save_pretrained(folder) in transformers)")
+
+
+def from_hub(name: str, override_args: dict | None = None) -> GPT:
+    """GPT-2's weights from the Hugging Face hub (needs the network, or transformers' cache)."""
+    if name not in GPT2_HUB_NAMES:
+        raise ValueError(f"{name!r} is neither a directory nor one of {GPT2_HUB_NAMES}")
+    from transformers import GPT2LMHeadModel
+
+    return from_transformers(GPT2LMHeadModel.from_pretrained(name), override_args)

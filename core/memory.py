@@ -16,12 +16,13 @@ import os
 import torch
 
 from core.errors import UserError, first_line
+from core.optim import OPTIMIZERS
+from model import GPT
 
 # fp32 state tensors the optimizer keeps per parameter: AdamW's two moments; Muon's momentum for
-# the hidden matrices (its embeddings, head and gains go to AdamW, two each); plain SGD none.
+# the hidden matrices (its embeddings, head and gains go to AdamW, two each).
 ADAMW_SLOTS = 2
 MUON_SLOTS = 1
-OPTIMIZERS = ("adamw", "muon", "sgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +39,6 @@ class MemoryEstimate:
 
 
 def _params_on_meta(config) -> list[tuple[str, torch.Tensor]]:
-    from model import GPT  # model imports nothing from core: no cycle
-
     with torch.device("meta"):  # shapes only: no memory, no init cost
         return list(GPT(config).named_parameters())  # a tied matrix appears once
 
@@ -50,11 +49,9 @@ def parameter_count(config) -> int:
 
 
 def optimizer_slots(name: str, param: torch.Tensor, optimizer: str) -> int:
-    if optimizer == "adamw":
-        return ADAMW_SLOTS
-    if optimizer == "muon":
-        return MUON_SLOTS if name.startswith("transformer.h.") and param.dim() == 2 else ADAMW_SLOTS
-    return 0
+    if optimizer == "muon" and name.startswith("transformer.h.") and param.dim() == 2:
+        return MUON_SLOTS
+    return ADAMW_SLOTS
 
 
 def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
@@ -96,35 +93,6 @@ def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
         gathered = n if micro_steps > 1 else min(2, config.n_layer) * block
     return MemoryEstimate(params=n * weight // shards + gathered * act, grads=n * weight // shards + gathered * weight,
                           optimizer=state // shards, activations=layers + logits)
-
-
-FITS_FRACTION = 0.9  # of a GPU's memory: room for the CUDA context, workspaces and fragmentation
-
-
-def gpu_training_memory(config, parallel: str, world_size: int, micro_batch: int,
-                        activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes per GPU to train `config` with AdamW on micro_batch sequences of block_size tokens, as
-    train.py runs it on CUDA with dtype=bfloat16 (docs/sharding.md, "Which GPT-2 fits where").
-
-    Assumes float32 weights and gradients and AdamW's two float32 moments (16 bytes per parameter:
-    ddp all of it on every GPU, fsdp 1/world_size), bf16 compute (autocast under ddp, fsdp's
-    MixedPrecisionPolicy), fused attention (sdpa never stores the (T, T) scores), and one micro-step
-    per optimizer step on each GPU (gradient accumulation under fsdp keeps every Block gathered: pass
-    micro_steps to estimate_training_memory for that). The terms are estimate_training_memory's,
-    chosen where this function's former copy in core/parallel.py differed:
-    - a gathered Block's gradient is counted in float32 (4 bytes), not bf16: core/parallel.shard
-      reduces in float32, so the unsharded gradient is float32 when it is reduce-scattered;
-    - activations: the same Korthikanti et al. count (34 bytes per token and channel per layer at
-      bf16; with checkpointing each layer's input plus one layer recomputed) and the same float32
-      logits and logit gradient (8 bytes per token and vocabulary entry);
-    - the parameter count is the model's own (built on the meta device), not a closed formula.
-    Not counted: the CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation (~1-3 GB;
-    hence FITS_FRACTION), and under fsdp the root's gathered embeddings (the wte/head matrix and wpe,
-    unsharded from the first forward to the last backward: ~0.5 GB for GPT-2 XL).
-    """
-    return estimate_training_memory(config, micro_batch, "adamw", param_dtype=torch.float32,
-                                    compute_dtype=torch.bfloat16, shards=world_size if parallel == "fsdp" else 1,
-                                    activation_checkpointing=activation_checkpointing)
 
 
 def available_bytes(device: str) -> int | None:

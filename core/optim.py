@@ -102,22 +102,22 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     groups = split_params(model)
     muon_ids = {id(p) for _, p in groups["hidden"]} if optimizer == "muon" else set()
-    # Matrices in model.parameters() order, as checkpoints of earlier versions of this file hold them.
+    # Matrices in model.parameters() order: saved optimizer state is matched by position, so it stays fixed.
     matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in muon_ids]
     adamw_groups = [
         {"params": matrices, "weight_decay": weight_decay, "base_lr": adamw_lr},
         {"params": [p for _, p in groups["vector"]], "weight_decay": 0.0, "base_lr": adamw_lr},
     ]
-    # Fused (one kernel for all tensors) on CUDA and CPU: on 2 CPU cores the per-tensor loop took 4x
-    # as long, ~10% of a small step.
+    # Fused (one kernel for all tensors) on CUDA and CPU: the per-tensor loop is the slower on both
+    # (docs/performance.md, the loop section).
     adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=betas, fused=device_type in ("cuda", "cpu"))
     if optimizer == "adamw":
         return adamw
     check_muon_params(groups["hidden"])
     bf16 = native_bf16(device_type)
-    # On a CPU with native bf16 (AMX) torch's own step, one matrix at a time, is the slower: on 2 cores
-    # Muon's step for the quick start took 15 ms there against BatchedMuon's 7 in bf16, and at GPT-2
-    # width 269 against 207 (docs/performance.md). CUDA keeps torch's: bench.py --sections=muon compares.
+    # On a CPU with native bf16 (AMX) torch's own step, one matrix at a time, is the slower: its small
+    # matmuls leave the other cores idle (docs/performance.md, Muon's step alone). CUDA keeps torch's:
+    # bench.py --sections=muon compares.
     muon_class = torch.optim.Muon if bf16 and device_type == "cuda" else BatchedMuon
     ns_dtype = {} if muon_class is torch.optim.Muon else {"ns_dtype": torch.bfloat16 if bf16 else torch.float32}
     # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr
@@ -184,7 +184,7 @@ class BatchedMuon(torch.optim.Muon):
 
     torch runs Newton-Schulz in bfloat16 unconditionally (grad.bfloat16() in torch/optim/_muon.py).
     Where bf16 is emulated, as on every AVX2-only CPU, that is the whole cost of a step (config/modern.py
-    on the CPU quick start: 870 ms/iter against 90 without Muon), and float32 is both fast and closer
+    : docs/performance.md's Muon tables, the avx2 env rows), and float32 is both fast and closer
     to the exact orthogonalisation (tests/test_recipe.py measures both). torch offers no dtype switch,
     so this step is torch's _single_tensor_muon line for line with the one call swapped, that call
     taking each shape's updates as one batch (k, m, n). The state ("momentum_buffer" per parameter) and
@@ -226,8 +226,8 @@ class BatchedMuon(torch.optim.Muon):
     def _orthogonalise(self, updates: tuple[torch.Tensor, ...], group: dict) -> list[torch.Tensor]:
         """Newton-Schulz of equal-shape updates as one batch (k, m, n): each step is then one batched
         matmul for all k, which two cores share where k small ones of one layer's size mostly wait on
-        each other (Muon's step on the CPU quick start at two threads: 26-33 ms one matrix at a time, 17-19
-        batched). DTensor shards go one at a time, as in torch's step."""
+        each other (docs/performance.md, Muon's step alone). DTensor shards go one at a time, as in
+        torch's step."""
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
         if type(updates[0]) is not torch.Tensor:
             return [newton_schulz(u, *args) for u in updates]
@@ -256,7 +256,7 @@ def restoring(optimizer, saved_kind: str):
     """Around any load of a checkpoint's state into `optimizer` (a ckpt.pt's, or a sharded one's through
     torch.distributed.checkpoint): the kinds must match, and the learning rates stay the ones this run
     was configured with (both loads bring back the saved groups' settings): a resume may change
-    learning_rate or muon_lr, as before.
+    learning_rate or muon_lr.
     """
     kind = "muon" if isinstance(optimizer, MultiOptimizer) else "adamw"
     if saved_kind != kind:

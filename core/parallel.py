@@ -109,18 +109,3 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """This process's part of a tensor: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
-
-# -----------------------------------------------------------------------------
-# memory accounting, for bench.py and docs/performance.md's table
-
-
-def local_bytes(tensors) -> int:
-    """Bytes this process holds for the tensors: a DTensor counts only its local shard."""
-    return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
-
-
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Per-process bytes of parameters, gradients and optimizer state (tied weights counted once)."""
-    params = list({id(p): p for p in model.parameters()}.values())
-    opt = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params), "optimizer": local_bytes(opt)}

@@ -181,8 +181,8 @@ def cpu_native_bf16() -> bool:
     """Whether this CPU's matmuls compute bfloat16 in hardware: x86 with AVX512-BF16 or AMX-BF16
     and torch's AVX512 kernels in use, or ARM with the BF16 extension; oneDNN must do the bf16
     matmuls (torch.ops.mkldnn._is_mkldnn_bf16_supported) and ONEDNN_MAX_CPU_ISA must not cap it
-    below bf16. Elsewhere, every AVX2-only x86 CPU among them, a bf16 matmul is emulated: on a
-    2-core AMD EPYC (AVX2) 512x128x512 took 51 ms in bf16 against 0.9 ms in float32.
+    below bf16. Elsewhere, every AVX2-only x86 CPU among them, a bf16 matmul is emulated and many
+    times slower than float32 (docs/performance.md, the Xeon machine's matmul native and emulated).
 
     ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are honoured, so that a machine with bf16 units can
     be made to answer as an AVX2 one does. The CPU's flags come from /proc/cpuinfo (Linux); where
@@ -274,7 +274,7 @@ def _torchrun_attempt_store(world_size: int, timeout: datetime.timedelta) -> "di
 
     torchrun (--max-restarts) gives every restart of the workers the same store, and the default
     process group's keys carry no attempt number: restarted workers can read the gloo/NCCL addresses of
-    the workers they replace and fail with 'Connection refused' (PyTorch 2.13: 4 restarts in 5 failed here).
+    the workers they replace and fail with 'Connection refused'.
     A prefix per TORCHELASTIC_RESTART_COUNT is what torch's own env:// handler assumes it has.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -289,7 +289,7 @@ def teardown(rt: Runtime) -> None:
         # DDP's reducer (which holds the process group and its last async work) lives on in a
         # reference cycle after training returns; left to the interpreter's shutdown, freeing it makes
         # gloo's threads take the GIL too late and the process aborts ("terminate called without an
-        # active exception", seen once in ~10 torchrun restarts). Free it while Python is fully alive.
+        # active exception"). Free it while Python is fully alive.
         gc.collect()
         dist.destroy_process_group()
 

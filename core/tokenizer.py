@@ -141,9 +141,6 @@ class GPT2Tokenizer(_Specials):
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.enc.encode_ordinary_batch(texts)
-
     def _decode_ordinary(self, ids: list[int]) -> str:
         return self.enc.decode(ids)
 

@@ -4,20 +4,30 @@ read the same config files, so it lives here rather than in train.py.
 """
 import dataclasses
 import math
-from pathlib import Path
 
-from core import optim, parallel
+from core import optim, parallel, weights
 from core.errors import UserError
-from model import GPT2_HUB_NAMES, GPTConfig
+from model import RECIPE_SWITCHES, GPTConfig
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "attn_backend")
-# The modern-recipe switches (GPTConfig's fields of the same names; docs/recipe.md).
-RECIPE_KEYS = ("pos_embedding", "rope_base", "norm", "qk_norm", "mlp", "n_kv_head", "tie_embeddings", "logit_softcap",
-               "zero_init_proj", "unet_skips")
+# The model keys are GPTConfig's fields, each with GPTConfig's default, except vocab_size: None there
+# is the dataset's meta.json vocab_size. A field added to GPTConfig is a key here with nothing to edit.
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+RECIPE_KEYS = RECIPE_SWITCHES  # the modern recipe's switches (docs/recipe.md)
+# The keys a resumed run must share with its checkpoint: all but how the model runs (block_size may shrink).
+ARCHITECTURE_KEYS = tuple(k for k in MODEL_KEYS if k not in ("block_size", "dropout", "attn_backend"))
+
+
+def _model_fields() -> list[tuple[str, type, dataclasses.Field]]:
+    return [(f.name, int | None, dataclasses.field(default=None)) if f.name == "vocab_size"
+            else (f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(GPTConfig)]
+
+
+# GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them).
+ModelKeys = dataclasses.make_dataclass("ModelKeys", _model_fields())
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(ModelKeys):
     # I/O
     out_dir: str = "out"
     eval_interval: int = 2000
@@ -37,27 +47,8 @@ class TrainConfig:
     data_dir: str = "data/fineweb"
     gradient_accumulation_steps: int = 40  # global: across all processes together
     batch_size: int = 12                   # micro-batch per process
-    block_size: int = 1024
     loss_mask: bool = True                 # chat datasets: learn only the assistant's tokens; False: every token
-    # model
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True
-    attn_backend: str = "sdpa"
-    vocab_size: int | None = None          # None: the dataset's meta.json vocab_size
-    # the modern recipe, one switch each (see model.GPTConfig); the defaults are GPT-2
-    pos_embedding: str = "learned"         # learned | rope
-    rope_base: float = 10000.0
-    norm: str = "layernorm"                # layernorm | rmsnorm
-    qk_norm: bool = False
-    mlp: str = "gelu"                      # gelu | relu2 | swiglu
-    n_kv_head: int | None = None           # None: n_head; fewer: grouped-query attention
-    tie_embeddings: bool = True
-    logit_softcap: float | None = None
-    zero_init_proj: bool = False           # attn.c_proj and mlp.c_proj start at zero: each Block starts as the identity
-    unet_skips: bool = False               # the second half of the Blocks also reads the first half's outputs
+    # the model: every GPTConfig field (ModelKeys above), then the optimizer
     optimizer: str = "adamw"               # adamw | muon (Muon for hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02                  # Muon's peak lr; learning_rate stays AdamW's, the schedule scales both
     muon_momentum: float = 0.95
@@ -88,7 +79,7 @@ class TrainConfig:
 
     def model_args(self) -> dict:
         """The GPTConfig fields this config sets; vocab_size comes from the dataset (or the checkpoint)."""
-        return {k: getattr(self, k) for k in MODEL_KEYS + RECIPE_KEYS if k != "vocab_size"}
+        return {k: getattr(self, k) for k in MODEL_KEYS if k != "vocab_size"}
 
     def validate(self) -> None:
         positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
@@ -130,9 +121,7 @@ class TrainConfig:
         parallel.check_parallel(self.parallel, self.dtype)
         if not self.dist_timeout_s > 0:
             raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
-        if self.init_from not in ("scratch", "resume", *GPT2_HUB_NAMES) and not Path(self.init_from).is_dir():
-            raise UserError(f"unknown init_from '{self.init_from}'; use scratch, resume, a base run's out_dir, "
-                            f"{', '.join(GPT2_HUB_NAMES)}, or a directory written by save_pretrained")
+        weights.check_init_from(self.init_from, scratch=True)
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bench
+from benchmarks import attention, common, decode, train
 from core import runtime
 from core.errors import UserError
 from model import GPT, GPTConfig
@@ -78,8 +79,8 @@ def test_prepare_on_a_given_or_generated_corpus(tmp_path, capsys, monkeypatch, w
         extra["corpus"] = tmp_path / "corpus.txt"
         extra["corpus"].write_text(text)
     else:
-        monkeypatch.setattr(bench, "DEFAULT_CORPUS", str(tmp_path / "absent.txt"))
-        monkeypatch.setattr(bench, "GENERATED_CHARS", 5000)
+        monkeypatch.setattr(common, "DEFAULT_CORPUS", str(tmp_path / "absent.txt"))
+        monkeypatch.setattr(common, "GENERATED_CHARS", 5000)
     result = bench.main(tiny_argv(tmp_path, sections="prepare", **extra))
     assert_positive_numbers(result["prepare"])
     assert result["prepare"]["chars"] == (len(text) if which == "given" else 5000)
@@ -106,7 +107,7 @@ def test_cpu_memory_measure_sees_exact_allocations():
         torch.empty(2**18)
 
     kept = []
-    peaks = bench.cpu_peak_extra_bytes({
+    peaks = common.cpu_peak_extra_bytes({
         "two at once": lambda: (torch.empty(2**18), torch.empty(2**18)),
         "one after another": one_after_another,
         "kept": lambda: kept.append(torch.empty(2**18)),  # still held after its window: does not shift later ones
@@ -116,7 +117,7 @@ def test_cpu_memory_measure_sees_exact_allocations():
 
 
 class FakeClock:
-    """time.perf_counter for bench: returns the scripted readings in order."""
+    """time.perf_counter for benchmarks.common: returns the scripted readings in order."""
 
     def __init__(self, readings):
         self.readings = iter(readings)
@@ -129,27 +130,27 @@ def test_median_time_runs_warmup_then_times_each_repeat(monkeypatch):
     """Three timed runs of 5, 1 and 6 s (scripted clock) after two untimed ones: the median is 5 (the mean
     would be 4, the minimum 1); synchronize runs after the warm-up and after each timed call."""
     events = []
-    monkeypatch.setattr(bench.time, "perf_counter", FakeClock([0, 5, 10, 11, 20, 26]))
-    seconds = bench.median_time(lambda: events.append("call"), warmup=2, repeats=3,
+    monkeypatch.setattr(common.time, "perf_counter", FakeClock([0, 5, 10, 11, 20, 26]))
+    seconds = common.median_time(lambda: events.append("call"), warmup=2, repeats=3,
                                 synchronize=lambda: events.append("sync"))
     assert seconds == 5
     assert events == ["call", "call", "sync", "call", "sync", "call", "sync", "call", "sync"]
 
 
 def scripted(values):
-    """A stand-in for bench.median_time returning the given seconds, one per call, in order."""
+    """A stand-in for common.median_time returning the given seconds, one per call, in order."""
     values = iter(values)
     return lambda *args, **kwargs: next(values)
 
 
 def test_train_rows_tokens_mfu_and_compile_ratio(tmp_path, monkeypatch):
     """Step times 0.5 s (eager) and 0.2 s (compiled), a 1 TFLOP/s peak: the figures follow by arithmetic."""
-    monkeypatch.setattr(bench, "median_time", scripted([0.5, 0.2]))
-    monkeypatch.setattr(bench.flops, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
-    monkeypatch.setattr(bench.torch, "compile", lambda model: model)  # the compiled row, without a compiler
+    monkeypatch.setattr(train, "median_time", scripted([0.5, 0.2]))
+    monkeypatch.setattr(train.flops, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
+    monkeypatch.setattr(train.torch, "compile", lambda model: model)  # the compiled row, without a compiler
     cfg = bench.load_config(tiny_argv(tmp_path, compile=True))
     with one_thread():
-        result = bench.bench_train(cfg, runtime.setup("cpu", "float32"))
+        result = train.measure(cfg, runtime.setup("cpu", "float32"))
     eager, compiled = result["rows"]
     # 1 layer, 32 wide, vocab 64, no biases: wte + 12 C^2 + three LayerNorm gains (wpe left out).
     n = 64 * 32 + 12 * 32 * 32 + 3 * 32
@@ -177,11 +178,11 @@ def test_attention_memory_medians_ratios_and_growth(monkeypatch):
             out[name] = (4 * T * T if kind == "naive" else 100 * T) * scale[kind][rep]
         return out
 
-    monkeypatch.setattr(bench, "cpu_peak_extra_bytes", fake_peaks)
+    monkeypatch.setattr(attention, "cpu_peak_extra_bytes", fake_peaks)
     cfg = bench.load_config(["--device=cpu", "--dtype=float32", "--attn_lengths=16,32,64", "--attn_repeats=3",
                              "--attn_n_head=2", "--attn_head_size=8"])
     with one_thread():
-        result = bench.bench_attention(cfg, runtime.setup("cpu", "float32"))
+        result = attention.measure(cfg, runtime.setup("cpu", "float32"))
     for row in result["rows"]:
         T = row["T"]
         assert row["naive_forward_bytes"] == row["naive_forward_backward_bytes"] == 2 * 4 * T * T
@@ -197,16 +198,16 @@ def test_decode_speedups_and_generation_medians(monkeypatch):
     """Scripted times: per context, no cache 4 ms and cache 1 ms at C=4, 8 ms and 2 ms at C=16. Generation:
     three runs per mode, each token 0.1 s (cache) or 0.3 s (no cache) times the run's factor (1, 5, 2),
     so each part's median is the factor-2 run."""
-    monkeypatch.setattr(bench, "median_time", scripted([0.004, 0.001, 0.008, 0.002]))
+    monkeypatch.setattr(decode, "median_time", scripted([0.004, 0.001, 0.008, 0.002]))
     factors = iter([1, 1, 1, 5, 2, 1, 5, 2])  # the two warm-up calls, then no_cache x 3, cache x 3
 
     def fake_token_times(model, prompt, new_tokens, use_cache, shift, rt):
         return [(0.1 if use_cache else 0.3) * next(factors)] * new_tokens
 
-    monkeypatch.setattr(bench, "token_times", fake_token_times)
+    monkeypatch.setattr(decode, "token_times", fake_token_times)
     cfg = bench.load_config(tiny_argv(Path("."), gen_repeats=3, decode_batch_size=2))
     with one_thread():
-        result = bench.bench_decode(cfg, runtime.setup("cpu", "float32"))
+        result = decode.measure(cfg, runtime.setup("cpu", "float32"))
     rows = {r["context"]: r for r in result["rows"]}
     assert rows[4]["no_cache_ms"] == pytest.approx(4.0) and rows[4]["cache_ms"] == pytest.approx(1.0)
     assert rows[4]["speedup"] == pytest.approx(4.0) and rows[16]["speedup"] == pytest.approx(4.0)
@@ -242,7 +243,7 @@ def test_generation_inside_the_context_has_one_row():
     rt = runtime.setup("cpu", "float32")
     cfg = bench.load_config(["--gen_new_tokens=5", "--gen_repeats=2"])
     with one_thread():
-        gen = bench.bench_generation(cfg, model, torch.zeros(1, 4, dtype=torch.long), rt)
+        gen = decode.generation_times(cfg, model, torch.zeros(1, 4, dtype=torch.long), rt)
     assert list(gen["parts"]) == ["inside_context"] and gen["parts"]["inside_context"]["tokens"] == 5
     assert_positive_numbers(gen)
 
@@ -254,7 +255,7 @@ def test_thread_count_is_restored(tmp_path):
 
 
 def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
-    """A real serve.py process answers every request (bench_serve checks each reply's token count)."""
+    """A real serve.py process answers every request (benchmarks.serve checks each reply's token count)."""
     result = bench.main(tiny_argv(tmp_path, sections="serve", serve_clients="1,3", serve_max_tokens=5,
                                   serve_prompt_len=4))
     rows = result["serve"]["rows"]

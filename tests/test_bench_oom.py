@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import bench
+from benchmarks import common, decode, muon
 from core import runtime
 from core.errors import UserError
 from tests.helpers import one_thread
@@ -46,8 +47,8 @@ def test_oom_is_reported_per_row_and_the_run_goes_on(tmp_path, capsys, monkeypat
                for key in ("sdpa_forward_bytes", "sdpa_forward_backward_bytes"))
     assert all(isinstance(rows[T]["naive_forward_bytes"], int) for T in (16, 32))
     assert set(result["attention"]["growth_exponent"]) >= {"sdpa_forward_bytes"}  # from the rows that fit
-    decode = {row["context"]: row for row in result["decode"]["rows"]}
-    assert decode[16] == {"context": 16, "error": "OOM"} and decode[4]["cache_ms"] > 0
+    by_context = {row["context"]: row for row in result["decode"]["rows"]}
+    assert by_context[16] == {"context": 16, "error": "OOM"} and by_context[4]["cache_ms"] > 0
     assert result["decode"]["generation"] == {"error": "OOM"}  # it passes context 16
     assert out.count("OOM") >= 6  # the tables say it, row by row
 
@@ -56,7 +57,7 @@ def test_json_is_written_after_each_section(tmp_path, monkeypatch):
     """A failure in a later section keeps the figures of the earlier ones on disk."""
     def broken(cfg, rt):
         raise UserError("decode broke")
-    monkeypatch.setattr(bench, "bench_decode", broken)
+    monkeypatch.setattr(decode, "measure", broken)
     with one_thread(), pytest.raises(UserError, match="decode broke"):
         bench.main(tiny_argv(tmp_path, sections="train,attention,decode", compile=False))
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -68,8 +69,8 @@ def test_loop_section_compares_train_py_with_a_plain_loop(tmp_path, tmp_path_fac
     config = tmp_path / "tiny_loop.py"
     config.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\n"
                       "gradient_accumulation_steps = 2\nlog_interval = 3\ndropout = 0.0\n")
-    monkeypatch.setattr(bench, "GENERATED_CHARS", 20_000)
-    monkeypatch.setattr(bench, "DEFAULT_CORPUS", str(tmp_path / "absent.txt"))
+    monkeypatch.setattr(common, "GENERATED_CHARS", 20_000)
+    monkeypatch.setattr(common, "DEFAULT_CORPUS", str(tmp_path / "absent.txt"))
     with one_thread():
         bench.main(tiny_argv(tmp_path, sections="loop", loop_config=str(config), loop_steps=3, repeats=2))
     r = json.loads((tmp_path / "bench.json").read_text())["loop"]
@@ -92,13 +93,13 @@ def test_muon_section_times_each_step_and_marks_the_one_this_device_gets(tmp_pat
     """torch's Muon and BatchedMuon in bf16 and float32, each a step on the recipe model's hidden matrices
     (muon_shape on top), and the one core.optim.build_optimizer builds here marked, with bf16 faked native
     and not."""
-    monkeypatch.setattr(bench.optim, "native_bf16", lambda device: native)
-    monkeypatch.setattr(bench.runtime, "native_bf16", lambda device: native)
+    monkeypatch.setattr(muon.optim, "native_bf16", lambda device: native)
+    monkeypatch.setattr(muon.runtime, "native_bf16", lambda device: native)
     with one_thread():
         bench.main(tiny_argv(tmp_path, sections="muon", muon_shape="n_layer=2,n_head=2,n_embd=32"))
     r = json.loads((tmp_path / "bench.json").read_text())["muon"]
     assert r["matrices"] == 8 and r["shapes"] == [[32, 32], [32, 85], [96, 32], [170, 32]]  # SwiGLU: 2 x 85 hidden
-    assert [row["muon"] for row in r["rows"]] == list(bench.MUON_STEPS) and all(row["step_ms"] > 0 for row in r["rows"])
+    assert [row["muon"] for row in r["rows"]] == list(muon.MUON_STEPS) and all(row["step_ms"] > 0 for row in r["rows"])
     chosen = [row["muon"] for row in r["rows"] if row["chosen"]]
     assert chosen == ["BatchedMuon, bf16" if native else "BatchedMuon, float32"]
     out = capsys.readouterr().out

@@ -92,3 +92,62 @@ def test_command_line_values_are_literals_never_evaluated():
 def test_round_trip_through_json():
     cfg = parse_args(Cfg, ["--steps=3", "--maybe=2"])
     assert from_dict(Cfg, json.loads(json.dumps(to_dict(cfg))), "test") == cfg
+
+
+# --- train.py's model keys are GPTConfig's fields ------------------------------------------------
+
+# A value other than the default for a GPTConfig field whose type alone does not give a valid one.
+OTHER_VALUES: dict = {}
+
+
+def other_value(field: dataclasses.Field):
+    """A valid value for `field` other than its default, from its type (or OTHER_VALUES)."""
+    from model import CHOICES
+
+    if field.name in OTHER_VALUES:
+        return OTHER_VALUES[field.name]
+    if field.name in CHOICES:
+        return next(v for v in CHOICES[field.name] if v != field.default)
+    if isinstance(field.default, bool):
+        return not field.default
+    if isinstance(field.default, (int, float)):
+        return field.default * 2 if field.default else 0.5
+    return {int | None: 2, float | None: 2.0}[field.type]  # None by default: n_kv_head, logit_softcap, mlp_hidden
+
+
+def test_every_gpt_config_field_is_a_train_config_key_with_its_default():
+    """A field added to GPTConfig is a key of train.py's config with nothing else to edit; vocab_size's
+    None there means the dataset's vocabulary."""
+    from core.train_config import TrainConfig
+    from model import GPTConfig
+
+    keys = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for f in dataclasses.fields(GPTConfig):
+        assert f.name in keys, f"GPTConfig.{f.name} cannot be set from a config file"
+        assert keys[f.name].type == (int | None if f.name == "vocab_size" else f.type), f.name
+        assert keys[f.name].default == (None if f.name == "vocab_size" else f.default), f.name
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(__import__("model").GPTConfig)
+                                  if f.name != "vocab_size"])
+def test_every_gpt_config_field_set_on_the_command_line_reaches_the_model(name):
+    import train
+    from core.train_config import TrainConfig
+    from model import GPTConfig
+
+    field = next(f for f in dataclasses.fields(GPTConfig) if f.name == name)
+    value = other_value(field)
+    cfg = parse_args(TrainConfig, [f"--{name}={value if isinstance(value, str) else repr(value)}"])
+    config = train.scratch_config(cfg, {"vocab_size": 65})  # what init_from=scratch builds
+    assert getattr(config, name) == value != field.default
+    assert to_dict(cfg)[name] == value  # and out_dir/config.json records it
+
+
+def test_a_config_file_sets_the_norm_epsilon_mlp_width_and_gelu(tmp_path):
+    import train
+    from core.train_config import TrainConfig
+
+    f = tmp_path / "c.py"
+    f.write_text("norm_eps = 1e-6\nmlp_hidden = 100\ngelu_approximate = 'none'\n")
+    config = train.scratch_config(parse_args(TrainConfig, [str(f)]), {"vocab_size": 65})
+    assert (config.norm_eps, config.mlp_hidden, config.gelu_approximate) == (1e-6, 100, "none")

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
+from benchmarks import common
+from benchmarks import memory as bench_memory
 from core import checkpoint, parallel
 from core.errors import UserError
 from model import GPT, GPTConfig
@@ -192,10 +193,10 @@ def test_fsdp_state_per_process_is_half_of_ddp_at_two_processes():
     """bench.py's memory figures: after a step, each of 2 fsdp processes holds half the parameter, gradient
     and AdamW bytes of one full copy (what ddp keeps on every process)."""
     config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
-    full = bench.spawned_state_bytes("ddp", 1, config, batch_size=2)[0]
+    full = bench_memory.spawned_state_bytes("ddp", 1, config, batch_size=2)[0]
     # AdamW: two moments like the weights, and a float32 scalar step per parameter tensor
     assert full["params"] > 0 and full["optimizer"] == 2 * full["params"] + 4 * len(list(GPT(config).parameters()))
-    for rank in bench.spawned_state_bytes("fsdp", 2, config, batch_size=2):
+    for rank in bench_memory.spawned_state_bytes("fsdp", 2, config, batch_size=2):
         for key in ("params", "grads"):
             assert rank[key] == pytest.approx(full[key] / 2, rel=0.02), (key, rank, full)
         assert rank["optimizer"] == pytest.approx(full["optimizer"] / 2, rel=0.05), (rank, full)
@@ -219,7 +220,7 @@ def test_activation_checkpointing_same_losses_less_activation_memory(tmp_path):
     def step(model):
         return lambda: model(x, x)[1].backward()
 
-    peaks = bench.cpu_peak_extra_bytes({"plain": step(plain), "checkpointed": step(ckpt)})
+    peaks = common.cpu_peak_extra_bytes({"plain": step(plain), "checkpointed": step(ckpt)})
     assert peaks["checkpointed"] < 0.5 * peaks["plain"], peaks
     assert torch.equal(plain(x, x)[1], ckpt(x, x)[1])
     for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):

@@ -22,7 +22,7 @@ import eval as eval_script
 import export
 import sample
 import train
-from core import checkpoint, hf
+from core import hf, weights
 from core.prepare import write_dataset
 from core.tokenizer import CharTokenizer, GPT2Tokenizer, hf_backend, save_hf_tokenizer
 from model import GPT, GPTConfig
@@ -106,7 +106,7 @@ def exported(request, shakespeare_data, tmp_path_factory):
     result = run_main(export.main, [f"--out_dir={run}", f"--hf_dir={hf_dir}"])
     assert result.returncode == 0, result.stderr
     assert arch in result.stderr
-    model, tok, _ = checkpoint.load_model("resume", run)
+    model, tok, _ = weights.load_model("resume", run)
     model.eval()
     return request.param, run, hf_dir, model, tok
 
@@ -402,7 +402,7 @@ def test_import_matches_transformers_and_exports_identical_tensors(hf_folder, tm
     from safetensors.torch import load_file
 
     arch, path = hf_folder
-    model, tok = hf.load_folder(path)
+    model, tok, _ = weights.load_model(str(path), "unused")  # a transformers folder and its tokenizer.json
     c = model.config
     assert (c.norm_eps, c.rope_base, c.mlp_hidden, c.kv_heads, c.qk_norm) == (1e-6, 500000.0, 80, 2,
                                                                               arch == "Qwen3ForCausalLM")

@@ -19,7 +19,7 @@ import torch
 import eval as eval_script
 import sample
 import train
-from core import checkpoint, evaluate, memory, runtime
+from core import checkpoint, evaluate, memory, runtime, weights
 from core.data import TokenData
 from core.tokenizer import CharTokenizer
 from model import GPTConfig
@@ -265,7 +265,7 @@ def test_two_process_fsdp_modern_muon_resumes_exactly(runs):
 def test_eval_and_sample_rebuild_the_variant_from_a_sharded_checkpoint(runs):
     """eval.py and sample.py read ckpt.dcp written by 2 processes, rebuild the recipe variant, and score
     it as the 1-process run's checkpoint scores; eval.py's HellaSwag equals the in-training figure."""
-    model, _, source = checkpoint.load_model("resume", runs / "fsdp2")
+    model, _, source = weights.load_model("resume", runs / "fsdp2")
     assert "ckpt.dcp" in source
     assert {k: getattr(model.config, k) for k in MODERN if hasattr(model.config, k)} == \
         {k: v for k, v in MODERN.items() if hasattr(model.config, k)}

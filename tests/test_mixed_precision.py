@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-import bench
 import sample
 import train
+from benchmarks import common
 from core import runtime
 from core.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
@@ -186,7 +186,7 @@ def test_training_step_does_not_hold_the_logits(tmp_path, data_dir, monkeypatch)
         held.clear()
     with one_thread():
         run(False), run(True)  # warm-up
-        peaks = bench.cpu_peak_extra_bytes({"holding": lambda: run(True), "train_py": lambda: run(False)})
+        peaks = common.cpu_peak_extra_bytes({"holding": lambda: run(True), "train_py": lambda: run(False)})
     assert peaks["holding"] - peaks["train_py"] >= 0.9 * logits_bytes, peaks
 
 

@@ -14,7 +14,8 @@ import torch.nn as nn
 from scripts import compare_recipe
 import train
 from core import config as configlib, optim, runtime
-from core.checkpoint import load_checkpoint, load_model
+from core.checkpoint import load_checkpoint
+from core.weights import load_model
 from core.errors import UserError
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
 from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, run_script, train_tiny
@@ -592,7 +593,7 @@ def test_resume_with_another_optimizer_or_switch_is_one_line(tmp_path, data_dir)
 def test_init_from_gpt2_refuses_recipe_switches(tmp_path):
     cfg = train.TrainConfig(init_from="gpt2", pos_embedding="rope", n_embd=64, n_head=4)
     with pytest.raises(UserError, match="init_from=gpt2 loads GPT-2's architecture"):
-        train.build_model(cfg, {"tokenizer": "gpt2", "vocab_size": 50257}, None, runtime.Runtime("cpu", "cpu", "float32"))
+        train.build_model(cfg, {"tokenizer": "gpt2", "vocab_size": 50257}, runtime.Runtime("cpu", "cpu", "float32"), print)
 
 
 # --- the comparison command ------------------------------------------------------------------

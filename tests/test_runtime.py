@@ -153,7 +153,7 @@ DATASHEET = {
 def test_peak_flops_from_the_datasheet(fake_gpus, name):
     fake_gpus(count=1, name=name)
     bf16, tf32 = DATASHEET[name]
-    assert flops.peak_flops(runtime.Runtime("cuda:0", "cuda", "bfloat16")) == pytest.approx(bf16)
+    assert flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "bfloat16"))[0] == pytest.approx(bf16)
     torch.backends.cuda.matmul.allow_tf32 = True  # as setup() leaves it
     peak, source = flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "float32"))
     assert peak == pytest.approx(tf32) and "tf32" in source and name in source
@@ -162,7 +162,8 @@ def test_peak_flops_from_the_datasheet(fake_gpus, name):
 def test_peak_flops_float32_without_tf32_is_the_plain_figure(fake_gpus):
     fake_gpus(count=1, name="NVIDIA H100 80GB HBM3")
     torch.backends.cuda.matmul.allow_tf32 = False
-    assert flops.peak_flops(runtime.Runtime("cuda:0", "cuda", "float32")) == pytest.approx(67e12)  # FP32 67 TF
+    peak, _ = flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "float32"))
+    assert peak == pytest.approx(67e12)  # FP32 67 TF
 
 
 @pytest.mark.parametrize("name, why", [("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "MIG slice"),
@@ -178,7 +179,7 @@ def test_no_mfu_for_a_mig_slice_or_an_unknown_gpu(fake_gpus, name, why):
 def test_mig_uuid_in_cuda_visible_devices_is_a_slice(fake_gpus, monkeypatch):
     fake_gpus(count=1, name="NVIDIA H100 80GB HBM3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4f9e2b7c-0000-5a3e-9a71-1c2d3e4f5a6b")
-    assert flops.peak_flops(runtime.Runtime("cuda:0", "cuda", "bfloat16")) is None
+    assert flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "bfloat16"))[0] is None
 
 
 # --- rank 0 alone fails or is slow: torchrun, 2 gloo processes on the CPU --------------------------

@@ -9,6 +9,7 @@ import pytest
 
 import bench
 import plot
+from benchmarks import common, race, speedrun
 from core import optim
 from core.errors import UserError
 from tests.helpers import make_char_dataset, one_thread
@@ -42,26 +43,26 @@ def scripted(name, clock, losses, trace, max_iters=1000, step_s=(1.0, 0.5), eval
         trace.append((name, "eval", r.it))
         clock.tick(eval_s, 0.0)
         return losses(r.it)
-    r = bench.Racer(name, step, evaluate, max_iters, tokens_per_iter=768)
+    r = race.Racer(name, step, evaluate, max_iters, tokens_per_iter=768)
     return r
 
 
 def test_eval_due_is_coarse_far_from_the_target_and_fine_near_it():
-    assert bench.eval_due(0, [], 2.0, 100, 20, 0.05)  # the start is always scored
-    assert not bench.eval_due(40, [[0, 2.5]], 2.0, 100, 20, 0.05)  # far: only every 100
-    assert bench.eval_due(40, [[0, 2.04]], 2.0, 100, 20, 0.05)  # within the margin: every 20
-    assert not bench.eval_due(50, [[0, 2.04]], 2.0, 100, 20, 0.05)
+    assert race.eval_due(0, [], 2.0, 100, 20, 0.05)  # the start is always scored
+    assert not race.eval_due(40, [[0, 2.5]], 2.0, 100, 20, 0.05)  # far: only every 100
+    assert race.eval_due(40, [[0, 2.04]], 2.0, 100, 20, 0.05)  # within the margin: every 20
+    assert not race.eval_due(50, [[0, 2.04]], 2.0, 100, 20, 0.05)
     # 2.3 -> 2.1 over 100 iterations: the line reaches 2.0 at 250, before the next coarse evaluation at 300
-    assert bench.eval_due(220, [[100, 2.3], [200, 2.1]], 2.0, 100, 20, 0.05)
-    assert not bench.eval_due(220, [[100, 2.5], [200, 2.4]], 2.0, 100, 20, 0.05)  # the line reaches it at 600
-    assert not bench.eval_due(220, [[100, 2.3], [200, 2.4]], 2.0, 100, 20, 0.05)  # rising: no crossing ahead
-    assert not bench.eval_due(120, [[0, 4.2], [100, 2.3]], 2.0, 100, 20, 0.05)  # not from the untrained start
+    assert race.eval_due(220, [[100, 2.3], [200, 2.1]], 2.0, 100, 20, 0.05)
+    assert not race.eval_due(220, [[100, 2.5], [200, 2.4]], 2.0, 100, 20, 0.05)  # the line reaches it at 600
+    assert not race.eval_due(220, [[100, 2.3], [200, 2.4]], 2.0, 100, 20, 0.05)  # rising: no crossing ahead
+    assert not race.eval_due(120, [[0, 4.2], [100, 2.3]], 2.0, 100, 20, 0.05)  # not from the untrained start
 
 
 def test_crossing_is_the_first_evaluation_at_or_below_the_target_and_evaluation_time_is_excluded():
     clock, trace = Clock(), []
     r = scripted("a", clock, lambda it: 5.0 - 0.01 * it, trace)  # 4.05 at iteration 95
-    bench.race([r], chunk=1000, target=4.05, every=50, fine_every=5, margin=0.5, clocks=clock.clocks)
+    race.race([r], chunk=1000, target=4.05, every=50, fine_every=5, margin=0.5, clocks=clock.clocks)
     evals = [it for _, kind, it in trace if kind == "eval"]
     # coarse until iteration 50 came within the margin (4.5 <= 4.55), then every 5 until the crossing
     assert evals == [0, 50, 55, 60, 65, 70, 75, 80, 85, 90, 95]
@@ -75,7 +76,7 @@ def test_runs_take_turns_in_chunks_and_the_faster_one_stops_first():
     clock, trace = Clock(), []
     fast = scripted("fast", clock, lambda it: 3.0 if it < 6 else 1.0, trace)
     slow = scripted("slow", clock, lambda it: 3.0 if it < 10 else 1.0, trace)
-    bench.race([fast, slow], chunk=3, target=2.0, every=2, fine_every=2, margin=0.0, clocks=clock.clocks)
+    race.race([fast, slow], chunk=3, target=2.0, every=2, fine_every=2, margin=0.0, clocks=clock.clocks)
     steps = [(name, it) for name, kind, it in trace if kind == "step"]
     assert steps == ([("fast", i) for i in range(3)] + [("slow", i) for i in range(3)]
                      + [("fast", i) for i in range(3, 6)] + [("slow", i) for i in range(3, 6)]
@@ -89,7 +90,7 @@ def test_runs_take_turns_in_chunks_and_the_faster_one_stops_first():
 def test_a_run_that_never_gets_there_stops_at_its_cap_unreached():
     clock, trace = Clock(), []
     r = scripted("a", clock, lambda it: 3.0, trace, max_iters=7)
-    bench.race([r], chunk=5, target=2.0, every=5, fine_every=5, margin=0.0, clocks=clock.clocks)
+    race.race([r], chunk=5, target=2.0, every=5, fine_every=5, margin=0.0, clocks=clock.clocks)
     assert r.reached is None and r.stopped and r.it == 7
     assert [c[0] for c in r.curve] == [0, 5, 7]  # the cap is always scored
     assert r.train_wall_s == 7.0
@@ -99,21 +100,21 @@ def test_summary_means_over_seeds_and_ratios_to_the_first_run():
     reached = lambda it, w, c: {"reached": {"iter": it, "tokens": it * 10, "wall_s": w, "cpu_s": c}}  # noqa: E731
     seeds = [{"seed": 1, "runs": {"nanogpt": reached(100, 10.0, 8.0), "ours": reached(20, 3.0, 2.0)}},
              {"seed": 2, "runs": {"nanogpt": reached(120, 14.0, 12.0), "ours": reached(30, 3.0, 3.0)}}]
-    s = bench.speedrun_summary(seeds, ["nanogpt", "ours"])
+    s = speedrun.summary(seeds, ["nanogpt", "ours"])
     assert s["nanogpt"] == {"iter": 110, "tokens": 1100, "wall_s": 12.0, "cpu_s": 10.0}
     assert s["ours"]["wall_ratio"] == pytest.approx(0.25) and s["ours"]["cpu_ratio"] == pytest.approx(0.25)
     seeds[1]["runs"]["ours"] = {"reached": None}
-    assert bench.speedrun_summary(seeds, ["nanogpt", "ours"])["ours"] is None  # a missed seed is no mean
+    assert speedrun.summary(seeds, ["nanogpt", "ours"])["ours"] is None  # a missed seed is no mean
 
 
 def test_recipe_reads_config_files_then_key_values_as_train_py_does():
-    r = bench.read_recipe(["config/train_shakespeare_char_cpu.py", "config/modern.py", "lr_schedule=wsd",
+    r = common.read_recipe(["config/train_shakespeare_char_cpu.py", "config/modern.py", "lr_schedule=wsd",
                            "n_layer=2"], "--speedrun_ours")
     assert (r.batch_size, r.block_size, r.optimizer, r.lr_schedule) == (12, 64, "muon", "wsd")
     assert r.model_args()["n_layer"] == 2 and r.model_args()["pos_embedding"] == "rope"
-    assert bench.tokens_per_iter(r) == 768
+    assert speedrun.tokens_per_iter(r) == 768
     with pytest.raises(UserError, match="--speedrun_ours: unknown config key 'n_layr'"):
-        bench.read_recipe(["n_layr=2"], "--speedrun_ours")
+        common.read_recipe(["n_layr=2"], "--speedrun_ours")
 
 @pytest.fixture
 def tiny_data(tmp_path):
@@ -156,10 +157,10 @@ def test_speedrun_section_end_to_end_and_its_logs_plot_against_seconds(tmp_path,
 
 def test_gpt2_preset_races_gpt2_smalls_shape():
     cfg = bench.load_config(["--preset=gpt2", "--sections=speedrun"])
-    r = bench.read_recipe([cfg.speedrun_base, *bench.spec_list(cfg.speedrun_shape)], "test")
+    r = common.read_recipe([cfg.speedrun_base, *common.spec_list(cfg.speedrun_shape)], "test")
     assert {k: r.model_args()[k] for k in ("n_layer", "n_head", "n_embd", "block_size")} == dict(
         n_layer=12, n_head=12, n_embd=768, block_size=1024)
-    assert bench.tokens_per_iter(r) == 16 * 1024
+    assert speedrun.tokens_per_iter(r) == 16 * 1024
 
 
 @pytest.mark.slow

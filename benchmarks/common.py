@@ -1,0 +1,201 @@
+"""What every section shares: timing, peak memory above a baseline, out-of-memory as a figure, the
+settings' checks and the tables' number formats.
+
+Every time is the median of `repeats` timed runs after `warmup` untimed ones. Peak memory is
+torch.cuda.max_memory_allocated on CUDA, and on the CPU the running total of the allocation and free
+events torch.profiler(profile_memory=True) records from torch's CPU allocator.
+"""
+import dataclasses
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from core import runtime
+from core.config import apply_overrides, parse_args, read_config_file
+from core.errors import UserError
+from core.train_config import TrainConfig
+from model import GPTConfig
+
+OOM = "OOM"  # a figure that did not fit in device memory
+MiB = 2**20
+ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py and serve.py run from here
+DEFAULT_CORPUS = "../shared/data/tinyshakespeare.txt"
+GENERATED_CHARS = 1_000_000  # the stand-in corpus when DEFAULT_CORPUS is absent: about Tiny Shakespeare's size
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+
+
+def median_time(fn: Callable[[], object], warmup: int, repeats: int,
+                synchronize: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of `repeats` calls of fn, after `warmup` untimed calls.
+
+    synchronize waits for queued device work (GPU kernels run asynchronously), so each time
+    covers the work fn launched, not just the launching.
+    """
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak CUDA memory allocated while fn runs, above what was allocated when it started (bytes)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int]:
+    """For each named run: peak CPU memory allocated while it runs, above what was allocated when it started.
+
+    With profile_memory=True, torch.profiler records every allocation and free of torch's CPU
+    allocator (kernels' scratch buffers included) as a "[memory]" event of +/- bytes; their running
+    sum in time order is the memory held. The runs share one profile, each inside a record_function
+    window named after it (every profiler start and stop logs a line to stderr). The per-op
+    summaries lose the order of events, so this reads the raw event list.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        for name, fn in runs.items():
+            with torch.profiler.record_function(name):
+                fn()
+    events = prof.profiler.kineto_results.events()
+    windows = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in runs}
+    allocs = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"), key=lambda m: m[0])
+    peaks = {}
+    for name, (start, end) in windows.items():
+        before = sum(n for t, n in allocs if t < start)
+        running = peak = before
+        for t, n in allocs:
+            if start <= t <= end:
+                running += n
+                peak = max(peak, running)
+        peaks[name] = peak - before
+    return peaks
+
+
+def or_oom(fn: Callable[[], object], rt: runtime.Runtime):
+    """fn(), or OOM when it runs out of device memory: one figure lost, not the whole run."""
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        if rt.device_type == "cuda":
+            torch.cuda.empty_cache()
+        return OOM
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+def merged_config(name: str, general: type, sections: dict, module: str) -> type:
+    """One config dataclass: general's fields, then each section module's Settings in the sections' order.
+    Every flag has one owner: a name two of them declare stops at import."""
+    owners, fields = {}, []
+    settings = [(name, m.Settings) for name, m in sections.items() if hasattr(m, "Settings")]
+    for owner, cls in [("bench.py", general)] + settings:
+        for f in dataclasses.fields(cls):
+            if f.name in owners:
+                raise TypeError(f"the {owner} section's setting {f.name} is the {owners[f.name]} section's already")
+            owners[f.name] = owner
+            fields.append((f.name, f.type, dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass(name, fields, namespace={"__module__": module})
+
+
+def merged_presets(general: dict[str, dict], sections: dict) -> dict[str, dict]:
+    """Each preset's general values and every section's part of it (a module's PRESETS)."""
+    presets = {name: dict(values) for name, values in general.items()}
+    for module in sections.values():
+        for name, values in getattr(module, "PRESETS", {}).items():
+            presets[name] |= values
+    return presets
+
+
+def with_preset(cfg, presets: dict[str, dict], argv: Sequence[str]):
+    """cfg with its preset's values for every key that argv (config files and --key=value) leaves unset."""
+    if cfg.preset not in presets:
+        raise UserError(f"unknown preset '{cfg.preset}'; use one of {', '.join(presets)}")
+    given = set()
+    for arg in argv:
+        given |= {arg[2:].partition("=")[0]} if arg.startswith("--") else set(read_config_file(arg))
+    preset = {key: value for key, value in presets[cfg.preset].items() if key not in given}
+    return apply_overrides(cfg, preset, f"preset {cfg.preset}")
+
+
+def int_list(text: str, key: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{key} must be comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{key} must list positive integers, got '{text}'")
+    return values
+
+
+def spec_list(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def section_list(cfg) -> list[str]:
+    return [s.strip() for s in cfg.sections.split(",") if s.strip()]
+
+
+def at_least(cfg, low: int, *keys: str) -> None:
+    for key in keys:
+        if getattr(cfg, key) < low:
+            raise UserError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
+
+
+def read_recipe(specs: Sequence[str], source: str) -> TrainConfig:
+    """train.py's config from config files and key=value pairs, applied in order as train.py applies them.
+    The sections train what it says (model, batch, optimizer, schedule); its I/O and device keys are not used."""
+    try:
+        return parse_args(TrainConfig, [f"--{spec}" if "=" in spec else spec for spec in specs])
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
+
+
+def generated_text(n_chars: int, seed: int = 0) -> str:
+    """A deterministic stand-in corpus: lines of pseudo-words with a Zipf-like frequency."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("etaoinshrdlcumwfgypbvkjxqz") for _ in range(rng.randint(1, 9))) for _ in range(5000)]
+    weights = [1 / (rank + 1) for rank in range(len(words))]
+    lines, size = [], 0
+    while size < n_chars:
+        line = " ".join(rng.choices(words, weights, k=rng.randint(3, 14))).capitalize() + rng.choice(".,;?!") + "\n"
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)[:n_chars]
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def model_text(c: GPTConfig, batch_size: int) -> str:
+    return (f"{c.n_layer} layers, {c.n_embd} wide, {c.n_head} heads, block_size {c.block_size}, "
+            f"vocab {c.vocab_size}, batch {batch_size}")
+
+
+def mib(n: float | str) -> str:
+    if n == OOM:
+        return OOM
+    return f"{n / MiB:,.1f} MiB" if n >= MiB / 10 else f"{n / 1024:,.1f} KiB"
+
+
+def num(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"

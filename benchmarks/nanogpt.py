@@ -1,0 +1,84 @@
+"""nanoGPT's training loop, the yardstick the loop section and the speedrun measure against.
+
+As nanoGPT's train.py does it: batches from a fresh np.memmap of train.bin at random starts, AdamW
+(fused only on CUDA) with every parameter group at the cosine schedule's rate, micro-steps under
+autocast with the next batch read while the device works, gradient clipping, and no evaluation,
+checkpoints or logging inside the step. The data is the CPU quick start's: characters of
+common.DEFAULT_CORPUS (or a generated text), split 90/10.
+"""
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from benchmarks import common
+from core import optim, runtime
+from core.prepare import write_dataset
+from core.tokenizer import CharTokenizer
+from core.train_config import TrainConfig, get_lr
+from model import GPT
+
+
+def char_dataset(out_dir: Path) -> tuple[str, int]:
+    """A character dataset of DEFAULT_CORPUS (or a generated text) in out_dir; (its source, vocab size)."""
+    if Path(common.DEFAULT_CORPUS).is_file():
+        text, source = Path(common.DEFAULT_CORPUS).read_text(encoding="utf-8"), common.DEFAULT_CORPUS
+    else:
+        text, source = common.generated_text(common.GENERATED_CHARS), "generated text"
+    tok = CharTokenizer.from_text(text)
+    n = int(0.9 * len(text))
+    meta = write_dataset(out_dir, tok.meta(), {"train": tok.encode(text[:n]), "val": tok.encode(text[n:])})
+    return source, meta["vocab_size"]
+
+
+def get_batch(path: Path, block_size: int, batch_size: int, device: str,
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's get_batch: a fresh memmap, random starts from `generator` (torch's global one when None)."""
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def adamw(model: GPT, recipe: TrainConfig, device_type: str) -> torch.optim.AdamW:
+    """nanoGPT's optimizer: AdamW over GPT.configure_optimizers' groups, fused only on CUDA (the per-tensor
+    loop elsewhere); each group's base_lr is the peak rate, for optim.set_lr."""
+    betas = (recipe.beta1, recipe.beta2)
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
+              for g in model.configure_optimizers(recipe.weight_decay, recipe.learning_rate, betas,
+                                                  device_type).param_groups]
+    optimizer = torch.optim.AdamW(groups, lr=recipe.learning_rate, betas=betas, fused=device_type == "cuda")
+    for g in optimizer.param_groups:
+        g["base_lr"] = recipe.learning_rate
+    return optimizer
+
+
+def train_step(model, optimizer, batches: Callable[[], tuple], recipe: TrainConfig,
+               rt: runtime.Runtime) -> Callable[[int], torch.Tensor]:
+    """nanoGPT's train.py iteration without its eval, checkpoints and logging: set the lr, micro-steps
+    (forward under autocast, the next batch read while the device works, backward), clip, step, zero
+    the grads. The rate: the recipe's schedule times each group's base_lr. step(it) returns the last
+    micro-step's loss, unsynchronised."""
+    scaler, accum, xy = rt.grad_scaler(), recipe.gradient_accumulation_steps, []
+
+    def step(it: int) -> torch.Tensor:
+        optim.set_lr(optimizer, get_lr(it, recipe) / recipe.learning_rate)
+        x, y = xy.pop() if xy else batches()
+        for _ in range(accum):
+            with rt.autocast():
+                loss = model(x, y)[1] / accum
+            x, y = batches()
+            scaler.scale(loss).backward()
+        xy.append((x, y))  # the next iteration's first batch, read already
+        if recipe.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    return step

@@ -1,0 +1,217 @@
+"""Speedrun: training time to a target val loss (the whole val split, core.evaluate.evaluate_split).
+
+nanoGPT's model and plain loop (benchmarks/nanogpt.py; speedrun_base: GPT-2, its AdamW fused only on
+CUDA, its cosine schedule) against ours (speedrun_base + speedrun_ours: config/modern.py's model,
+core.optim's optimizer and schedule). Both read batches as nanoGPT does, from a generator of their own
+seeded alike. The runs take turns of speedrun_chunk iterations, so that load from other processes hits
+both, and are scored every speedrun_eval_every iterations, every speedrun_eval_fine once near the
+target; a run is done at its first score at or below the target. Per run: iterations, tokens,
+training wall seconds and this process's CPU seconds to the target (evaluation time apart), and the
+ratio to nanoGPT's, per seed and as the mean over seeds. The default target is nanoGPT's val loss
+after speedrun_target_iters (SPEEDRUN_TARGETS; measured first when none is recorded, as for the gpt2
+preset, which races GPT-2 small's shape on a GPU). The race itself is benchmarks/race.py.
+"""
+import dataclasses
+import json
+import math
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks import nanogpt
+from benchmarks.common import at_least, int_list, model_text, num, read_recipe, spec_list
+from benchmarks.race import Racer, race
+from core import markdown, runtime
+from core.config import to_dict
+from core.data import TokenData, read_meta
+from core.errors import UserError
+from core.evaluate import evaluate_split
+from core.fileio import write_json
+from core.train_config import TrainConfig, get_lr, make_optimizer
+from model import GPT, GPTConfig
+
+
+@dataclasses.dataclass
+class Settings:
+    speedrun_base: str = "config/train_shakespeare_char_cpu.py"  # nanoGPT's run; ours starts from it too
+    # ours: config files and key=value pairs, comma-separated, after the base: the modern recipe with its
+    # schedule sized to the race, a 20-iteration warm-up and AdamW (embeddings, head, gains) at 4x the base
+    # rate (docs/speedrun.md)
+    speedrun_ours: str = "config/modern.py,max_iters=400,lr_decay_iters=400,warmup_iters=20,learning_rate=4e-3"
+    speedrun_shape: str = ""   # key=value pairs applied to every run last (the gpt2 preset: GPT-2 small's shape)
+    speedrun_runs: str = "nanogpt,ours"  # which runs race; ratios are to the first
+    speedrun_seeds: str = "1337"         # one race per seed, each run seeded alike (weights and batches)
+    target: float | None = None          # val loss to reach; None: SPEEDRUN_TARGETS, or measured first
+    speedrun_target_iters: int = 2000    # the default target is nanoGPT's val loss after this many iterations
+    speedrun_measure_target: bool = False  # measure the default target now, even where one is recorded
+    speedrun_eval_every: int = 100       # whole-val-split evaluation every N iterations ...
+    speedrun_eval_fine: int = 20         # ... and every M once within speedrun_eval_margin of the target
+    speedrun_eval_margin: float = 0.03
+    speedrun_eval_batch: int = 64        # windows of block_size per evaluation forward
+    speedrun_chunk: int = 50             # iterations per turn; the runs take turns until each is done
+    speedrun_max_iters_factor: float = 1.5  # a run stops unreached after this times its config's max_iters
+    speedrun_data_dir: str = ""          # a prepared dataset; "": quick-start characters built from the corpus
+    speedrun_log_dir: str = ""           # also write <dir>/<seed>/<run>/log.jsonl + config.json (plot.py reads them)
+
+
+IN_DEFAULT_RUN = False  # it trains for minutes: only when --sections names it
+# the speedrun at GPT-2 small's shape on the character data (its target is measured first: none recorded)
+PRESETS = {"gpt2": dict(speedrun_shape="n_layer=12,n_head=12,n_embd=768,block_size=1024,batch_size=16,"
+                                       "learning_rate=6e-4,min_lr=6e-5")}
+# The default target: the val loss (whole split) that nanoGPT's plain loop reaches at speedrun_target_iters with
+# the default speedrun_base and no speedrun_shape, seed 1337, on the prepared quick-start data. Measured once with
+#     python bench.py --sections=speedrun --speedrun_measure_target=True --speedrun_seeds=1337
+SPEEDRUN_TARGETS = {("config/train_shakespeare_char_cpu.py", "", 2000): 1.8883}
+SPEEDRUN_RUNS = ("nanogpt", "ours")
+
+
+def check(cfg) -> None:
+    at_least(cfg, 1, "speedrun_target_iters", "speedrun_eval_every", "speedrun_eval_fine", "speedrun_eval_batch",
+             "speedrun_chunk")
+    int_list(cfg.speedrun_seeds, "speedrun_seeds")
+    runs = spec_list(cfg.speedrun_runs)
+    if not runs or set(runs) - set(SPEEDRUN_RUNS) or len(set(runs)) != len(runs):
+        raise UserError(f"speedrun_runs must list some of {','.join(SPEEDRUN_RUNS)} once each, got "
+                        f"'{cfg.speedrun_runs}'")
+    if not cfg.speedrun_max_iters_factor >= 1 or cfg.speedrun_eval_margin < 0:
+        raise UserError(f"need speedrun_max_iters_factor >= 1 and speedrun_eval_margin >= 0, got "
+                        f"{cfg.speedrun_max_iters_factor}, {cfg.speedrun_eval_margin}")
+
+
+def tokens_per_iter(cfg: TrainConfig) -> int:
+    return cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+
+
+def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab: int, cap: int, cfg,
+                rt: runtime.Runtime, log_dir: Path | None) -> Racer:
+    """nanogpt: GPT-2 with nanoGPT's AdamW and cosine schedule; ours: the recipe's model and core.optim's
+    optimizer and schedule. Both step as nanoGPT's loop does, read batches from their own generator seeded
+    with `seed`, and start from torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**(recipe.model_args() | {"vocab_size": vocab}))).to(rt.device).train()
+    if name == "nanogpt":
+        optimizer = nanogpt.adamw(model, recipe, rt.device_type)
+    else:
+        optimizer = make_optimizer(model, recipe, rt.device_type)
+    gen = torch.Generator().manual_seed(seed)
+    train_path = Path(data_dir) / "train.bin"
+    step = nanogpt.train_step(model, optimizer, lambda: nanogpt.get_batch(
+        train_path, recipe.block_size, recipe.batch_size, rt.device, gen), recipe, rt)
+    val = TokenData(data_dir, "val", recipe.block_size)
+
+    def evaluate() -> float:
+        return evaluate_split(model, val, batch_size=cfg.speedrun_eval_batch, device=rt.device,
+                              autocast=rt.autocast).loss
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        write_json(log_dir / "config.json", to_dict(recipe) | {"seed": seed, "run": name})
+        (log_dir / "log.jsonl").write_text("")
+
+    def log(record: dict) -> None:
+        if log_dir is not None:
+            with open(log_dir / "log.jsonl", "a") as f:
+                f.write(json.dumps(record | {"lr": get_lr(record["iter"], recipe)}) + "\n")
+    return Racer(name, step, evaluate, cap, tokens_per_iter(recipe), rt.synchronize, log)
+
+
+def speedrun_data(cfg, tmp: Path) -> tuple[str, str, int]:
+    """(data_dir, what it is, vocab size): speedrun_data_dir if given, else the quick-start character data
+    built from DEFAULT_CORPUS (or a generated text) into tmp."""
+    if cfg.speedrun_data_dir:
+        meta = read_meta(cfg.speedrun_data_dir)
+        return cfg.speedrun_data_dir, cfg.speedrun_data_dir, meta["vocab_size"]
+    source, vocab = nanogpt.char_dataset(tmp)
+    return str(tmp), f"{source}, characters, 90/10 split", vocab
+
+
+def speedrun_target(cfg, base: TrainConfig, data_dir: str, vocab: int, rt: runtime.Runtime) -> tuple[float, str]:
+    """The target val loss and where it came from: --target, the recorded one, or measured now (nanoGPT's
+    loop for speedrun_target_iters at the first seed, evaluated once at the end)."""
+    if cfg.target is not None:
+        return cfg.target, "--target"
+    recorded = SPEEDRUN_TARGETS.get((cfg.speedrun_base, cfg.speedrun_shape, cfg.speedrun_target_iters))
+    if recorded is not None and not cfg.speedrun_measure_target and not cfg.speedrun_data_dir:
+        return recorded, f"recorded: nanoGPT's loop at {cfg.speedrun_target_iters} iterations, seed 1337"
+    seed = int_list(cfg.speedrun_seeds, "speedrun_seeds")[0]
+    r = build_racer("nanogpt", base, seed, data_dir, vocab, cfg.speedrun_target_iters, cfg, rt, None)
+    race([r], cfg.speedrun_target_iters, -math.inf, cfg.speedrun_target_iters, cfg.speedrun_target_iters, 0.0)
+    return r.curve[-1][1], f"measured now: nanoGPT's loop at {cfg.speedrun_target_iters} iterations, seed {seed}"
+
+
+def measure(cfg, rt: runtime.Runtime) -> dict:
+    if rt.ddp:
+        raise UserError("the speedrun section runs on one process; start bench.py without torchrun")
+    shape, runs = spec_list(cfg.speedrun_shape), spec_list(cfg.speedrun_runs)
+    base = read_recipe([cfg.speedrun_base, *shape], "--speedrun_base")
+    recipes = {"nanogpt": base, "ours": read_recipe([cfg.speedrun_base, *spec_list(cfg.speedrun_ours), *shape],
+                                                    "--speedrun_ours")}
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir, source, vocab = speedrun_data(cfg, Path(tmp))
+        target, target_source = speedrun_target(cfg, base, data_dir, vocab, rt)
+        print(f"speedrun target: val loss {target:.4f} ({target_source})", flush=True)
+        seeds = []
+        for seed in int_list(cfg.speedrun_seeds, "speedrun_seeds"):
+            log_root = Path(cfg.speedrun_log_dir) / str(seed) if cfg.speedrun_log_dir else None
+            racers = [build_racer(name, recipes[name], seed, data_dir, vocab,
+                                  math.ceil(cfg.speedrun_max_iters_factor * recipes[name].max_iters), cfg, rt,
+                                  log_root / name if log_root else None) for name in runs]
+            race(racers, cfg.speedrun_chunk, target, cfg.speedrun_eval_every, cfg.speedrun_eval_fine,
+                 cfg.speedrun_eval_margin, progress=lambda r: print(
+                     f"seed {seed} {r.name}: iter {r.it}, val loss {r.curve[-1][1]:.4f}, {r.train_wall_s:.0f} s "
+                     f"training", flush=True))
+            seeds.append({"seed": seed, "runs": {r.name: {"reached": r.reached, "iters_run": r.it,
+                                                          "train_wall_s": r.train_wall_s, "train_cpu_s": r.train_cpu_s,
+                                                          "eval_wall_s": r.eval_wall_s, "curve": r.curve,
+                                                          "alternated_chunks": len(r.chunks)} for r in racers}})
+    return {"target": target, "target_source": target_source, "data": source, "runs": runs,
+            "recipes": {name: f"{cfg.speedrun_base}" + "".join(f" + {s}" for s in spec_list(cfg.speedrun_ours))
+                        if name == "ours" else cfg.speedrun_base for name in runs},
+            "shape": cfg.speedrun_shape, "models": {name: model_text(GPTConfig(**(recipes[name].model_args() | {
+                "vocab_size": vocab})), recipes[name].batch_size) for name in runs},
+            "tokens_per_iter": {name: tokens_per_iter(recipes[name]) for name in runs},
+            "eval": {"every": cfg.speedrun_eval_every, "fine_every": cfg.speedrun_eval_fine,
+                     "margin": cfg.speedrun_eval_margin}, "chunk": cfg.speedrun_chunk, "seeds": seeds,
+            "summary": summary(seeds, runs)}
+
+
+def summary(seeds: list[dict], runs: list[str]) -> dict:
+    """Per run: the mean over seeds of what it took to reach the target (None where a seed did not), and
+    each run's ratio to the first run's on each clock."""
+    out = {}
+    for name in runs:
+        got = [s["runs"][name]["reached"] for s in seeds]
+        out[name] = None if None in got else {k: statistics.mean(g[k] for g in got)
+                                              for k in ("iter", "tokens", "wall_s", "cpu_s")}
+    first = out[runs[0]]
+    for name in runs[1:]:
+        if out[name] and first:
+            out[name]["wall_ratio"] = out[name]["wall_s"] / first["wall_s"]
+            out[name]["cpu_ratio"] = out[name]["cpu_s"] / first["cpu_s"]
+            out[name]["iter_ratio"] = out[name]["iter"] / first["iter"]
+    return out
+
+
+def table(r: dict) -> str:
+    runs, first = r["runs"], r["runs"][0]
+    rows = []
+    for s in r["seeds"] + [{"seed": "mean", "runs": r["summary"]}]:
+        for name in runs:
+            got = s["runs"][name] if s["seed"] == "mean" else s["runs"][name]["reached"]
+            if got is None:
+                rows.append([s["seed"], name, "not reached", "-", "-", "-", "-", "-"])
+                continue
+            base = r["summary"][first] if s["seed"] == "mean" else s["runs"][first]["reached"]
+            ratio = (lambda k: f"{got[k] / base[k]:.2f}x") if base else (lambda k: "-")
+            rows.append([s["seed"], name, num(got["iter"]), num(got["tokens"]), num(got["wall_s"], 1),
+                         num(got["cpu_s"], 1), ratio("wall_s"), ratio("cpu_s")])
+    models = "\n".join(f"{name}: {r['recipes'][name]}; {r['models'][name]}, {r['tokens_per_iter'][name]:,} tokens "
+                       f"per iteration" for name in runs)
+    e = r["eval"]
+    return (f"### Speedrun: training time to val loss {r['target']:.4f} on the whole val split\n"
+            f"target: {r['target_source']}; data: {r['data']}\n{models}\n"
+            f"evaluated every {e['every']} iterations, every {e['fine_every']} within {e['margin']} of the target; "
+            f"the runs take turns of {r['chunk']} iterations; times count training only (evaluation apart)\n\n"
+            + markdown.table(["seed", "run", "iters to target", "tokens", "train wall s", "train CPU s",
+                              f"wall vs {first}", f"CPU vs {first}"], rows))

@@ -1,0 +1,120 @@
+"""Training step: forward + backward + AdamW step on a fixed random batch.
+
+MFU = model.estimate_mfu against flops.peak_flops_with_source (GPU: the datasheet; CPU: a measured
+float32 matmul, so CPU MFU is relative to what a plain matmul reaches here). Compiled: torch.compile
+of the same model; its first step (the build) is timed apart, and a failure is reported in the table.
+The model here (batch_size ... bias) is also the memory section's.
+"""
+import dataclasses
+import time
+
+import torch
+
+from benchmarks.common import OOM, median_time, mib, model_text, num, or_oom
+from core import flops, markdown, runtime
+from core.errors import UserError, first_line
+from model import GPT, GPTConfig
+
+
+@dataclasses.dataclass
+class Settings:
+    # the baby GPT (data/shakespeare_char, 65 characters) at batch 4
+    batch_size: int = 4
+    block_size: int = 256      # 4 batch * 256 context = 1,024 tokens per step
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    vocab_size: int = 65
+    bias: bool = False
+    compile: bool = True
+
+
+PRESETS = {"gpt2": dict(batch_size=8, block_size=1024, n_layer=12, n_head=12, n_embd=768, vocab_size=50304,
+                        bias=True)}
+
+
+def check(cfg) -> None:
+    if cfg.n_embd % cfg.n_head:
+        raise UserError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+
+
+def model_config(cfg) -> GPTConfig:
+    return GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, dropout=0.0, bias=cfg.bias)
+
+
+def measure(cfg, rt: runtime.Runtime) -> dict:
+    torch.manual_seed(cfg.seed)
+    mc = model_config(cfg)
+    model = GPT(mc).to(rt.device)
+    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
+    scaler = rt.grad_scaler()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x, y = (torch.randint(mc.vocab_size, (cfg.batch_size, mc.block_size), generator=gen).to(rt.device)
+            for _ in range(2))
+
+    def step(m: torch.nn.Module) -> None:
+        with rt.autocast():
+            loss = m(x, y)[1]  # as train.py: the logits are not held through backward
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    peak, peak_source = flops.peak_flops_with_source(rt)
+    tokens = cfg.batch_size * mc.block_size
+
+    def row(mode: str, m: torch.nn.Module, build_s: float | None = None) -> dict:
+        if rt.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        dt = or_oom(lambda: median_time(lambda: step(m), cfg.warmup, cfg.repeats, rt.synchronize), rt)
+        if dt == OOM:
+            optimizer.zero_grad(set_to_none=True)
+            return {"mode": mode, "error": OOM}
+        r = {"mode": mode, "step_s": dt, "tokens_per_s": tokens / dt,
+             "mfu": model.estimate_mfu(cfg.batch_size, dt, peak) if peak else None}
+        if build_s is not None:
+            r["build_s"] = build_s
+        if rt.device_type == "cuda":
+            r["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+        return r
+
+    rows = [row("eager", model)]
+    if cfg.compile:
+        try:
+            compiled = torch.compile(model)
+            t0 = time.perf_counter()
+            if or_oom(lambda: step(compiled), rt) == OOM:  # the first call traces and builds the kernels
+                rows.append({"mode": "compiled", "error": OOM})
+            else:
+                rt.synchronize()
+                rows.append(row("compiled", compiled, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - any compiler failure is a result to report, not a crash
+            rows.append({"mode": "compiled", "error": f"compile failed: {type(e).__name__}: {first_line(e)}"})
+    result = {"model": model_text(mc, cfg.batch_size), "params": model.get_num_params(),
+              "tokens_per_step": tokens, "flops_per_token": model.flops_per_token(),
+              "peak_flops": peak, "peak_flops_source": peak_source, "rows": rows}
+    if len(rows) == 2 and "error" not in rows[0] and "error" not in rows[1]:
+        result["compiled_over_eager"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return result
+
+
+def table(r: dict) -> str:
+    peak = f"{r['peak_flops'] / 1e9:,.1f} GFLOP/s" if r["peak_flops"] else "n/a"
+    with_memory = any("peak_memory_bytes" in row for row in r["rows"])  # CUDA only
+    rows = []
+    for row in r["rows"]:
+        if "error" in row:
+            rows.append([row["mode"], "-", row["error"], "-", "-"] + ["-"] * with_memory)
+            continue
+        mfu = f"{row['mfu'] * 100:.1f}%" if row["mfu"] is not None else "n/a"
+        build = num(row["build_s"], 1) if "build_s" in row else "-"
+        rows.append([row["mode"], build, num(row["step_s"] * 1e3, 1), num(row["tokens_per_s"]), mfu]
+                    + ([mib(row["peak_memory_bytes"])] if with_memory else []))
+    text = (f"### Training step (forward + backward + AdamW)\n{r['model']}; {r['params'] / 1e6:.2f}M parameters, "
+            f"{r['tokens_per_step']:,} tokens per step\npeak for MFU: {peak} ({r['peak_flops_source']})\n\n"
+            + markdown.table(["mode", "build s (1st step)", "step ms", "tokens/s", "MFU"]
+                             + ["peak memory"] * with_memory, rows))
+    if "compiled_over_eager" in r:
+        text += f"\n\ncompiled / eager tokens/s: {r['compiled_over_eager']:.2f}x"
+    return text

@@ -1,0 +1,158 @@
+"""Where a model's weights come from, decided once: init_from names one of
+
+    scratch    new weights for the config train.py builds (train.py only)
+    resume     the checkpoint in out_dir (training: also its optimizer, RNG and iteration)
+    run        a training run's out_dir: its checkpoint's weights, e.g. for a chat fine-tune
+    folder     a transformers folder (GPT-2, Llama, Qwen3, ...: core/hf.py), with its tokenizer.json
+    hub        a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), with GPT-2's BPE
+
+    w = weights.resolve("resume", "out-shakespeare-char")
+    w.model, w.tokenizer, w.source                             # on the CPU
+    model, tok, source = weights.load_model(init_from, out_dir)   # the same, as sample.py, eval.py, ... use it
+
+train.py passes a Training: resume then reads the newest intact checkpoint (ckpt.prev.pt when ckpt.pt
+is damaged) and, under fsdp, only its metadata; and Training.check sees the architecture and the
+tokenizer before any weight is read or allocated. Every problem is a UserError, in one line.
+"""
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+from core import checkpoint, hf  # hf imports transformers only inside its functions
+from core.errors import UserError, first_line
+from core.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
+from model import GPT, GPT2_HUB_NAMES, GPT2_SHAPES, GPTConfig
+
+
+@dataclasses.dataclass
+class Weights:
+    """What init_from resolved to. model is None only while Training.check runs."""
+    kind: str                            # scratch | resume | run | folder | hub
+    config: GPTConfig                    # the architecture, known before any weight is read
+    source: str                          # one line naming where the weights come from
+    tokenizer: Tokenizer | None = None   # the one they came with (training reads only a checkpoint's metadata)
+    tokenizer_meta: dict | None = None   # resume, run: the checkpoint's saved tokenizer metadata
+    state: dict[str, Any] | None = None  # resume, run: the loaded checkpoint (its "model" None under fsdp)
+    path: Path | None = None             # resume, run: the checkpoint file or directory
+    model: GPT | None = None
+
+
+@dataclasses.dataclass
+class Training:
+    """What train.py adds to a load."""
+    overrides: dict[str, Any]            # how the model runs (dropout, attn_backend), never its weights
+    scratch: Callable[[], GPTConfig]     # the architecture of new weights
+    check: Callable[[Weights], None]     # the training checks, before any weight is read
+    sharded: bool = False                # fsdp: a resumed model's weights load after sharding
+    log: Callable[[str], None] = print
+
+
+def kind_of(init_from: str) -> str | None:
+    """Which of the five sources init_from names, or None. A directory wins over a hub name."""
+    if init_from in ("scratch", "resume"):
+        return init_from
+    if checkpoint.find_checkpoint(init_from) is not None:
+        return "run"
+    if Path(init_from).is_dir():
+        return "folder"
+    return "hub" if init_from in GPT2_HUB_NAMES else None
+
+
+def check_init_from(init_from: str, scratch: bool = False) -> None:
+    """The one init_from check of every config: train.py's (scratch=True) and the scripts'."""
+    kind = kind_of(init_from)
+    if kind is None or (kind == "scratch" and not scratch):
+        raise UserError(f"unknown init_from '{init_from}'; use {'scratch, ' if scratch else ''}resume (the "
+                        f"checkpoint in out_dir), a training run's out_dir, {', '.join(GPT2_HUB_NAMES)}, or a "
+                        f"directory written by save_pretrained")
+
+
+def resolve(init_from: str, out_dir, training: Training | None = None) -> Weights:
+    """The model init_from names, on the CPU, with its tokenizer and a line naming its source."""
+    check_init_from(init_from, scratch=training is not None)
+    overrides = training.overrides if training else {"dropout": 0.0}
+    w = _locate(kind_of(init_from), init_from, Path(out_dir), training)
+    if w.tokenizer is not None and w.tokenizer.vocab_size > w.config.vocab_size:
+        raise UserError(f"{w.source}: the tokenizer has {w.tokenizer.vocab_size} ids but the model only "
+                        f"{w.config.vocab_size}; they do not belong together")
+    if training:
+        training.check(w)
+    w.model = _build(w, init_from, overrides)
+    return w
+
+
+def load_model(init_from: str, out_dir) -> tuple[GPT, Tokenizer, str]:
+    """resolve() as the scripts use it: (model, tokenizer, one line naming the source)."""
+    w = resolve(init_from, out_dir)
+    return w.model, w.tokenizer, w.source
+
+
+def _locate(kind: str, init_from: str, out_dir: Path, training: Training | None) -> Weights:
+    """Everything but the weights: architecture, tokenizer, and for a checkpoint its contents."""
+    if kind == "scratch":
+        return Weights(kind, training.scratch(), "scratch")
+    if kind in ("resume", "run"):
+        return _checkpoint(kind, out_dir if kind == "resume" else Path(init_from), training)
+    if kind == "folder":
+        config = hf.folder_config(init_from, training.overrides if training else None)
+        return Weights(kind, config, init_from, tokenizer=hf.folder_tokenizer(init_from, config))
+    # hub. The tokenizer first: without the BPE file there is nothing to decode with.
+    return Weights(kind, GPTConfig(**GPT2_SHAPES[init_from]), init_from,
+                   tokenizer=None if training else GPT2Tokenizer())
+
+
+def _checkpoint(kind: str, directory: Path, training: Training | None) -> Weights:
+    if training is None:
+        state, path = _exact(directory)
+    elif kind == "run":  # only the weights are taken, so whichever file the run holds
+        path = checkpoint.find_checkpoint(directory)
+        state = checkpoint.load_checkpoint(path)
+    elif training.sharded:  # the weights and optimizer load after sharding (train.restore_state)
+        meta, path = checkpoint.load_latest_sharded(directory, log=training.log)
+        state = {"meta": meta, "model": None}
+    else:
+        state, path = checkpoint.load_latest(directory, log=training.log)
+    meta = state["meta"]
+    if not isinstance(meta.get("tokenizer"), dict):
+        use = "it cannot be decoded" if training is None else "it cannot be fine-tuned on a dataset"
+        raise UserError(f"checkpoint {path} has no tokenizer metadata; {use}")
+    try:
+        config = GPTConfig(**meta["model_args"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
+    tokenizer = None if training else tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
+    return Weights(kind, config, f"{path} (iter {meta.get('iter_num')})", tokenizer, meta["tokenizer"], state, path)
+
+
+def _exact(out_dir: Path) -> tuple[dict, Path]:
+    """out_dir's ckpt.pt (or the fsdp run's ckpt.dcp), exactly that file: a damaged one is an error."""
+    path, prev = out_dir / checkpoint.CKPT_NAME, out_dir / checkpoint.PREV_NAME
+    if not path.exists() and (out_dir / checkpoint.SHARDED_NAME).exists():  # saved by --parallel=fsdp
+        path, prev = out_dir / checkpoint.SHARDED_NAME, out_dir / checkpoint.PREV_SHARDED_NAME
+    # ckpt.prev.pt is the complete checkpoint saved before ckpt.pt; name it rather than silently
+    # loading an older model than the user thinks.
+    hint = f"; {prev} holds the checkpoint saved before it: copy it to {path} to use it" if prev.exists() else ""
+    if not path.exists():
+        raise UserError(f"no checkpoint in {out_dir}: {path} not found; train one first "
+                        f"(python train.py ... --out_dir={out_dir}) or pass --out_dir=...{hint}")
+    try:
+        return checkpoint.load_checkpoint(path), path
+    except UserError as e:
+        raise UserError(f"{e}{hint}") from None
+
+
+def _build(w: Weights, init_from: str, overrides: dict) -> GPT:
+    """The model of w, its weights read (a resumed fsdp run's after sharding)."""
+    if w.kind == "scratch":
+        return GPT(w.config)
+    if w.kind in ("resume", "run"):
+        try:
+            return checkpoint.model_from_checkpoint(w.state, **overrides)
+        except (TypeError, ValueError, KeyError, RuntimeError) as e:
+            raise UserError(f"checkpoint {w.path} does not fit this model.py ({first_line(e)})") from None
+    if w.kind == "folder":
+        return hf.from_folder(init_from, overrides)
+    try:
+        return hf.from_hub(init_from, overrides)
+    except (OSError, ValueError) as e:  # offline, or no such model on the hub
+        raise UserError(f"could not load GPT-2 weights '{init_from}': {first_line(e)}") from None
