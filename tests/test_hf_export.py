@@ -475,7 +475,7 @@ def test_a_variant_no_architecture_holds_is_one_line_naming_the_nearest(char_dat
 
 @pytest.mark.parametrize("damage, fragment", [
     ("unsupported", "architecture 'GPTNeoXForCausalLM' is not supported"),
-    ("scaled-rope", "unsupported LlamaForCausalLM variant: rope_type='llama3' (scaled RoPE)"),
+    ("scaled-rope", "unsupported LlamaForCausalLM variant: rope_type='dynamic' (scaled RoPE)"),
     ("no-config", "has no config.json"),
     ("no-weights", "cannot load the weights"),
     ("truncated", "cannot load the weights"),
@@ -493,11 +493,9 @@ def test_bad_folders_are_one_line(char_data, tmp_path, damage, fragment):
     else:
         write_hf_folder(path, "LlamaForCausalLM", itos[:-5] if damage == "big-tokenizer" else itos)
     weights = path / "model.safetensors"
-    if damage == "scaled-rope":  # Llama 3.1's frequency scaling: not our RoPE
+    if damage == "scaled-rope":  # dynamic NTK scaling: not our RoPE (Llama 3's "llama3" is, tests/test_hf_models.py)
         config = json.loads((path / "config.json").read_text())
-        config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 32}
+        config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 2.0}
         (path / "config.json").write_text(json.dumps(config))
     elif damage == "no-config":
         (path / "config.json").unlink()
