@@ -30,7 +30,7 @@ from core.chat import JINJA_TEMPLATE, ChatTemplate
 from core.config import parse_args
 from core.runtime import DTYPES
 from core.errors import UserError, run_cli
-from core.tokenizer import END_OF_TEXT, CharTokenizer, Tokenizer, save_hf_tokenizer, tokenizer_from_meta
+from core.tokenizer import END_OF_TEXT, CharTokenizer, HFTokenizer, Tokenizer, save_hf_tokenizer, tokenizer_from_meta
 from model import GPT
 
 CHECK_TOKENS = 1024  # the longest sequence check_logits compares
@@ -103,6 +103,12 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
     arch = hf.architecture(model.config)  # a recipe no class holds stops here, before anything is written
     if tok.vocab_size > model.config.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
+    if arch == "Qwen2ForCausalLM" and not isinstance(tok, HFTokenizer):
+        # transformers 5's AutoTokenizer reads a qwen2 folder's tokenizer.json as Qwen2Tokenizer, which
+        # splits with Qwen2's own regex (digits one by one): other ids than this run's tokenizer gives
+        raise UserError("a Qwen2ForCausalLM folder's tokenizer is read by transformers as Qwen2's own, which "
+                        "splits text differently from this run's; train with qkv_bias=None (exports as "
+                        "LlamaForCausalLM), or export a model imported from a Qwen2 folder")
     model, tok = with_end_of_text(model, tok)
     gen = generation_config(model, tok)
     hf_model = hf.to_transformers(model.float(), tok.eot_token, gen["bos_token_id"])

@@ -9,14 +9,14 @@ and the config and state-dict maps both ways.
 A class is listed only where its forward is our forward, switch by switch (read from transformers'
 modeling files; the tests compare logits to 1e-5):
 
-| our switches                                              | transformers class  |
-|-----------------------------------------------------------|---------------------|
-| learned positions, LayerNorm, GELU (tanh or erf), tied    | GPT2LMHeadModel     |
-| rope, RMSNorm, SwiGLU, no qk_norm, any n_kv_head, bias; llama3 RoPE | LlamaForCausalLM |
-| rope, RMSNorm, SwiGLU, qk_norm, no biases                 | Qwen3ForCausalLM    |
-| rope, RMSNorm, SwiGLU, no qk_norm, q/k/v biases only      | Qwen2ForCausalLM    |
-| rope, RMSNorm, ReLU^2 or GELU (ungated), no qk_norm       | ArceeForCausalLM    |
-| rope, LayerNorm, ReLU^2 or GELU (ungated), no qk_norm     | NemotronForCausalLM |
+| our switches                                                        | transformers class  |
+|---------------------------------------------------------------------|---------------------|
+| learned positions, LayerNorm, GELU (tanh or erf), tied              | GPT2LMHeadModel     |
+| rope, RMSNorm, SwiGLU, no qk_norm, any n_kv_head, bias, llama3 RoPE | LlamaForCausalLM    |
+| rope, RMSNorm, SwiGLU, no qk_norm, q/k/v biases only (qkv_bias)     | Qwen2ForCausalLM    |
+| rope, RMSNorm, SwiGLU, qk_norm, no biases                           | Qwen3ForCausalLM    |
+| rope, RMSNorm, ReLU^2 or GELU (ungated), no qk_norm                 | ArceeForCausalLM    |
+| rope, LayerNorm, ReLU^2 or GELU (ungated), no qk_norm               | NemotronForCausalLM |
 
 What they share with us: RoPE on halves of each head (transformers' rotate_half, our apply_rope's
 roll by hs/2); frequencies base^(-2i/hs); grouped-query heads where query head h reads key/value head

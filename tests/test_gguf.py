@@ -3,7 +3,9 @@
     bash scripts/fetch_llama_converter.sh        # once: the converter from llama-cpp-python's source package
     python -m pytest tests/test_gguf.py -q
 
-Each recipe that exports with GPT-2's BPE (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM) goes
+Each recipe that exports with GPT-2's BPE (GPT2LMHeadModel, LlamaForCausalLM with and without Llama 3's
+scaled RoPE, Qwen3ForCausalLM with a head_dim of its own; Qwen2ForCausalLM exports only an imported Qwen2
+folder with its own tokenizer) goes
 through the converter as it is; every tensor of the GGUF (gguf.GGUFReader) equals the folder's
 safetensors tensor it came from, in the layout llama.cpp computes with (GPT-2's Conv1D transposed,
 Llama's q and k rows reordered for llama.cpp's rotation of adjacent pairs). A BPE with Llama 3's
@@ -25,7 +27,7 @@ import torch
 import export
 from core.errors import UserError
 from core.tokenizer import GPT2Tokenizer, HFTokenizer
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, llama3_frequencies
 from tests.helpers import REPO_ROOT, needs_transformers, use_gpt2_bpe
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -43,7 +45,9 @@ RECIPES = {  # every class an exported recipe takes with GPT-2's BPE, and llama.
     "gpt2": (dict(bias=True), "GPT2LMHeadModel", gguf.MODEL_ARCH.GPT2),
     "llama-gqa-untied": (LLAMA | dict(n_kv_head=2, tie_embeddings=False), "LlamaForCausalLM", gguf.MODEL_ARCH.LLAMA),
     "llama-bias": (LLAMA | dict(bias=True), "LlamaForCausalLM", gguf.MODEL_ARCH.LLAMA),
-    "qwen3": (LLAMA | dict(qk_norm=True, n_kv_head=2), "Qwen3ForCausalLM", gguf.MODEL_ARCH.QWEN3),
+    "llama3-rope": (LLAMA | dict(rope_type="llama3", rope_factor=32.0, rope_original_max_positions=16),
+                    "LlamaForCausalLM", gguf.MODEL_ARCH.LLAMA),  # Llama 3.2's scaling, its bands inside 64 positions
+    "qwen3-head-dim": (LLAMA | dict(qk_norm=True, n_kv_head=2, head_dim=16), "Qwen3ForCausalLM", gguf.MODEL_ARCH.QWEN3),
 }
 BLOCK = 64
 
@@ -71,12 +75,13 @@ def halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.size(0) // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def expected_tensors(hf_dir: Path, arch: str, gguf_arch) -> dict[str, torch.Tensor]:
-    """The folder's safetensors under GGUF names, in the layout llama.cpp computes with."""
+def expected_tensors(hf_dir: Path, arch: str, gguf_arch, config: GPTConfig | None = None) -> dict[str, torch.Tensor]:
+    """The folder's safetensors under GGUF names, in the layout llama.cpp computes with; for Llama 3's
+    scaled RoPE also rope_freqs, each frequency's divisor (llama.cpp divides by it, we multiply)."""
     from safetensors.torch import load_file
 
-    config = json.loads((hf_dir / "config.json").read_text())
-    layers = config.get("n_layer") or config["num_hidden_layers"]
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    layers = hf_config.get("n_layer") or hf_config["num_hidden_layers"]
     names = gguf.get_tensor_name_map(gguf_arch, layers)
     out = {}
     for name, t in load_file(hf_dir / "model.safetensors").items():
@@ -84,9 +89,13 @@ def expected_tensors(hf_dir: Path, arch: str, gguf_arch) -> dict[str, torch.Tens
                 ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")):
             t = t.t()  # GPT-2's Conv1D stores (in, out)
         if arch == "LlamaForCausalLM" and ("q_proj" in name or "k_proj" in name):
-            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            heads = hf_config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             t = halves_to_pairs(t, heads)
         out[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t
+    if config is not None and config.rope_llama3 is not None:
+        hs = config.head_size
+        inv_freq = config.rope_base ** -(torch.arange(0, hs, 2, dtype=torch.float64) / hs)
+        out["rope_freqs.weight"] = (inv_freq / llama3_frequencies(inv_freq, *config.rope_llama3)).float()
     return out
 
 
@@ -106,7 +115,10 @@ def assert_tensors_match(reader_tensors: dict, expected: dict, tied: bool) -> No
         torch.testing.assert_close(reader_tensors.pop("output.weight"), expected["token_embd.weight"], rtol=0, atol=0)
     assert sorted(reader_tensors) == sorted(expected)
     for name, t in expected.items():
-        assert torch.equal(reader_tensors[name], t.float()), name
+        if name == "rope_freqs.weight":  # computed by the converter in float32, by us in float64
+            torch.testing.assert_close(reader_tensors[name], t, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(reader_tensors[name], t.float()), name
 
 
 @pytest.mark.slow
@@ -125,7 +137,8 @@ def test_the_converter_takes_each_recipe_with_gpt2_bpe(recipe, tmp_path):
     assert field(reader, f"{prefix}.block_count") == 2
     assert field(reader, "tokenizer.ggml.pre") == "gpt-2"
     assert field(reader, "tokenizer.ggml.eos_token_id") == field(reader, "tokenizer.ggml.bos_token_id") == 50256
-    assert_tensors_match(tensors, expected_tensors(tmp_path / "hf", arch, gguf_arch), model.config.tie_embeddings)
+    assert_tensors_match(tensors, expected_tensors(tmp_path / "hf", arch, gguf_arch, model.config),
+                         model.config.tie_embeddings)
 
 
 def test_a_wrong_rope_layout_fails_the_tensor_check(tmp_path):

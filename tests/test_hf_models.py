@@ -140,6 +140,18 @@ def test_export_gives_back_identical_tensors_and_config(folder, tmp_path):
     assert head_dim(theirs) == head_dim(ours)  # Qwen2's config leaves it to width / heads, ours writes it
 
 
+def test_a_qwen2_recipe_with_our_tokenizer_does_not_export(tmp_path):
+    """transformers' AutoTokenizer would read the folder's GPT-2 BPE as Qwen2Tokenizer, digits one by one."""
+    from core.tokenizer import CharTokenizer as Chars
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=16, vocab_size=8, n_layer=1, n_head=2, n_embd=16, pos_embedding="rope",
+                          norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True))
+    with pytest.raises(export.UserError, match="read by transformers as Qwen2's own"):
+        export.export(model, Chars(list("abcdefgh")), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_sample_py_greedy_equals_transformers_generate(folder):
     name, path = folder
     prompt = PROMPTS[1]
