@@ -12,10 +12,12 @@ The folder loads without trust_remote_code:
 
 The class is the one that computes exactly the run's recipe (core/hf.py: GPT2LMHeadModel, LlamaForCausalLM,
 Qwen3ForCausalLM, ArceeForCausalLM, NemotronForCausalLM); a recipe no class holds stops with one line naming
-the switches and the nearest recipe that exports. Before writing, the exported model's logits are checked
+the switches and the nearest recipe that exports. A character vocabulary gets <|endoftext|> appended, the
+end-of-text token lm_eval and generate need (with_end_of_text). Before writing, the exported model's logits are checked
 against ours on a test sequence. A chat run's tokenizer carries the chat template (core/chat.py), so
 tok.apply_chat_template(messages) gives the ids the model was fine-tuned on (docs/chat.md).
 """
+import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -29,8 +31,11 @@ from core.config import parse_args
 from core.runtime import DTYPES
 from core.errors import UserError, run_cli
 from core.hf_tokenizer import save_hf_tokenizer
-from core.tokenizer import Tokenizer
+from core.tokenizer import END_OF_TEXT, CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_meta
 from model import GPT
+
+CHECK_TOKENS = 1024  # the longest sequence check_logits compares
+
 
 @dataclasses.dataclass
 class ExportConfig:
@@ -49,6 +54,27 @@ class ExportConfig:
             raise UserError(f"{path} exists and is not an empty folder; pass a new --hf_dir")
 
 
+def with_end_of_text(model: GPT, tok: Tokenizer) -> tuple[GPT, Tokenizer]:
+    """(model, tok), with <|endoftext|> appended as a special token to a character vocabulary, which has
+    no end-of-text id of its own.
+
+    Evaluation harnesses and generate need one: lm_eval pads with it, stops generation at it and
+    starts an empty context from it. It takes the next id, as a chat run's turn markers do; a model
+    without a row for it gets a copy grown by one (GPT.grow_vocab: the mean row, so its logit is the
+    mean logit, never the largest, and greedy text is unchanged). A transformers folder's own
+    tokenizer is written back as it came.
+    """
+    if tok.eot_token is not None or not isinstance(tok, CharTokenizer):
+        return model, tok
+    meta = tok.meta()
+    special = dict(meta.get("special_tokens") or {}) | {END_OF_TEXT: tok.vocab_size}
+    tok = tokenizer_from_meta(meta | {"special_tokens": special, "vocab_size": tok.vocab_size + 1})
+    if tok.vocab_size > model.config.vocab_size:
+        model = copy.deepcopy(model)
+        model.grow_vocab(tok.vocab_size)
+    return model, tok
+
+
 def generation_config(model: GPT, tok: Tokenizer) -> dict:
     """What transformers' generate needs beyond the weights: the ids that end a reply (a chat model's
     <|end|> first, then the end-of-text id) and the context length."""
@@ -60,8 +86,9 @@ def generation_config(model: GPT, tok: Tokenizer) -> dict:
 
 @torch.no_grad()
 def check_logits(model: GPT, hf_model, atol: float = 1e-4) -> float:
-    """The largest logit difference on one full-context sequence; a UserError past atol (float32 models)."""
-    T = model.config.block_size
+    """The largest logit difference on one sequence of the full context, or of CHECK_TOKENS where the context
+    is longer (Llama 3.2's 131,072 positions would take minutes and gigabytes); a UserError past atol."""
+    T = min(model.config.block_size, CHECK_TOKENS)
     idx = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     diff = (model.float()(idx)[0] - hf_model(idx).logits).abs().max().item()
     if not diff <= atol:
@@ -77,6 +104,13 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
     arch = hf.architecture(model.config)  # a recipe no class holds stops here, before anything is written
     if tok.vocab_size > model.config.vocab_size:
         raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
+    if arch == "Qwen2ForCausalLM" and not isinstance(tok, HFTokenizer):
+        # transformers 5's AutoTokenizer reads a qwen2 folder's tokenizer.json as Qwen2Tokenizer, which
+        # splits with Qwen2's own regex (digits one by one): other ids than this run's tokenizer gives
+        raise UserError("a Qwen2ForCausalLM folder's tokenizer is read by transformers as Qwen2's own, which "
+                        "splits text differently from this run's; train with qkv_bias=None (exports as "
+                        "LlamaForCausalLM), or export a model imported from a Qwen2 folder")
+    model, tok = with_end_of_text(model, tok)
     gen = generation_config(model, tok)
     hf_model = hf.to_transformers(model.float(), tok.eot_token, gen["bos_token_id"])
     if check:

@@ -25,6 +25,7 @@ GELU_APPROXIMATIONS = ("tanh", "none")
 POS_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "relu2", "swiglu")
+ROPE_TYPES = ("default", "llama3")
 # GPT-2's four hub models as GPTConfig fields (nanoGPT's config_args); all have 1024 positions and biases.
 GPT2_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257),  # 124M parameters
                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257),  # 355M
@@ -57,14 +58,30 @@ class GPTConfig:
     unet_skips: bool = False  # the last n_layer // 2 Blocks also read the first half's outputs, mirrored (a U-net)
     norm_eps: float = 1e-5  # every norm's epsilon (LayerNorm, RMSNorm, q/k norm); Qwen3's models use 1e-6
     mlp_hidden: int | None = None  # the MLP's hidden width; None: 4C, or swiglu_hidden(C) for swiglu
+    # Shapes of the small open models (docs/interop.md); each default is GPT-2's.
+    head_dim: int | None = None  # each head's width hs; None: n_embd // n_head (Qwen3-0.6B: 128, 16 heads, 1024 wide)
+    qkv_bias: bool | None = None  # biases on q, k and v; None: as bias. True with bias=False: Qwen2's, no other bias
+    rope_type: str = "default"  # "llama3": Llama 3.1's RoPE, its low frequencies slowed (llama3_frequencies)
+    rope_factor: float = 8.0  # llama3: long wavelengths are stretched this many times (Llama 3.1: 8, 3.2: 32)
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original / this are stretched by rope_factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept; between, a blend
+    rope_original_max_positions: int = 8192  # llama3: "original", the context the model was first trained at
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.head_dim is None and self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), or set head_dim")
+        hd = self.head_dim
+        if hd is not None and (not isinstance(hd, int) or isinstance(hd, bool) or hd < 1):
+            raise ValueError(f"head_dim must be a positive integer or None, got {hd!r}")
+        if self.rope_type == "llama3" and not (self.rope_factor >= 1 and
+                                               0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError(f"rope_type='llama3' needs rope_factor >= 1 and 0 < rope_low_freq_factor < "
+                             f"rope_high_freq_factor, got {self.rope_factor}, {self.rope_low_freq_factor}, "
+                             f"{self.rope_high_freq_factor}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         for name, allowed in CHOICES.items():
@@ -75,8 +92,8 @@ class GPTConfig:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv}); each key/value head "
                              f"serves n_head // n_kv_head query heads")
         if self.pos_embedding == "rope" and self.head_size % 2:
-            raise ValueError(f"rope rotates pairs of channels and needs an even head size, got n_embd // n_head = "
-                             f"{self.head_size}; change n_embd or n_head")
+            raise ValueError(f"rope rotates pairs of channels and needs an even head size, got "
+                             f"{self.head_size}; change n_embd, n_head or head_dim")
         if not self.rope_base > 1:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base!r}")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
@@ -89,7 +106,20 @@ class GPTConfig:
 
     @property
     def head_size(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def attn_width(self) -> int:
+        """The width of all query heads side by side, n_head * hs: n_embd unless head_dim says otherwise."""
+        return self.n_head * self.head_size
+
+    @property
+    def rope_llama3(self) -> tuple[float, float, float, int] | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_positions) for rope_type='llama3', else None."""
+        if self.rope_type != "llama3":
+            return None
+        return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_positions)
 
     @property
     def kv_heads(self) -> int:
@@ -98,7 +128,8 @@ class GPTConfig:
     def non_gpt2_fields(self) -> list[str]:
         """The recipe switches set away from GPT-2, as 'name=value': what transformers' GPT-2 cannot hold."""
         gpt2 = GPTConfig()
-        same = {"n_kv_head": self.kv_heads == self.n_head, "mlp_hidden": self.mlp_hidden in (None, 4 * self.n_embd)}
+        same = {"n_kv_head": self.kv_heads == self.n_head, "mlp_hidden": self.mlp_hidden in (None, 4 * self.n_embd),
+                "head_dim": self.head_size * self.n_head == self.n_embd, "qkv_bias": self.qkv_bias in (None, self.bias)}
         return [f"{name}={getattr(self, name)!r}" for name in RECIPE_SWITCHES
                 if name not in GPT2_HOLDS and not same.get(name, getattr(self, name) == getattr(gpt2, name))]
 
@@ -109,10 +140,11 @@ SHAPE_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "drop
 RECIPE_SWITCHES = tuple(f.name for f in fields(GPTConfig) if f.name not in SHAPE_FIELDS)
 # Switches whose other values transformers' GPT-2 holds too (zero biases, either GELU, any epsilon), or
 # that leave the function unchanged (an initialisation; RoPE's base without RoPE).
-GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base")
+GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base", "rope_type", "rope_factor",
+              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
 # The values a switch takes where it is one of a few named choices (GPTConfig checks them).
 CHOICES = {"attn_backend": ATTN_BACKENDS, "gelu_approximate": GELU_APPROXIMATIONS, "pos_embedding": POS_EMBEDDINGS,
-           "norm": NORMS, "mlp": MLPS}
+           "norm": NORMS, "mlp": MLPS, "rope_type": ROPE_TYPES}
 
 
 def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
@@ -152,7 +184,8 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return attention_weights(q, k, causal) @ v
 
 
-def rope_angles(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_angles(positions: torch.Tensor, head_size: int, base: float,
+                llama3: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each (T, hs), of the rotary angles positions * base^(-2i/hs), i < hs/2: column i
     and column i + hs/2 hold pair i's angle, and sin's first half is negated (see apply_rope).
     positions (B, T), each row at its own positions, gives (B, 1, T, hs): one table per row, for every head.
@@ -162,10 +195,25 @@ def rope_angles(positions: torch.Tensor, head_size: int, base: float) -> tuple[t
     """
     dtype = torch.float32 if positions.device.type == "mps" else torch.float64
     inv_freq = base ** -(torch.arange(0, head_size, 2, device=positions.device, dtype=dtype) / head_size)  # (hs/2,)
+    if llama3 is not None:
+        inv_freq = llama3_frequencies(inv_freq, *llama3)
     angles = positions.to(dtype)[..., None] * inv_freq  # (T, hs/2) or (B, T, hs/2)
     cos, sin = angles.cos(), angles.sin()
     cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (T, hs) or (B, T, hs) each
     return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])  # (B, 1, T, hs): every head
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_max_positions: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (transformers' _compute_llama3_parameters): frequencies whose wavelength
+    exceeds original/low_freq_factor positions are divided by factor, so they still turn less than once
+    over a context factor times longer; those under original/high_freq_factor (local order) are kept;
+    the band between is a linear blend in original/wavelength."""
+    wavelen = 2 * math.pi / inv_freq  # (hs/2,) positions per turn
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original_max_positions / low_freq_factor, inv_freq / factor, blended)
+    return torch.where(wavelen < original_max_positions / high_freq_factor, inv_freq, scaled)  # (hs/2,)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -202,11 +250,13 @@ class CausalSelfAttention(nn.Module):
         self.backend = config.attn_backend
         self.dropout = config.dropout
         kv_dim = self.n_kv_head * self.head_size
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
+        self.width = config.attn_width  # n_head * hs
+        qkv_bias = config.bias if config.qkv_bias is None else config.qkv_bias
+        self.c_attn = nn.Linear(config.n_embd, self.width + 2 * kv_dim, bias=qkv_bias)
         # qk_norm: the score q.k/sqrt(hs) of unit-RMS q and k is at most sqrt(hs) times the gains.
         self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps) if config.qk_norm else nn.Identity()
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(self.width, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -220,10 +270,11 @@ class CausalSelfAttention(nn.Module):
         attn_out: a list; the naive backend appends this layer's weights (B, nh, T, Tk) to it.
         rope: (cos, sin) of the chunk's positions, each (T, hs), for pos_embedding="rope".
         """
-        B, T, C = x.size()
+        B, T, _ = x.size()
         kv_dim = self.n_kv_head * self.head_size
-        q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)  # (B, T, C), 2 x (B, T, nkv * hs)
-        # Heads are a view: split C into (nh, hs) and move nh next to B, so every head is a batch entry.
+        q, k, v = self.c_attn(x).split([self.width, kv_dim, kv_dim], dim=2)  # (B, T, nh * hs), 2 x (B, T, nkv * hs)
+        # Heads are a view: split nh * hs (C, unless head_dim is set) and move nh next to B, so every head is a
+        # batch entry.
         q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         k, v = (t.view(B, T, self.n_kv_head, self.head_size).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
         q, k = self.q_norm(q), self.k_norm(k)
@@ -238,7 +289,7 @@ class CausalSelfAttention(nn.Module):
             y = self._sdpa(q, k, v, mask)
         else:
             y = self._naive(q, k, v, attn_out, mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C), heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, self.width)  # (B, T, nh * hs), heads side by side again
         return self.resid_dropout(self.c_proj(y))  # c_proj mixes what the heads found
 
     @staticmethod
@@ -573,7 +624,8 @@ class GPT(nn.Module):
         if self.config.pos_embedding == "learned":
             x = x + self.transformer.wpe(positions)
         else:
-            rope = rope_angles(positions, self.config.head_size, self.config.rope_base)  # 2 x (T, hs)
+            c = self.config
+            rope = rope_angles(positions, c.head_size, c.rope_base, c.rope_llama3)  # 2 x (T, hs)
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
         x = self._blocks(x, kv_cache, pos, attn, rope)  # (B, T, C)
@@ -740,7 +792,7 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6N for the matmuls with weights (2 forward, 4 backward) plus
         12 * L * H * Q * T for attention over the block (PaLM, Chowdhery et al. 2022, appendix B)."""
         c = self.config
-        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_size * c.block_size
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops) -> float:
         """Model FLOPs utilisation: the fraction of peak_flops (FLOP/s of the device, passed in)

@@ -9,13 +9,14 @@ and the config and state-dict maps both ways.
 A class is listed only where its forward is our forward, switch by switch (read from transformers'
 modeling files; the tests compare logits to 1e-5):
 
-| our switches                                              | transformers class  |
-|-----------------------------------------------------------|---------------------|
-| learned positions, LayerNorm, GELU (tanh or erf), tied    | GPT2LMHeadModel     |
-| rope, RMSNorm, SwiGLU, no qk_norm, any n_kv_head, bias    | LlamaForCausalLM    |
-| rope, RMSNorm, SwiGLU, qk_norm, no biases                 | Qwen3ForCausalLM    |
-| rope, RMSNorm, ReLU^2 or GELU (ungated), no qk_norm       | ArceeForCausalLM    |
-| rope, LayerNorm, ReLU^2 or GELU (ungated), no qk_norm     | NemotronForCausalLM |
+| our switches                                                        | transformers class  |
+|---------------------------------------------------------------------|---------------------|
+| learned positions, LayerNorm, GELU (tanh or erf), tied              | GPT2LMHeadModel     |
+| rope, RMSNorm, SwiGLU, no qk_norm, any n_kv_head, bias, llama3 RoPE | LlamaForCausalLM    |
+| rope, RMSNorm, SwiGLU, no qk_norm, q/k/v biases only (qkv_bias)     | Qwen2ForCausalLM    |
+| rope, RMSNorm, SwiGLU, qk_norm, no biases                           | Qwen3ForCausalLM    |
+| rope, RMSNorm, ReLU^2 or GELU (ungated), no qk_norm                 | ArceeForCausalLM    |
+| rope, LayerNorm, ReLU^2 or GELU (ungated), no qk_norm               | NemotronForCausalLM |
 
 What they share with us: RoPE on halves of each head (transformers' rotate_half, our apply_rope's
 roll by hs/2); frequencies base^(-2i/hs); grouped-query heads where query head h reads key/value head
@@ -47,7 +48,8 @@ class ConversionError(UserError, ValueError):
     """A checkpoint or variant that has no exact counterpart on the other side (one line, what to do)."""
 
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM")
+GATED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # SwiGLU's silu(gate) * up
 ARCHITECTURES = ("GPT2LMHeadModel",) + LLAMA_FAMILY
 # Our ungated MLP nonlinearities under transformers' ACT2FN names (gelu_pytorch_tanh is tanh-GELU).
 UNGATED_ACTS = {"relu2": "relu2", ("gelu", "tanh"): "gelu_pytorch_tanh", ("gelu", "none"): "gelu"}
@@ -65,15 +67,25 @@ def _holds(c: GPTConfig) -> str | None:
     """The transformers class that computes exactly this variant, or None."""
     if c.logit_softcap is not None or c.unet_skips:  # a U-net's skip connections: no class has them
         return None
+    qkv_only = c.qkv_bias is not None and c.qkv_bias != c.bias  # q/k/v biases apart from the rest (Qwen2's)
     if c.pos_embedding == "learned":
         plain_gpt2 = (c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.tie_embeddings
-                      and c.kv_heads == c.n_head and c.mlp_hidden in (None, 4 * c.n_embd))
+                      and c.kv_heads == c.n_head and c.mlp_hidden in (None, 4 * c.n_embd)
+                      and c.attn_width == c.n_embd and not qkv_only)
         return "GPT2LMHeadModel" if plain_gpt2 else None
+    arch = _rope_class(c, qkv_only)
+    # Llama 3's scaled RoPE is held by the class of the models that use it (transformers' rope_type "llama3")
+    return arch if c.rope_type == "default" or arch == "LlamaForCausalLM" else None
+
+
+def _rope_class(c: GPTConfig, qkv_only: bool) -> str | None:
     if c.mlp == "swiglu" and c.norm == "rmsnorm":
-        if not c.qk_norm:
-            return "LlamaForCausalLM"
-        return None if c.bias else "Qwen3ForCausalLM"
-    if c.qk_norm or c.mlp == "swiglu":
+        if c.qk_norm:
+            return None if c.bias or c.qkv_bias else "Qwen3ForCausalLM"
+        if qkv_only:
+            return "Qwen2ForCausalLM" if c.qkv_bias else None  # q/k/v biases, none on o_proj or the MLP
+        return "LlamaForCausalLM"
+    if c.qk_norm or c.mlp == "swiglu" or qkv_only:
         return None
     return "ArceeForCausalLM" if c.norm == "rmsnorm" else "NemotronForCausalLM"
 
@@ -124,12 +136,13 @@ def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int |
             vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
             n_head=c.n_head, activation_function="gelu_new" if c.gelu_approximate == "tanh" else "gelu",
             resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=c.norm_eps,
-            tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id, architectures=[arch])
+            tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id, architectures=[arch],
+            n_ctx=c.block_size)  # GPT-2's original name for n_positions; llama.cpp's converter reads only it
     hidden = c.mlp_hidden or (swiglu_hidden(c.n_embd) if c.mlp == "swiglu" else 4 * c.n_embd)
     common = dict(
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=hidden, num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, head_dim=c.head_size,
-        max_position_embeddings=c.block_size, rope_parameters={"rope_type": "default", "rope_theta": c.rope_base},
+        max_position_embeddings=c.block_size, rope_parameters=_rope_parameters(c),
         attention_bias=c.bias, attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None, architectures=[arch])
     if arch == "LlamaForCausalLM":
@@ -137,11 +150,23 @@ def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int |
     if arch == "Qwen3ForCausalLM":
         return transformers.Qwen3Config(**common, hidden_act="silu", rms_norm_eps=c.norm_eps,
                                         use_sliding_window=False)
+    if arch == "Qwen2ForCausalLM":  # its q/k/v biases are fixed, not a config field
+        common.pop("attention_bias")
+        return transformers.Qwen2Config(**common, hidden_act="silu", rms_norm_eps=c.norm_eps,
+                                        use_sliding_window=False)
     act = UNGATED_ACTS[c.mlp if c.mlp == "relu2" else (c.mlp, c.gelu_approximate)]
     if arch == "ArceeForCausalLM":
         return transformers.ArceeConfig(**common, hidden_act=act, mlp_bias=c.bias, rms_norm_eps=c.norm_eps)
     common["rope_parameters"]["partial_rotary_factor"] = 1.0  # Nemotron rotates only half the head by default
     return transformers.NemotronConfig(**common, hidden_act=act, mlp_bias=c.bias, norm_eps=c.norm_eps)
+
+
+def _rope_parameters(c: GPTConfig) -> dict:
+    if c.rope_type == "default":
+        return {"rope_type": "default", "rope_theta": c.rope_base}
+    return {"rope_type": "llama3", "rope_theta": c.rope_base, "factor": c.rope_factor,
+            "low_freq_factor": c.rope_low_freq_factor, "high_freq_factor": c.rope_high_freq_factor,
+            "original_max_position_embeddings": c.rope_original_max_positions}
 
 
 @torch.no_grad()
@@ -181,7 +206,7 @@ def _llama_state(ours: dict, c: GPTConfig, arch: str) -> dict:
         for ln, theirs in norms.items():
             state.update(_norm(ours, f"transformer.h.{i}.{ln}", f"model.layers.{i}.{theirs}", nemotron))
         state.update(_split_linear(ours, f"transformer.h.{i}.attn.c_attn", f"model.layers.{i}.self_attn",
-                                   ["q_proj", "k_proj", "v_proj"], [c.n_embd] + [c.kv_heads * c.head_size] * 2))
+                                   ["q_proj", "k_proj", "v_proj"], [c.attn_width] + [c.kv_heads * c.head_size] * 2))
         mlp_parts = ["gate_proj", "up_proj"] if c.mlp == "swiglu" else ["up_proj"]
         fc = ours[f"transformer.h.{i}.mlp.c_fc.weight"].size(0)
         state.update(_split_linear(ours, f"transformer.h.{i}.mlp.c_fc", f"model.layers.{i}.mlp", mlp_parts,
@@ -279,19 +304,20 @@ def _config_from_gpt2(h, override_args) -> GPTConfig:
 
 def _config_from_llama(h, arch: str, override_args) -> GPTConfig:
     rope = dict(getattr(h, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
     head_dim = getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads
     act = h.hidden_act
     mlp_bias = getattr(h, "mlp_bias", False)
+    attention_bias = getattr(h, "attention_bias", False)  # Qwen2's q/k/v biases are not a field
     ungated = {v: k for k, v in UNGATED_ACTS.items()}
-    gated = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
-    heads, width = h.num_attention_heads, h.hidden_size
+    gated = arch in GATED
     problems = [
-        (rope.get("rope_type", "default") != "default", f"rope_type={rope.get('rope_type')!r} (scaled RoPE)"),
+        (rope_type not in ("default", "llama3"), f"rope_type={rope_type!r} (scaled RoPE)"),
+        (rope_type == "llama3" and arch != "LlamaForCausalLM", "rope_type='llama3' outside LlamaForCausalLM"),
         (rope.get("partial_rotary_factor", 1.0) != 1.0, f"partial_rotary_factor={rope.get('partial_rotary_factor')}"),
-        (head_dim * heads != width, f"head_dim={head_dim} with {heads} heads in a {width}-wide model"),
         (act != "silu" if gated else act not in ungated, f"hidden_act={act!r}"),
-        (arch != "Qwen3ForCausalLM" and h.attention_bias != mlp_bias,
-         f"attention_bias={h.attention_bias} with mlp_bias={mlp_bias}"),
+        (arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and attention_bias != mlp_bias,
+         f"attention_bias={attention_bias} with mlp_bias={mlp_bias}"),
         (arch == "Qwen3ForCausalLM" and h.attention_bias, "attention_bias=True"),
         (getattr(h, "use_sliding_window", False), "use_sliding_window=True"),
         (getattr(h, "pretraining_tp", 1) != 1, f"pretraining_tp={getattr(h, 'pretraining_tp', 1)}"),
@@ -301,9 +327,15 @@ def _config_from_llama(h, arch: str, override_args) -> GPTConfig:
             raise ConversionError(f"unsupported {arch} variant: {what}; this repository computes only the plain form")
     mlp, approx = ("swiglu", "tanh") if gated else (("relu2", "tanh") if act == "relu2" else ungated[act])
     eps = h.norm_eps if arch == "NemotronForCausalLM" else h.rms_norm_eps
+    scaling = {} if rope_type == "default" else dict(
+        rope_type="llama3", rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+        rope_high_freq_factor=float(rope["high_freq_factor"]),
+        rope_original_max_positions=int(rope["original_max_position_embeddings"]))
     return GPTConfig(
         block_size=h.max_position_embeddings, vocab_size=h.vocab_size, n_layer=h.num_hidden_layers,
-        n_head=h.num_attention_heads, n_embd=h.hidden_size, bias=bool(h.attention_bias),
+        n_head=h.num_attention_heads, n_embd=h.hidden_size, bias=bool(attention_bias),
+        qkv_bias=True if arch == "Qwen2ForCausalLM" else None, **scaling,
+        head_dim=None if head_dim * h.num_attention_heads == h.hidden_size else head_dim,
         n_kv_head=None if h.num_key_value_heads == h.num_attention_heads else h.num_key_value_heads,
         pos_embedding="rope", rope_base=float(rope.get("rope_theta", 10000.0)),
         norm="layernorm" if arch == "NemotronForCausalLM" else "rmsnorm", qk_norm=arch == "Qwen3ForCausalLM",
@@ -356,9 +388,10 @@ def load_hf_state_dict(model: GPT, theirs: dict[str, torch.Tensor]) -> None:
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         mlp_parts = ["gate_proj", "up_proj"] if c.mlp == "swiglu" else ["up_proj"]
         for suffix in ("weight", "bias"):
-            if f"transformer.h.{i}.attn.c_attn.{suffix}" in mine:
+            if f"transformer.h.{i}.attn.c_attn.{suffix}" in mine:  # q/k/v biases may come alone (Qwen2)
                 mine[f"transformer.h.{i}.attn.c_attn.{suffix}"].copy_(
                     torch.cat([theirs[f"{attn}.{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")]))
+            if f"transformer.h.{i}.mlp.c_fc.{suffix}" in mine:
                 mine[f"transformer.h.{i}.mlp.c_fc.{suffix}"].copy_(
                     torch.cat([theirs[f"{mlp}.{p}.{suffix}"] for p in mlp_parts]))
     mine["transformer.wte.weight"].copy_(theirs["model.embed_tokens.weight"])

@@ -18,6 +18,7 @@ from core.errors import UserError
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE (50257 ids)
 GPT2_EOT = 50256
 GPT2_VOCAB = 50257  # ordinary ids 0..50256; a model's 50304 rows leave 50257..50303 free for special tokens
+END_OF_TEXT = "<|endoftext|>"  # GPT-2's name; a character vocabulary's exports append it as a special token
 
 
 class Tokenizer(Protocol):
@@ -70,6 +71,12 @@ class _Specials:
     def _meta_specials(self) -> dict:
         return {"special_tokens": self.special_tokens} if self.special_tokens else {}
 
+    @property
+    def bos_token(self) -> int | None:
+        """GPT-2's convention: the token that separates documents also starts one (GPT-2's own folder
+        names <|endoftext|> its bos token, and encode_prompt starts an empty prompt from it)."""
+        return self.eot_token
+
 
 class CharTokenizer(_Specials):
     """Character-level vocabulary, built from the characters of a text; special tokens are appended
@@ -82,7 +89,7 @@ class CharTokenizer(_Specials):
             raise UserError("a character vocabulary must list each single character once; re-run the dataset's "
                             "prepare.py")
         self._init_specials(special_tokens, len(self.itos))
-        self.eot_token = None
+        self.eot_token = self.special_tokens.get(END_OF_TEXT)  # None unless appended (export.py does)
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
@@ -299,14 +306,23 @@ def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
 def check_same_ids(tok: Tokenizer, other: Tokenizer, what: str, other_what: str) -> None:
     """UserError unless the two tokenizers give every id the same text: a model and a dataset agree
     whatever each tokenizer is called (a char vocabulary exported as tokenizer.json matches its dataset)."""
-    if tok.vocab_size != other.vocab_size:
+    extra = range(other.vocab_size, tok.vocab_size)  # an export's appended <|endoftext|>, say: never in the data
+    if tok.vocab_size < other.vocab_size or not all(_is_special(tok, i) for i in extra):
         raise UserError(f"{what} has {tok.vocab_size} token ids but {other_what} has {other.vocab_size}: they were "
                         f"tokenized differently; prepare the data with the model's tokenizer")
-    for i in range(tok.vocab_size):
+    for i in range(other.vocab_size):
         if tok.decode([i]) != other.decode([i]):
             raise UserError(f"{what} and {other_what} map token id {i} to different text "
                             f"({tok.decode([i])!r} vs {other.decode([i])!r}); prepare the data with the model's "
                             f"tokenizer")
+
+
+def _is_special(tok: Tokenizer, i: int) -> bool:
+    """Whether id i is a special token of tok (one that encode never produces)."""
+    if isinstance(tok, HFTokenizer):
+        added = tok.backend.get_added_tokens_decoder().get(i)
+        return added is not None and added.special
+    return i in getattr(tok, "special_names", {})
 
 
 def _specials(meta: dict, n_ordinary: int, source: str) -> dict[str, int] | None:

@@ -123,11 +123,20 @@ def test_folder_holds_what_transformers_needs(exported):
             "tokenizer_config.json"} <= files
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["architectures"] == [RECIPES[name][1]]
-    assert json.loads((hf_dir / "generation_config.json").read_text())["max_length"] == BLOCK
+    if name == "gpt2":
+        assert config["n_ctx"] == BLOCK  # llama.cpp's converter reads GPT-2's context length only from n_ctx
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    assert generation["max_length"] == BLOCK
     theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
     text = corpus()[:3000]
     assert theirs(text)["input_ids"] == tok.encode(text)
     assert theirs.decode(tok.encode(text)) == text
+    # A character vocabulary has no end-of-text token: the export appends <|endoftext|> after the characters,
+    # and it starts a document too (GPT-2's convention), as lm_eval and generate need.
+    eot = tok.vocab_size
+    assert theirs.convert_ids_to_tokens(eot) == "<|endoftext|>" and theirs.eos_token_id == eot == theirs.bos_token_id
+    assert generation["eos_token_id"] == generation["bos_token_id"] == generation["pad_token_id"] == eot
+    assert (config["eos_token_id"], config["vocab_size"]) == (eot, tok.vocab_size + 1)
 
 
 def test_logits_match_transformers_on_three_prompts(exported):
@@ -140,7 +149,12 @@ def test_logits_match_transformers_on_three_prompts(exported):
     with torch.no_grad():
         for text in PROMPTS:
             idx = prompt_ids(tok, text)
-            torch.testing.assert_close(theirs(idx).logits, model(idx)[0], **TOL)
+            logits = theirs(idx).logits  # (1, T, V + 1): the appended <|endoftext|> last
+            torch.testing.assert_close(logits[..., :-1], model(idx)[0], **TOL)
+            # its row is the mean row, so its logit is the mean logit: never the greedy pick, and a
+            # trained model gives it little probability (0.6% at most on these prompts for GPT-2)
+            torch.testing.assert_close(logits[..., -1], logits[..., :-1].mean(-1), **TOL)
+            assert logits.softmax(-1)[..., -1].max() < 0.02
 
 
 def test_greedy_generate_and_pipeline_match_sample_py(exported):
@@ -213,7 +227,7 @@ def test_controls_break_the_comparison(exported, control):
     theirs.load_state_dict(state)
     idx = prompt_ids(tok, PROMPTS[2])
     with torch.no_grad():
-        diff = (theirs(idx).logits - model(idx)[0]).abs().max().item()
+        diff = (theirs(idx).logits[..., :-1] - model(idx)[0]).abs().max().item()  # without the appended eot
     assert diff > 100 * TOL["atol"], diff
     out = theirs.generate(prompt_ids(tok, PROMPTS[1]), max_new_tokens=40, do_sample=False)
     ours = model.generate(prompt_ids(tok, PROMPTS[1]), 40, temperature=0)
@@ -306,7 +320,8 @@ def test_exported_chat_template_gives_our_ids(kind, tmp_path):
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert config["chat_template"] == JINJA_TEMPLATE
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == [template.end_of_turn] + ([tok.eot_token] if tok.eot_token else [])
+    eot = tok.eot_token if kind == "gpt2" else tok.vocab_size  # a character vocabulary's appended after the chat tokens
+    assert generation["eos_token_id"] == [template.end_of_turn, eot]
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     special = {t.content: i for i, t in theirs.added_tokens_decoder.items() if t.special}
     assert {name: special.get(name) for name in template.meta()["special_tokens"]} == template.meta()["special_tokens"]
@@ -328,6 +343,17 @@ def test_exported_chat_template_gives_our_ids(kind, tmp_path):
     assert turns(sanitized) == turns(ids) and theirs.decode(sanitized) == tok.decode(ids)
     if kind == "char":  # one character a token: no merges to differ
         assert sanitized == ids
+
+
+def test_an_exported_char_folder_fine_tunes_on_its_own_dataset(char_data, tmp_path):
+    """The export's appended <|endoftext|> is a special token the dataset never holds: the folder's
+    tokenizer has one id more than the dataset's, and the two still agree on every id the data uses."""
+    itos = json.loads((char_data / "meta.json").read_text())["itos"]
+    model = GPT(GPTConfig(block_size=32, vocab_size=len(itos), n_layer=1, n_head=2, n_embd=16))
+    export.export(model, CharTokenizer(itos), tmp_path / "hf")
+    train_tiny(tmp_path / "run", char_data, init_from=str(tmp_path / "hf"), block_size=32, max_iters=2,
+               eval_interval=2)
+    assert (tmp_path / "run" / "ckpt.pt").is_file()
 
 
 def test_a_base_model_exports_no_chat_template(tmp_path):
@@ -450,7 +476,7 @@ def test_a_variant_no_architecture_holds_is_one_line_naming_the_nearest(char_dat
 
 @pytest.mark.parametrize("damage, fragment", [
     ("unsupported", "architecture 'GPTNeoXForCausalLM' is not supported"),
-    ("scaled-rope", "unsupported LlamaForCausalLM variant: rope_type='llama3' (scaled RoPE)"),
+    ("scaled-rope", "unsupported LlamaForCausalLM variant: rope_type='dynamic' (scaled RoPE)"),
     ("no-config", "has no config.json"),
     ("no-weights", "cannot load the weights"),
     ("truncated", "cannot load the weights"),
@@ -468,11 +494,9 @@ def test_bad_folders_are_one_line(char_data, tmp_path, damage, fragment):
     else:
         write_hf_folder(path, "LlamaForCausalLM", itos[:-5] if damage == "big-tokenizer" else itos)
     weights = path / "model.safetensors"
-    if damage == "scaled-rope":  # Llama 3.1's frequency scaling: not our RoPE
+    if damage == "scaled-rope":  # dynamic NTK scaling: not our RoPE (Llama 3's "llama3" is, tests/test_hf_models.py)
         config = json.loads((path / "config.json").read_text())
-        config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 32}
+        config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 2.0}
         (path / "config.json").write_text(json.dumps(config))
     elif damage == "no-config":
         (path / "config.json").unlink()

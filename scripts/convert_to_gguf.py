@@ -1,0 +1,105 @@
+"""An exported folder as a GGUF file for llama.cpp, through llama.cpp's own converter.
+
+    bash scripts/fetch_llama_converter.sh                                     # once: the converter, unpacked
+    python scripts/convert_to_gguf.py --hf_dir=hf-modern --gguf=modern-f32.gguf
+    python scripts/convert_to_gguf.py --hf_dir=hf-bpe --gguf=bpe.gguf --outtype=bf16
+
+llama.cpp's convert_hf_to_gguf.py names a byte-level BPE's pre-tokenizer (its split regex, which
+llama.cpp reimplements in C++) by hashing the ids the tokenizer gives one probe string. That knows
+GPT-2's BPE, so such folders convert as they are. A BPE trained here has new merges, so a new hash,
+and the converter stops with "BPE pre-tokenizer was not recognized". Its split regex, though, is
+the tokenizer.json's: where that is Llama 3's, this names the pre-tokenizer "llama-bpe" (llama.cpp's
+name for exactly that regex) in place of the hash lookup; the converter writes everything else
+(tokens, merges, token types, special ids, tensors) as for any folder. Any other regex is refused.
+"""
+import dataclasses
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: the repository's core/
+
+from core.config import parse_args  # noqa: E402
+from core.errors import UserError, run_cli  # noqa: E402
+
+CONVERTER_VERSION = "0.3.36"  # llama-cpp-python's source package, as scripts/fetch_llama_converter.sh fetches it
+# Llama 3's split regex as its tokenizer.json spells it; llama.cpp's pre-tokenizer "llama-bpe"
+# (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_LLAMA3) implements it.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe"}
+
+
+@dataclasses.dataclass
+class GGUFConfig:
+    hf_dir: str = ""            # an exported folder (export.py) or any folder the converter reads
+    gguf: str = ""              # the GGUF file to write
+    outtype: str = "f32"        # the converter's --outtype: f32, f16, bf16, q8_0, auto
+    converter_dir: str = ""     # the unpack; "": $LLAMA_CPP_CONVERTER_DIR, else fetch_llama_converter.sh's cache
+
+    def validate(self) -> None:
+        if not self.hf_dir or not self.gguf:
+            raise UserError("pass --hf_dir=DIR (the exported folder) and --gguf=FILE (the GGUF to write)")
+        if not (Path(self.hf_dir) / "config.json").is_file():
+            raise UserError(f"{self.hf_dir} has no config.json; pass a folder written by export.py")
+
+
+def converter_dir(given: str = "") -> Path:
+    """Where convert_hf_to_gguf.py is unpacked: given, $LLAMA_CPP_CONVERTER_DIR, or the fetch script's cache."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt" / f"llama.cpp-{CONVERTER_VERSION}"
+    return Path(given or os.environ.get("LLAMA_CPP_CONVERTER_DIR") or cache)
+
+
+def split_regexes(tokenizer_json: dict) -> list[str]:
+    """The Split pre-tokenizers' regexes of a tokenizer.json, in order."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    return [s["pattern"]["Regex"] for s in steps if s.get("type") == "Split" and "Regex" in (s.get("pattern") or {})]
+
+
+def pre_tokenizer_name(hf_dir: Path) -> str | None:
+    """llama.cpp's name for the folder's split regex, or None to leave the converter's hash lookup be
+    (GPT-2's BPE, whose ByteLevel pre-tokenizer holds no Split)."""
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    regexes = split_regexes(json.loads(path.read_text(encoding="utf-8")))
+    if not regexes:
+        return None
+    if len(regexes) == 1 and regexes[0] in PRE_TOKENIZERS:
+        return PRE_TOKENIZERS[regexes[0]]
+    raise UserError(f"{path} splits text with {regexes[0]!r}, which no llama.cpp pre-tokenizer here is known to "
+                    "implement; only Llama 3's regex ('llama-bpe') converts")
+
+
+def convert(hf_dir: Path, gguf: Path, outtype: str, converter: Path) -> None:
+    """Run convert_hf_to_gguf.py in this process, with the pre-tokenizer named where the folder's regex is known."""
+    script = converter / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise UserError(f"llama.cpp's converter is not at {converter}; run bash scripts/fetch_llama_converter.sh "
+                        "(or set LLAMA_CPP_CONVERTER_DIR to its unpack)")
+    name = pre_tokenizer_name(hf_dir)
+    sys.path[:0] = [str(converter), str(converter / "gguf-py"), str(converter / "site")]
+    if name is not None:
+        from conversion import base  # the converter's package, now on the path
+
+        base.TextModel.get_vocab_base_pre = lambda self, tokenizer: name
+    sys.argv = [str(script), str(hf_dir), "--outfile", str(gguf), "--outtype", outtype]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+def main(argv: Sequence[str]) -> str:
+    cfg = parse_args(GGUFConfig, argv)  # validates
+    convert(Path(cfg.hf_dir), Path(cfg.gguf), cfg.outtype, converter_dir(cfg.converter_dir))
+    if not Path(cfg.gguf).is_file():
+        raise UserError(f"llama.cpp's converter wrote no {cfg.gguf}; its messages above say why")
+    line = f"wrote {cfg.gguf} from {cfg.hf_dir}"
+    print(line, file=sys.stderr)
+    return line
+
+
+if __name__ == "__main__":
+    run_cli(main)
