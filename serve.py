@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -66,6 +67,7 @@ class ServeConfig:
     prefill_chunk: int = 512         # a prompt is fed at most this many tokens per step, between decoding steps
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
+    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -720,6 +722,21 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
 # the command
 
 
+def check_port(host: str, port: int) -> None:
+    """One line, before the model loads, when another program holds host:port (uvicorn would print its
+    own traceback-like report after the start-up line and exit 3)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); another program may hold it: "
+                            f"choose another with --port=N") from None
+
+
 def serve(app, host: str, port: int) -> None:
     """Run uvicorn until Ctrl-C or SIGTERM; the engine stops first, so open streams end at once."""
     import uvicorn
@@ -738,7 +755,8 @@ def serve(app, host: str, port: int) -> None:
 
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(ServeConfig, argv)
-    rt = runtime.setup(cfg.device, cfg.dtype)
+    check_port(cfg.host, cfg.port)
+    rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
     model = runtime.inference_model(model, rt)  # as sample.py: weights cast once, float32 next-token logits
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if cfg.init_from == "resume" else cfg.init_from)

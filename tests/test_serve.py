@@ -29,7 +29,7 @@ import serve  # noqa: E402
 from core.chat import ChatTemplate, with_chat_tokens  # noqa: E402
 from core.prepare import write_dataset  # noqa: E402
 from core.tokenizer import CharTokenizer  # noqa: E402
-from tests.helpers import (ROMEO_JULIET, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
+from tests.helpers import (ROMEO_JULIET, assert_user_error, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)
 
 TEXT = ROMEO_JULIET
@@ -156,6 +156,25 @@ def sample_py(char_out: Path, *args: str) -> list[str]:
     for r in results:
         assert r.returncode == 0, r.stderr
     return [r.stdout.split("\n---------------\n")[0] for r in results]
+
+
+def test_threads_reach_the_runtime(char_out, monkeypatch):
+    seen, setup = [], serve.runtime.setup
+    monkeypatch.setattr(serve.runtime, "setup", lambda *a, **k: seen.append(k.get("threads")) or setup(*a, **k))
+    monkeypatch.setattr(serve, "serve", lambda app, host, port: None)
+    assert run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", "--port=0", "--threads=1"]).returncode == 0
+    assert seen == [1]
+
+
+def test_a_busy_port_is_one_line_naming_port_before_the_model_loads(char_out, monkeypatch):
+    monkeypatch.setattr(serve.weights, "load_model", lambda *a: pytest.fail("loaded before the port check"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", f"--port={port}"])
+    assert_user_error(result, f"127.0.0.1:{port}", "--port=N")
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 # -----------------------------------------------------------------------------
@@ -432,7 +451,7 @@ def test_non_loopback_bind_without_a_key_warns_once(char_out, monkeypatch):
     """main() up to uvicorn (replaced here: the test binds nothing): one warning line without a key."""
     monkeypatch.setattr(serve, "serve", lambda app, host, port: None)
     monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
-    args = [f"--out_dir={char_out}", "--device=cpu", "--host=0.0.0.0"]
+    args = [f"--out_dir={char_out}", "--device=cpu", "--port=0", "--host=0.0.0.0"]
     warned = run_main(serve.main, args)
     assert warned.returncode == 0 and [line for line in warned.stderr.splitlines()
                                        if line.startswith("warning:")] == [warned.stderr.splitlines()[-1]]
