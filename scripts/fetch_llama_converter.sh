@@ -21,7 +21,7 @@ pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d
 src="llama_cpp_python-$VERSION/vendor/llama.cpp"
 tar xzf "$tmp/llama_cpp_python-$VERSION.tar.gz" -C "$tmp" "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" \
     "$src/src/llama-vocab.cpp"
-pip install --quiet --no-deps --target "$tmp/$src/site" sentencepiece
+pip install --quiet --no-deps --target "$tmp/$src/site" sentencepiece==0.2.3  # as the tests last ran with
 mkdir -p "$(dirname "$DIR")"
 rm -rf "$DIR"
 mv "$tmp/$src" "$DIR"  # whole or not at all: an interrupted run leaves no half unpack for the tests to find
