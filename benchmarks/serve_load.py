@@ -148,7 +148,8 @@ def main(argv: list[str]) -> None:
 def _write_tokenizer(directory: str, vocab_size: int) -> None:
     """A tokenizer beside the weights, so serve.py can load the folder: GPT-2's BPE for a GPT-2-sized
     vocabulary (TIKTOKEN_CACHE_DIR offline), else vocab_size characters."""
-    from core.tokenizer import CharTokenizer, GPT2Tokenizer, save_hf_tokenizer
+    from core.hf_tokenizer import save_hf_tokenizer
+    from core.tokenizer import CharTokenizer, GPT2Tokenizer
 
     tok = GPT2Tokenizer() if vocab_size > 50000 else CharTokenizer([chr(0x100 + i) for i in range(vocab_size)])
     save_hf_tokenizer(tok, directory, model_max_length=1024)

@@ -4,7 +4,6 @@ the bandwidth (with a scripted clock: speed itself is never asserted).
     python -m pytest tests/test_bandwidth.py
 """
 import pytest
-import torch
 
 from benchmarks import bandwidth
 from core import runtime

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from core.engine import BatchEngine, EngineRequest, PromptScores, adjust_logits, engine_sampling
 from core.evaluate import token_losses
-from core.checkpoint import load_model
+from core.weights import load_model
 from model import GPT, GPTConfig, Sampling
 from tests.helpers import ROMEO_JULIET, make_char_dataset, one_thread, train_tiny
 

@@ -18,7 +18,8 @@ import torch
 import export
 import sample
 from core import hf
-from core.tokenizer import CharTokenizer, load_hf_tokenizer
+from core.hf_tokenizer import load_hf_tokenizer
+from core.tokenizer import CharTokenizer
 from tests.helpers import needs_transformers, run_main
 from tests.test_hf_export import PROMPTS, attention_peak, corpus
 

@@ -580,7 +580,7 @@ def test_echo_logprobs_are_lm_evals_request(base, char_out):
     assert lp["top_logprobs"][0] is None and lp["tokens"][:len(ids)] == list("ROMEO: But soft, what light")
     assert lp["text_offset"] == list(range(len(ids) + 1)) and r["choices"][0]["text"].startswith("ROMEO: But")
     import torch
-    from core.checkpoint import load_model
+    from core.weights import load_model
     model, _, _ = load_model("resume", str(char_out))
     with torch.no_grad():
         logits, _ = model.eval()(torch.tensor([ids + [tok.encode(lp["tokens"][-1])[0]]]))
