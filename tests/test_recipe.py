@@ -18,7 +18,7 @@ from core.checkpoint import load_checkpoint
 from core.weights import load_model
 from core.errors import UserError
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
-from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, run_script, train_tiny
+from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu, run_script, train_tiny
 
 ALL = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", n_kv_head=1, tie_embeddings=False,
            logit_softcap=5.0)
@@ -423,13 +423,7 @@ def test_bf16_newton_schulz_keeps_the_loop_on_wide_matrices():
     ("DEFAULT", {"fp", "asimd"}, None, False),
 ])
 def test_cpu_native_bf16_reads_the_cpu_and_honours_the_capability_caps(monkeypatch, capability, flags, isa, native):
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(runtime, "_cpu_flags", lambda: flags)
-    if isa is None:
-        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    else:
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    fake_cpu(monkeypatch, capability, flags, isa)
     assert runtime.cpu_native_bf16() is native and runtime.native_bf16("cpu") is native
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert runtime.native_bf16("cpu") is False  # oneDNN does no bf16 matmuls here: they fall back to emulation

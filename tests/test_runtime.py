@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from core import flops, runtime
 from core.errors import UserError
-from tests.helpers import ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, run_scripts
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu,
+                           run_scripts)
 
 SM = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 
@@ -135,17 +136,6 @@ def test_explicit_bf16_on_an_sm70_gpu_is_one_line(fake_gpus):
     with pytest.raises(UserError, match=r"Tesla V100-SXM2-16GB \(sm70\) has no native bfloat16.*--dtype=float16"):
         runtime.setup("cuda", "bfloat16")
     assert runtime.setup("cuda", "float16").dtype == "float16"
-
-
-def fake_cpu(monkeypatch, capability: str, flags: set[str], isa: str | None = None) -> None:
-    """A CPU as cpu_native_bf16 sees it: torch's kernel capability, /proc/cpuinfo's flags, oneDNN's cap."""
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(runtime, "_cpu_flags", lambda: flags)
-    if isa is None:
-        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    else:
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
 
 
 @pytest.mark.parametrize("capability, flags, isa, expected", [
