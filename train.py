@@ -213,15 +213,16 @@ def parse_config(argv) -> TrainConfig:
         raise UserError(f"cannot read {saved} ({first_line(e)}); pass the run's config files again") from None
     if not isinstance(run, dict):
         raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
-    # What the run resolved for its own machine ("auto" became cuda:0, bfloat16): resolved again here.
-    run = {k: v for k, v in run.items() if k not in ("world_size", "device", "dtype")}
+    # The device and process count the run resolved for its own machine ("auto" became cuda:0) are resolved
+    # again here. Its dtype is kept: a resume continues in the precision it trained in (--dtype changes it).
+    run = {k: v for k, v in run.items() if k not in ("world_size", "device")}
     return configlib.parse_args(TrainConfig, argv, base=configlib.from_dict(TrainConfig, run, f"in {saved}"))
 
 
 def resume_command(out_dir: Path, rt: runtime.Runtime) -> str:
     """The command that continues this run, to paste as it is printed."""
     args = f"train.py --init_from=resume --out_dir={shlex.quote(str(out_dir))}"
-    if not rt.ddp:
+    if not rt.distributed:
         return f"python {args}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)) != rt.world_size:  # several nodes
         return f"the same torchrun launch on each node, of {args}"
@@ -410,7 +411,7 @@ def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runti
             if k < cfg.eval_iters:
                 total += torch.stack([loss.float(), torch.ones((), device=rt.device)])
             bar.update(rt.world_size)  # every rank's batch of this round
-        if rt.ddp:
+        if rt.distributed:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
     bar.close()
@@ -441,7 +442,7 @@ def gpu_sized_note(model: GPT, cfg: TrainConfig, rt: runtime.Runtime, peak: floa
 
 def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:
     """The mean of every rank's loss_sum (each already averaged over its micro-steps)."""
-    if rt.ddp:
+    if rt.distributed:
         loss_sum = loss_sum.clone()
         dist.all_reduce(loss_sum)
     return loss_sum.item() / rt.world_size

@@ -143,7 +143,7 @@ def speedrun_target(cfg, base: TrainConfig, data_dir: str, vocab: int, rt: runti
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
-    if rt.ddp:
+    if rt.distributed:
         raise UserError("the speedrun section runs on one process; start bench.py without torchrun")
     shape, runs = spec_list(cfg.speedrun_shape), spec_list(cfg.speedrun_runs)
     base = read_recipe([cfg.speedrun_base, *shape], "--speedrun_base")

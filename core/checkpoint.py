@@ -221,7 +221,7 @@ def gather_rng(rt: Runtime) -> dict:
     states = {"cpu": torch.get_rng_state()}
     if rt.device_type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(rt.device)
-    if not rt.ddp:
+    if not rt.distributed:
         return {k: [v] for k, v in states.items()}
     comm_device = rt.device if rt.device_type == "cuda" else "cpu"
     gathered = {}

@@ -55,7 +55,7 @@ def parallelize(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, acti
     check_parallel(parallel, rt.dtype)  # the resolved dtype: --dtype=auto is float16 on GPUs without bf16
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if parallel == "fsdp" and rt.ddp:
+    if parallel == "fsdp" and rt.distributed:
         if compile:
             # Per-Block compile (torchtitan's order: checkpointing, compile, then sharding): FSDP's
             # all-gathers run between the compiled Blocks rather than as graph breaks inside one graph.
@@ -65,7 +65,7 @@ def parallelize(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, acti
         return model
     if compile:
         model = torch.compile(model)
-    if rt.ddp:
+    if rt.distributed:
         model = DDP(model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None)
     return model
 
@@ -90,7 +90,7 @@ def micro_step(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, last:
     (set_requires_gradient_sync / set_reshard_after_backward): the unsharded parameters and float32
     gradients stay in memory until the last micro-step, trading that memory for N-1 fewer
     all-gathers and reduce-scatters per step."""
-    if not rt.ddp or last and parallel == "ddp":
+    if not rt.distributed or last and parallel == "ddp":
         yield
     elif parallel == "ddp":
         with model.no_sync():

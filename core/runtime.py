@@ -44,7 +44,8 @@ class Runtime:
     master_group: object = dataclasses.field(default=None, repr=False, compare=False)  # gloo, MASTER_WORK_TIMEOUT
 
     @property
-    def ddp(self) -> bool:
+    def distributed(self) -> bool:
+        """More than one process (torchrun), under ddp and fsdp alike."""
         return self.world_size > 1
 
     @property
@@ -73,7 +74,7 @@ class Runtime:
 
     def any_rank(self, *flags: bool) -> list[bool]:
         """Each flag, true if it is true on any rank: one host-side all-reduce, no GPU sync."""
-        if not self.ddp:
+        if not self.distributed:
             return list(flags)
         t = torch.tensor([float(f) for f in flags])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.flag_group)
@@ -92,12 +93,12 @@ class Runtime:
             except UserError as e:
                 error = str(e)
             except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here as it is
-                if not self.ddp:
+                if not self.distributed:
                     raise
                 error = f"rank 0 failed: {type(e).__name__}: {first_line(e)}"
                 self._tell_outcome(error)
                 raise
-        if self.ddp:
+        if self.distributed:
             error = self._tell_outcome(error)
         if error is not None:
             raise UserError(error)
@@ -318,7 +319,7 @@ def _torchrun_attempt_store(world_size: int, timeout: datetime.timedelta) -> "di
 
 
 def teardown(rt: Runtime) -> None:
-    if rt.ddp and dist.is_initialized():
+    if rt.distributed and dist.is_initialized():
         # DDP's reducer (which holds the process group and its last async work) lives on in a
         # reference cycle after training returns; left to the interpreter's shutdown, freeing it makes
         # gloo's threads take the GIL too late and the process aborts ("terminate called without an
