@@ -93,7 +93,7 @@ def keys() -> dict[str, set[str]]:
     listed = {}
     for script, result in zip(scripts, results):
         assert result.returncode == 0, f"{script} --help: {result.stderr}"
-        listed[script] = set(re.findall(r"^\s+--(\w+)=", result.stdout, re.M))
+        listed[script] = set(re.findall(r"^\s+(?:-\w, )?--(\w+)", result.stdout, re.M))  # ours: --key=; argparse: --key KEY
         assert listed[script], f"{script} --help lists no keys:\n{result.stdout}"
     return listed
 

@@ -151,7 +151,8 @@ def test_bits_per_byte_is_the_loss_in_bits_over_the_bytes_scored(tmp_path):
     scored_text = tok.decode(ids[1:])
     assert r.bytes == len(scored_text.encode("utf-8")) > r.tokens  # multi-byte text: more bytes than tokens
     assert r.bpb == pytest.approx(r.loss * r.tokens / math.log(2) / r.bytes, rel=1e-9)
-    line = run_main(eval_script.main, [f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--stride=16"]).stdout
+    line = run_main(eval_script.main, [f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--dtype=float32",
+                                       "--stride=16"]).stdout
     assert f"| bits/byte {r.bpb:.4f} | {r.tokens:,} tokens, {r.bytes:,} bytes" in line
 
 
