@@ -35,7 +35,7 @@ def run_train(rt, out_dir, data_dir, **overrides):
     """train.train with a directly built Runtime (train.main would refuse half precision on CPU)."""
     cfg = train.TrainConfig(**(TINY_TRAIN | dict(out_dir=str(out_dir), data_dir=str(data_dir)) | overrides))
     with one_thread():
-        train.train(cfg, rt)
+        train.train(cfg, rt, runtime.StopFlag())
 
 
 def test_bf16_autocast_training_step(tmp_path, data_dir, monkeypatch):
@@ -202,7 +202,7 @@ def test_training_step_does_not_hold_the_logits(tmp_path, data_dir, monkeypatch)
     """train.py's step keeps only the loss: the peak memory of a one-step run is below that of the same
     run whose forward also keeps the (B, T, vocab) logits alive through backward, by at least their size."""
     cfg = train.TrainConfig(**(TINY_TRAIN | dict(data_dir=str(data_dir), out_dir=str(tmp_path), batch_size=16,
-                                                 vocab_size=4096, max_iters=1, eval_iters=1)))
+                                                 vocab_size=4096, max_iters=1, eval_iters=1, overwrite=True)))
     rt, logits_bytes, forward, held = runtime.Runtime("cpu", "cpu", "float32"), 16 * 32 * 4096 * 4, GPT.forward, []
 
     def holding_forward(self, *args, **kwargs):
@@ -215,7 +215,7 @@ def test_training_step_does_not_hold_the_logits(tmp_path, data_dir, monkeypatch)
         with monkeypatch.context() as m:
             if hold:
                 m.setattr(GPT, "forward", holding_forward)
-            train.train(cfg, rt)
+            train.train(cfg, rt, runtime.StopFlag())
         held.clear()
     with one_thread():
         run(False), run(True)  # warm-up

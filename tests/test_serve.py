@@ -9,6 +9,7 @@ conversations (its tokenizer carries core/chat.py's tokens; served with a key fr
 a GPT-2 BPE model trained on text with multi-byte characters (skipped without tiktoken's BPE file).
 """
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -53,7 +54,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "serve.py", *args, f"--port={self.port}", "--device=cpu"],
+            self.proc = subprocess.Popen([sys.executable, "serve.py", *args, f"--port={self.port}", "--device=cpu",
+                                          "--dtype=float32"],
                                          cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                          env=os.environ | ONE_THREAD_ENV | (env or {}))
         deadline = time.monotonic() + 120
@@ -124,6 +126,28 @@ def char_out(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def char_eot_out(tmp_path_factory):
+    """char_out's run with <|endoftext|> in its vocabulary (never in the text): export.py then writes the
+    vocabulary as it is, with no id appended for harnesses, so the folder's probabilities are exactly ours."""
+    from core.tokenizer import END_OF_TEXT, tokenizer_from_meta
+    root = tmp_path_factory.mktemp("char-eot")
+    meta = CharTokenizer.from_text(TEXT).meta()
+    tok = tokenizer_from_meta(meta | {"special_tokens": {END_OF_TEXT: meta["vocab_size"]},
+                                      "vocab_size": meta["vocab_size"] + 1})
+    n = int(len(TEXT) * 0.9)
+    write_dataset(root / "data", tok.meta(), {"train": tok.encode(TEXT[:n]), "val": tok.encode(TEXT[n:])})
+    train_tiny(root / "out", root / "data", block_size=BLOCK_SIZE, n_layer=2, n_embd=48, max_iters=400,
+               lr_decay_iters=400, eval_interval=400, log_interval=100)
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def eot_server(char_eot_out, tmp_path_factory):
+    with running(tmp_path_factory.mktemp("eot-server"), f"--out_dir={char_eot_out}", "--model_name=romeo") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def base(char_out, tmp_path_factory):
     """The base model's server; max_tokens up to 100,000 so that a stream can outlast its client."""
     with running(tmp_path_factory.mktemp("base-server"), f"--out_dir={char_out}", "--model_name=romeo",
@@ -151,8 +175,8 @@ def streamed(server: Server, **kw) -> tuple[list, str]:
 
 def sample_py(char_out: Path, *args: str) -> list[str]:
     """What sample.py prints for each argument list (one sample each, its prompt included)."""
-    results = run_scripts(*[["sample.py", f"--out_dir={char_out}", "--device=cpu", "--num_samples=1", *a]
-                            for a in args])
+    results = run_scripts(*[["sample.py", f"--out_dir={char_out}", "--device=cpu", "--dtype=float32",
+                             "--num_samples=1", *a] for a in args])
     for r in results:
         assert r.returncode == 0, r.stderr
     return [r.stdout.split("\n---------------\n")[0] for r in results]
@@ -560,7 +584,9 @@ def test_sixteen_concurrent_streams_greedy_and_seeded_get_their_lone_text(base):
     async def all_at_once():
         return await asyncio.gather(*(one(r) for r in requests))
 
-    assert asyncio.run(all_at_once()) == lone
+    # a thread of its own: the page tests' Playwright (sync API) keeps an event loop running in this one
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(lambda: asyncio.run(all_at_once())).result() == lone
     metrics = httpx.get(base.url + "/metrics").text
     sizes = [line for line in metrics.splitlines() if line.startswith("nanogpt_batch_size_bucket")]
     le8 = next(float(line.split()[-1]) for line in sizes if 'le="8.0"' in line)
@@ -727,19 +753,15 @@ def per_item(result: dict, task: str) -> list:
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_through_the_server_equal_the_exported_weights(base, char_out, tmp_path, monkeypatch):
+def test_lm_eval_scores_through_the_server_equal_the_exported_weights(char_eot_out, eot_server, tmp_path, monkeypatch):
     """lm-eval's local-completions against serve.py, and its hf model on export.py's folder of the same run:
     every loglikelihood agrees to 1e-4, every generation and metric is equal; then with no tokenizer given,
     lm-eval finds the server's tokenizer endpoints and scores the same."""
-    hf_dir = tmp_path / "hf"
+    hf_dir, char_out = tmp_path / "hf", char_eot_out
     exported = run_scripts(["export.py", f"--out_dir={char_out}", f"--hf_dir={hf_dir}"])[0]
     assert exported.returncode == 0, exported.stderr
-    # lm-eval's hf model decodes the tokenizer's EOS to stop generations; a char vocabulary has none, so the
-    # folder's tokenizer names "\n", where the generate_until task stops anyway.
-    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "\n"}))
     monkeypatch.chdir(LM_EVAL_TASKS)  # the task files name their data files relative to themselves
-    url = base.url + "/v1/completions"
+    url = eot_server.url + "/v1/completions"
     local = dict(model="romeo", base_url=url, tokenizer=str(hf_dir), tokenizer_backend="huggingface",
                  tokenized_requests=True, num_concurrent=1, max_retries=1, max_length=BLOCK_SIZE)
     server = lm_eval_run("local-completions", local)
