@@ -1,6 +1,8 @@
 """Our tokenizers as Hugging Face `tokenizers` objects, for transformers folders: tokenizer.json export
 (export.py) and import (a folder's tokenizer.json, for --init_from=DIR), with the same ids both ways.
 """
+from pathlib import Path
+
 from core.errors import UserError, first_line
 from core.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, _gpt2_encoding
 
@@ -107,8 +109,6 @@ def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
 def load_hf_tokenizer(directory) -> HFTokenizer:
     """The tokenizer of a transformers folder (its tokenizer.json), with the end-of-text id from its
     generation_config.json or tokenizer_config.json."""
-    from pathlib import Path
-
     directory = Path(directory)
     path = directory / "tokenizer.json"
     if not path.is_file():
@@ -149,8 +149,6 @@ def _special_ids(directory, tok: HFTokenizer) -> tuple[int | None, int | None]:
 
 def load_tokenizer_json(path) -> HFTokenizer:
     """A transformers folder's tokenizer (load_hf_tokenizer), or a tokenizer.json file on its own."""
-    from pathlib import Path
-
     path = Path(path)
     if path.is_dir():
         return load_hf_tokenizer(path)
