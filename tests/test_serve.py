@@ -745,7 +745,10 @@ def lm_eval_run(model: str, model_args: dict) -> dict:
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["romeo_mc", "romeo_ll", "romeo_gen"],
                                    task_manager=TaskManager(include_path=str(LM_EVAL_TASKS)), log_samples=True,
                                    batch_size=1, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-                                   fewshot_random_seed=0)
+                                   fewshot_random_seed=0,
+                                   # no bootstrapped stderr: it forks a multiprocessing pool from this
+                                   # process, whose threads (tqdm's, the client's) can leave a child locked
+                                   bootstrap_iters=0)
 
 
 def per_item(result: dict, task: str) -> list:
