@@ -14,6 +14,9 @@ over the UTF-8 bytes of the scored text) also compares models whose tokenizers d
 --task=chat replies greedily to each conversation of a JSONL file and counts exact answers. The result is one line on
 stdout; what was loaded goes to stderr.
 """
+from core.errors import quiet_start
+quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
+
 import dataclasses
 import json
 import sys

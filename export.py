@@ -17,6 +17,9 @@ end-of-text token lm_eval and generate need (with_end_of_text). Before writing, 
 against ours on a test sequence. A chat run's tokenizer carries the chat template (core/chat.py), so
 tok.apply_chat_template(messages) gives the ids the model was fine-tuned on (docs/chat.md).
 """
+from core.errors import quiet_start
+quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
+
 import copy
 import dataclasses
 import sys

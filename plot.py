@@ -18,6 +18,9 @@ key columns), from the naive attention backend (the fused kernel never forms the
 it, <out>_summary.png: per layer and head, the mean distance (in tokens) from a query to what it
 attends to, or the entropy of its attention.
 """
+from core.errors import quiet_start
+quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
+
 import dataclasses
 import json
 import math

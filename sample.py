@@ -17,6 +17,9 @@ template (core/chat.py), the reply streams until the model ends its turn, and th
 continues. Ctrl-C stops a reply (what was said stays in the conversation); Ctrl-D, or Ctrl-C at the
 prompt, quits. With --prompt= it answers that one message on stdout and exits.
 """
+from core.errors import quiet_start
+quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
+
 import dataclasses
 import os
 import sys

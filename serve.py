@@ -16,6 +16,9 @@ model.generate gives it alone. Every request field is implemented or refused wit
 Here: the request models, the text side (whole characters, stop strings, logprobs), the routes at module
 level over app.state.served, and main.
 """
+from core.errors import quiet_start
+quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
+
 import asyncio
 import dataclasses
 import hmac

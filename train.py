@@ -16,6 +16,9 @@ to out_dir/config.json, and every logged iteration and eval to out_dir/log.jsonl
 SIGTERM or SIGINT (Ctrl-C) finishes the current step or eval batch, saves a checkpoint of the last completed
 step and exits 0; during start-up it stops before training, writing nothing (exit 128 + the signal).
 """
+from core.errors import quiet_start
+quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
+
 import dataclasses
 import json
 import math

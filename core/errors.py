@@ -38,9 +38,24 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
+def _interrupted_at_start(signum, frame) -> NoReturn:
+    os.write(2, b"error: interrupted while starting\n")
+    os._exit(128 + signum)  # now: half-done imports have nothing to save or clean up
+
+
+def quiet_start(module_name: str) -> None:
+    """Called by a script with its __name__ before its heavy imports (torch, transformers: seconds). Run
+    as a script, until run_cli starts main, Ctrl-C exits at once with one line and 130 instead of Python's
+    KeyboardInterrupt traceback. Imported (tests, other code), it does nothing."""
+    if module_name == "__main__":
+        signal.signal(signal.SIGINT, _interrupted_at_start)
+
+
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
     """Run a script's main(argv); turn a UserError into `error: ...` on stderr and exit 2."""
     argv = sys.argv[1:] if argv is None else argv
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # main's own stop flags take it from here
     try:
         main(argv)
     except UserError as e:

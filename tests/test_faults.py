@@ -345,6 +345,36 @@ def test_a_signal_during_eval_py_ends_it_at_the_next_batch(tmp_path, data_dir, m
     assert len(batches) == 2 and result.stdout == ""
 
 
+def torch_loading(pid: int) -> bool:
+    """Whether the process has mapped libtorch: it is inside `import torch`, whose Python part takes a
+    second or more after that (sympy, the op registrations), so a signal sent now lands in the imports."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see the import under way")
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "serve.py"])
+def test_ctrl_c_during_the_imports_is_one_line(script):
+    """Ctrl-C in the seconds a script spends importing torch (before main, before any stop flag) exits
+    at once with one line and 130, not Python's KeyboardInterrupt traceback (core.errors.quiet_start)."""
+    proc = subprocess.Popen([sys.executable, script, "--out_dir=/nonexistent"], cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | ONE_THREAD_ENV)
+    try:
+        deadline = time.monotonic() + 60
+        while not torch_loading(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    # the signal may land after the imports on a slow machine: then main's own handling says it, in one line
+    assert err.splitlines() in (["error: interrupted while starting"], ["error: interrupted"]), err
+    assert out == ""
+
+
 # --- damaged checkpoints -----------------------------------------------------------------------
 
 SHORT_RUN = dict(max_iters=6, lr_decay_iters=10, log_interval=1, checkpoint_interval=2, dropout=0.1)
