@@ -29,6 +29,7 @@ openai = pytest.importorskip("openai")
 import serve  # noqa: E402
 from core.chat import ChatTemplate, with_chat_tokens  # noqa: E402
 from core.prepare import write_dataset  # noqa: E402
+from core import weights  # noqa: E402
 from core.tokenizer import CharTokenizer  # noqa: E402
 from tests.helpers import (ROMEO_JULIET, assert_user_error, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)
@@ -469,6 +470,22 @@ def test_ctrl_c_and_sigterm_shut_down_cleanly_mid_stream(char_out, tmp_path, sig
             server.proc.kill()
     assert "shutting down" in "".join(rest)  # the stream says why it ends early
     assert "Traceback" not in server.output() and "Finished server process" in server.output()
+
+
+def test_ctrl_c_while_the_model_loads_stops_before_serving(char_out, monkeypatch):
+    """Ctrl-C while the weights load (after the imports) ends there: one line, exit 130, and uvicorn never
+    starts, so no second Ctrl-C is needed."""
+    real_load = weights.load_model
+
+    def interrupted_load(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Python's handler raises at the next bytecode, inside the load
+        return real_load(*args, **kwargs)
+    started = []
+    monkeypatch.setattr(weights, "load_model", interrupted_load)
+    monkeypatch.setattr(serve, "serve", lambda app, host, port: started.append(port))
+    result = run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", "--port=0"])
+    assert result.returncode == 128 + signal.SIGINT, result.stderr
+    assert result.stderr.splitlines() == ["error: interrupted"] and started == []
 
 
 def test_non_loopback_bind_without_a_key_warns_once(char_out, monkeypatch):
