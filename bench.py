@@ -7,7 +7,7 @@
                                                        # default list: it trains for minutes)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
     python bench.py --sections=muon --threads=0        # Muon's step alone: torch's against BatchedMuon, bf16 and float32
-    python bench.py --sections=serve                   # serve.py's throughput at 1, 4, 16 clients vs in-process
+    python bench.py --sections=serve                   # serve.py streaming to 1, 4, 16, 64 clients vs in-process
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section

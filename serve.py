@@ -332,7 +332,7 @@ def served(request: Request) -> Served:
     return request.app.state.served
 
 
-def check_key(request: Request) -> None:
+async def check_key(request: Request) -> None:  # async: a plain def would run in a worker thread
     api_key = served(request).api_key
     if api_key is None:
         return
@@ -467,9 +467,10 @@ async def pieces(sv: Served, reqs: list[EngineRequest], make_rows, choices: list
         sv.metrics.prompt_tokens.inc(len(r.prompt))
     streams = [h.events() for h in handles]
     try:
-        for k, (r, events) in enumerate(zip(reqs, streams)):
+        for k, (r, h, events) in enumerate(zip(reqs, handles, streams)):
             its = [Choice(r.prompt, make_rows()) for _ in range(r.n)]
             choices += its
+            held, ended = [""] * r.n, [False] * r.n  # text not yet yielded; whether the finish was
             async for event in events:
                 if isinstance(event, PromptScores):
                     for c in its:
@@ -477,10 +478,15 @@ async def pieces(sv: Served, reqs: list[EngineRequest], make_rows, choices: list
                     continue
                 for i, (c, step) in enumerate(zip(its, event)):
                     if not c.row.finish:
-                        piece = c.row.push(step.token, step.score)
-                        if piece or c.row.finish:
-                            yield k * r.n + i, piece
-                if all(c.row.finish for c in its):
+                        held[i] += c.row.push(step.token, step.score)
+                done = all(c.row.finish for c in its)
+                if h.queued() and not done:
+                    continue  # the engine is ahead of this client: the steps already queued go out as one piece
+                for i, c in enumerate(its):
+                    if held[i] or (c.row.finish and not ended[i]):
+                        yield k * r.n + i, held[i]
+                        held[i], ended[i] = "", bool(c.row.finish)
+                if done:
                     break
             if r.max_tokens == 0:  # scored, not generated: the choice ends at once
                 for i, c in enumerate(its):
@@ -676,21 +682,48 @@ async def chat_completions(req: ChatRequest, request: Request):
 router.include_router(v1)
 
 
-async def limit_body(request: Request, call_next):
-    max_body = served(request).cfg.max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_body:
-        return JSONResponse(error_body(f"the request body is {length} bytes, more than the {max_body} this server "
-                                       f"accepts", code="body_too_large"), status_code=413)
-    if request.method == "POST" and length is None:  # chunked: count as it arrives
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body:
-                return JSONResponse(error_body(f"the request body is more than the {max_body} bytes this server "
-                                               f"accepts", code="body_too_large"), status_code=413)
-        request._body = body
-    return await call_next(request)
+class BodyLimit:
+    """413 for a request body over max_bytes, sent chunked or not. Plain ASGI: Starlette's BaseHTTPMiddleware
+    would pass every chunk of a streamed reply through a task and a memory stream of its own."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self.too_large(f"the request body is {length} bytes, more than the {self.max_bytes} "
+                                        f"this server accepts", scope, receive, send)
+        if scope["method"] == "POST" and not length:  # chunked: count as it arrives, then hand it on whole
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > self.max_bytes:
+                    return await self.too_large(f"the request body is more than the {self.max_bytes} bytes this "
+                                                f"server accepts", scope, receive, send)
+            receive = replay(body, receive)
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def too_large(message: str, scope, receive, send):
+        await JSONResponse(error_body(message, code="body_too_large"), status_code=413)(scope, receive, send)
+
+
+def replay(body: bytes, receive):
+    """An ASGI receive that gives body first, then whatever receive gives (the client's disconnect)."""
+    sent = False
+
+    async def again():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return again
 
 
 @asynccontextmanager
@@ -716,7 +749,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     for kind, handler in ((APIError, api_error), (RequestValidationError, invalid), (HTTPException, http_error),
                           (Exception, crash)):
         app.add_exception_handler(kind, handler)
-    app.middleware("http")(limit_body)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
     app.include_router(router)
     return app
 

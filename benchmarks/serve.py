@@ -1,18 +1,32 @@
-"""Serving: serve.py over HTTP against the same generations run in this process.
+"""Serving under load: serve.py over HTTP against the same rows batched in this process, the ceiling.
 
-serve.py runs as its own process on a loopback port, serving the decode section's model (random
-weights, a stand-in character vocabulary) from a temporary checkpoint. For each count in
-serve_clients, that many concurrent /v1/completions requests (one per client, sampled with their own
-seeds, serve_max_tokens new tokens each) against the same generations run in this process, one
-model.generate after another: requests/s and tokens/s, the wall-time ratio (the server's overhead),
-and CPU seconds (the server's from /proc, the client's and the in-process model's from this process),
-which a loaded machine disturbs less than wall time.
+serve.py runs as its own process on a loopback port (the bench's torch threads, device and dtype) and
+loads a temporary checkpoint of random weights (speed does not depend on them) in the chosen shape:
+serve_shape=quickstart is config/train_shakespeare_char_cpu.py's model over a 65-symbol stand-in
+character vocabulary, serve_shape=gpt2 is GPT-2 small (GPTConfig's defaults) over GPT-2's BPE (offline:
+TIKTOKEN_CACHE_DIR). For each count in serve_clients, that many clients each stream one
+/v1/completions request at once (a serve_prompt_len-token prompt, serve_max_tokens new tokens, sampled
+at temperature 1 with their own seeds, no stop), against the same requests submitted at once to a
+BatchEngine in this process (no HTTP, no JSON, no text), with the same serve_max_batch: the ceiling.
+The two sides alternate at each count, each repeat, so the load drifts less between them.
+
+Each side: aggregate tokens/s, time to first token at p50 and p95, wall seconds and CPU seconds (the
+server's from /proc, the in-process engine's from this process; the HTTP clients' CPU, also this
+process's, is reported apart), every figure the median of the repeats. The time ratio is the server's
+wall time over the in-process one (the goal is at most 1.3x); the CPU ratio, which a loaded machine
+disturbs less, is the server's CPU seconds over the in-process ones.
+
+    python bench.py --sections=serve                                    # quick start, 1 4 16 64 clients
+    TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py --sections=serve --serve_shape=gpt2 \\
+        --serve_max_tokens=16 --serve_max_batch=16 --repeats=1          # GPT-2 small's shape
 """
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,40 +35,61 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import decode
-from benchmarks.common import ROOT, at_least, int_list, median_time, num, section_list
+from benchmarks.common import ROOT, at_least, int_list, num, section_list
 from core import checkpoint, markdown, runtime
+from core.config import read_config_file
+from core.engine import BatchEngine, EngineRequest, engine_sampling
 from core.errors import UserError
-from core.tokenizer import CharTokenizer
-from model import GPT, window_shift
+from core.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
+from model import GPT, GPTConfig, window_shift
+
+QUICKSTART = "config/train_shakespeare_char_cpu.py"
+SHAPES = ("quickstart", "gpt2")
 
 
 @dataclasses.dataclass
 class Settings:
-    serve_clients: str = "1,4,16"  # concurrent clients, one request each
-    serve_max_tokens: int = 64     # new tokens per request (sampled, temperature 1, no stop: always this many)
-    serve_prompt_len: int = 16
+    serve_shape: str = "quickstart"  # quickstart (QUICKSTART's model, 65 symbols) or gpt2 (GPT-2 small, its BPE)
+    serve_clients: str = "1,4,16,64"  # concurrent streaming clients, one request each
+    serve_max_tokens: int = 64       # new tokens per request (sampled, no stop: always this many)
+    serve_prompt_len: int = 6
+    serve_max_batch: int = 64        # serve.py's --max_batch and the in-process engine's: rows decoded at once
+
+
+PRESETS = {"gpt2": dict(serve_shape="gpt2")}
 
 
 def check(cfg) -> None:
-    at_least(cfg, 1, "serve_max_tokens", "serve_prompt_len")
+    at_least(cfg, 1, "serve_max_tokens", "serve_prompt_len", "serve_max_batch")
     int_list(cfg.serve_clients, "serve_clients")
-    if "serve" in section_list(cfg) and cfg.serve_prompt_len > cfg.decode_block_size:
-        raise UserError(f"serve_prompt_len {cfg.serve_prompt_len} is longer than "
-                        f"decode_block_size {cfg.decode_block_size}")
+    if cfg.serve_shape not in SHAPES:
+        raise UserError(f"serve_shape must be one of {', '.join(SHAPES)}, got '{cfg.serve_shape}'")
+    if "serve" in section_list(cfg) and cfg.serve_prompt_len > model_config(cfg.serve_shape).block_size:
+        raise UserError(f"serve_prompt_len {cfg.serve_prompt_len} is longer than the {cfg.serve_shape} model's "
+                        f"block_size {model_config(cfg.serve_shape).block_size}")
 
 
-def serve_checkpoint(cfg, out_dir: Path) -> tuple[GPT, CharTokenizer, str]:
-    """The decode section's model (random weights) saved as a checkpoint serve.py can load, with a character
-    vocabulary of decode_vocab_size stand-in characters; returns the model, the tokenizer and a prompt."""
+def preflight(cfg) -> None:
+    if cfg.serve_shape == "gpt2":
+        GPT2Tokenizer()  # fail now, not after minutes of measuring, if the BPE file cannot be loaded
+
+
+def model_config(shape: str) -> GPTConfig:
+    if shape == "gpt2":
+        return GPTConfig()  # GPT-2 small, its vocabulary padded to 50304
+    quick = read_config_file(str(ROOT / QUICKSTART))
+    return GPTConfig(vocab_size=65, **{k: quick[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout")})
+
+
+def serve_checkpoint(cfg, out_dir: Path) -> tuple[GPT, Tokenizer]:
+    """A model of random weights in the chosen shape, saved where serve.py --out_dir loads it."""
     torch.manual_seed(cfg.seed)
-    mc = decode.model_config(cfg)
+    mc = model_config(cfg.serve_shape)
     model = GPT(mc)
-    tok = CharTokenizer([chr(0x100 + i) for i in range(mc.vocab_size)])  # any distinct printable characters
+    tok = GPT2Tokenizer() if cfg.serve_shape == "gpt2" else CharTokenizer([chr(0x100 + i) for i in range(65)])
     checkpoint.save_checkpoint(out_dir, {"model_args": dataclasses.asdict(mc), "tokenizer": tok.meta(), "iter_num": 0},
                                model.state_dict())
-    prompt = tok.decode([i % mc.vocab_size for i in range(cfg.serve_prompt_len)])
-    return model, tok, prompt
+    return model, tok
 
 
 def process_cpu_s(pid: int) -> float | None:
@@ -66,92 +101,151 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def start_server(cfg, rt: runtime.Runtime, out_dir: Path, port: int):
-    import httpx
-    threads = str(cfg.threads or os.cpu_count())  # the same torch threads as this process
-    env = os.environ | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+def start_server(cfg, rt: runtime.Runtime, out_dir: Path) -> tuple[subprocess.Popen, str]:
+    import httpx  # a dev dependency (requirements-dev.txt), needed by this section alone
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     log = open(out_dir / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"--out_dir={out_dir}",
-                             "--model_name=bench", f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"--out_dir={out_dir}", "--model_name=bench",
+                             f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
+                             f"--threads={cfg.threads}", f"--max_batch={cfg.serve_max_batch}",
                              f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc, url
         time.sleep(0.2)
     proc.kill()
     raise UserError(f"serve.py did not start for the serve section:\n{(out_dir / 'serve.log').read_text()[-2000:]}")
 
 
-def clients_row(cfg, rt: runtime.Runtime, model: GPT, tok: CharTokenizer, prompt: str, server, port: int,
-                c: int) -> dict:
-    """c concurrent requests to the server against the same c generations in this process."""
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+async def at_once(one, clients: int) -> tuple[float, list[float]]:
+    """Wall seconds for `clients` calls of one(seed, t0) run at once, and each one's time to first token."""
+    t0 = time.perf_counter()
+    ttfts = await asyncio.gather(*(one(seed, t0) for seed in range(clients)))
+    return time.perf_counter() - t0, list(ttfts)
+
+
+def in_process(engine: BatchEngine, prompt: list[int], clients: int, max_tokens: int) -> tuple[float, list[float]]:
+    """The same requests submitted at once to a BatchEngine in this process: the ceiling."""
+    async def one(seed, t0):
+        sampling = engine_sampling(1.0, None, None, seed, engine.device, None, engine.window_shift, engine.vocab_size)
+        first, tokens = None, 0
+        async for step in engine.submit(EngineRequest(prompt, 1, max_tokens, sampling), asyncio.get_running_loop()
+                                        ).events():
+            first, tokens = first or time.perf_counter() - t0, tokens + len(step)
+        if tokens != max_tokens:
+            raise UserError(f"the in-process engine gave {tokens} tokens, not {max_tokens}")
+        return first
+    return asyncio.run(at_once(one, clients))
+
+
+def over_http(url: str, prompt: list[int], clients: int, max_tokens: int) -> tuple[float, list[float]]:
+    """clients concurrent streaming /v1/completions requests; each one's usage is checked."""
     import httpx
+    async def one(client, seed, t0):
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+                "stream": True, "stream_options": {"include_usage": True}}
+        first, usage = None, None
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    first = first or time.perf_counter() - t0
+                    if '"usage": {' in line:  # the last chunk (include_usage)
+                        usage = json.loads(line[len("data: "):])["usage"]
+        if r.status_code != 200 or (usage or {}).get("completion_tokens") != max_tokens:
+            raise UserError(f"serve.py answered {r.status_code} without {max_tokens} tokens (usage {usage})")
+        return first
 
-    def in_process():  # what the server does for c requests, without HTTP: one generate each
-        ids = torch.tensor([tok.encode(prompt)], device=rt.device)  # (1, T)
-        for seed in range(c):
-            model.generate(ids, cfg.serve_max_tokens, temperature=1.0, vocab_size=tok.vocab_size,
-                           generator=torch.Generator(device=rt.device).manual_seed(seed),
-                           window_shift=window_shift(None, model.config.block_size))
+    async def every():
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=clients)) as c:
+            return await at_once(lambda seed, t0: one(c, seed, t0), clients)
+    return asyncio.run(every())
 
-    async def requests():
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            replies = await asyncio.gather(*(client.post("/v1/completions", json={
-                "model": "bench", "prompt": prompt, "max_tokens": cfg.serve_max_tokens,
-                "temperature": 1.0, "seed": seed}) for seed in range(c)))
-        for r in replies:
-            if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != cfg.serve_max_tokens:
-                raise UserError(f"serve.py answered {r.status_code}: {r.text[:300]}")
 
-    row = {"clients": c, "tokens": c * cfg.serve_max_tokens}
-    for way, fn in (("in_process", in_process), ("server", lambda: asyncio.run(requests()))):
-        cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
-        row[f"{way}_s"] = median_time(fn, cfg.warmup, cfg.repeats, rt.synchronize)
-        runs = cfg.warmup + cfg.repeats
-        # this process's CPU: the model in-process; the HTTP client for the server
-        row["in_process_cpu_s" if way == "in_process" else "server_client_cpu_s"] = (time.process_time() - cpu0) / runs
-        if way == "server" and server0 is not None:
-            row["server_cpu_s"] = (process_cpu_s(server.pid) - server0) / runs
-    return row | {"requests_per_s": c / row["server_s"], "tokens_per_s": row["tokens"] / row["server_s"],
-                  "in_process_tokens_per_s": row["tokens"] / row["in_process_s"],
-                  "overhead": row["server_s"] / row["in_process_s"]}
+def side(runs: list[dict], tokens: int) -> dict:
+    """The medians of one side's runs at one client count."""
+    med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    return med | {"tokens_per_s": tokens / med["s"]}
+
+
+def clients_rows(cfg, engine: BatchEngine, url: str, server: subprocess.Popen, prompt: list[int]) -> list[dict]:
+    counts = int_list(cfg.serve_clients, "serve_clients")
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for repeat in range(cfg.warmup + cfg.repeats):
+        for c in counts:  # the two sides alternate at each count
+            cpu0 = time.process_time()
+            s, ttfts = in_process(engine, prompt, c, cfg.serve_max_tokens)
+            run = {"s": s, "cpu_s": time.process_time() - cpu0}
+            runs.setdefault((c, "in_process"), []).append(run | ttft(ttfts))
+            cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
+            s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens)
+            run = {"s": s, "client_cpu_s": time.process_time() - cpu0}
+            if server0 is not None:
+                run["cpu_s"] = process_cpu_s(server.pid) - server0
+            runs.setdefault((c, "server"), []).append(run | ttft(ttfts))
+    rows = []
+    for c in counts:
+        tokens = c * cfg.serve_max_tokens
+        timed = {way: side(runs[c, way][cfg.warmup:], tokens) for way in ("server", "in_process")}
+        row = {"clients": c, "tokens": tokens, **timed, "time_ratio": timed["server"]["s"] / timed["in_process"]["s"]}
+        if "cpu_s" in timed["server"]:
+            row["cpu_ratio"] = timed["server"]["cpu_s"] / timed["in_process"]["cpu_s"]
+        rows.append(row)
+    for row in rows:  # against the first count's (one client's, by default)
+        row["vs_first"] = row["server"]["tokens_per_s"] / rows[0]["server"]["tokens_per_s"]
+    return rows
+
+
+def ttft(ttfts: list[float]) -> dict:
+    return {"ttft_p50_ms": 1000 * percentile(ttfts, 0.5), "ttft_p95_ms": 1000 * percentile(ttfts, 0.95)}
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        model, tok, prompt = serve_checkpoint(cfg, Path(tmp))
+        model, tok = serve_checkpoint(cfg, Path(tmp))
         model = runtime.inference_model(model, rt)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = start_server(cfg, rt, Path(tmp), port)
+        prompt = [i % tok.vocab_size for i in range(1, cfg.serve_prompt_len + 1)]
+        engine = BatchEngine(model, cfg.serve_max_batch, window_shift(None, model.config.block_size), tok.vocab_size)
+        engine.start()
+        server, url = start_server(cfg, rt, Path(tmp))
         try:
-            rows = [clients_row(cfg, rt, model, tok, prompt, server, port, c)
-                    for c in int_list(cfg.serve_clients, "serve_clients")]
+            rows = clients_rows(cfg, engine, url, server, prompt)
         finally:
             server.terminate()
             server.wait(60)
+            engine.stop()
+            engine.thread.join()
     mc = model.config
-    return {"model": f"{mc.n_layer} layers x {mc.n_embd} wide, {mc.n_head} heads, block_size {mc.block_size}, "
-                     f"vocab {mc.vocab_size}", "params": model.get_num_params(), "prompt_tokens": cfg.serve_prompt_len,
-            "max_tokens": cfg.serve_max_tokens, "repeats": cfg.repeats, "rows": rows}
+    return {"shape": cfg.serve_shape, "params": model.get_num_params(),
+            "model": f"{mc.n_layer} layers x {mc.n_embd} wide, {mc.n_head} heads, block_size {mc.block_size}, "
+                     f"vocab {mc.vocab_size}",
+            "prompt_tokens": cfg.serve_prompt_len, "max_tokens": cfg.serve_max_tokens,
+            "max_batch": cfg.serve_max_batch, "repeats": cfg.repeats, "rows": rows}
 
 
 def table(r: dict) -> str:
     rows = []
     for row in r["rows"]:
-        server_cpu = row.get("server_cpu_s")
-        rows.append([row["clients"], num(row["requests_per_s"], 2), num(row["tokens_per_s"], 1),
-                     num(row["in_process_tokens_per_s"], 1), f"{row['overhead']:.2f}x", num(row["in_process_cpu_s"], 2),
-                     "n/a" if server_cpu is None else num(server_cpu, 2), num(row["server_client_cpu_s"], 2),
-                     "n/a" if server_cpu is None else
-                     f"{(server_cpu + row['server_client_cpu_s']) / row['in_process_cpu_s']:.2f}x"])
-    return (f"### Serving: serve.py over HTTP against the same generations in-process\n{r['model']}; "
-            f"{r['params'] / 1e6:.2f}M parameters; each client sends one /v1/completions request at once "
-            f"({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled); in-process: the same "
-            f"generations one model.generate after another; wall: median of {r['repeats']}; CPU: seconds per run\n\n"
-            + markdown.table(["clients", "requests/s", "tokens/s", "in-process tokens/s", "wall ratio",
-                              "in-process CPU s", "server CPU s", "client CPU s", "CPU ratio"], rows))
+        sv, ip = row["server"], row["in_process"]
+        rows.append([row["clients"], num(sv["tokens_per_s"], 1), f"{row['vs_first']:.1f}x",
+                     f"{num(sv['ttft_p50_ms'])} / {num(sv['ttft_p95_ms'])}", num(ip["tokens_per_s"], 1),
+                     f"{num(ip['ttft_p50_ms'])} / {num(ip['ttft_p95_ms'])}", f"{row['time_ratio']:.2f}x",
+                     "n/a" if "cpu_s" not in sv else f"{num(sv['cpu_s'], 2)} / {num(ip['cpu_s'], 2)}",
+                     "n/a" if "cpu_ratio" not in row else f"{row['cpu_ratio']:.2f}x", num(sv["client_cpu_s"], 2)])
+    return (f"### Serving: serve.py over HTTP against the same rows batched in-process ({r['shape']})\n"
+            f"{r['model']}; {r['params'] / 1e6:.2f}M parameters; each client streams one /v1/completions request, "
+            f"all at once ({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled); max_batch "
+            f"{r['max_batch']} on both sides; medians of {r['repeats']}\n\n"
+            + markdown.table(["clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms", "in-process tok/s",
+                              "in-process TTFT ms", "time ratio", "CPU s server / in-process", "CPU ratio",
+                              "client CPU s"], rows))

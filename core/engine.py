@@ -103,11 +103,9 @@ class Handle:
         self.cancelled = threading.Event()
         self.submitted = time.monotonic()
 
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-        except RuntimeError:  # the event loop has closed (shutting down): nobody is waiting for this any more
-            pass
+    def queued(self) -> int:
+        """Events that have arrived and not been taken yet (more than 0: the caller lags the engine)."""
+        return self.out.qsize()
 
     async def events(self) -> AsyncIterator:
         """Each event until the generation ends; leaving early (the caller's break or close) cancels it."""
@@ -118,6 +116,12 @@ class Handle:
                 yield item
         finally:
             self.cancelled.set()
+
+
+def deliver(events: list[tuple[Handle, object]]) -> None:
+    """On a caller's event loop: one engine step's events, each to its handle's queue."""
+    for handle, item in events:
+        handle.out.put_nowait(item)
 
 
 class Active:
@@ -157,6 +161,7 @@ class BatchEngine:
         self.active: list[Active] = []
         self.pending: queue.Queue[Handle] = queue.Queue()
         self.waiting: list[Handle] = []  # taken from pending, not yet admitted (no room)
+        self.outbox: list[tuple[Handle, object]] = []  # this step's events, sent together by _flush
         self.stopping = threading.Event()
         self.running = 0  # requests in the batch (for /health and /metrics)
         self.tokens_generated = 0  # steps taken, one per request per step (for /health)
@@ -194,10 +199,28 @@ class BatchEngine:
             except Exception as e:  # out of memory, a broken model: these requests fail, the server goes on
                 for a in list(self.active):
                     self._finish(a, RuntimeError(f"generation failed: {first_line(e)}"))
+            self._flush()
         for a in list(self.active):
             self._finish(a, ServerStopping())
         for h in self.waiting + list(self.pending.queue):
-            h.put(ServerStopping())
+            self._send(h, ServerStopping())
+        self._flush()
+
+    def _send(self, handle: Handle, item) -> None:
+        self.outbox.append((handle, item))
+
+    def _flush(self) -> None:
+        """A step's events cross to each event loop in one call: one wake-up of the loop per step, not one
+        per request (each is a write to the loop's self-pipe and a callback, under the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, item in self.outbox:
+            by_loop.setdefault(handle.loop, []).append((handle, item))
+        self.outbox = []
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(deliver, events)
+            except RuntimeError:  # the event loop has closed (shutting down): nobody is waiting for these any more
+                pass
 
     def _admit(self, block: bool) -> None:
         """Move requests that fit into free slots, first come first served; wait a little when idle."""
@@ -211,7 +234,7 @@ class BatchEngine:
         while self.waiting and self.waiting[0].req.n <= len(self.free):
             handle = self.waiting.pop(0)
             if handle.cancelled.is_set():
-                handle.put(None)
+                self._send(handle, None)
                 continue
             slots = sorted(self.free)[:handle.req.n]  # the lowest free slots keep the decode batch short
             self.free = [s for s in self.free if s not in slots]
@@ -220,7 +243,7 @@ class BatchEngine:
                 self.active.append(Active(handle, slots, self.model.config.vocab_size, self.block_size, self.device))
             except Exception as e:  # a logit_bias id past the model's vocabulary, say: this request fails alone
                 self.free += slots
-                handle.put(RuntimeError(f"generation failed: {first_line(e)}"))
+                self._send(handle, RuntimeError(f"generation failed: {first_line(e)}"))
         self.running = len(self.active)
 
     def _drop_cancelled(self) -> None:
@@ -229,7 +252,7 @@ class BatchEngine:
                 self._finish(a, None)
 
     def _finish(self, a: Active, end) -> None:
-        a.handle.put(end)
+        self._send(a.handle, end)
         self.active.remove(a)
         self.cache.pos[a.slots] = 0  # a free slot rides along as a dummy at position 0
         self.free += a.slots
@@ -283,7 +306,7 @@ class BatchEngine:
             self.cache.v[:, other, :, :T] = self.cache.v[:, slot, :, :T]
             self.cache.pos[other] = T
         if a.req.echo:
-            a.handle.put(PromptScores(a.prompt_scores))
+            self._send(a.handle, PromptScores(a.prompt_scores))
         return logits.float().expand(len(a.slots), -1), used
 
     def _feed(self, slot: int, seq: list[int], budget: int, last_only: bool):
@@ -353,7 +376,7 @@ class BatchEngine:
         self.tokens_generated += 1
         if self.metrics is not None:
             self.metrics.token(a.handle, len(ids))
-        a.handle.put([RowStep(t, sc) for t, sc in zip(ids, scores)])
+        self._send(a.handle, [RowStep(t, sc) for t, sc in zip(ids, scores)])
         if a.generated == req.max_tokens or (s.eot_token is not None and bool(a.done.all())):
             self._finish(a, None)
             return

@@ -255,14 +255,31 @@ def test_thread_count_is_restored(tmp_path):
 
 
 def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
-    """A real serve.py process answers every request (benchmarks.serve checks each reply's token count)."""
+    """A real serve.py process streams every request (benchmarks.serve checks each one's usage), alternated
+    with the same requests through an in-process BatchEngine (which must give each its tokens too)."""
     result = bench.main(tiny_argv(tmp_path, sections="serve", serve_clients="1,3", serve_max_tokens=5,
-                                  serve_prompt_len=4))
-    rows = result["serve"]["rows"]
+                                  serve_prompt_len=4, serve_max_batch=2))  # 3 clients > 2 slots: one waits
+    serve = result["serve"]
+    rows = serve["rows"]
+    assert serve["shape"] == "quickstart" and serve["model"].startswith("4 layers x 128 wide")
     assert [row["clients"] for row in rows] == [1, 3] and [row["tokens"] for row in rows] == [5, 15]
-    assert_positive_numbers(result["serve"])
+    assert_positive_numbers(serve)
     for row in rows:
-        assert row["requests_per_s"] == pytest.approx(row["clients"] / row["server_s"])
-        assert row["overhead"] == pytest.approx(row["server_s"] / row["in_process_s"])
+        for way in ("server", "in_process"):
+            assert row[way]["tokens_per_s"] == pytest.approx(row["tokens"] / row[way]["s"])
+            assert row[way]["ttft_p50_ms"] <= row[way]["ttft_p95_ms"] <= 1000 * row[way]["s"]
+        assert row["time_ratio"] == pytest.approx(row["server"]["s"] / row["in_process"]["s"])
+        assert row["cpu_ratio"] == pytest.approx(row["server"]["cpu_s"] / row["in_process"]["cpu_s"])
+    assert rows[0]["vs_first"] == 1
     assert "### Serving" in capsys.readouterr().out
     assert json.loads((tmp_path / "bench.json").read_text())["serve"]["rows"][1]["clients"] == 3
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--serve_shape=gpt3"], "serve_shape"),
+    (["--sections=serve", "--serve_prompt_len=65"], "block_size 64"),
+    (["--serve_clients=1,x"], "serve_clients"),
+])
+def test_bad_serve_flags_are_user_errors(argv, fragment):
+    with pytest.raises(UserError, match=fragment):
+        bench.load_config(argv)
