@@ -585,24 +585,9 @@ def tokenize_documents(ds, tok: Tokenizer, num_proc: int, desc: str = "tokenizin
 
     features = datasets.Features({"ids": datasets.List(datasets.Value(np.dtype(token_dtype(tok)).name)),
                                   "len": datasets.Value("int64")})
-    with _tokenizers_forked():
-        return ds.map(_tokenize_batch, batched=True, remove_columns=ds.column_names, features=features,
-                      fn_kwargs={"meta_json": json.dumps(tok.meta(), sort_keys=True)},
-                      num_proc=min(num_proc, max(1, len(ds))), desc=desc)
-
-
-@contextlib.contextmanager
-def _tokenizers_forked():
-    """The `tokenizers` library warns in every forked worker once its threads have run (training a BPE)
-    unless TOKENIZERS_PARALLELISM is set; the workers encode one document at a time, so say so for them."""
-    if "TOKENIZERS_PARALLELISM" in os.environ:
-        yield
-        return
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        del os.environ["TOKENIZERS_PARALLELISM"]
+    return ds.map(_tokenize_batch, batched=True, remove_columns=ds.column_names, features=features,
+                  fn_kwargs={"meta_json": json.dumps(tok.meta(), sort_keys=True)},
+                  num_proc=min(num_proc, max(1, len(ds))), desc=desc)
 
 
 def dataset_texts(ds, batch_size: int = 1024) -> Iterator[str]:
