@@ -72,6 +72,9 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     data = {split: TokenData(cfg.data_dir, split, cfg.block_size, loss_mask=cfg.loss_mask) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
     model, tok_meta, resumed = build_model(cfg, data_meta, rt, log)  # resumed: None unless init_from=resume
+    # A model from weights (a folder, the hub, a base run) has their shape, not the config's: config.json
+    # records that, so `--init_from=resume --out_dir=RUN` resumes with the shape the checkpoint holds.
+    cfg = dataclasses.replace(cfg, **{k: getattr(model.config, k) for k in ARCHITECTURE_KEYS})
     stop.check(starting)
     # Then dropout masks of their own per rank (batches come from their own generators, never from this).
     torch.manual_seed(cfg.seed + rt.rank)

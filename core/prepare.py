@@ -4,14 +4,17 @@ meta.json, in the format core/data.py reads. The data/<name>/prepare.py scripts 
 Any text (data/text/prepare.py, and tiny Shakespeare's two scripts) goes through prepare_corpus:
 files -> documents -> whole-document train/val -> a tokenizer (char, GPT-2's BPE, a BPE trained on the
 train split, a folder's tokenizer.json) -> streamed encoding -> train.bin, val.bin, meta.json. The web
-corpora (openwebtext, fineweb) go through prepare_web_corpus: Hugging Face datasets, GPT-2's BPE in
-worker processes, shards.
+corpora (openwebtext, fineweb) go through prepare_web_corpus: Hugging Face datasets, whole-document
+train/val, the same tokenizer choice (make_tokenizer) and document marks (document_affixes), encoding in
+worker processes, shards; both end in write_meta.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
+import json
 import os
 import re
 import shutil
@@ -28,7 +31,7 @@ from core.data import shard_paths
 from core.errors import UserError, first_line
 from core.fileio import atomic_path, fsync_dir, write_json
 from core.tokenizer import (EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, check_bpe_vocab,
-                            train_bpe)
+                            tokenizer_from_meta, train_bpe)
 
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -199,6 +202,8 @@ class WebPrepareConfig:
     data_files: str | None = None    # local parquet/json/jsonl/txt files with a `text` column (comma-separated,
                                      # globs allowed; each .txt file is one document); default: the hub dataset
     out_dir: str | None = None       # default: the prepare.py script's own folder
+    tokenizer: str = "gpt2"          # gpt2 | bpe:VOCAB (trained on the train split) | a transformers folder or
+                                     # tokenizer.json; as data/text/prepare.py's --tokenizer, without char
     val_fraction: float = 0.0005     # of documents, held out as the val split
     seed: int = 2357                 # of the train/val split
     num_proc: int = max(1, (os.cpu_count() or 2) // 2)  # worker processes for download and tokenization
@@ -212,6 +217,8 @@ class WebPrepareConfig:
             raise UserError(f"num_proc must be at least 1, got {self.num_proc}")
         if self.shard_tokens < 1:
             raise UserError(f"shard_tokens must be at least 1, got {self.shard_tokens}")
+        # No char: its vocabulary is every character of the corpus, known only after a whole pass.
+        check_tokenizer_spec(self.tokenizer, char=False)
 
 
 def prepare_text_corpus(cfg: TextPrepareConfig, tokenizer: str, script_file: str) -> dict:
@@ -368,8 +375,12 @@ def chunks_encode_whole(tok: Tokenizer) -> bool:
                for p in probes)
 
 
-def check_tokenizer_spec(spec: str) -> None:
-    """A UserError now, before any reading, unless `spec` is char, gpt2, bpe:VOCAB (large enough) or a path."""
+def check_tokenizer_spec(spec: str, char: bool = True) -> None:
+    """A UserError now, before any reading, unless `spec` is char (where `char`), gpt2, bpe:VOCAB (large
+    enough) or a path."""
+    kinds = ("char, " if char else "") + "gpt2, bpe:VOCAB, a transformers folder or a tokenizer.json"
+    if spec == "char" and not char:
+        raise UserError(f"--tokenizer=char is for data/text/prepare.py; this corpus takes {kinds}")
     if spec in ("char", "gpt2"):
         return
     if spec.startswith("bpe:"):
@@ -379,8 +390,7 @@ def check_tokenizer_spec(spec: str) -> None:
         check_bpe_vocab(int(vocab), bpe_reserved())
         return
     if not Path(spec).exists():
-        raise UserError(f"--tokenizer={spec}: expected char, gpt2, bpe:VOCAB, a transformers folder or a "
-                        f"tokenizer.json; no such file or folder")
+        raise UserError(f"--tokenizer={spec}: expected {kinds}; no such file or folder")
 
 
 def bpe_reserved() -> tuple[str, ...]:
@@ -390,14 +400,15 @@ def bpe_reserved() -> tuple[str, ...]:
     return (EOT, *CHAT_TOKENS)
 
 
-def make_tokenizer(spec: str, segments: list[Segment], chars: set[str]) -> Tokenizer:
-    """The tokenizer `spec` names; a BPE is trained here on the train split, streamed."""
+def make_tokenizer(spec: str, train_texts: Iterable[str] = (), chars: set[str] | None = None) -> Tokenizer:
+    """The tokenizer `spec` names; a BPE is trained here on `train_texts` (the train split, streamed: a
+    lazy iterable, read only for bpe:VOCAB); a char vocabulary is `chars`."""
     if spec == "char":
-        return CharTokenizer(sorted(chars))
+        return CharTokenizer(sorted(chars or ()))
     if spec == "gpt2":
         return GPT2Tokenizer()
     if spec.startswith("bpe:"):
-        texts = (text for seg in segments if seg.split == "train" for text in segment_text(seg))
+        texts = iter(train_texts)
         print(f"training a byte-level BPE of {spec[4:]} ids on the train split", file=sys.stderr)
         start = time.perf_counter()
         tok = train_bpe(texts, int(spec[4:]), bpe_reserved(), progress=sys.stderr.isatty())
@@ -421,6 +432,29 @@ def document_affixes(tok: Tokenizer) -> tuple[list[int], list[int]]:
     return full[:i], full[i + len(plain):]
 
 
+def document_joiner(tok: Tokenizer) -> list[int]:
+    """What marks where a document ends when the post-processor marks nothing: <|endoftext|>, as in GPT-2's
+    own training data (GPT-2's BPE, a trained BPE); [] for a char vocabulary (it has none) or a folder's
+    tokenizer whose post-processor adds its BOS/EOS."""
+    return [tok.eot_token] if document_affixes(tok) == ([], []) and tok.eot_token is not None else []
+
+
+def token_dtype(tok: Tokenizer):
+    """uint16 token files, or uint32 past 65,536 ids."""
+    return np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+
+
+def write_meta(out_dir: Path, tok: Tokenizer, meta: dict) -> dict:
+    """tokenizer.json beside meta.json for a BPE or a folder's tokenizer (the same JSON meta.json holds, for
+    the tools that read tokenizer.json), then meta.json, last: its token counts vouch for the token files."""
+    meta = {**tok.meta(), "dtype": np.dtype(token_dtype(tok)).name, **meta}
+    if isinstance(tok, HFTokenizer):
+        with atomic_path(out_dir / "tokenizer.json") as tmp:
+            tmp.write_text(tok.json, encoding="utf-8")
+    write_json(out_dir / "meta.json", meta)
+    return meta
+
+
 def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, BinaryIO], dtype) -> dict:
     """Each segment's ids appended to its split's file; returns the token counts per split.
 
@@ -430,7 +464,7 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
     from tqdm import tqdm
 
     prefix, suffix = document_affixes(tok)
-    joiner = [tok.eot_token] if not (prefix or suffix) and tok.eot_token is not None else []
+    joiner = document_joiner(tok)
     whole = chunks_encode_whole(tok)
     counts = {split: 0 for split in files}
     with tqdm(total=sum(s.end - s.begin for s in segments), unit="char", unit_scale=True, desc="tokenizing",
@@ -466,8 +500,9 @@ def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike
         raise UserError(f"the input ({', '.join(map(str, files))}) holds no text; nothing written")
     segments = split_documents(docs, val_fraction, seed)
     start = time.perf_counter()
-    tok = make_tokenizer(tokenizer, segments, chars)
-    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    train_texts = (text for seg in segments if seg.split == "train" for text in segment_text(seg))
+    tok = make_tokenizer(tokenizer, train_texts, chars)
+    dtype = token_dtype(tok)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
@@ -479,15 +514,12 @@ def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike
     for split in ("train", "val"):
         for stale in shard_paths(out_dir, split):  # from an earlier sharded prepare into this folder
             stale.unlink()
-    meta = {**tok.meta(), "dtype": np.dtype(dtype).name, "train_tokens": counts["train"], "val_tokens": counts["val"],
+    meta = {"train_tokens": counts["train"], "val_tokens": counts["val"],
             "train_documents": sum(s.split == "train" for s in segments),
             "val_documents": sum(s.split == "val" for s in segments), "source": [str(p) for p in files]}
     if separator is not None:
         meta["separator"] = separator
-    if isinstance(tok, HFTokenizer):  # the same JSON meta.json holds, for the tools that read tokenizer.json
-        with atomic_path(out_dir / "tokenizer.json") as tmp:
-            tmp.write_text(tok.json, encoding="utf-8")
-    write_json(out_dir / "meta.json", meta)
+    meta = write_meta(out_dir, tok, meta)
     split_how = "whole documents" if len(docs) > 1 else "the last characters of its one document"
     print(f"{tok.meta()['tokenizer']} vocab_size {tok.vocab_size}: {meta['train_tokens']:,} train and "
           f"{meta['val_tokens']:,} val tokens ({meta['dtype']}; val: {split_how}) to {out_dir} in "
@@ -528,35 +560,50 @@ def load_text_dataset(hub_name: str, hub_config: str | None, data_files: str | N
     return ds
 
 
-def _gpt2_tokenize_batch(batch: dict) -> dict:
-    # Runs in datasets' worker processes. <|endoftext|> after every document marks where it ends,
-    # as in GPT-2's own training data. A plain loop, not tiktoken's threaded encode_batch: the
+@functools.lru_cache(maxsize=1)
+def _worker_tokenizer(meta_json: str) -> tuple[Tokenizer, list[int], list[int]]:
+    """The tokenizer and the ids put before and after each document, built once per worker process."""
+    tok = tokenizer_from_meta(json.loads(meta_json))
+    prefix, suffix = document_affixes(tok)
+    return tok, prefix, suffix + document_joiner(tok)
+
+
+def _tokenize_batch(batch: dict, meta_json: str) -> dict:
+    # Runs in datasets' worker processes, which rebuild the tokenizer from its metadata (a string: cheap to
+    # send, and part of datasets' cache fingerprint, so another tokenizer never reuses a cached encoding).
+    # Each document is whole with its marks (a folder's BOS/EOS, else <|endoftext|> after it): the shuffled
+    # split puts any document next to any other. A plain loop, not a threaded batch encode: the
     # parallelism is num_proc processes, and threads on top of them only contend for the cores.
-    tok = GPT2Tokenizer()
-    ids = [tok.encode(text) + [tok.eot_token] for text in batch["text"]]
+    tok, before, after = _worker_tokenizer(meta_json)
+    ids = [before + tok.encode(text) + after for text in batch["text"]]
     return {"ids": ids, "len": [len(d) for d in ids]}
 
 
-def tokenize_documents(ds, num_proc: int, desc: str = "tokenizing"):
-    """GPT-2 BPE each document of `ds` (column `text`) into columns `ids` (uint16, EOT appended) and `len`."""
+def tokenize_documents(ds, tok: Tokenizer, num_proc: int, desc: str = "tokenizing"):
+    """Each document of `ds` (column `text`) into columns `ids` (uint16 or uint32, with its marks) and `len`."""
     import datasets
 
-    tok = GPT2Tokenizer()  # here, not only in the workers: a missing BPE file fails once, with one line
-    if tok.vocab_size > np.iinfo(np.uint16).max + 1:
-        raise UserError(f"vocab_size {tok.vocab_size} does not fit uint16 token files")
-    features = datasets.Features({"ids": datasets.List(datasets.Value("uint16")), "len": datasets.Value("int64")})
-    return ds.map(_gpt2_tokenize_batch, batched=True, remove_columns=ds.column_names, features=features,
+    features = datasets.Features({"ids": datasets.List(datasets.Value(np.dtype(token_dtype(tok)).name)),
+                                  "len": datasets.Value("int64")})
+    return ds.map(_tokenize_batch, batched=True, remove_columns=ds.column_names, features=features,
+                  fn_kwargs={"meta_json": json.dumps(tok.meta(), sort_keys=True)},
                   num_proc=min(num_proc, max(1, len(ds))), desc=desc)
 
 
-def write_token_shards(tokenized, out_dir: str | os.PathLike, split: str, shard_tokens: int) -> int:
+def dataset_texts(ds, batch_size: int = 1024) -> Iterator[str]:
+    """The `text` column of a datasets.Dataset, a batch at a time from its memory-mapped Arrow files."""
+    for batch in ds.select_columns(["text"]).iter(batch_size=batch_size):
+        yield from batch["text"]
+
+
+def write_token_shards(tokenized, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype) -> int:
     """Concatenate the `ids` of a tokenized dataset into `{split}_*.bin` shards; return the token count."""
     import pyarrow.compute as pc
     from tqdm import tqdm
 
     total = pc.sum(tokenized.with_format("arrow")["len"]).as_py() or 0
-    with ShardWriter(out_dir, split, shard_tokens) as writer, \
-            tqdm(total=total, unit="tok", unit_scale=True, desc=f"writing {split}") as bar:
+    with ShardWriter(out_dir, split, shard_tokens, dtype) as writer, \
+            tqdm(total=total, unit="tok", unit_scale=True, desc=f"writing {split}", disable=None) as bar:
         for table in tokenized.with_format("arrow").iter(batch_size=4096):
             ids = table.column("ids").combine_chunks().flatten().to_numpy()
             writer.write(ids)
@@ -565,24 +612,27 @@ def write_token_shards(tokenized, out_dir: str | os.PathLike, split: str, shard_
 
 
 def prepare_web_corpus(cfg: WebPrepareConfig, hub_name: str, hub_config: str | None, script_file: str) -> dict:
-    """Load → split off val → tokenize (num_proc workers) → uint16 shards → meta.json; print tokens/s."""
+    """Load → split off val (whole documents) → the tokenizer (a BPE trained on the train split, streamed)
+    → tokenize (num_proc workers) → shards → tokenizer.json and meta.json; print tokens/s."""
     out_dir = script_out_dir(cfg.out_dir, script_file)
-    if cfg.data_files is None:
-        GPT2Tokenizer()  # fail before a long download if the BPE file cannot be loaded
+    trained = cfg.tokenizer.startswith("bpe:")
+    tok = None if trained else make_tokenizer(cfg.tokenizer)  # a missing BPE file or bad folder: before a download
     ds = load_text_dataset(hub_name, hub_config, cfg.data_files, cfg.num_proc, cfg.cache_dir)
     if len(ds) < 2:
         raise UserError(f"the source has {len(ds)} document(s); a train and a val split need at least 2")
     start = time.perf_counter()
     splits = ds.train_test_split(test_size=cfg.val_fraction, seed=cfg.seed, shuffle=True)
-    meta = {**GPT2Tokenizer().meta(), "dtype": "uint16",
-            "source": cfg.data_files or (hub_name + (f":{hub_config}" if hub_config else ""))}
+    if trained:
+        tok = make_tokenizer(cfg.tokenizer, dataset_texts(splits["train"]))
+    meta = {"source": cfg.data_files or (hub_name + (f":{hub_config}" if hub_config else ""))}
     for split, part in (("train", splits["train"]), ("val", splits["test"])):
-        tokenized = tokenize_documents(part, cfg.num_proc, desc=f"tokenizing {split}")
-        meta[f"{split}_tokens"] = write_token_shards(tokenized, out_dir, split, cfg.shard_tokens)
+        tokenized = tokenize_documents(part, tok, cfg.num_proc, desc=f"tokenizing {split}")
+        meta[f"{split}_tokens"] = write_token_shards(tokenized, out_dir, split, cfg.shard_tokens, token_dtype(tok))
         meta[f"{split}_documents"] = len(part)
-    write_json(out_dir / "meta.json", meta)
+    meta = write_meta(out_dir, tok, meta)
     seconds = time.perf_counter() - start
     total = meta["train_tokens"] + meta["val_tokens"]
-    print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens to {out_dir} "
-          f"in {seconds:.1f}s: {total / seconds:,.0f} tokens/s")
+    print(f"{meta['tokenizer']} vocab_size {tok.vocab_size}: wrote {meta['train_tokens']:,} train and "
+          f"{meta['val_tokens']:,} val tokens ({meta['dtype']}) to {out_dir} in {seconds:.1f}s: "
+          f"{total / seconds:,.0f} tokens/s")
     return meta

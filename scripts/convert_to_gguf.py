@@ -75,6 +75,21 @@ def pre_tokenizer_name(hf_dir: Path) -> str | None:
                     "implement; only Llama 3's regex ('llama-bpe') converts")
 
 
+def without_bos() -> None:
+    """The GGUF says add_bos_token=false for a folder with no start token (a trained BPE's). Left unsaid,
+    llama.cpp's llama-bpe pre-tokenizer adds one by default, with its default id 11 (GPT-2's ","), before
+    every prompt; the converter writes the flag only where tokenizer_config.json or a post-processor sets it."""
+    import gguf  # the converter's gguf-py, now on the path
+
+    add_to_gguf = gguf.SpecialVocab.add_to_gguf
+
+    def add(self, gw, quiet: bool = False) -> None:
+        self.add_special_token.setdefault("bos", False)
+        add_to_gguf(self, gw, quiet)
+
+    gguf.SpecialVocab.add_to_gguf = add
+
+
 def convert(hf_dir: Path, gguf: Path, outtype: str, converter: Path) -> None:
     """Run convert_hf_to_gguf.py in this process, with the pre-tokenizer named where the folder's regex is known."""
     script = converter / "convert_hf_to_gguf.py"
@@ -87,6 +102,8 @@ def convert(hf_dir: Path, gguf: Path, outtype: str, converter: Path) -> None:
         from conversion import base  # the converter's package, now on the path
 
         base.TextModel.get_vocab_base_pre = lambda self, tokenizer: name
+    if json.loads((hf_dir / "config.json").read_text()).get("bos_token_id") is None:
+        without_bos()
     sys.argv = [str(script), str(hf_dir), "--outfile", str(gguf), "--outtype", outtype]
     runpy.run_path(str(script), run_name="__main__")
 

@@ -191,6 +191,8 @@ def test_a_llama3_regex_bpe_converts_as_llama_bpe(llama3_folder, tmp_path):
     assert field(reader, "tokenizer.ggml.model") == "gpt2"  # llama.cpp's name for byte-level BPE
     assert field(reader, "tokenizer.ggml.pre") == "llama-bpe"
     assert field(reader, "tokenizer.ggml.eos_token_id") == 0
+    # No start token in the folder: said, or llama.cpp's llama-bpe would put its default id 11 before every prompt.
+    assert field(reader, "tokenizer.ggml.add_bos_token") is False and "tokenizer.ggml.bos_token_id" not in reader.fields
     vocab = [tok.backend.id_to_token(i) for i in range(tok.vocab_size)]
     assert field(reader, "tokenizer.ggml.tokens") == vocab
     merges = json.loads(tok.json)["model"]["merges"]

@@ -74,11 +74,21 @@ def reduced(published: dict, vocab_size: int) -> dict:
     return config
 
 
-def write_folder(path, name: str, chars: list[str]) -> None:
+def char_backend(chars: list[str]):
     import tokenizers
 
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    backend.decoder = tokenizers.decoders.Fuse()
+    return backend
+
+
+def write_folder(path, name: str, backend, special: dict | None = None) -> None:
+    """The model's reduced config.json with random, sharpened weights, and `backend` as its tokenizer;
+    `special`: {"bos_token": (text, id), "eos_token": ...} for its config and tokenizer files."""
+    special = special or {}
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(reduced(MODELS[name][0], len(chars))))
+    config = reduced(MODELS[name][0], backend.get_vocab_size()) | {f"{k}_id": i for k, (_, i) in special.items()}
+    (path / "config.json").write_text(json.dumps(config))
     config = transformers.AutoConfig.from_pretrained(path)  # the published keys, read as a downloaded folder's
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -95,9 +105,8 @@ def write_folder(path, name: str, chars: list[str]) -> None:
             elif p.dim() == 1:
                 p.normal_(1.0, 0.2)
     model.save_pretrained(path)
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
-    backend.decoder = tokenizers.decoders.Fuse()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **{k: text for k, (text, _) in special.items()}
+                                         ).save_pretrained(path)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -106,7 +115,7 @@ def folder(request, tmp_path_factory):
     # text, are then the same on every machine
     chars = CharTokenizer.from_text(string.printable + "".join(PROMPTS)).itos
     path = tmp_path_factory.mktemp(request.param)
-    write_folder(path, request.param, chars)
+    write_folder(path, request.param, char_backend(chars))
     return request.param, path
 
 
@@ -170,3 +179,49 @@ def test_sample_py_greedy_equals_transformers_generate(folder):
     out = theirs.generate(torch.tensor([tok.encode(prompt)]), max_new_tokens=30, do_sample=False)
     assert tok.decode(out[0].tolist()) == ours
     assert len(set(ours[len(prompt):])) > 3, "greedy output repeats a token: too weak a model to compare"
+
+
+@pytest.mark.slow
+def test_a_llama_3_2_fine_tune_resumes_exactly_and_exports(tmp_path):
+    """Llama-3.2-1B's shape (llama3 RoPE scaling, tied embeddings, GQA, head_dim) with a trained BPE whose
+    post-processor puts <|begin_of_text|> first: a dataset made with --tokenizer=DIR, train.py --init_from=DIR
+    stopped at iteration 6, then `--init_from=resume --out_dir=RUN` alone gives the uninterrupted run's log
+    (losses, lrs, evals; dropout's RNG included) and weights bit for bit, and export.py of the resumed run
+    gives transformers' logits equal to ours, the scaled RoPE in its config."""
+    import train
+    from core.weights import load_model
+    from tests.helpers import records, train_tiny
+    from tests.test_tokenizer import MIXED, RESERVED, bos_backend, corpus_texts, prepare
+    from core.tokenizer import EOT, train_bpe
+
+    bpe = train_bpe(iter(corpus_texts() + [MIXED]), 600, RESERVED, progress=False)
+    backend, bos = bos_backend(bpe)
+    folder = tmp_path / "llama"
+    write_folder(folder, "Llama-3.2-1B", backend,
+                 {"bos_token": ("<|begin_of_text|>", bos), "eos_token": (EOT, bpe.eot_token)})
+    for i, text in enumerate(corpus_texts() + [MIXED]):
+        (tmp_path / "in").mkdir(exist_ok=True)
+        (tmp_path / "in" / f"doc{i}.txt").write_text(text, encoding="utf-8")
+    data = tmp_path / "data"
+    prepare(f"--input={tmp_path / 'in' / '*.txt'}", f"--tokenizer={folder}", f"--out_dir={data}", "--val_fraction=0.25")
+    common = dict(init_from=str(folder), block_size=32, max_iters=12, lr_decay_iters=12, warmup_iters=2,
+                  log_interval=1, eval_interval=6, learning_rate=3e-3, dropout=0.1)
+    train_tiny(tmp_path / "a", data, **common)
+    train_tiny(tmp_path / "b", data, **(common | {"max_iters": 6}))
+    resumed = run_main(train.main, ["--init_from=resume", f"--out_dir={tmp_path / 'b'}", "--max_iters=12"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert records(tmp_path / "b", timings=False) == records(tmp_path / "a", timings=False)
+    (a, _, _), (b, tok, _) = (load_model("resume", tmp_path / run) for run in "ab")
+    assert b.config.rope_type == "llama3" and b.config.rope_factor == 32.0 and b.config.n_kv_head == 8
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+    result = run_main(export.main, [f"--out_dir={tmp_path / 'b'}", f"--hf_dir={tmp_path / 'hf'}"])
+    assert result.returncode == 0, result.stderr
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    published = transformers.AutoConfig.from_pretrained(folder).to_dict()
+    for key in ("rope_parameters", "num_key_value_heads", "head_dim", "tie_word_embeddings", "bos_token_id"):
+        assert theirs.config.to_dict().get(key) == published.get(key), key
+    idx = torch.tensor([tok.encode(MIXED)[:32]])
+    with torch.no_grad():
+        torch.testing.assert_close(b.eval()(idx)[0], theirs(idx).logits, **TOL)
+    assert attention_peak(b, idx) > 0.4, "attention too flat for the comparison to mean anything"

@@ -7,6 +7,7 @@ Tiny Shakespeare comes from ../shared/data (copied into a temp folder) and GPT-2
 why, where they are absent.
 """
 import importlib.util
+import inspect
 import io
 import json
 import shutil
@@ -19,7 +20,7 @@ import pytest
 import core.prepare
 from core.data import TokenData
 from core.errors import UserError
-from core.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer
+from core.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 from tests.helpers import assert_user_error, run_scripts, use_gpt2_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,9 +36,9 @@ def load_script(name: str):
     return module
 
 
-def read_split(out_dir: Path, split: str) -> np.ndarray:
+def read_split(out_dir: Path, split: str, dtype=np.uint16) -> np.ndarray:
     files = sorted(out_dir.glob(f"{split}.bin")) or sorted(out_dir.glob(f"{split}_*.bin"))
-    return np.concatenate([np.fromfile(f, dtype=np.uint16) for f in files])
+    return np.concatenate([np.fromfile(f, dtype=dtype) for f in files])
 
 
 @pytest.fixture
@@ -140,22 +141,23 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
     return path
 
 
-def check_web_output(out_dir: Path, docs: list[str], gpt2: GPT2Tokenizer, meta: dict) -> None:
-    expected = sum(len(gpt2.encode(d)) + 1 for d in docs)  # one <|endoftext|> per document
-    train, val = read_split(out_dir, "train"), read_split(out_dir, "val")
-    assert meta["train_tokens"] + meta["val_tokens"] == len(train) + len(val) == expected
-    assert meta["train_documents"] + meta["val_documents"] == len(docs) and meta["val_documents"] >= 1
-    assert (train[-1], val[-1]) == (GPT2_EOT, GPT2_EOT)
-    ids = np.concatenate([train, val]).tolist()
-    found, doc = [], []
-    for i in ids:
-        if i == GPT2_EOT:
-            found.append(gpt2.decode(doc))
-            doc = []
-        else:
-            doc.append(i)
-    assert sorted(found) == sorted(docs)  # every document, whole, once
-    assert {k: meta[k] for k in ("tokenizer", "vocab_size", "eot_token")} == gpt2.meta()
+def web_documents(out_dir: Path, split: str, eot: int, dtype=np.uint16) -> list[list[int]]:
+    """The split's ids cut after each <|endoftext|> (which ends every document), in shard order."""
+    ids = read_split(out_dir, split, dtype).tolist()
+    assert ids[-1] == eot
+    cuts = [0] + [i + 1 for i, t in enumerate(ids) if t == eot]
+    return [ids[a:b - 1] for a, b in zip(cuts, cuts[1:])]
+
+
+def check_web_output(out_dir: Path, docs: list[str], tok, meta: dict) -> None:
+    expected = sum(len(tok.encode(d)) + 1 for d in docs)  # one <|endoftext|> per document
+    train, val = web_documents(out_dir, "train", tok.eot_token), web_documents(out_dir, "val", tok.eot_token)
+    assert meta["train_tokens"] + meta["val_tokens"] == sum(map(len, train + val)) + len(train + val) == expected
+    assert (meta["train_documents"], meta["val_documents"]) == (len(train), len(val)) and len(val) >= 1
+    assert sorted(tok.decode(d) for d in train + val) == sorted(docs)  # every document, whole, once
+    assert all(tok.encode(tok.decode(d)) == d for d in train + val)
+    assert json.loads((out_dir / "meta.json").read_text()) == meta and meta["dtype"] == "uint16"
+    assert {k: meta[k] for k in tok.meta()} == tok.meta()
 
 
 def test_openwebtext_from_parquet(tmp_path, gpt2):
@@ -188,6 +190,79 @@ def test_text_files_are_one_document_each(tmp_path, gpt2):
     check_web_output(tmp_path / "out", DOCS, gpt2, meta)
 
 
+def test_web_corpus_trains_its_bpe_on_the_train_split_streamed(tmp_path, gpt2, monkeypatch):
+    """--tokenizer=bpe:VOCAB on a web corpus: trained on the train split's documents only, read as a generator
+    (never the whole column in memory), stored in meta.json and tokenizer.json; the datasets cache of an
+    earlier GPT-2 prepare of the same files is not reused for the new tokenizer's ids."""
+    docs = [f"{d} {i} unique-{i}-words" for i, d in enumerate(DOCS * 6)]
+    src = write_parquet(tmp_path / "owt.parquet", docs)
+    args = [f"--data_files={src}", f"--cache_dir={tmp_path / 'hf'}", "--num_proc=2", "--val_fraction=0.25",
+            "--shard_tokens=40"]
+    load_script("openwebtext").main([*args, f"--out_dir={tmp_path / 'gpt2'}"])
+    seen = []
+
+    def recording_train_bpe(texts, *a, **k):
+        seen.append(inspect.isgenerator(texts))
+        return train_bpe(texts, *a, **k)
+
+    monkeypatch.setattr(core.prepare, "train_bpe", recording_train_bpe)
+    out = tmp_path / "bpe"
+    meta = load_script("openwebtext").main([*args, f"--out_dir={out}", "--tokenizer=bpe:300"])
+    assert seen == [True]
+    tok = tokenizer_from_meta(meta)
+    assert meta["tokenizer"] == "bpe" and meta["vocab_size"] == 300 and tok.decode([tok.eot_token]) == EOT
+    assert (out / "tokenizer.json").read_text(encoding="utf-8") == meta["tokenizer_json"]
+    check_web_output(out, docs, tok, meta)
+    train = [tok.decode(d) for d in web_documents(out, "train", tok.eot_token)]
+    again = train_bpe(iter(train), 300, core.prepare.bpe_reserved(), progress=False)
+    assert again.json == meta["tokenizer_json"]  # the train documents, in the order they were written, and no more
+    assert TokenData(out, "train", block_size=4, vocab_size=300).num_tokens == meta["train_tokens"]
+
+
+def write_tokenizer_json(path: Path, n_words: int, template: str | None = None) -> Path:
+    """A word-level tokenizers JSON of <s>, </s>, w2, w3, ... (n_words ids); `template` its post-processor."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<s>": 0, "</s>": 1} | {f"w{i}": i for i in range(2, n_words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    if template:
+        backend.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 0), ("</s>", 1)])
+    backend.save(str(path))
+    return path
+
+
+def test_web_corpus_with_a_folders_tokenizer_gets_its_affixes(tmp_path):
+    """--tokenizer=DIR on a web corpus: each document framed as the folder's post-processor frames a text
+    (here <s> ... </s>), nothing else between them; tokenizer.json beside meta.json."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_tokenizer_json(folder / "tokenizer.json", 10, "<s> $A </s>")
+    docs = ["w2 w3", "w4", "w5 w6 w7", "w8 w9 w9", "w3 w3"]
+    src = write_jsonl(tmp_path / "fw.jsonl", docs)
+    meta = load_script("fineweb").main([f"--data_files={src}", f"--out_dir={tmp_path / 'out'}", f"--tokenizer={folder}",
+                                        f"--cache_dir={tmp_path / 'hf'}", "--num_proc=1", "--val_fraction=0.2"])
+    assert (meta["tokenizer"], meta["vocab_size"], meta["train_documents"], meta["val_documents"]) == ("hf", 10, 4, 1)
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
+    ids = read_split(tmp_path / "out", "train").tolist() + read_split(tmp_path / "out", "val").tolist()
+    framed = " ".join(map(str, ids)).replace("1 0", "1 | 0").split(" | ")
+    assert sorted(framed) == sorted("0 " + " ".join(d.replace("w", "").split()) + " 1" for d in docs)
+
+
+def test_web_corpus_past_65536_ids_writes_uint32(tmp_path):
+    tokenizer = write_tokenizer_json(tmp_path / "tokenizer.json", 70_000, "$A </s>")
+    docs = ["w69999 w65536", "w2", "w66000 w3", "w4"]
+    meta = load_script("openwebtext").main([f"--data_files={write_jsonl(tmp_path / 'a.jsonl', docs)}",
+                                            f"--out_dir={tmp_path / 'out'}", f"--tokenizer={tokenizer}",
+                                            f"--cache_dir={tmp_path / 'hf'}", "--num_proc=1", "--val_fraction=0.25",
+                                            "--shard_tokens=3"])
+    assert meta["dtype"] == "uint32" and len(list((tmp_path / "out").glob("train_*.bin"))) > 1
+    ids = np.concatenate([read_split(tmp_path / "out", s, np.uint32) for s in ("train", "val")]).tolist()
+    assert sorted(ids) == sorted([69999, 65536, 1, 2, 1, 66000, 3, 1, 4, 1])
+    assert TokenData(tmp_path / "out", "train", 1, 70_000).dtype == np.uint32
+
+
 def test_web_source_without_text_column(tmp_path):
     src = write_parquet(tmp_path / "x.parquet", DOCS, column="content")
     with pytest.raises(UserError, match=r"has columns \['content', 'url'\], but no 'text' column"):
@@ -218,6 +293,13 @@ CLI_ERRORS = [
     ("openwebtext", ["--data_files=missing.parquet"], "error: --data_files: no file matches 'missing.parquet'"),
     ("fineweb", ["--num_proc=many"], "error: config key 'num_proc' expects int, got 'many' (command line)"),
     ("fineweb", ["--val_fraction=2"], "error: val_fraction must be between 0 and 1, got 2.0"),
+    ("openwebtext", ["--data_files=missing.parquet", "--tokenizer=bpe:200"],
+     "error: a byte-level BPE needs at least 261 ids (the 256 bytes and 5 special tokens), got bpe:200; "
+     "pass a larger vocabulary"),
+    ("fineweb", ["--tokenizer=char"], "error: --tokenizer=char is for data/text/prepare.py; this corpus takes gpt2, "
+                                      "bpe:VOCAB, a transformers folder or a tokenizer.json"),
+    ("fineweb", ["--tokenizer=no/such/folder"], "error: --tokenizer=no/such/folder: expected gpt2, bpe:VOCAB, "
+                                                "a transformers folder or a tokenizer.json; no such file or folder"),
     ("shakespeare_char", ["--inputt=x"], "error: unknown config key 'inputt' (command line); did you mean 'input'?"),
 ]
 

@@ -284,11 +284,9 @@ def test_a_bpe_run_samples_and_exports_its_tokenizer(docs, tmp_path):
 # --- fine-tuning an imported model on your text ----------------------------------------------------
 
 
-def write_llama_folder(path: Path, bpe: BPETokenizer) -> int:
-    """A tiny random Llama from a config (sharpened attention), whose tokenizer.json is a byte-level BPE that,
-    as Llama 3's, puts <|begin_of_text|> before every text; returns that BOS id."""
-    transformers = needs_transformers()
-    import torch
+def bos_backend(bpe: BPETokenizer):
+    """The BPE as a `tokenizers` Tokenizer that, as Llama 3's, puts <|begin_of_text|> before every text;
+    returns it and that BOS id."""
     from tokenizers import AddedToken, Tokenizer, processors
 
     backend = Tokenizer.from_str(bpe.json)
@@ -296,6 +294,16 @@ def write_llama_folder(path: Path, bpe: BPETokenizer) -> int:
     bos = backend.token_to_id("<|begin_of_text|>")
     backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
                                                            special_tokens=[("<|begin_of_text|>", bos)])
+    return backend, bos
+
+
+def write_llama_folder(path: Path, bpe: BPETokenizer) -> int:
+    """A tiny random Llama from a config (sharpened attention), whose tokenizer.json is a byte-level BPE that,
+    as Llama 3's, puts <|begin_of_text|> before every text; returns that BOS id."""
+    transformers = needs_transformers()
+    import torch
+
+    backend, bos = bos_backend(bpe)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=backend.get_vocab_size(), hidden_size=32, intermediate_size=80,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -1,11 +1,14 @@
-"""FineWeb's 10B-token sample (or FineWeb-Edu's) in GPT-2's BPE: train_*.bin and val_*.bin shards (uint16)
-and meta.json beside this file. It is the corpus llm.c and the GPT-2 speedruns train and validate on.
+"""FineWeb's 10B-token sample (or FineWeb-Edu's) in GPT-2's BPE (or --tokenizer=): train_*.bin and val_*.bin
+shards and meta.json beside this file. It is the corpus llm.c and the GPT-2 speedruns train and validate on.
 
     python data/fineweb/prepare.py --num_proc=8                   # HuggingFaceFW/fineweb, sample-10BT
     python data/fineweb/prepare.py --edu=True                     # HuggingFaceFW/fineweb-edu, sample-10BT
     python data/fineweb/prepare.py --data_files=fw/*.parquet      # local files with a `text` column
+    python data/fineweb/prepare.py --tokenizer=bpe:32768          # a BPE trained on the train split
 
-Every document ends with <|endoftext|> (50256). About 10B tokens: ~20 GB of .bin in 200 MB shards,
+--tokenizer is data/text/prepare.py's (gpt2 | bpe:VOCAB | a transformers folder or tokenizer.json; no char),
+with its document marks, tokenizer.json and uint16/uint32 choice; the val split is whole documents.
+With GPT-2's BPE every document ends with <|endoftext|> (50256). About 10B tokens: ~20 GB of .bin in 200 MB shards,
 plus the download and its tokenized copy in the Hugging Face cache (--cache_dir).
 """
 import dataclasses

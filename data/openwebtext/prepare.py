@@ -1,10 +1,15 @@
-"""OpenWebText in GPT-2's BPE: train_*.bin and val_*.bin shards (uint16) and meta.json beside this file.
+"""OpenWebText in GPT-2's BPE (or --tokenizer=): train_*.bin and val_*.bin shards and meta.json beside this file.
 
     python data/openwebtext/prepare.py --num_proc=8                        # from the Hugging Face hub
     python data/openwebtext/prepare.py --data_files=owt/*.parquet          # local files with a `text` column
     python data/openwebtext/prepare.py --dataset=Skylion007/openwebtext --val_fraction=0.0005 --shard_tokens=100000000
+    python data/openwebtext/prepare.py --tokenizer=bpe:32768               # a BPE trained on the train split
+    python data/openwebtext/prepare.py --tokenizer=path/to/hf_folder       # that model's tokenizer, to fine-tune it
 
-Every document ends with <|endoftext|> (50256). About 9.0B train and 4.4M val tokens: ~18 GB of .bin.
+--tokenizer is data/text/prepare.py's (gpt2 | bpe:VOCAB | a transformers folder or tokenizer.json; no char):
+the same tokenizers, the same marks around each document, tokenizer.json beside meta.json for a BPE or a
+folder's, uint16 shards or uint32 past 65,536 ids. The val split is whole documents.
+With GPT-2's BPE every document ends with <|endoftext|> (50256): about 9.0B train and 4.4M val tokens, ~18 GB of .bin.
 The Hugging Face cache (--cache_dir) also holds the download (nanoGPT reports 54 GB for it) and a
 tokenized copy about the size of the .bin files.
 """
