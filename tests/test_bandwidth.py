@@ -74,3 +74,16 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
     assert r["rows"][1]["bound_ms"] == pytest.approx(f32["bound_ms"] / 2)
     text = bandwidth.table(r)
     assert "copy bandwidth 1.0 GB/s" in text and re.search(rf"\| +{f32['step_over_bound']:.2f}x \|", text)
+
+
+def test_decode_levers_script_prints_every_variant_and_restores_the_kernels(capsys):
+    """scripts/decode_levers.py at the quick start's shape, one round of one step: a row per variant (the
+    bf16 ones where bf16 is native), and model.py's kernel choices are model.py's own again afterwards."""
+    import model as model_module
+    from scripts import decode_levers
+    kernels = model_module.one_row_kernels, model_module.one_query_attention
+    decode_levers.main(["--shape=quickstart", "--rounds=1", "--steps=1"])
+    rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    bf16 = ["bf16 oneDNN + flash", "bf16 (one-row kernels)", "bf16 bf16 head"] if runtime.cpu_native_bf16() else []
+    assert rows == ["float32"] + bf16
+    assert (model_module.one_row_kernels, model_module.one_query_attention) == kernels

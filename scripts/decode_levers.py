@@ -1,0 +1,121 @@
+"""The decode levers at batch 1, measured side by side: one shape's cached step (benchmarks/bandwidth.py's
+SHAPES) in float32 and in bfloat16 with model.py's one-row kernels on and off, and with a bfloat16 head,
+alternated round by round in one process, so that a busy machine slows them all alike
+(docs/performance.md, "Decoding against the bandwidth bound").
+
+    python scripts/decode_levers.py                           # GPT-2 small's shape, 5 rounds, one thread
+    python scripts/decode_levers.py --shape=quickstart --rounds=3 --threads=2
+    python scripts/decode_levers.py --compile                 # also torch.compile's float32 step (minutes)
+
+Variants: "bf16 oneDNN + flash" is the model with model.one_row_kernels and model.one_query_attention
+replaced by no-ops (torch's default kernels); "bf16 bf16 head" computes the logits from the bfloat16 head,
+rounded to bfloat16, then float32 (not what the model does: see GPT._last_logits). The bound is
+bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with native bfloat16 for the bf16 rows.
+"""
+import contextlib
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
+import model as model_module  # noqa: E402
+from benchmarks import bandwidth  # noqa: E402
+from core import runtime  # noqa: E402
+from core.config import parse_args  # noqa: E402
+from core.errors import UserError, run_cli  # noqa: E402
+from model import GPT  # noqa: E402
+
+
+@dataclasses.dataclass
+class LeverConfig:
+    shape: str = "gpt2"      # one of benchmarks/bandwidth.py's SHAPES
+    rounds: int = 5          # each round: one copy, then every variant's median of `steps` cached steps
+    steps: int = 20
+    threads: int = 1
+    compile: bool = False    # also a compiled float32 model: its first calls (the start-up) and its step
+
+
+def no_kernel_choice(*args) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def with_bf16_head(model: GPT) -> GPT:
+    """The logits from the bfloat16 head (half the bytes of the float32 copy), rounded to bfloat16."""
+    del model.head_float32
+
+    def last_logits(x):
+        h = model.transformer.ln_f(x[:, -1:, :])  # (1, 1, C)
+        with model_module.one_row_kernels(h):
+            return F.linear(h, model.lm_head.weight).float()  # (1, 1, vocab)
+    model._last_logits = last_logits
+    return model
+
+
+def variants(config, compile: bool) -> dict[str, tuple[GPT, bool]]:
+    """name: (model, whether model.py's one-row kernels are on); every model from the same weights."""
+    def build(dtype):
+        torch.manual_seed(0)
+        return runtime.inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
+    out = {"float32": (build("float32"), True)}
+    if runtime.cpu_native_bf16():
+        out |= {"bf16 oneDNN + flash": (build("bfloat16"), False), "bf16 (one-row kernels)": (build("bfloat16"), True),
+                "bf16 bf16 head": (with_bf16_head(build("bfloat16")), True)}
+    if compile:
+        out["float32 compiled"] = (build("float32"), True)
+        out["float32 compiled"][0].compile()
+    return out
+
+
+def compile_startup(model: GPT, context: int) -> list[float]:
+    """Seconds of a compiled model's first cached steps at three positions: the first compiles, the second
+    compiles again for a dynamic position, the third should not."""
+    cache, times = model.new_kv_cache(1), []
+    tokens = torch.zeros(1, context + 2, dtype=torch.long)
+    with torch.no_grad():
+        for pos in (context - 1, context, context + 1):
+            cache.pos = pos
+            t0 = time.perf_counter()
+            model(tokens[:, pos:pos + 1], kv_cache=cache, last_only=True)
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: Sequence[str]) -> None:
+    cfg = parse_args(LeverConfig, argv)
+    if cfg.shape not in bandwidth.SHAPES:
+        raise UserError(f"unknown shape '{cfg.shape}'; use one of {', '.join(bandwidth.SHAPES)}")
+    torch.set_num_threads(cfg.threads)
+    name, config, context = bandwidth.SHAPES[cfg.shape]
+    models = variants(config, cfg.compile)
+    if cfg.compile:
+        print("compiled start-up, s per first step at 3 positions:",
+              [round(t, 1) for t in compile_startup(models["float32 compiled"][0], context)])
+    kernels = model_module.one_row_kernels, model_module.one_query_attention
+    steps, copies = {k: [] for k in models}, []
+    for _ in range(cfg.rounds):
+        copies.append(bandwidth.copy_bandwidth(repeats=5))
+        for key, (model, on) in models.items():
+            model_module.one_row_kernels, model_module.one_query_attention = kernels if on else (no_kernel_choice,) * 2
+            try:
+                steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.steps))
+            finally:
+                model_module.one_row_kernels, model_module.one_query_attention = kernels
+    bw = max(copies)
+    print(f"{name}, context {context}, {cfg.threads} thread(s), {cfg.rounds} rounds; copy {bw / 1e9:.1f} GB/s at best, "
+          f"{min(copies) / 1e9:.1f} at worst\n")
+    print("| variant | step ms | step CPU ms | bound ms | step / bound |\n|---|---:|---:|---:|---:|")
+    for key, (model, _) in models.items():
+        itemsize = model.transformer.wte.weight.element_size()
+        bound = bandwidth.bound_s(bandwidth.decode_weight_bytes(model), bandwidth.kv_cache_bytes(config, context, itemsize), bw)
+        wall, cpu = (statistics.median(s[i] for s in steps[key]) for i in (0, 1))
+        print(f"| {key} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} | {bound * 1e3:.2f} | {wall / bound:.2f}x |")
+
+
+if __name__ == "__main__":
+    run_cli(main)
