@@ -6,6 +6,7 @@ alternated round by round in one process, so that a busy machine slows them all 
     python scripts/decode_levers.py                           # GPT-2 small's shape, 5 rounds, one thread
     python scripts/decode_levers.py --shape=quickstart --rounds=3 --threads=2
     python scripts/decode_levers.py --compile                 # also torch.compile's float32 step (minutes)
+    python scripts/decode_levers.py --profile --rounds=1      # also each variant's ops (torch.profiler)
 
 Variants: "bf16 oneDNN + flash" is the model with model.one_row_kernels and model.one_query_attention
 replaced by no-ops (torch's default kernels); "bf16 bf16 head" computes the logits from the bfloat16 head,
@@ -39,6 +40,7 @@ class LeverConfig:
     steps: int = 20
     threads: int = 1
     compile: bool = False    # also a compiled float32 model: its first calls (the start-up) and its step
+    profile: bool = False    # also each variant's ops over `steps` cached steps: torch.profiler's self CPU time
 
 
 def no_kernel_choice(*args) -> contextlib.AbstractContextManager:
@@ -86,6 +88,37 @@ def compile_startup(model: GPT, context: int) -> list[float]:
     return times
 
 
+@contextlib.contextmanager
+def one_row_kernels(on: bool):
+    """model.py's one-row kernel choices as they are (on), or torch's default kernels (off), for the block."""
+    kernels = model_module.one_row_kernels, model_module.one_query_attention
+    if not on:
+        model_module.one_row_kernels, model_module.one_query_attention = no_kernel_choice, no_kernel_choice
+    try:
+        yield
+    finally:
+        model_module.one_row_kernels, model_module.one_query_attention = kernels
+
+
+@torch.no_grad()
+def profile_table(model: GPT, context: int, steps: int) -> str:
+    """torch.profiler over `steps` cached steps (the prefill before it): each op with its input shapes and
+    its self time per step. The profiler's op times are wall times: on a busy machine they include waits."""
+    tokens = torch.zeros(1, context, dtype=torch.long)
+    cache = model.new_kv_cache(1)
+    model(tokens[:, :-1], kv_cache=cache, last_only=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            cache.pos = context - 1
+            model(tokens[:, -1:], kv_cache=cache, last_only=True)
+    ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    lines = ["| op | input shapes | calls per step | ms per step | share |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {e.key} | {str(e.input_shapes)[:70]} | {e.count / steps:.0f} | "
+              f"{e.self_cpu_time_total / 1e3 / steps:.2f} | {e.self_cpu_time_total / total:.0%} |" for e in ops[:12]]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(LeverConfig, argv)
     if cfg.shape not in bandwidth.SHAPES:
@@ -96,16 +129,16 @@ def main(argv: Sequence[str]) -> None:
     if cfg.compile:
         print("compiled start-up, s per first step at 3 positions:",
               [round(t, 1) for t in compile_startup(models["float32 compiled"][0], context)])
-    kernels = model_module.one_row_kernels, model_module.one_query_attention
     steps, copies = {k: [] for k in models}, []
     for _ in range(cfg.rounds):
         copies.append(bandwidth.copy_bandwidth(repeats=5))
         for key, (model, on) in models.items():
-            model_module.one_row_kernels, model_module.one_query_attention = kernels if on else (no_kernel_choice,) * 2
-            try:
+            with one_row_kernels(on):
                 steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.steps))
-            finally:
-                model_module.one_row_kernels, model_module.one_query_attention = kernels
+    if cfg.profile:
+        for key, (model, on) in models.items():
+            with one_row_kernels(on):
+                print(f"\n{key}: the ops of {cfg.steps} cached steps\n\n{profile_table(model, context, cfg.steps)}")
     bw = max(copies)
     print(f"{name}, context {context}, {cfg.threads} thread(s), {cfg.rounds} rounds; copy {bw / 1e9:.1f} GB/s at best, "
           f"{min(copies) / 1e9:.1f} at worst\n")
