@@ -9,8 +9,8 @@ alternated round by round in one process, so that a busy machine slows them all 
     python scripts/decode_levers.py --profile --rounds=1      # also each variant's ops (torch.profiler)
 
 Variants: "bf16 oneDNN + flash" is the model with model.one_row_kernels and model.one_query_attention
-replaced by no-ops (torch's default kernels); "bf16 bf16 head" computes the logits from the bfloat16 head,
-rounded to bfloat16, then float32 (not what the model does: see GPT._last_logits). The bound is
+replaced by no-ops (torch's default kernels), "bf16 GEMV without oneDNN" with only the first replaced;
+"bf16 bf16 head" computes the logits from the bfloat16 head, rounded to bfloat16, then float32 (not what the model does: see GPT._last_logits). The bound is
 bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with native bfloat16 for the bf16 rows.
 """
 import contextlib
@@ -59,17 +59,19 @@ def with_bf16_head(model: GPT) -> GPT:
     return model
 
 
-def variants(config, compile: bool) -> dict[str, tuple[GPT, bool]]:
-    """name: (model, whether model.py's one-row kernels are on); every model from the same weights."""
+def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
+    """name: (model, which of model.py's one-row kernel choices are on); every model from the same weights."""
     def build(dtype):
         torch.manual_seed(0)
         return runtime.inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
-    out = {"float32": (build("float32"), True)}
+    on = (True, True)
+    out = {"float32": (build("float32"), on)}
     if runtime.cpu_native_bf16():
-        out |= {"bf16 oneDNN + flash": (build("bfloat16"), False), "bf16 (one-row kernels)": (build("bfloat16"), True),
-                "bf16 bf16 head": (with_bf16_head(build("bfloat16")), True)}
+        bf16 = build("bfloat16")
+        out |= {"bf16 oneDNN + flash": (bf16, (False, False)), "bf16 GEMV without oneDNN": (bf16, (True, False)),
+                "bf16 (one-row kernels)": (bf16, on), "bf16 bf16 head": (with_bf16_head(build("bfloat16")), on)}
     if compile:
-        out["float32 compiled"] = (build("float32"), True)
+        out["float32 compiled"] = (build("float32"), on)
         out["float32 compiled"][0].compile()
     return out
 
@@ -89,11 +91,12 @@ def compile_startup(model: GPT, context: int) -> list[float]:
 
 
 @contextlib.contextmanager
-def one_row_kernels(on: bool):
-    """model.py's one-row kernel choices as they are (on), or torch's default kernels (off), for the block."""
+def one_row_kernels(rows: bool, query: bool):
+    """model.py's one-row kernel choices for the block: its matmul choice (one_row_kernels) if rows, its
+    attention choice (one_query_attention) if query; torch's default kernels for the ones left off."""
     kernels = model_module.one_row_kernels, model_module.one_query_attention
-    if not on:
-        model_module.one_row_kernels, model_module.one_query_attention = no_kernel_choice, no_kernel_choice
+    model_module.one_row_kernels = kernels[0] if rows else no_kernel_choice
+    model_module.one_query_attention = kernels[1] if query else no_kernel_choice
     try:
         yield
     finally:
@@ -133,11 +136,11 @@ def main(argv: Sequence[str]) -> None:
     for _ in range(cfg.rounds):
         copies.append(bandwidth.copy_bandwidth(repeats=5))
         for key, (model, on) in models.items():
-            with one_row_kernels(on):
+            with one_row_kernels(*on):
                 steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.steps))
     if cfg.profile:
         for key, (model, on) in models.items():
-            with one_row_kernels(on):
+            with one_row_kernels(*on):
                 print(f"\n{key}: the ops of {cfg.steps} cached steps\n\n{profile_table(model, context, cfg.steps)}")
     bw = max(copies)
     print(f"{name}, context {context}, {cfg.threads} thread(s), {cfg.rounds} rounds; copy {bw / 1e9:.1f} GB/s at best, "
@@ -145,7 +148,8 @@ def main(argv: Sequence[str]) -> None:
     print("| variant | step ms | step CPU ms | bound ms | step / bound |\n|---|---:|---:|---:|---:|")
     for key, (model, _) in models.items():
         itemsize = model.transformer.wte.weight.element_size()
-        bound = bandwidth.bound_s(bandwidth.decode_weight_bytes(model), bandwidth.kv_cache_bytes(config, context, itemsize), bw)
+        kv = bandwidth.kv_cache_bytes(config, context, itemsize)
+        bound = bandwidth.bound_s(bandwidth.decode_weight_bytes(model), kv, bw)
         wall, cpu = (statistics.median(s[i] for s in steps[key]) for i in (0, 1))
         print(f"| {key} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} | {bound * 1e3:.2f} | {wall / bound:.2f}x |")
 
