@@ -11,6 +11,7 @@ References:
   Attention: Vaswani et al. 2017, "Attention Is All You Need".
   nanoGPT (Karpathy), whose parameter names this file keeps, so GPT-2 weights map one to one.
 """
+import contextlib
 import math
 import os
 from dataclasses import dataclass, fields, replace
@@ -19,6 +20,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTN_BACKENDS = ("sdpa", "naive")
 GELU_APPROXIMATIONS = ("tanh", "none")
@@ -332,8 +334,9 @@ class CausalSelfAttention(nn.Module):
         # One new token is the last position and sees every key: no mask, which keeps decoding
         # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
         mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              enable_gqa=gqa)  # (B, nh, T, hs)
+        with one_query_attention(q, Tk):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                  enable_gqa=gqa)  # (B, nh, T, hs)
 
     def _naive(self, q, k, v, attn_out, mask=None):
         group = self.n_head // self.n_kv_head
@@ -458,6 +461,41 @@ class KVCache:
             self.pos.zero_()
         else:
             self.pos = 0
+
+
+def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The matmul kernels for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1).
+
+    At one row every matmul is a matrix-vector product, bound by reading the weights. oneDNN, torch's
+    bfloat16 matmul on a CPU, is made for many rows: at one row its product takes as long as float32's,
+    which reads twice the bytes. With oneDNN off, torch's own GEMV gives the same floats in half the time;
+    at 4 rows it is slower (docs/performance.md, "Decoding against the bandwidth bound").
+    """
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.size(0) * x.size(1) != 1:
+        return contextlib.nullcontext()
+    return _without_onednn()
+
+
+@contextlib.contextmanager
+def _without_onednn():
+    onednn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = onednn
+
+
+ONE_QUERY_MATH_KEYS = 128  # one bfloat16 query on a CPU: the math backend is faster from this many keys on
+
+
+def one_query_attention(q: torch.Tensor, Tk: int) -> contextlib.AbstractContextManager:
+    """SDPA's math backend, softmax(q k^T) v written out, for one bfloat16 query (q (1, nh, 1, hs)) on the CPU
+    over ONE_QUERY_MATH_KEYS keys or more: there the flash kernel, made for blocks of queries, is slower
+    (GPT-2 small's shape at 512 keys: 1.0 ms against 0.6 ms a layer). With fewer keys flash is the faster."""
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.size(0) * q.size(2) != 1 or Tk < ONE_QUERY_MATH_KEYS:
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
@@ -628,7 +666,8 @@ class GPT(nn.Module):
             rope = rope_angles(positions, c.head_size, c.rope_base, c.rope_llama3)  # 2 x (T, hs)
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
-        x = self._blocks(x, kv_cache, pos, attn, rope)  # (B, T, C)
+        with one_row_kernels(x):
+            x = self._blocks(x, kv_cache, pos, attn, rope)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:

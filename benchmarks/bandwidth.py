@@ -7,33 +7,38 @@ memory bandwidth (copy_bandwidth: a measured copy of a buffer far larger than th
 
     bound_s = (decode_weight_bytes(model) + kv_cache_bytes(config, context, itemsize)) / bandwidth
 
-The functions are pure (but for the timed copy) so that bench.py's decode section can print its cached
-step against the bound. `python -m benchmarks.bandwidth` measures the bandwidth and the cached step of
-the CPU quick start's model and GPT-2 small's shape at batch 1, in float32 and, where the CPU computes
-it natively, bfloat16 (docs/performance.md, "Decoding against the bandwidth bound").
+The arithmetic is pure (but for the timed copy). bench.py's decode section prints the cached step of the
+CPU quick start's model and of GPT-2 small's shape (SHAPES; --bound_models) at batch 1 against the bound,
+in float32 and, where the device computes it natively, bfloat16 (docs/performance.md, "Decoding against
+the bandwidth bound"):
+
+    python bench.py --sections=decode                          # the decode section, the bound table last
+    python bench.py --sections=decode --bound_models=gpt2      # GPT-2 small's shape only
 """
 import statistics
-import sys
 import time
 from typing import Callable
 
 import torch
 
-from core import runtime
+from core import markdown, runtime
 from model import GPT, GPTConfig
 
 
-def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[], float] = time.perf_counter) -> float:
+def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[], float] = time.perf_counter,
+                   device: str = "cpu", synchronize: Callable[[], None] = lambda: None) -> float:
     """Bytes per second of dst.copy_(src) over n_bytes, the fastest of `repeats`: each copy reads n_bytes
     and writes n_bytes, counted as 2 x n_bytes moved. 256 MiB by default, past any CPU's last-level
     cache, so it is DRAM's rate; the fastest, since slower runs measure other processes' traffic."""
-    src = torch.ones(n_bytes // 4, dtype=torch.float32)
+    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm-up: the pages of dst are mapped now
+    synchronize()
     best = float("inf")
     for _ in range(repeats):
         t0 = clock()
         dst.copy_(src)
+        synchronize()
         best = min(best, clock() - t0)
     return 2 * src.numel() * src.element_size() / best
 
@@ -68,49 +73,65 @@ def bound_s(weight_bytes: int, kv_bytes: int, bandwidth: float) -> float:
     return (weight_bytes + kv_bytes) / bandwidth
 
 
-def cached_step_s(model: GPT, context: int, warmup: int = 3, repeats: int = 20) -> float:
-    """Median seconds of one cached decode step at batch 1: token `context` fed after context - 1 cached."""
+def cached_step_s(model: GPT, context: int, warmup: int = 3, repeats: int = 20,
+                  synchronize: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
+                  cpu_clock: Callable[[], float] = time.process_time) -> tuple[float, float]:
+    """(wall, CPU) seconds of one cached decode step at batch 1, each the median of `repeats` after `warmup`:
+    token `context` fed after context - 1 cached. CPU seconds are every thread's of this process: on a shared
+    machine the wall time also holds the waits for a core, the CPU time does not."""
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(model.config.vocab_size, (1, context), generator=gen)  # (1, context)
+    device = model.transformer.wte.weight.device
+    tokens = torch.randint(model.config.vocab_size, (1, context), generator=gen).to(device)  # (1, context)
     cache = model.new_kv_cache(1)
-    times = []
+    walls, cpus = [], []
     with torch.no_grad():
         model(tokens[:, :context - 1], kv_cache=cache, last_only=True)
-        for i in range(warmup + repeats):
+        for _ in range(warmup + repeats):
             cache.pos = context - 1  # the same position every time
-            t0 = time.perf_counter()
+            t0, c0 = clock(), cpu_clock()
             model(tokens[:, context - 1:], kv_cache=cache, last_only=True)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:])
+            synchronize()
+            walls.append(clock() - t0)
+            cpus.append(cpu_clock() - c0)
+    return statistics.median(walls[warmup:]), statistics.median(cpus[warmup:])
 
 
-SHAPES = {  # name: (GPTConfig, context of the measured step)
-    "quick start (4 x 128, vocab 65)": (GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65,
-                                                  dropout=0.0), 64),
-    "GPT-2 small (12 x 768, vocab 50,304)": (GPTConfig(dropout=0.0), 512),
+SHAPES = {  # name: (what the table calls it, GPTConfig, context of the measured step)
+    "quickstart": ("quick start (4 x 128, vocab 65)",
+                   GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0), 64),
+    "gpt2": ("GPT-2 small (12 x 768, vocab 50,304)", GPTConfig(dropout=0.0), 512),
 }
 
 
-def main(argv: list[str]) -> str:
-    """One row per shape and dtype: the cached step, its bound, and the ratio; markdown on stdout."""
-    torch.set_num_threads(1)
-    bandwidth = copy_bandwidth()
-    dtypes = ["float32"] + (["bfloat16"] if runtime.cpu_native_bf16() else [])
-    lines = [f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, one thread, torch {torch.__version__}, "
-             f"capability {torch.backends.cpu.get_cpu_capability()}", "",
-             "| model | dtype | context | weights read | KV read | bound ms | cached step ms | step / bound |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, (config, context) in SHAPES.items():
-        torch.manual_seed(0)
+def measure(shapes: list[str], rt: runtime.Runtime, steps: int, seed: int = 0) -> dict:
+    """The copy's bandwidth, then one row per shape and dtype (float32, and bfloat16 where the device computes
+    it natively): the cached step at batch 1 against its bound. The model is cast once to the dtype, as
+    sample.py decodes (runtime.inference_model)."""
+    bandwidth = copy_bandwidth(device=rt.device, synchronize=rt.synchronize)
+    dtypes = ["float32"] + (["bfloat16"] if runtime.native_bf16(rt.device) else [])
+    rows = []
+    for shape in shapes:
+        name, config, context = SHAPES[shape]
         for dtype in dtypes:
-            model = runtime.inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
+            torch.manual_seed(seed)
+            model = runtime.inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype))
             w = decode_weight_bytes(model)
             kv = kv_cache_bytes(config, context, runtime.DTYPES[dtype].itemsize)
-            step, bound = cached_step_s(model, context), bound_s(w, kv, bandwidth)
-            lines.append(f"| {name} | {dtype} | {context} | {w / 1e6:.2f} MB | {kv / 1e6:.2f} MB | {bound * 1e3:.3f} | "
-                         f"{step * 1e3:.3f} | {step / bound:.2f}x |")
-    return "\n".join(lines)
+            wall, cpu = cached_step_s(model, context, repeats=steps, synchronize=rt.synchronize)
+            bound = bound_s(w, kv, bandwidth)
+            rows.append({"model": name, "dtype": dtype, "context": context, "weight_bytes": w, "kv_bytes": kv,
+                         "bound_ms": bound * 1e3, "step_ms": wall * 1e3, "step_cpu_ms": cpu * 1e3,
+                         "step_over_bound": wall / bound})
+    return {"bandwidth_gb_s": bandwidth / 1e9, "threads": torch.get_num_threads(), "steps": steps, "rows": rows}
 
 
-if __name__ == "__main__":
-    print(main(sys.argv[1:]))
+def table(r: dict) -> str:
+    head = (f"### Decoding against the bandwidth bound\ncopy bandwidth {r['bandwidth_gb_s']:.1f} GB/s, "
+            f"{r['threads']} torch thread(s); batch 1, the median of {r['steps']} cached steps; the bound is "
+            "(weights read + KV read) / bandwidth\n\n")
+    columns = ["model", "dtype", "context", "weights read", "KV read", "bound ms", "cached step ms", "step CPU ms",
+               "step / bound"]
+    rows = [[x["model"], x["dtype"], x["context"], f"{x['weight_bytes'] / 1e6:.2f} MB", f"{x['kv_bytes'] / 1e6:.2f} MB",
+             f"{x['bound_ms']:.3f}", f"{x['step_ms']:.3f}", f"{x['step_cpu_ms']:.3f}", f"{x['step_over_bound']:.2f}x"]
+            for x in r["rows"]]
+    return head + markdown.table(columns, rows)

@@ -7,6 +7,9 @@ generate(use_cache=False) does per token); cache = one token through a KV cache 
 context. Then a whole generate() run each way, timed token by token, past the context moving the
 window as sample.py does (block_size // 2 at a time; see --gen_window_shift). The model here
 (decode_*) is also the rolling and serve sections'.
+
+Last, the cached step against the memory-bandwidth bound (benchmarks/bandwidth.py): at batch 1, for the
+CPU quick start's model and GPT-2 small's shape (--bound_models), in float32 and bfloat16 where native.
 """
 import dataclasses
 import statistics
@@ -14,7 +17,8 @@ import time
 
 import torch
 
-from benchmarks.common import OOM, at_least, int_list, median_time, model_text, num, or_oom
+from benchmarks import bandwidth
+from benchmarks.common import OOM, at_least, int_list, median_time, model_text, num, or_oom, spec_list
 from core import markdown, runtime
 from core.errors import UserError
 from model import GPT, GPTConfig, window_shift
@@ -35,6 +39,8 @@ class Settings:
     gen_window_shift: int | None = None  # past the context the window jumps this far at once; None: sample.py's
                                          # default (block_size // 2); 1: nanoGPT's rule (every step a full forward)
     gen_repeats: int = 1       # a no-cache run of 500 tokens takes about a minute on 2 CPU cores
+    bound_models: str = "quickstart,gpt2"  # the step against the bandwidth bound: some of bandwidth.SHAPES; "" none
+    bound_steps: int = 20      # cached steps timed per row of the bound table (their median)
 
 
 PRESETS = {"gpt2": dict(decode_n_layer=12, decode_n_head=12, decode_n_embd=768, decode_block_size=1024,
@@ -42,7 +48,10 @@ PRESETS = {"gpt2": dict(decode_n_layer=12, decode_n_head=12, decode_n_embd=768, 
 
 
 def check(cfg) -> None:
-    at_least(cfg, 1, "gen_repeats", "gen_prompt_len", "gen_new_tokens")
+    at_least(cfg, 1, "gen_repeats", "gen_prompt_len", "gen_new_tokens", "bound_steps")
+    unknown = set(spec_list(cfg.bound_models)) - set(bandwidth.SHAPES)
+    if unknown:
+        raise UserError(f"bound_models: unknown {', '.join(sorted(unknown))}; use some of {','.join(bandwidth.SHAPES)}")
     contexts = int_list(cfg.decode_contexts, "decode_contexts")
     if max(contexts) > cfg.decode_block_size:
         raise UserError(f"decode_contexts go up to {max(contexts)}, past decode_block_size {cfg.decode_block_size}")
@@ -90,8 +99,11 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
             if rows[-1] == OOM:
                 rows[-1] = {"context": C, "error": OOM}
     generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt), rt)
+    shapes = spec_list(cfg.bound_models)
+    bound = or_oom(lambda: bandwidth.measure(shapes, rt, cfg.bound_steps, cfg.seed), rt) if shapes else {"rows": []}
     return {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows,
-            "generation": {"error": OOM} if generation == OOM else generation}
+            "generation": {"error": OOM} if generation == OOM else generation,
+            "bound": {"error": OOM} if bound == OOM else bound}
 
 
 def decode_row(cfg, model: GPT, tokens: torch.Tensor, cache, C: int, rt: runtime.Runtime) -> dict:
@@ -149,7 +161,7 @@ def table(r: dict) -> str:
              num(row["cache_tokens_per_s"], 1), f"{row['speedup']:.1f}x"] for row in r["rows"]]
     g = r["generation"]
     if "error" in g:
-        return head + markdown.table(columns, rows) + f"\n\ngenerate(): {OOM}"
+        return head + markdown.table(columns, rows) + f"\n\ngenerate(): {OOM}" + bound_text(r["bound"])
     gen_rows = [[name.replace("_", " "), p["tokens"], num(p["no_cache_s"], 2), num(p["cache_s"], 2),
                  num(p["no_cache_tokens_per_s"], 1), num(p["cache_tokens_per_s"], 1), f"{p['speedup']:.1f}x"]
                 for name, p in g["parts"].items()]
@@ -159,4 +171,10 @@ def table(r: dict) -> str:
               f"block_size {g['block_size']}, median of {g['repeats']} run(s); past the context the window moves "
               f"{g['window_shift']} token(s) at a time and the cache is refilled at each move:\n\n"
             + markdown.table(["part", "tokens", "no cache s", "cache s", "no cache tokens/s", "cache tokens/s",
-                              "speedup"], gen_rows))
+                              "speedup"], gen_rows) + bound_text(r["bound"]))
+
+
+def bound_text(bound: dict) -> str:
+    if "error" in bound:
+        return f"\n\nstep against the bandwidth bound: {OOM}"
+    return "\n\n" + bandwidth.table(bound) if bound["rows"] else ""

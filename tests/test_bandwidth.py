@@ -3,6 +3,8 @@ the bandwidth (with a scripted clock: speed itself is never asserted).
 
     python -m pytest tests/test_bandwidth.py
 """
+import re
+
 import pytest
 
 from benchmarks import bandwidth
@@ -44,6 +46,44 @@ def test_copy_bandwidth_counts_the_read_and_the_write_of_the_fastest_copy():
     assert bandwidth.copy_bandwidth(n, repeats=3, clock=lambda: next(ticks)) == 2 * n / 0.25
 
 
-def test_cached_step_runs_the_cache_at_a_fixed_position():
+def test_cached_step_is_the_median_of_the_timed_steps_wall_and_cpu():
+    """Scripted clocks: one warm-up step, then steps of 3, 1 and 2 s wall (0.3, 0.1, 0.2 s CPU); the cache
+    is fed at the same position every time, so the context never overflows block_size."""
+    wall = iter([0, 9, 10, 13, 20, 21, 30, 32])
+    cpu = iter([0, 0.9, 1.0, 1.3, 2.0, 2.1, 3.0, 3.2])
     model = GPT(GPTConfig(**TINY)).eval()
-    assert bandwidth.cached_step_s(model, context=8, warmup=1, repeats=2) > 0
+    step = bandwidth.cached_step_s(model, context=8, warmup=1, repeats=3, clock=lambda: next(wall),
+                                   cpu_clock=lambda: next(cpu))
+    assert step == pytest.approx((2.0, 0.2))
+
+
+def test_measure_puts_each_step_against_its_bound(monkeypatch):
+    """A faked bandwidth and step: each row's bound is its bytes / bandwidth and the ratio the step over it;
+    bfloat16 rows exactly where the CPU computes it natively, with half the bytes."""
+    monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda **kw: 1e9)  # 1 GB/s: the bound in ms is MB read
+    monkeypatch.setattr(bandwidth, "cached_step_s", lambda model, context, repeats, synchronize: (0.05, 0.04))
+    for native in (False, True):
+        monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: native)
+        r = bandwidth.measure(["quickstart"], runtime.Runtime("cpu", "cpu", "float32"), steps=2)
+        assert [row["dtype"] for row in r["rows"]] == ["float32"] + ["bfloat16"] * native
+        f32 = r["rows"][0]
+        assert f32["context"] == 64 and f32["kv_bytes"] == 2 * 4 * 4 * 64 * 32 * 4
+        assert f32["bound_ms"] == pytest.approx((f32["weight_bytes"] + f32["kv_bytes"]) / 1e6)
+        assert f32["step_over_bound"] == pytest.approx(50 / f32["bound_ms"])
+        assert (f32["step_ms"], f32["step_cpu_ms"]) == pytest.approx((50, 40))
+    assert r["rows"][1]["bound_ms"] == pytest.approx(f32["bound_ms"] / 2)
+    text = bandwidth.table(r)
+    assert "copy bandwidth 1.0 GB/s" in text and re.search(rf"\| +{f32['step_over_bound']:.2f}x \|", text)
+
+
+def test_decode_levers_script_prints_every_variant_and_restores_the_kernels(capsys):
+    """scripts/decode_levers.py at the quick start's shape, one round of one step: a row per variant (the
+    bf16 ones where bf16 is native), and model.py's kernel choices are model.py's own again afterwards."""
+    import model as model_module
+    from scripts import decode_levers
+    kernels = model_module.one_row_kernels, model_module.one_query_attention
+    decode_levers.main(["--shape=quickstart", "--rounds=1", "--steps=1"])
+    rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    bf16 = ["bf16 oneDNN + flash", "bf16 GEMV without oneDNN", "bf16 (one-row kernels)", "bf16 bf16 head"]
+    assert rows == ["float32"] + bf16 * runtime.cpu_native_bf16()
+    assert (model_module.one_row_kernels, model_module.one_query_attention) == kernels

@@ -23,6 +23,7 @@ TINY = dict(
     attn_lengths="16,32,64", attn_n_head=2, attn_head_size=8,
     decode_n_layer=1, decode_n_head=2, decode_n_embd=32, decode_block_size=16, decode_vocab_size=64,
     decode_contexts="4,16", gen_prompt_len=4, gen_new_tokens=20,  # 20 > 16 - 4: the window slides
+    bound_models="quickstart", bound_steps=1,  # the step against the bandwidth bound: the 4 x 128 model only
 )
 
 
@@ -65,7 +66,10 @@ def test_train_attention_decode_in_json_and_table(tmp_path, capsys):
     parts = result["decode"]["generation"]["parts"]
     assert {name: p["tokens"] for name, p in parts.items()} == {"inside_context": 13, "past_context": 7, "all": 20}
     assert result["decode"]["generation"]["window_shift"] == 8  # sample.py's default: block_size // 2
-    for heading in ("Training step", "Attention memory", "Decoding"):
+    bound_dtypes = ["float32"] + ["bfloat16"] * runtime.cpu_native_bf16()
+    assert [(r["model"].split(" (")[0], r["dtype"]) for r in result["decode"]["bound"]["rows"]] == \
+        [("quick start", dtype) for dtype in bound_dtypes]
+    for heading in ("Training step", "Attention memory", "Decoding", "Decoding against the bandwidth bound"):
         assert f"### {heading}" in out
     assert re.search(r"\|\s*eager\s*\|", out)
     assert "Data preparation" not in out
@@ -232,6 +236,7 @@ def test_preset_fills_what_the_command_line_leaves():
     (["--decode_contexts=64,512"], "decode_block_size"),
     (["--attn_lengths=256,x"], "attn_lengths"),
     (["--gen_window_shift=0"], "gen_window_shift"),
+    (["--bound_models=quickstart,gpt3"], "bound_models: unknown gpt3"),
 ])
 def test_bad_flags_are_user_errors(argv, fragment):
     with pytest.raises(UserError, match=fragment):

@@ -9,6 +9,7 @@ the command line refuses float16 on the CPU, and bfloat16 where it is emulated. 
 Runtime directly, so these code paths run on any CPU with its autocast and GradScaler; the one through
 the scripts fakes the CPU's answer both ways.
 """
+import contextlib
 import math
 
 import pytest
@@ -159,6 +160,58 @@ def test_next_logits_equal_the_full_forward_last_position(trained):
     assert last.shape == (3, 1, model.config.vocab_size)
     torch.testing.assert_close(last[:, 0], full, rtol=1e-5, atol=1e-5)
 
+
+
+def test_one_bf16_row_decodes_without_onednn_to_the_same_floats(trained, monkeypatch):
+    """Batch 1 in bfloat16 (model.one_row_kernels): every Block's matmul runs with oneDNN off (torch's own
+    GEMV, twice as fast at one row), and the logits are the very floats the oneDNN path gives, at every
+    position of a cached greedy run. Two rows, or float32 weights, keep oneDNN; the flag is restored."""
+    import model as model_module
+    from core.checkpoint import model_from_checkpoint
+    model = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    stoi = trained["meta"]["tokenizer"]["stoi"]
+    idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
+    context = model.generate(idx, model.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
+    seen = []
+    model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
+    got = teacher_forced_logits(model, context, use_cache=True)  # (1, 32, vocab)
+    assert seen == [False] * 32 and torch.backends.mkldnn.enabled
+    seen.clear()
+    with torch.no_grad():
+        model(context.expand(2, -1)[:, :1], kv_cache=model.new_kv_cache(2), last_only=True)  # two rows
+        fp32 = runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
+        fp32.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
+        fp32(context[:, :1], kv_cache=fp32.new_kv_cache(1), last_only=True)
+    assert seen == [True, True]
+    monkeypatch.setattr(model_module, "one_row_kernels", lambda x: contextlib.nullcontext())  # the oneDNN path
+    assert torch.equal(got, teacher_forced_logits(model, context, use_cache=True))
+
+
+def test_one_bf16_query_over_many_keys_takes_the_math_backend(monkeypatch):
+    """One bfloat16 query over ONE_QUERY_MATH_KEYS keys or more (model.one_query_attention): SDPA's math
+    backend, not the flash kernel (slower there); over fewer keys, or two rows, flash. The math backend's
+    output is as close to float64 attention as flash's is: the same function at bfloat16's precision."""
+    import model as model_module
+    flash_on, real_sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        flash_on.append(torch.backends.cuda.flash_sdp_enabled())
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    c = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=256, vocab_size=40)
+    attn = model_module.CausalSelfAttention(c).eval()
+    gen = torch.Generator().manual_seed(0)
+    many = model_module.ONE_QUERY_MATH_KEYS + 72
+    q = (3 * torch.randn(1, 2, 1, 16, generator=gen)).bfloat16()  # scores far from uniform
+    k, v = (torch.randn(2, 2, many, 16, generator=gen).bfloat16() for _ in range(2))
+    outs = {keys: attn._sdpa(q, k[:1, :, :keys], v[:1, :, :keys]) for keys in (many, many - 100)}
+    attn._sdpa(q.expand(2, -1, -1, -1), k, v)
+    assert flash_on == [False, True, True] and torch.backends.cuda.flash_sdp_enabled()
+    reference = real_sdpa(q.double(), k[:1].double(), v[:1].double())
+    flash = real_sdpa(q, k[:1], v[:1])
+    math_error, flash_error = ((out.double() - reference).abs().max().item() for out in (outs[many], flash))
+    assert math_error <= 2 * flash_error + 1e-3 and math_error < 2 ** -7 * v.abs().max().item()
 
 def test_fp16_grad_scaler_skips_an_inf_step_and_survives_resume(tmp_path, data_dir, monkeypatch):
     """float16 with torch.amp.GradScaler("cpu"): an inf gradient at iteration 3 (an overflow in the

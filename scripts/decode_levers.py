@@ -1,0 +1,158 @@
+"""The decode levers at batch 1, measured side by side: one shape's cached step (benchmarks/bandwidth.py's
+SHAPES) in float32 and in bfloat16 with model.py's one-row kernels on and off, and with a bfloat16 head,
+alternated round by round in one process, so that a busy machine slows them all alike
+(docs/performance.md, "Decoding against the bandwidth bound").
+
+    python scripts/decode_levers.py                           # GPT-2 small's shape, 5 rounds, one thread
+    python scripts/decode_levers.py --shape=quickstart --rounds=3 --threads=2
+    python scripts/decode_levers.py --compile                 # also torch.compile's float32 step (minutes)
+    python scripts/decode_levers.py --profile --rounds=1      # also each variant's ops (torch.profiler)
+
+Variants: "bf16 oneDNN + flash" is the model with model.one_row_kernels and model.one_query_attention
+replaced by no-ops (torch's default kernels), "bf16 GEMV without oneDNN" with only the first replaced;
+"bf16 bf16 head" computes the logits from the bfloat16 head, rounded to bfloat16, then float32 (not what the model does: see GPT._last_logits). The bound is
+bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with native bfloat16 for the bf16 rows.
+"""
+import contextlib
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
+import model as model_module  # noqa: E402
+from benchmarks import bandwidth  # noqa: E402
+from core import runtime  # noqa: E402
+from core.config import parse_args  # noqa: E402
+from core.errors import UserError, run_cli  # noqa: E402
+from model import GPT  # noqa: E402
+
+
+@dataclasses.dataclass
+class LeverConfig:
+    shape: str = "gpt2"      # one of benchmarks/bandwidth.py's SHAPES
+    rounds: int = 5          # each round: one copy, then every variant's median of `steps` cached steps
+    steps: int = 20
+    threads: int = 1
+    compile: bool = False    # also a compiled float32 model: its first calls (the start-up) and its step
+    profile: bool = False    # also each variant's ops over `steps` cached steps: torch.profiler's self CPU time
+
+
+def no_kernel_choice(*args) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def with_bf16_head(model: GPT) -> GPT:
+    """The logits from the bfloat16 head (half the bytes of the float32 copy), rounded to bfloat16."""
+    del model.head_float32
+
+    def last_logits(x):
+        h = model.transformer.ln_f(x[:, -1:, :])  # (1, 1, C)
+        with model_module.one_row_kernels(h):
+            return F.linear(h, model.lm_head.weight).float()  # (1, 1, vocab)
+    model._last_logits = last_logits
+    return model
+
+
+def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
+    """name: (model, which of model.py's one-row kernel choices are on); every model from the same weights."""
+    def build(dtype):
+        torch.manual_seed(0)
+        return runtime.inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
+    on = (True, True)
+    out = {"float32": (build("float32"), on)}
+    if runtime.cpu_native_bf16():
+        bf16 = build("bfloat16")
+        out |= {"bf16 oneDNN + flash": (bf16, (False, False)), "bf16 GEMV without oneDNN": (bf16, (True, False)),
+                "bf16 (one-row kernels)": (bf16, on), "bf16 bf16 head": (with_bf16_head(build("bfloat16")), on)}
+    if compile:
+        out["float32 compiled"] = (build("float32"), on)
+        out["float32 compiled"][0].compile()
+    return out
+
+
+def compile_startup(model: GPT, context: int) -> list[float]:
+    """Seconds of a compiled model's first cached steps at three positions: the first compiles, the second
+    compiles again for a dynamic position, the third should not."""
+    cache, times = model.new_kv_cache(1), []
+    tokens = torch.zeros(1, context + 2, dtype=torch.long)
+    with torch.no_grad():
+        for pos in (context - 1, context, context + 1):
+            cache.pos = pos
+            t0 = time.perf_counter()
+            model(tokens[:, pos:pos + 1], kv_cache=cache, last_only=True)
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+@contextlib.contextmanager
+def one_row_kernels(rows: bool, query: bool):
+    """model.py's one-row kernel choices for the block: its matmul choice (one_row_kernels) if rows, its
+    attention choice (one_query_attention) if query; torch's default kernels for the ones left off."""
+    kernels = model_module.one_row_kernels, model_module.one_query_attention
+    model_module.one_row_kernels = kernels[0] if rows else no_kernel_choice
+    model_module.one_query_attention = kernels[1] if query else no_kernel_choice
+    try:
+        yield
+    finally:
+        model_module.one_row_kernels, model_module.one_query_attention = kernels
+
+
+@torch.no_grad()
+def profile_table(model: GPT, context: int, steps: int) -> str:
+    """torch.profiler over `steps` cached steps (the prefill before it): each op with its input shapes and
+    its self time per step. The profiler's op times are wall times: on a busy machine they include waits."""
+    tokens = torch.zeros(1, context, dtype=torch.long)
+    cache = model.new_kv_cache(1)
+    model(tokens[:, :-1], kv_cache=cache, last_only=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            cache.pos = context - 1
+            model(tokens[:, -1:], kv_cache=cache, last_only=True)
+    ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    lines = ["| op | input shapes | calls per step | ms per step | share |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {e.key} | {str(e.input_shapes)[:70]} | {e.count / steps:.0f} | "
+              f"{e.self_cpu_time_total / 1e3 / steps:.2f} | {e.self_cpu_time_total / total:.0%} |" for e in ops[:12]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> None:
+    cfg = parse_args(LeverConfig, argv)
+    if cfg.shape not in bandwidth.SHAPES:
+        raise UserError(f"unknown shape '{cfg.shape}'; use one of {', '.join(bandwidth.SHAPES)}")
+    torch.set_num_threads(cfg.threads)
+    name, config, context = bandwidth.SHAPES[cfg.shape]
+    models = variants(config, cfg.compile)
+    if cfg.compile:
+        print("compiled start-up, s per first step at 3 positions:",
+              [round(t, 1) for t in compile_startup(models["float32 compiled"][0], context)])
+    steps, copies = {k: [] for k in models}, []
+    for _ in range(cfg.rounds):
+        copies.append(bandwidth.copy_bandwidth(repeats=5))
+        for key, (model, on) in models.items():
+            with one_row_kernels(*on):
+                steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.steps))
+    if cfg.profile:
+        for key, (model, on) in models.items():
+            with one_row_kernels(*on):
+                print(f"\n{key}: the ops of {cfg.steps} cached steps\n\n{profile_table(model, context, cfg.steps)}")
+    bw = max(copies)
+    print(f"{name}, context {context}, {cfg.threads} thread(s), {cfg.rounds} rounds; copy {bw / 1e9:.1f} GB/s at best, "
+          f"{min(copies) / 1e9:.1f} at worst\n")
+    print("| variant | step ms | step CPU ms | bound ms | step / bound |\n|---|---:|---:|---:|---:|")
+    for key, (model, _) in models.items():
+        itemsize = model.transformer.wte.weight.element_size()
+        kv = bandwidth.kv_cache_bytes(config, context, itemsize)
+        bound = bandwidth.bound_s(bandwidth.decode_weight_bytes(model), kv, bw)
+        wall, cpu = (statistics.median(s[i] for s in steps[key]) for i in (0, 1))
+        print(f"| {key} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} | {bound * 1e3:.2f} | {wall / bound:.2f}x |")
+
+
+if __name__ == "__main__":
+    run_cli(main)
