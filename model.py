@@ -58,6 +58,7 @@ class GPTConfig:
     logit_softcap: float | None = None  # c: logits = c * tanh(logits / c), bounded in (-c, c)
     zero_init_proj: bool = False  # attn.c_proj and mlp.c_proj start at 0: every Block starts as the identity
     unet_skips: bool = False  # the last n_layer // 2 Blocks also read the first half's outputs, mirrored (a U-net)
+    value_embeds: int = 0  # k tables: Blocks i and n_layer-k+i (i < k) mix table i's row of each token into v
     norm_eps: float = 1e-5  # every norm's epsilon (LayerNorm, RMSNorm, q/k norm); Qwen3's models use 1e-6
     mlp_hidden: int | None = None  # the MLP's hidden width; None: 4C, or swiglu_hidden(C) for swiglu
     # Shapes of the small open models (docs/interop.md); each default is GPT-2's.
@@ -100,6 +101,10 @@ class GPTConfig:
             raise ValueError(f"rope_base must be > 1, got {self.rope_base!r}")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(f"logit_softcap must be positive or None, got {self.logit_softcap!r}")
+        ve = self.value_embeds
+        if not isinstance(ve, int) or isinstance(ve, bool) or not 0 <= 2 * ve <= self.n_layer:
+            raise ValueError(f"value_embeds must be an integer in [0, n_layer // 2] (each table serves a first and a "
+                             f"last Block), got {ve!r} with n_layer={self.n_layer}")
         if not 0 < self.norm_eps < 1:
             raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
         hidden = self.mlp_hidden
@@ -246,7 +251,7 @@ class CausalSelfAttention(nn.Module):
     but only n_kv_head key/value heads, each shared by n_head // n_kv_head query heads.
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, value_embed: bool = False):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.kv_heads, config.head_size
         self.backend = config.attn_backend
@@ -259,10 +264,12 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_size, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.c_proj = nn.Linear(self.width, config.n_embd, bias=config.bias)
+        if value_embed:  # v = lambdas[0] v + lambdas[1] ve, learned (modded-nanogpt)
+            self.ve_lambdas = nn.Parameter(torch.empty(2))  # set in GPT.init_weights
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, kv=None, pos=0, attn_out=None, rope=None):
+    def forward(self, x, kv=None, pos=0, attn_out=None, rope=None, ve=None):
         """x (B, T, C) -> (B, T, C).
 
         kv: this layer's (k, v) cache buffers (B, nkv, max_len, hs); the chunk's keys and values
@@ -271,10 +278,14 @@ class CausalSelfAttention(nn.Module):
         row b writes at [pos[b]:pos[b]+T] and its queries are masked to their own keys.
         attn_out: a list; the naive backend appends this layer's weights (B, nh, T, Tk) to it.
         rope: (cos, sin) of the chunk's positions, each (T, hs), for pos_embedding="rope".
+        ve: the chunk's tokens' value embeddings (B, T, nkv * hs), for value_embeds: mixed into v before the
+        cache, since they depend on the token alone.
         """
         B, T, _ = x.size()
         kv_dim = self.n_kv_head * self.head_size
         q, k, v = self.c_attn(x).split([self.width, kv_dim, kv_dim], dim=2)  # (B, T, nh * hs), 2 x (B, T, nkv * hs)
+        if ve is not None:
+            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve  # (B, T, nkv * hs)
         # Heads are a view: split nh * hs (C, unless head_dim is set) and move nh next to B, so every head is a
         # batch entry.
         q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
@@ -396,15 +407,15 @@ class Block(nn.Module):
     embeddings to the head, which keeps deep stacks trainable without warm-up tricks (GPT-2 section 2.3).
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, value_embed: bool = False):
         super().__init__()
         self.ln_1 = make_norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, value_embed)
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv=None, pos=0, attn_out=None, rope=None):
-        x = x + self.attn(self.ln_1(x), kv, pos, attn_out, rope)  # (B, T, C)
+    def forward(self, x, kv=None, pos=0, attn_out=None, rope=None, ve=None):
+        x = x + self.attn(self.ln_1(x), kv, pos, attn_out, rope, ve)  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
@@ -604,9 +615,13 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if learned else {}),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, self.value_embed_table(i) is not None) for i in range(config.n_layer)]),
             ln_f=make_norm(config),
         ))
+        if config.value_embeds:  # token value embeddings (modded-nanogpt), one row of nkv * hs per token
+            kv_dim = config.kv_heads * config.head_size
+            self.transformer["ve"] = nn.ModuleList(nn.Embedding(config.vocab_size, kv_dim)
+                                                   for _ in range(config.value_embeds))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             # Weight tying (Press & Wolf 2017): the head scores a token by its similarity to the
@@ -641,6 +656,15 @@ class GPT(nn.Module):
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
         if self.config.unet_skips:
             nn.init.ones_(self.skip_weights)
+        for block in self.transformer.h:
+            if hasattr(block.attn, "ve_lambdas"):
+                nn.init.constant_(block.attn.ve_lambdas, 0.5)
+
+    def value_embed_table(self, i: int) -> int | None:
+        """Which value-embedding table Block i reads: j for Blocks j and L-k+j (j < k = value_embeds), else None.
+        The first and the last Blocks get them, as in modded-nanogpt (3 tables over 12 or more layers)."""
+        k, L = self.config.value_embeds, self.config.n_layer
+        return i if i < k else i - (L - k) if i >= L - k else None
 
     def forward(self, idx, targets=None, kv_cache=None, return_attn=False, last_only=False):
         """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
@@ -667,7 +691,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
         with one_row_kernels(x):
-            x = self._blocks(x, kv_cache, pos, attn, rope)  # (B, T, C)
+            x = self._blocks(x, kv_cache, pos, attn, rope, idx)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:
@@ -678,17 +702,21 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return (logits, loss, torch.stack(attn)) if return_attn else (logits, loss)
 
-    def _blocks(self, x, kv_cache, pos, attn, rope):
+    def _blocks(self, x, kv_cache, pos, attn, rope, idx):
         """x (B, T, C) through every Block. unet_skips: Block L-1-j also gets the output of Block j (j < L // 2)
         times a learned weight, added to its input: the late layers see the early features directly, as a
-        U-net's decoder sees its encoder's (modded-nanogpt)."""
+        U-net's decoder sees its encoder's (modded-nanogpt). value_embeds: the Blocks value_embed_table names
+        get their table's rows of the tokens idx (B, T)."""
         L = self.config.n_layer
         half = L // 2 if self.config.unet_skips else 0
         skips = []  # the first half's outputs, read back last-in first-out
+        ves = [table(idx) for table in self.transformer.ve] if self.config.value_embeds else []  # (B, T, nkv * hs)
         for i, block in enumerate(self.transformer.h):
             if i >= L - half:
                 x = x + self.skip_weights[i - (L - half)] * skips.pop()
-            x = block(x, None if kv_cache is None else kv_cache.layer(i), pos, attn, rope)  # (B, T, C)
+            j = self.value_embed_table(i)
+            x = block(x, None if kv_cache is None else kv_cache.layer(i), pos, attn, rope,
+                      None if j is None else ves[j])  # (B, T, C)
             if i < half:
                 skips.append(x)
         return x

@@ -65,7 +65,7 @@ FLIPS = {name: list(CHOICES.get(name) or ([False, True] if isinstance(default, b
 
 def _holds(c: GPTConfig) -> str | None:
     """The transformers class that computes exactly this variant, or None."""
-    if c.logit_softcap is not None or c.unet_skips:  # a U-net's skip connections: no class has them
+    if c.logit_softcap is not None or c.unet_skips or c.value_embeds:  # no class has skips or value embeddings
         return None
     qkv_only = c.qkv_bias is not None and c.qkv_bias != c.bias  # q/k/v biases apart from the rest (Qwen2's)
     if c.pos_embedding == "learned":

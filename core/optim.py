@@ -26,6 +26,17 @@ from core.runtime import native_bf16
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
+# Newton-Schulz's polynomials. "quintic": torch's (Jordan's) one polynomial at every step. "polar_express"
+# (Amsel et al. 2025, "The Polar Express"; modded-nanogpt's 5-step schedule, its 2% safety factor): a
+# polynomial of its own per step, each the best one for where the spectrum stands after the steps before,
+# so its first k steps are the best k-step schedule and fewer steps reach a given spread of singular values.
+NS_COEFFICIENTS = ("quintic", "polar_express")
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+POLAR_EXPRESS_SAFETY = 1.02  # the schedule starts from X / (1.02 |X|_F): spectra a little inside [0, 1]
 
 
 class MultiOptimizer:
@@ -90,13 +101,16 @@ def check_muon_params(named: list[tuple[str, nn.Parameter]]) -> None:
 
 def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_decay: float,
                     betas: tuple[float, float], device_type: str, muon_lr: float = 0.02,
-                    muon_momentum: float = 0.95, muon_weight_decay: float = 0.0, muon_ns_steps: int = 5):
+                    muon_momentum: float = 0.95, muon_weight_decay: float = 0.0, muon_ns_steps: int = 5,
+                    muon_ns_coefficients: str = "quintic"):
     """AdamW (a torch.optim.AdamW), or Muon + AdamW (a MultiOptimizer of "muon" and "adamw").
 
     AdamW decays only matrices and embeddings (>= 2-D), not biases and gains, which set scales and
     offsets rather than store features. Every group records its own peak learning rate as
     "base_lr"; set_lr scales them all by the schedule. muon_ns_steps: Newton-Schulz iterations per
     Muon update (torch's default 5), each three matmuls per matrix: a cost per step, whatever the batch.
+    muon_ns_coefficients: NS_COEFFICIENTS; "polar_express" takes BatchedMuon on every device (torch's
+    step holds one polynomial for all steps).
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -118,27 +132,51 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     # On a CPU with native bf16 (AMX) torch's own step, one matrix at a time, is the slower: its small
     # matmuls leave the other cores idle (docs/performance.md, Muon's step alone). CUDA keeps torch's:
     # bench.py --sections=muon compares.
-    muon_class = torch.optim.Muon if bf16 and device_type == "cuda" else BatchedMuon
-    ns_dtype = {} if muon_class is torch.optim.Muon else {"ns_dtype": torch.bfloat16 if bf16 else torch.float32}
+    quintic = muon_ns_coefficients == "quintic"
+    muon_class = torch.optim.Muon if bf16 and device_type == "cuda" and quintic else BatchedMuon
+    extra = {} if muon_class is torch.optim.Muon else {"ns_dtype": torch.bfloat16 if bf16 else torch.float32}
+    if not quintic:
+        extra["ns_coefficients"] = ns_schedule(muon_ns_coefficients, muon_ns_steps)
     # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr
     # is the rate of a square matrix whatever the layer's aspect ratio.
     muon = muon_class([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
                       momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original",
-                      ns_steps=muon_ns_steps, **ns_dtype)
+                      ns_steps=muon_ns_steps, **extra)
     return MultiOptimizer({"muon": muon, "adamw": adamw})
 
 
-def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+def ns_schedule(kind: str, steps: int) -> tuple[tuple[float, float, float], ...]:
+    """polar_express's first `steps` polynomials, one (a, b, c) per step. Its safety factor is folded
+    into the first: p(x / s) = (a / s) x + (b / s³) x³ + (c / s⁵) x⁵, so the iteration keeps Muon's
+    X / |X|_F start."""
+    if kind != "polar_express" or not 1 <= steps <= len(POLAR_EXPRESS):
+        raise UserError(f"muon_ns_coefficients=polar_express holds {len(POLAR_EXPRESS)} steps' polynomials, got "
+                        f"muon_ns_coefficients={kind}, muon_ns_steps={steps}; set muon_ns_steps to 1..{len(POLAR_EXPRESS)}")
+    (a, b, c), s = POLAR_EXPRESS[0], POLAR_EXPRESS_SAFETY
+    return ((a / s, b / s ** 3, c / s ** 5),) + POLAR_EXPRESS[1:steps]
+
+
+def per_step(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
+    """One (a, b, c) for every step (torch's ns_coefficients), or a schedule of one per step (ns_schedule)."""
+    if isinstance(coefficients[0], (tuple, list)):
+        if len(coefficients) < steps:
+            raise ValueError(f"a Newton-Schulz schedule of {len(coefficients)} polynomials cannot run {steps} steps")
+        return tuple(coefficients)[:steps]
+    return (tuple(coefficients),) * steps
+
+
+def newton_schulz(grad: torch.Tensor, coefficients, steps: int,
                   eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Muon's orthogonalisation of a 2-D update, or of a batch (k, m, n) of them, each on its own:
     torch.optim._muon._zeropower_via_newtonschulz's quintic iteration X <- a X + (b A + c A²) X,
-    A = X Xᵀ, in `dtype` (torch's is bfloat16 always).
+    A = X Xᵀ, in `dtype` (torch's is bfloat16 always). coefficients: one (a, b, c) for every step, as
+    torch's, or one per step (ns_schedule).
 
     On a wide matrix (m x n, n > 1.5 m) the same iterates come from m x m products alone, with fewer
     FLOPs (gram_newton_schulz), in float32 or float64 only: in bfloat16 the Gram matrix's powers lose the
     small singular values (relative error 2.1 against the loop's 0.08 on a decaying spectrum). DTensor
     shards (fully_shard) take the loop, whose matmuls gather what they need as torch's do."""
-    a, b, c = coefficients
+    schedule = per_step(coefficients, steps)
     x = grad.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
@@ -146,17 +184,18 @@ def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], 
     # Each matrix over its Frobenius norm, >= its spectral norm: every spectrum lies in [0, 1].
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
     if x.size(-1) > 1.5 * x.size(-2) and dtype in (torch.float32, torch.float64) and type(x) is torch.Tensor:
-        x = gram_newton_schulz(x, a, b, c, steps)
+        x = gram_newton_schulz(x, schedule)
     else:
         addmm = torch.addmm if x.dim() == 2 else torch.baddbmm  # the same call, one matrix or a batch
-        for _ in range(steps):
+        for a, b, c in schedule:
             gram = x @ x.mT
             x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b A + c A²) x
     return x.mT if tall else x
 
 
-def gram_newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps: int) -> torch.Tensor:
-    """The Newton-Schulz iterates of x (m, n) or (k, m, n), m <= n, through the Gram matrix G = x xᵀ (m, m).
+def gram_newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, float], ...]) -> torch.Tensor:
+    """The Newton-Schulz iterates of x (m, n) or (k, m, n), m <= n, through the Gram matrix G = x xᵀ (m, m),
+    step k's polynomial schedule[k] = (a, b, c).
 
     Each iterate is X_k = Q_k x with Q_k a polynomial in G, so A_k = X_k X_kᵀ and the step's
     P_k = a I + b A_k + c A_k² all commute: Q_{k+1} = P_k Q_k and A_{k+1} = P_k A_k P_k. The loop costs
@@ -166,8 +205,8 @@ def gram_newton_schulz(x: torch.Tensor, a: float, b: float, c: float, steps: int
     """
     addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     gram = x @ x.mT  # A_0 (m, m)
-    q = None
-    for k in range(steps):
+    q, steps = None, len(schedule)
+    for k, (a, b, c) in enumerate(schedule):
         poly = addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A²
         if q is None:
             q = poly + a * torch.eye(gram.size(-1), dtype=gram.dtype, device=gram.device)  # Q_1 = P_0
@@ -251,21 +290,24 @@ def load_state(optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
 
 
+RESUME_KEEPS = ("base_lr", "ns_steps", "ns_coefficients")  # group settings a resume takes from its config
+
+
 @contextlib.contextmanager
 def restoring(optimizer, saved_kind: str):
     """Around any load of a checkpoint's state into `optimizer` (a ckpt.pt's, or a sharded one's through
-    torch.distributed.checkpoint): the kinds must match, and the learning rates stay the ones this run
-    was configured with (both loads bring back the saved groups' settings): a resume may change
-    learning_rate or muon_lr.
+    torch.distributed.checkpoint): the kinds must match, and the learning rates and Newton-Schulz settings
+    stay the ones this run was configured with (both loads bring back the saved groups' settings): a
+    resume may change learning_rate, muon_lr, muon_ns_steps or muon_ns_coefficients.
     """
     kind = "muon" if isinstance(optimizer, MultiOptimizer) else "adamw"
     if saved_kind != kind:
         raise UserError(f"the checkpoint was trained with optimizer={saved_kind}, this run uses optimizer={kind}; "
                         f"resume with --optimizer={saved_kind}, or start a new out_dir")
-    base_lrs = [g["base_lr"] for g in optimizer.param_groups]
+    configured = [{k: g[k] for k in RESUME_KEEPS if k in g} for g in optimizer.param_groups]
     yield
-    for group, base_lr in zip(optimizer.param_groups, base_lrs):
-        group["base_lr"] = base_lr
+    for group, keep in zip(optimizer.param_groups, configured):
+        group.update(keep)
 
 
 def set_lr(optimizer, scale: float) -> None:

@@ -64,6 +64,7 @@ class TrainConfig(ModelKeys):
     muon_momentum: float = 0.95            # Muon's Nesterov momentum
     muon_weight_decay: float = 0.0         # Muon's decoupled weight decay
     muon_ns_steps: int = 5                 # Newton-Schulz iterations per Muon update (torch's default)
+    muon_ns_coefficients: str = "quintic"  # quintic (torch's, one polynomial) | polar_express (one per step, <= 5)
     # AdamW
     learning_rate: float = 6e-4            # AdamW's peak learning rate
     max_iters: int = 600000                # iterations in all; a resumed run stops here too
@@ -118,6 +119,11 @@ class TrainConfig(ModelKeys):
                             f"got '{self.lr_schedule}', {self.cooldown_frac}")
         if not 1 <= self.muon_ns_steps < 100:
             raise UserError(f"muon_ns_steps must be in [1, 99], got {self.muon_ns_steps}")
+        if self.muon_ns_coefficients not in optim.NS_COEFFICIENTS:
+            raise UserError(f"muon_ns_coefficients must be one of {', '.join(optim.NS_COEFFICIENTS)}, got "
+                            f"'{self.muon_ns_coefficients}'")
+        if self.muon_ns_coefficients != "quintic":
+            optim.ns_schedule(self.muon_ns_coefficients, self.muon_ns_steps)  # its steps are counted
         if not 0 < self.learning_rate < math.inf:
             raise UserError(f"need 0 < learning_rate < inf, got {self.learning_rate}")
         # min_lr is where the cosine decay ends; with decay_lr=False the rate stays at learning_rate.
@@ -155,4 +161,4 @@ def make_optimizer(model, cfg: TrainConfig, device_type: str):
     """cfg's optimizer (AdamW, or Muon + AdamW) over model's parameters, at cfg's peak learning rates."""
     return optim.build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                  device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay,
-                                 cfg.muon_ns_steps)
+                                 cfg.muon_ns_steps, cfg.muon_ns_coefficients)

@@ -27,7 +27,8 @@ VARIANTS = {
     "relu2": dict(mlp="relu2"), "swiglu": dict(mlp="swiglu"), "gqa": dict(n_kv_head=1),
     "untied": dict(tie_embeddings=False), "softcap": dict(logit_softcap=5.0), "all": ALL,
     "all_swiglu": ALL | dict(mlp="swiglu"), "unet": dict(unet_skips=True),
-    "all_speedrun": ALL | dict(unet_skips=True, zero_init_proj=True),
+    "all_speedrun": ALL | dict(unet_skips=True, zero_init_proj=True), "value_embeds": dict(value_embeds=1),
+    "all_value_embeds": ALL | dict(value_embeds=1, unet_skips=True),
 }
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 40
 
@@ -329,6 +330,7 @@ def test_defaults_are_gpt2_and_save_pretrained_refuses_what_no_architecture_hold
     (dict(n_head=2, n_embd=18, pos_embedding="rope"), "even head size"),
     (dict(mlp="geglu"), "mlp must be one of"), (dict(norm="batchnorm"), "norm must be one of"),
     (dict(pos_embedding="alibi"), "pos_embedding must be one of"), (dict(logit_softcap=0.0), "logit_softcap"),
+    (dict(value_embeds=2), "value_embeds must be an integer in [0, n_layer // 2]"),
 ])
 def test_bad_model_combinations(overrides, fragment):
     with pytest.raises(ValueError) as e:
@@ -694,3 +696,139 @@ def test_unet_skips_feed_block_j_output_into_block_L_minus_1_minus_j():
         model.skip_weights.zero_()  # no skip: the plain model
     torch.testing.assert_close(model(idx_of(2, 16))[0], plain(idx_of(2, 16))[0])
     assert GPTConfig(unet_skips=True).non_gpt2_fields() == ["unet_skips=True"]
+
+
+def test_value_embeds_go_to_the_first_and_last_blocks_as_each_tokens_row():
+    """k tables: Blocks i and L-k+i (i < k) get table i's rows of the tokens, the middle ones none; the
+    default builds no table and no mixing weight (GPT-2's parameters exactly)."""
+    torch.manual_seed(0)
+    model = sharpen(GPT(config(n_layer=6, value_embeds=2))).double().eval()
+    idx = idx_of(2, 16)
+    got = {}
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_pre_hook(lambda m, args, i=i: got.__setitem__(i, args[5]))
+    model(idx)
+    tables = [t(idx) for t in model.transformer.ve]  # (B, T, nkv * hs) each
+    for i, table in {0: 0, 1: 1, 4: 0, 5: 1}.items():
+        torch.testing.assert_close(got[i], tables[table])
+    assert got[2] is None and got[3] is None
+    with_lambdas = [i for i, b in enumerate(model.transformer.h) if hasattr(b.attn, "ve_lambdas")]
+    assert with_lambdas == [0, 1, 4, 5]
+    assert not [n for n, _ in GPT(config(n_layer=6)).named_parameters() if ".ve" in n]
+
+
+def test_value_embeds_mix_into_v_with_their_learned_weights():
+    """One position attends to itself alone, so attention returns its v: the output is
+    c_proj(lambdas[0] v + lambdas[1] ve). With lambdas (1, 0) the Block is the plain one."""
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config(value_embeds=1), value_embed=True).double()
+    with torch.no_grad():
+        attn.ve_lambdas.copy_(torch.tensor([0.7, -1.3]))
+    x, ve = torch.randn(3, 1, 16, dtype=torch.float64), torch.randn(3, 1, 16, dtype=torch.float64)
+    v = attn.c_attn(x)[..., 32:]  # q, k, v side by side: v is the last n_embd
+    torch.testing.assert_close(attn(x, ve=ve), attn.c_proj(0.7 * v - 1.3 * ve))
+    plain = CausalSelfAttention(config()).double()
+    plain.load_state_dict({k: t for k, t in attn.state_dict().items() if k != "ve_lambdas"})
+    with torch.no_grad():
+        attn.ve_lambdas.copy_(torch.tensor([1.0, 0.0]))
+    x = torch.randn(3, 9, 16, dtype=torch.float64)
+    torch.testing.assert_close(attn(x, ve=torch.randn(3, 9, 16, dtype=torch.float64)), plain(x))
+
+
+def test_value_embeds_train_on_adamw_are_recorded_and_refused_by_export(tmp_path, data_dir):
+    """The tables are embeddings (AdamW, decayed), the mixing weights gains (AdamW, not decayed); a
+    trained run records the switch and rebuilds it; no transformers class holds it, so save_pretrained
+    refuses it in one line naming the switch and the nearest recipe that exports."""
+    model = GPT(config(value_embeds=1))
+    opt = optim.build_optimizer(model, "muon", 1e-3, 0.1, (0.9, 0.95), "cpu")
+    decayed, gains = opt.optimizers["adamw"].param_groups
+    assert any(p is model.transformer.ve[0].weight for p in decayed["params"])
+    assert any(p is model.transformer.h[0].attn.ve_lambdas for p in gains["params"])
+    train_tiny(tmp_path, data_dir, max_iters=2, n_layer=2, value_embeds=1, optimizer="muon")
+    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    assert ckpt["meta"]["model_args"]["value_embeds"] == 1 and "transformer.ve.0.weight" in ckpt["model"]
+    loaded, _, _ = load_model("resume", tmp_path)
+    assert loaded.config.value_embeds == 1
+    assert GPTConfig(value_embeds=1).non_gpt2_fields() == ["value_embeds=1"]
+    modern = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", bias=False, tie_embeddings=False)
+    with pytest.raises(ValueError) as e:
+        GPT(config(**modern, value_embeds=1)).save_pretrained(tmp_path / "hf")
+    assert "\n" not in str(e.value) and "value_embeds=1" in str(e.value)
+    assert "nearest that exports: value_embeds=0 (-> Qwen3ForCausalLM)" in str(e.value)
+
+
+# --- Polar Express: Newton-Schulz with one polynomial per step ------------------------------------
+
+def polar_express_reference(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """modded-nanogpt's polar_express written out in float64: X / (1.02 |X|_F), then step k's polynomial."""
+    x = g.double().T if g.size(0) > g.size(1) else g.double()
+    x = x / (x.norm() * 1.02)
+    for a, b, c in optim.POLAR_EXPRESS[:steps]:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if g.size(0) > g.size(1) else x
+
+
+def test_polar_express_is_its_reference_iteration_on_the_loop_and_the_gram_path():
+    """ns_schedule folds the 2% safety factor into the first polynomial; the loop and the Gram path take
+    the schedule step by step (a polynomial reused, or the fold lost, is off by O(1e-2) or more)."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((16, 48), (96, 40), (24, 24), (32, 200)):
+        g = decaying_spectrum(shape, gen)
+        for steps in (1, 3, 5):
+            ours = optim.newton_schulz(g, optim.ns_schedule("polar_express", steps), steps, 1e-30, torch.float64)
+            ref = polar_express_reference(g, steps)
+            assert ((ours - ref).norm() / ref.norm()).item() < 1e-10, (shape, steps)
+
+
+def test_polar_express_orthogonalises_closer_than_the_quintic_in_five_steps():
+    """On a decaying spectrum (1 to 1e-3) five steps leave the quintic's singular values in about
+    [0.68, 1.2], Polar Express's within [0.85, 1.15]: the better polynomial per step."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C
+    g = decaying_spectrum((64, 192), torch.Generator().manual_seed(0))
+    spread = lambda x: (torch.linalg.svdvals(x) - 1).abs().max().item()
+    quintic = optim.newton_schulz(g, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, 1e-7, torch.float64)
+    polar = optim.newton_schulz(g, optim.ns_schedule("polar_express", 5), 5, 1e-7, torch.float64)
+    assert spread(polar) < 0.16 < 0.25 < spread(quintic)
+
+
+def test_polar_express_reaches_the_muon_step_from_the_config():
+    """muon_ns_coefficients=polar_express: BatchedMuon on every device (torch's step holds one polynomial),
+    its group holding the schedule (saved with the optimizer), and another update than the quintic's;
+    more steps than the schedule holds, or an unknown name, is one line."""
+    updates = {}
+    for kind in optim.NS_COEFFICIENTS:
+        cfg = train.TrainConfig(optimizer="muon", muon_ns_coefficients=kind, muon_ns_steps=4, n_layer=2, n_head=2,
+                                n_embd=16, block_size=16)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**cfg.model_args() | {"vocab_size": 29}))
+        opt = train.make_optimizer(model, cfg, "cpu")
+        group = opt.optimizers["muon"].param_groups[0]
+        w = model.transformer.h[0].mlp.c_fc.weight
+        before = w.detach().clone()
+        model(idx_of(2, 16), idx_of(2, 16, seed=2))[1].backward()
+        opt.step()
+        updates[kind] = w.detach() - before
+    assert group["ns_coefficients"] == optim.ns_schedule("polar_express", 4) and len(group["ns_coefficients"]) == 4
+    assert not torch.allclose(updates["quintic"], updates["polar_express"], rtol=0.05, atol=0)
+    opt = optim.build_optimizer(GPT(config()), "muon", 1e-3, 0.1, (0.9, 0.95), "cuda",
+                                muon_ns_coefficients="polar_express")
+    assert type(opt.optimizers["muon"]) is optim.BatchedMuon
+    for argv, fragment in ((["--muon_ns_coefficients=polar_express", "--muon_ns_steps=6"], "set muon_ns_steps to 1..5"),
+                           (["--muon_ns_coefficients=cubic"], "muon_ns_coefficients must be one of quintic, polar")):
+        with pytest.raises(UserError, match=fragment) as e:
+            configlib.parse_args(train.TrainConfig, argv)
+        assert "\n" not in str(e.value)
+
+
+def test_a_resume_keeps_the_newton_schulz_settings_it_is_given():
+    """Loading a checkpoint's optimizer state brings back its groups' settings; the rates and Newton-Schulz's
+    steps and polynomials stay this run's (a resume may switch them, as it may the learning rates)."""
+    torch.manual_seed(0)
+    model = GPT(config())
+    saved = optim.build_optimizer(model, "muon", 1e-3, 0.1, (0.9, 0.95), "cpu").state_dict()
+    resumed = optim.build_optimizer(model, "muon", 1e-3, 0.1, (0.9, 0.95), "cpu", muon_ns_steps=3,
+                                    muon_ns_coefficients="polar_express")
+    optim.load_state(resumed, saved)
+    group = resumed.optimizers["muon"].param_groups[0]
+    assert group["ns_steps"] == 3 and group["ns_coefficients"] == optim.ns_schedule("polar_express", 3)
