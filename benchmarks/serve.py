@@ -152,6 +152,7 @@ def in_process(engine: BatchEngine, prompt: list[int], clients: int, max_tokens:
 def over_http(url: str, prompt: list[int], clients: int, max_tokens: int) -> tuple[float, list[float]]:
     """clients concurrent streaming /v1/completions requests; each one's usage is checked."""
     import httpx
+
     async def one(client, seed, t0):
         body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -181,7 +182,7 @@ def side(runs: list[dict], tokens: int) -> dict:
 def clients_rows(cfg, engine: BatchEngine, url: str, server: subprocess.Popen, prompt: list[int]) -> list[dict]:
     counts = int_list(cfg.serve_clients, "serve_clients")
     runs: dict[tuple[int, str], list[dict]] = {}
-    for repeat in range(cfg.warmup + cfg.repeats):
+    for _ in range(cfg.warmup + cfg.repeats):
         for c in counts:  # the two sides alternate at each count
             cpu0 = time.process_time()
             s, ttfts = in_process(engine, prompt, c, cfg.serve_max_tokens)
@@ -246,6 +247,6 @@ def table(r: dict) -> str:
             f"{r['model']}; {r['params'] / 1e6:.2f}M parameters; each client streams one /v1/completions request, "
             f"all at once ({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled); max_batch "
             f"{r['max_batch']} on both sides; medians of {r['repeats']}\n\n"
-            + markdown.table(["clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms", "in-process tok/s",
-                              "in-process TTFT ms", "time ratio", "CPU s server / in-process", "CPU ratio",
-                              "client CPU s"], rows))
+            + markdown.table(["clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms",
+                              "in-process tok/s", "in-process TTFT ms", "time ratio", "CPU s server / in-process",
+                              "CPU ratio", "client CPU s"], rows))
