@@ -492,7 +492,7 @@ ONE_QUERY_MATH_KEYS = 128  # one bfloat16 query on a CPU: the math backend is fa
 def one_query_attention(q: torch.Tensor, Tk: int) -> contextlib.AbstractContextManager:
     """SDPA's math backend, softmax(q k^T) v written out, for one bfloat16 query (q (1, nh, 1, hs)) on the CPU
     over ONE_QUERY_MATH_KEYS keys or more: there the flash kernel, made for blocks of queries, is slower
-    (GPT-2 small's shape at 512 keys: 1.0 ms against 0.6 ms a layer). With fewer keys flash is the faster."""
+    (docs/performance.md, "Decoding against the bandwidth bound"). With fewer keys flash is the faster."""
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.size(0) * q.size(2) != 1 or Tk < ONE_QUERY_MATH_KEYS:
         return contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH)
