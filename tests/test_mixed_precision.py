@@ -128,6 +128,7 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     # from the float32 head copied once, not the bf16 head cast again per token: scaling the copy moves them
     assert model.head_float32.dtype == torch.float32
     assert torch.equal(model.head_float32, model.lm_head.weight.float().t())  # (C, vocab), transposed once
+    assert model.head_float32.is_contiguous()  # laid out (C, vocab): h @ head_t reads it row after row
     with torch.no_grad():
         model.head_float32.mul_(2)
         assert torch.allclose(model(idx, last_only=True)[0][:, -1, :], 2 * logits)
