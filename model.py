@@ -503,7 +503,7 @@ ONE_QUERY_MATH_KEYS = 128  # one bfloat16 query on a CPU: the math backend is fa
 def one_query_attention(q: torch.Tensor, Tk: int) -> contextlib.AbstractContextManager:
     """SDPA's math backend, softmax(q k^T) v written out, for one bfloat16 query (q (1, nh, 1, hs)) on the CPU
     over ONE_QUERY_MATH_KEYS keys or more: there the flash kernel, made for blocks of queries, is slower
-    (GPT-2 small's shape at 512 keys: 1.0 ms against 0.6 ms a layer). With fewer keys flash is the faster."""
+    (docs/performance.md, "Decoding against the bandwidth bound"). With fewer keys flash is the faster."""
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.size(0) * q.size(2) != 1 or Tk < ONE_QUERY_MATH_KEYS:
         return contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH)
@@ -729,17 +729,21 @@ class GPT(nn.Module):
         logits keep 8 bits of mantissa, which rounds close scores together and ties greedy and top-k.
         """
         h = self.transformer.ln_f(x[:, -1:, :])  # (B, 1, C)
-        head = getattr(self, "head_float32", None)  # keep_float32_head's copy, if the weights were cast
-        head = self.lm_head.weight.float() if head is None else head
+        head_t = getattr(self, "head_float32", None)  # keep_float32_head's copy (C, vocab), if the weights were cast
         with torch.autocast(h.device.type, enabled=False):
-            return self._softcap(F.linear(h.float(), head))  # (B, 1, vocab)
+            if head_t is None:
+                return self._softcap(F.linear(h.float(), self.lm_head.weight.float()))  # (B, 1, vocab)
+            return self._softcap(h.float() @ head_t)  # (B, 1, vocab)
 
     def keep_float32_head(self) -> None:
         """Decoding with bfloat16 (or float16) weights: a float32 copy of the head, made once, for
         _last_logits. Without it each token casts the whole head (vocab x C, GPT-2's largest matrix) to
-        float32 again, which costs more than the matmul it feeds. Not saved (persistent=False), and stale
-        if the weights change afterwards: for a model that only decodes (runtime.inference_model)."""
-        self.register_buffer("head_float32", self.lm_head.weight.detach().float(), persistent=False)
+        float32 again, which costs more than the matmul it feeds. Stored transposed, (C, vocab): at one
+        row h @ head_t reads it in 0.7x the time F.linear takes over (vocab, C) on a CPU (MKL's GEMV;
+        docs/performance.md, "Decoding against the bandwidth bound"). Not saved (persistent=False), and
+        stale if the weights change afterwards: for a model that only decodes (runtime.inference_model)."""
+        head_t = self.lm_head.weight.detach().float().t().contiguous()  # (C, vocab)
+        self.register_buffer("head_float32", head_t, persistent=False)
 
     def _softcap(self, logits):
         """c * tanh(logits / c) with c = logit_softcap (Gemma 2): bounds the logits smoothly, so no

@@ -10,8 +10,10 @@ alternated round by round in one process, so that a busy machine slows them all 
 
 Variants: "bf16 oneDNN + flash" is the model with model.one_row_kernels and model.one_query_attention
 replaced by no-ops (torch's default kernels), "bf16 GEMV without oneDNN" with only the first replaced;
-"bf16 bf16 head" computes the logits from the bfloat16 head, rounded to bfloat16, then float32 (not what the model does: see GPT._last_logits). The bound is
-bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with native bfloat16 for the bf16 rows.
+"bf16 head copy (vocab, C)" reads the float32 head copy untransposed through F.linear; "bf16 bf16 head"
+computes the logits from the bfloat16 head, rounded to bfloat16, then float32 (not what the model does:
+see GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with
+native bfloat16 for the bf16 rows.
 """
 import contextlib
 import dataclasses
@@ -59,6 +61,18 @@ def with_bf16_head(model: GPT) -> GPT:
     return model
 
 
+def with_vocab_by_c_head(model: GPT) -> GPT:
+    """The float32 head copy as the head is laid out, (vocab, C), through F.linear (GPT.keep_float32_head
+    keeps it transposed, (C, vocab))."""
+    head = model.head_float32.t().contiguous()  # (vocab, C)
+
+    def last_logits(x):
+        h = model.transformer.ln_f(x[:, -1:, :])  # (1, 1, C)
+        return F.linear(h.float(), head)  # (1, 1, vocab)
+    model._last_logits = last_logits
+    return model
+
+
 def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
     """name: (model, which of model.py's one-row kernel choices are on); every model from the same weights."""
     def build(dtype):
@@ -69,6 +83,7 @@ def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
     if runtime.cpu_native_bf16():
         bf16 = build("bfloat16")
         out |= {"bf16 oneDNN + flash": (bf16, (False, False)), "bf16 GEMV without oneDNN": (bf16, (True, False)),
+                "bf16 head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), on),
                 "bf16 (one-row kernels)": (bf16, on), "bf16 bf16 head": (with_bf16_head(build("bfloat16")), on)}
     if compile:
         out["float32 compiled"] = (build("float32"), on)

@@ -84,6 +84,7 @@ def test_decode_levers_script_prints_every_variant_and_restores_the_kernels(caps
     kernels = model_module.one_row_kernels, model_module.one_query_attention
     decode_levers.main(["--shape=quickstart", "--rounds=1", "--steps=1"])
     rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-    bf16 = ["bf16 oneDNN + flash", "bf16 GEMV without oneDNN", "bf16 (one-row kernels)", "bf16 bf16 head"]
+    bf16 = ["bf16 oneDNN + flash", "bf16 GEMV without oneDNN", "bf16 head copy (vocab, C)", "bf16 (one-row kernels)",
+            "bf16 bf16 head"]
     assert rows == ["float32"] + bf16 * runtime.cpu_native_bf16()
     assert (model_module.one_row_kernels, model_module.one_query_attention) == kernels

@@ -127,11 +127,16 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     assert not torch.equal(logits, logits.bfloat16().float())  # finer than bfloat16's 8-bit mantissa
     # from the float32 head copied once, not the bf16 head cast again per token: scaling the copy moves them
     assert model.head_float32.dtype == torch.float32
-    assert torch.equal(model.head_float32, model.lm_head.weight.float())
+    assert torch.equal(model.head_float32, model.lm_head.weight.float().t())  # (C, vocab), transposed once
+    assert model.head_float32.is_contiguous()  # laid out (C, vocab): h @ head_t reads it row after row
     with torch.no_grad():
         model.head_float32.mul_(2)
         assert torch.allclose(model(idx, last_only=True)[0][:, -1, :], 2 * logits)
         model.head_float32.div_(2)
+    head_t = model.head_float32  # without the copy, F.linear over the head cast again: the same logits to 1e-5
+    del model.head_float32
+    torch.testing.assert_close(model(idx, last_only=True)[0][:, -1, :], logits, rtol=1e-5, atol=1e-5)
+    model.register_buffer("head_float32", head_t, persistent=False)
 
     reference = model_from_checkpoint(trained).eval()
     context = reference.generate(idx, model.config.block_size - idx.size(1), temperature=0.0)  # (2, 32)
