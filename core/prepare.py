@@ -569,8 +569,9 @@ def _worker_tokenizer(meta_json: str) -> tuple[Tokenizer, list[int], list[int]]:
 
 
 def _tokenize_batch(batch: dict, meta_json: str) -> dict:
-    # Runs in datasets' worker processes, which rebuild the tokenizer from its metadata (a string: cheap to
-    # send, and part of datasets' cache fingerprint, so another tokenizer never reuses a cached encoding).
+    # Runs in datasets' worker processes, which rebuild the tokenizer once from its metadata (a string, sent
+    # with each worker's job and part of datasets' cache fingerprint: another tokenizer never reuses a cached
+    # encoding).
     # Each document is whole with its marks (a folder's BOS/EOS, else <|endoftext|> after it): the shuffled
     # split puts any document next to any other. A plain loop, not a threaded batch encode: the
     # parallelism is num_proc processes, and threads on top of them only contend for the cores.
