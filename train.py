@@ -74,6 +74,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     model, tok_meta, resumed = build_model(cfg, data_meta, rt, log)  # resumed: None unless init_from=resume
     # A model from weights (a folder, the hub, a base run) has their shape, not the config's: config.json
     # records that, so `--init_from=resume --out_dir=RUN` resumes with the shape the checkpoint holds.
+    if resumed is None and (replaced := shape_set_aside(cfg, model.config)):
+        log(f"note: init_from={cfg.init_from} brings its own architecture; not applied: {', '.join(replaced)}")
     cfg = dataclasses.replace(cfg, **{k: getattr(model.config, k) for k in ARCHITECTURE_KEYS})
     stop.check(starting)
     # Then dropout masks of their own per rank (batches come from their own generators, never from this).
@@ -317,6 +319,20 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
     if w.kind == "resume":
         return model, w.tokenizer_meta, w
     return model, tokenizer_meta(data_meta), None
+
+
+def shape_set_aside(cfg: TrainConfig, config: GPTConfig) -> list[str]:
+    """The architecture keys a config file or --key=value set (away from TrainConfig's defaults) that the
+    model's own config overrides, as "key=mine (theirs)": the weights of a folder, the hub or a base run
+    come with their shape, and a setting that does not apply is said, not dropped in silence."""
+    default, aside = TrainConfig(), []
+    for key in ARCHITECTURE_KEYS:
+        mine, theirs = getattr(cfg, key), getattr(config, key)
+        if key == "n_kv_head":  # None and n_head are the same attention
+            mine, theirs = mine or cfg.n_head, theirs or config.n_head
+        if getattr(cfg, key) not in (None, getattr(default, key)) and mine != theirs:
+            aside.append(f"{key}={mine!r} (the weights': {theirs!r})")
+    return aside
 
 
 def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:

@@ -455,6 +455,22 @@ def test_train_fine_tunes_a_transformers_folder_and_exports_it(hf_folder, char_d
     assert type(theirs).__name__ == arch
 
 
+def test_model_keys_the_folder_overrides_are_said_not_dropped(hf_folder, char_data, tmp_path):
+    """A folder brings its own shape: --n_layer and --n_embd that differ from it are named in one note line
+    (with the folder's values), not ignored in silence; keys left at their defaults are not named."""
+    arch, path = hf_folder
+    base = [f"--init_from={path}", f"--data_dir={char_data}", "--device=cpu", "--dtype=float32", "--compile=False",
+            "--max_iters=1", "--eval_interval=1", "--eval_iters=1", f"--block_size={BLOCK}", "--batch_size=2"]
+    set_aside = run_main(train.main, base + [f"--out_dir={tmp_path / 'a'}", "--n_layer=7", "--n_embd=24"])
+    assert set_aside.returncode == 0, set_aside.stderr
+    notes = [line for line in set_aside.stdout.splitlines() if line.startswith("note: init_from=")]
+    c = weights.load_model(str(path), "unused")[0].config
+    assert len(notes) == 1 and "n_layer=7 (the weights': %d)" % c.n_layer in notes[0], set_aside.stdout
+    assert "n_embd=24 (the weights': %d)" % c.n_embd in notes[0] and "n_head" not in notes[0]
+    plain = run_main(train.main, base + [f"--out_dir={tmp_path / 'b'}"])
+    assert plain.returncode == 0 and "note: init_from=" not in plain.stdout, plain.stdout
+
+
 def test_a_dataset_with_another_tokenizer_is_one_error(hf_folder, tmp_path):
     arch, path = hf_folder
     make_char_dataset(tmp_path / "other", "a different text, with other characters: xyz 0123\n" * 20)
