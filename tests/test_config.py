@@ -97,7 +97,7 @@ def test_round_trip_through_json():
 # --- train.py's model keys are GPTConfig's fields ------------------------------------------------
 
 # A value other than the default for a GPTConfig field whose type alone does not give a valid one.
-OTHER_VALUES: dict = {"qkv_bias": True}
+OTHER_VALUES: dict = {"qkv_bias": True, "value_embeds": 1}
 
 
 def other_value(field: dataclasses.Field):

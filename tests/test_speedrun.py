@@ -126,7 +126,7 @@ def tiny_speedrun(tmp_path, data, **extra) -> list[str]:
     args = dict(device="cpu", dtype="float32", sections="speedrun", out=tmp_path / "bench.json",
                 speedrun_data_dir=data, speedrun_seeds="1,2", speedrun_eval_every=10, speedrun_eval_fine=2,
                 speedrun_chunk=7, speedrun_log_dir=tmp_path / "logs",
-                speedrun_shape="n_layer=1,n_head=2,n_embd=32,block_size=16,batch_size=4,max_iters=40,"
+                speedrun_shape="n_layer=2,n_head=2,n_embd=32,block_size=16,batch_size=4,max_iters=40,"
                                "lr_decay_iters=40,warmup_iters=2,learning_rate=3e-3")
     return [f"--{k}={v}" for k, v in (args | extra).items()]
 
