@@ -266,7 +266,7 @@ def test_web_corpus_past_65536_ids_writes_uint32(tmp_path):
 def test_web_source_without_text_column(tmp_path):
     src = write_parquet(tmp_path / "x.parquet", DOCS, column="content")
     with pytest.raises(UserError, match=r"has columns \['content', 'url'\], but no 'text' column"):
-        load_script("openwebtext").main([f"--data_files={src}", f"--out_dir={tmp_path / 'out'}",
+        load_script("openwebtext").main([f"--data_files={src}", f"--out_dir={tmp_path / 'out'}", "--tokenizer=bpe:300",
                                          f"--cache_dir={tmp_path / 'hf'}"])
 
 
@@ -274,7 +274,7 @@ def test_web_data_files_must_be_one_known_kind(tmp_path):
     a = write_parquet(tmp_path / "a.parquet", DOCS)
     b = write_jsonl(tmp_path / "b.jsonl", DOCS)
     with pytest.raises(UserError, match="must all be one kind"):
-        load_script("openwebtext").main([f"--data_files={a},{b}", f"--out_dir={tmp_path}"])
+        load_script("openwebtext").main([f"--data_files={a},{b}", f"--out_dir={tmp_path}", "--tokenizer=bpe:300"])
 
 
 def test_fineweb_edu_flag_selects_the_hub_dataset():
@@ -290,7 +290,8 @@ def test_fineweb_edu_flag_selects_the_hub_dataset():
 CLI_ERRORS = [
     ("shakespeare_char", ["--input=missing.txt"], "error: --input file 'missing.txt' not found"),
     ("shakespeare", ["--input=missing.txt"], "error: --input file 'missing.txt' not found"),
-    ("openwebtext", ["--data_files=missing.parquet"], "error: --data_files: no file matches 'missing.parquet'"),
+    ("openwebtext", ["--data_files=missing.parquet", "--tokenizer=bpe:300"],  # a BPE trained later: no GPT-2 file needed
+     "error: --data_files: no file matches 'missing.parquet'"),
     ("fineweb", ["--num_proc=many"], "error: config key 'num_proc' expects int, got 'many' (command line)"),
     ("fineweb", ["--val_fraction=2"], "error: val_fraction must be between 0 and 1, got 2.0"),
     ("openwebtext", ["--data_files=missing.parquet", "--tokenizer=bpe:200"],

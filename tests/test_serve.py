@@ -485,7 +485,11 @@ def test_ctrl_c_while_the_model_loads_stops_before_serving(char_out, monkeypatch
     started = []
     monkeypatch.setattr(weights, "load_model", interrupted_load)
     monkeypatch.setattr(serve, "serve", lambda app, host, port: started.append(port))
-    result = run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", "--port=0"])
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh process has it (not a stop
+    try:                                                                # flag an earlier in-process main left)
+        result = run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", "--port=0"])
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert result.returncode == 128 + signal.SIGINT, result.stderr
     assert result.stderr.splitlines() == ["error: interrupted"] and started == []
 
