@@ -44,8 +44,8 @@ from starlette.exceptions import HTTPException
 from core import runtime, weights
 from core.chat import ChatTemplate
 from core.config import parse_args
-from core.engine import (MAX_LOGPROBS, BatchEngine, EngineRequest, PromptScores, ServerStopping, TokenScore,
-                         engine_sampling)
+from core.engine import (MAX_LOGPROBS, BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping,
+                         TokenScore, engine_sampling)
 from core.errors import UserError, first_line, run_cli
 from core.tokenizer import StreamDecoder, Tokenizer
 from model import GPT, check_sampling_args, window_shift
@@ -71,6 +71,7 @@ class ServeConfig:
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
     threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
+    engine: str = "auto"             # process: the engine in a process of its own (CPU); thread: in this one; auto: process on a CPU
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -81,6 +82,8 @@ class ServeConfig:
         if self.api_key == "":
             raise UserError("--api_key is empty; pass a secret, or leave it out to serve without one")
         weights.check_init_from(self.init_from)
+        if self.engine not in ("auto", "process", "thread"):
+            raise UserError(f"--engine must be auto, process or thread, got {self.engine!r}")
 
 
 # -----------------------------------------------------------------------------
@@ -211,7 +214,7 @@ class DetokenizeRequest(Strict):
 @dataclasses.dataclass
 class Served:
     """What the routes need, on app.state.served: the model's engine, tokenizer, template and limits."""
-    engine: BatchEngine
+    engine: "BatchEngine | EngineProcess"
     tok: Tokenizer
     template: ChatTemplate | None
     cfg: ServeConfig
@@ -318,7 +321,7 @@ class Metrics:
     def done(self, handle) -> None:
         self.last.pop(id(handle), None)
 
-    def render(self, engine: BatchEngine) -> bytes:
+    def render(self, engine) -> bytes:
         self.running.set(engine.running)
         self.waiting.set(engine.waiting_count())
         return generate_latest(self.registry)
@@ -740,7 +743,15 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     except ValueError as e:
         raise UserError(f"--window_shift: {e}") from None
     metrics = Metrics()
-    engine = BatchEngine(model, cfg.max_batch, shift, tok.vocab_size, cfg.prefill_chunk, metrics)
+    kind = cfg.engine if cfg.engine != "auto" else "process" if device == "cpu" else "thread"
+    if kind == "process" and device != "cpu":
+        raise UserError(f"--engine=process serves CPU models only (a forked process cannot use {device}); "
+                        f"use --engine=thread")
+    make = EngineProcess if kind == "process" else BatchEngine
+    try:
+        engine = make(model, cfg.max_batch, shift, tok.vocab_size, cfg.prefill_chunk, metrics)
+    except RuntimeError as e:
+        raise UserError(f"{first_line(e)}; try a smaller --max_batch, or --engine=thread") from None
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = Served(engine, tok, ChatTemplate.for_tokenizer(tok), cfg, name, device,
                               model.config.block_size, shift, cfg.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -54,6 +54,7 @@ class Settings:
     serve_max_tokens: int = 64       # new tokens per request (sampled, no stop: always this many)
     serve_prompt_len: int = 6
     serve_max_batch: int = 64        # serve.py's --max_batch and the in-process engine's: rows decoded at once
+    serve_engines: str = "process,thread"  # serve.py's --engine for each server measured, side by side
 
 
 PRESETS = {"gpt2": dict(serve_shape="gpt2")}
@@ -62,11 +63,18 @@ PRESETS = {"gpt2": dict(serve_shape="gpt2")}
 def check(cfg) -> None:
     at_least(cfg, 1, "serve_max_tokens", "serve_prompt_len", "serve_max_batch")
     int_list(cfg.serve_clients, "serve_clients")
+    for engine in engines(cfg):
+        if engine not in ("auto", "process", "thread"):
+            raise UserError(f"serve_engines: each must be auto, process or thread, got '{engine}'")
     if cfg.serve_shape not in SHAPES:
         raise UserError(f"serve_shape must be one of {', '.join(SHAPES)}, got '{cfg.serve_shape}'")
     if "serve" in section_list(cfg) and cfg.serve_prompt_len > model_config(cfg.serve_shape).block_size:
         raise UserError(f"serve_prompt_len {cfg.serve_prompt_len} is longer than the {cfg.serve_shape} model's "
                         f"block_size {model_config(cfg.serve_shape).block_size}")
+
+
+def engines(cfg) -> list[str]:
+    return [e.strip() for e in cfg.serve_engines.split(",") if e.strip()]
 
 
 def preflight(cfg) -> None:
@@ -93,24 +101,28 @@ def serve_checkpoint(cfg, out_dir: Path) -> tuple[GPT, Tokenizer]:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) another process has used so far; None where /proc is not there."""
+    """CPU seconds (user + system) another process and its children (serve.py's engine process) have used so
+    far; None where /proc is not there."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return own + sum(process_cpu_s(c) or 0.0 for c in children)
 
 
-def start_server(cfg, rt: runtime.Runtime, out_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_server(cfg, rt: runtime.Runtime, out_dir: Path, engine: str) -> tuple[subprocess.Popen, str]:
     import httpx  # a dev dependency (requirements-dev.txt), needed by this section alone
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(out_dir / "serve.log", "w")
+    log = open(out_dir / f"serve-{engine}.log", "w")
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"--out_dir={out_dir}", "--model_name=bench",
                              f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
                              f"--threads={cfg.threads}", f"--max_batch={cfg.serve_max_batch}",
-                             f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1"],
+                             f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1", f"--engine={engine}"],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -120,7 +132,7 @@ def start_server(cfg, rt: runtime.Runtime, out_dir: Path) -> tuple[subprocess.Po
                 return proc, url
         time.sleep(0.2)
     proc.kill()
-    raise UserError(f"serve.py did not start for the serve section:\n{(out_dir / 'serve.log').read_text()[-2000:]}")
+    raise UserError(f"serve.py did not start for the serve section:\n{(out_dir / f'serve-{engine}.log').read_text()[-2000:]}")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -179,31 +191,38 @@ def side(runs: list[dict], tokens: int) -> dict:
     return med | {"tokens_per_s": tokens / med["s"]}
 
 
-def clients_rows(cfg, engine: BatchEngine, url: str, server: subprocess.Popen, prompt: list[int]) -> list[dict]:
+def clients_rows(cfg, engine: BatchEngine, servers: dict[str, tuple[subprocess.Popen, str]],
+                 prompt: list[int]) -> list[dict]:
+    """One row per server engine and client count; the sides alternate at each count, each repeat."""
     counts = int_list(cfg.serve_clients, "serve_clients")
     runs: dict[tuple[int, str], list[dict]] = {}
     for _ in range(cfg.warmup + cfg.repeats):
-        for c in counts:  # the two sides alternate at each count
+        for c in counts:
             cpu0 = time.process_time()
             s, ttfts = in_process(engine, prompt, c, cfg.serve_max_tokens)
             run = {"s": s, "cpu_s": time.process_time() - cpu0}
             runs.setdefault((c, "in_process"), []).append(run | ttft(ttfts))
-            cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
-            s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens)
-            run = {"s": s, "client_cpu_s": time.process_time() - cpu0}
-            if server0 is not None:
-                run["cpu_s"] = process_cpu_s(server.pid) - server0
-            runs.setdefault((c, "server"), []).append(run | ttft(ttfts))
+            for name, (server, url) in servers.items():
+                cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
+                s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens)
+                run = {"s": s, "client_cpu_s": time.process_time() - cpu0}
+                if server0 is not None:
+                    run["cpu_s"] = process_cpu_s(server.pid) - server0
+                runs.setdefault((c, name), []).append(run | ttft(ttfts))
     rows = []
-    for c in counts:
-        tokens = c * cfg.serve_max_tokens
-        timed = {way: side(runs[c, way][cfg.warmup:], tokens) for way in ("server", "in_process")}
-        row = {"clients": c, "tokens": tokens, **timed, "time_ratio": timed["server"]["s"] / timed["in_process"]["s"]}
-        if "cpu_s" in timed["server"]:
-            row["cpu_ratio"] = timed["server"]["cpu_s"] / timed["in_process"]["cpu_s"]
-        rows.append(row)
-    for row in rows:  # against the first count's (one client's, by default)
-        row["vs_first"] = row["server"]["tokens_per_s"] / rows[0]["server"]["tokens_per_s"]
+    for name in servers:
+        for c in counts:
+            tokens = c * cfg.serve_max_tokens
+            timed = {"server": side(runs[c, name][cfg.warmup:], tokens),
+                     "in_process": side(runs[c, "in_process"][cfg.warmup:], tokens)}
+            row = {"engine": name, "clients": c, "tokens": tokens, **timed,
+                   "time_ratio": timed["server"]["s"] / timed["in_process"]["s"]}
+            if "cpu_s" in timed["server"]:
+                row["cpu_ratio"] = timed["server"]["cpu_s"] / timed["in_process"]["cpu_s"]
+            rows.append(row)
+    for row in rows:  # against the first count's (one client's, by default) on the same engine
+        first = next(r for r in rows if r["engine"] == row["engine"])
+        row["vs_first"] = row["server"]["tokens_per_s"] / first["server"]["tokens_per_s"]
     return rows
 
 
@@ -218,12 +237,15 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         prompt = [i % tok.vocab_size for i in range(1, cfg.serve_prompt_len + 1)]
         engine = BatchEngine(model, cfg.serve_max_batch, window_shift(None, model.config.block_size), tok.vocab_size)
         engine.start()
-        server, url = start_server(cfg, rt, Path(tmp))
+        servers = {}
         try:
-            rows = clients_rows(cfg, engine, url, server, prompt)
+            for name in engines(cfg):
+                servers[name] = start_server(cfg, rt, Path(tmp), name)
+            rows = clients_rows(cfg, engine, servers, prompt)
         finally:
-            server.terminate()
-            server.wait(60)
+            for server, _ in servers.values():
+                server.terminate()
+                server.wait(60)
             engine.stop()
             engine.thread.join()
     mc = model.config
@@ -238,7 +260,7 @@ def table(r: dict) -> str:
     rows = []
     for row in r["rows"]:
         sv, ip = row["server"], row["in_process"]
-        rows.append([row["clients"], num(sv["tokens_per_s"], 1), f"{row['vs_first']:.1f}x",
+        rows.append([row["engine"], row["clients"], num(sv["tokens_per_s"], 1), f"{row['vs_first']:.1f}x",
                      f"{num(sv['ttft_p50_ms'])} / {num(sv['ttft_p95_ms'])}", num(ip["tokens_per_s"], 1),
                      f"{num(ip['ttft_p50_ms'])} / {num(ip['ttft_p95_ms'])}", f"{row['time_ratio']:.2f}x",
                      "n/a" if "cpu_s" not in sv else f"{num(sv['cpu_s'], 2)} / {num(ip['cpu_s'], 2)}",
@@ -247,6 +269,6 @@ def table(r: dict) -> str:
             f"{r['model']}; {r['params'] / 1e6:.2f}M parameters; each client streams one /v1/completions request, "
             f"all at once ({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled); max_batch "
             f"{r['max_batch']} on both sides; medians of {r['repeats']}\n\n"
-            + markdown.table(["clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms",
+            + markdown.table(["engine", "clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms",
                               "in-process tok/s", "in-process TTFT ms", "time ratio", "CPU s server / in-process",
                               "CPU ratio", "client CPU s"], rows))

@@ -4,7 +4,12 @@
 """
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -267,7 +272,9 @@ def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
     serve = result["serve"]
     rows = serve["rows"]
     assert serve["shape"] == "quickstart" and serve["model"].startswith("4 layers x 128 wide")
-    assert [row["clients"] for row in rows] == [1, 3] and [row["tokens"] for row in rows] == [5, 15]
+    assert [(row["engine"], row["clients"]) for row in rows] == [("process", 1), ("process", 3), ("thread", 1),
+                                                                 ("thread", 3)]
+    assert [row["tokens"] for row in rows] == [5, 15, 5, 15]
     assert_positive_numbers(serve)
     for row in rows:
         for way in ("server", "in_process"):
@@ -275,7 +282,7 @@ def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
             assert row[way]["ttft_p50_ms"] <= row[way]["ttft_p95_ms"] <= 1000 * row[way]["s"]
         assert row["time_ratio"] == pytest.approx(row["server"]["s"] / row["in_process"]["s"])
         assert row["cpu_ratio"] == pytest.approx(row["server"]["cpu_s"] / row["in_process"]["cpu_s"])
-    assert rows[0]["vs_first"] == 1
+    assert rows[0]["vs_first"] == rows[2]["vs_first"] == 1
     assert "### Serving" in capsys.readouterr().out
     assert json.loads((tmp_path / "bench.json").read_text())["serve"]["rows"][1]["clients"] == 3
 
@@ -284,7 +291,31 @@ def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
     (["--serve_shape=gpt3"], "serve_shape"),
     (["--sections=serve", "--serve_prompt_len=65"], "block_size 64"),
     (["--serve_clients=1,x"], "serve_clients"),
+    (["--serve_engines=process,fork"], "serve_engines"),
 ])
 def test_bad_serve_flags_are_user_errors(argv, fragment):
     with pytest.raises(UserError, match=fragment):
         bench.load_config(argv)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads processes from /proc (Linux)")
+def test_a_servers_cpu_counts_its_engine_process(tmp_path):
+    """The serve section's server CPU includes its children (serve.py's engine process): a parent that only
+    sleeps, beside a child that burns a second, has used about a second."""
+    from benchmarks.serve import process_cpu_s
+    flag = tmp_path / "burnt"
+    code = ("import os, sys, time\n"
+            "if os.fork() == 0:\n"
+            "    t = time.process_time()\n"
+            "    while time.process_time() - t < 1.0: pass\n"
+            f"    open({str(flag)!r}, 'w').close(); time.sleep(60); os._exit(0)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process_cpu_s(proc.pid) >= 0.9
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

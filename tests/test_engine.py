@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.engine import BatchEngine, EngineRequest, PromptScores, adjust_logits, engine_sampling
+from core.engine import (BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping, adjust_logits,
+                         engine_sampling)
 from core.evaluate import token_losses
 from core.weights import load_model
 from model import GPT, GPTConfig, Sampling
@@ -79,7 +80,7 @@ def run(engine: BatchEngine, reqs: list[EngineRequest]) -> list[dict]:
             return asyncio.run(every())
     finally:
         engine.stop()
-        engine.thread.join()
+        engine.join()
 
 
 # (prompt, n, max_tokens, temperature, seed): greedy and seeded, past block_size (32), n > 1, a prompt that
@@ -88,15 +89,22 @@ REQUESTS = [([1, 2, 3], 1, 60, 0.0, 1), ([4] * 20, 2, 45, 1.0, 2), ([5, 6], 1, 7
             ([7] * 32, 3, 10, 1.0, 4), ([9], 1, 80, 0.0, 5), ([3, 3], 2, 33, 1.0, 6), ([8, 1] * 6, 1, 40, 0.7, 7)]
 
 
+ENGINES = {"thread": BatchEngine, "process": EngineProcess}
+
+
+@pytest.mark.parametrize("kind", ENGINES)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_request_gets_what_generate_gives_it_alone(variant):
+def test_every_request_gets_what_generate_gives_it_alone(variant, kind):
     model = sharp_model(**VARIANTS[variant])
-    engine = BatchEngine(model, max_batch=8, window_shift=SHIFT, vocab_size=50, prefill_chunk=7)
+    engine = ENGINES[kind](model, max_batch=8, window_shift=SHIFT, vocab_size=50, prefill_chunk=7)
     got = run(engine, [request(model, *r) for r in REQUESTS])  # 11 rows for 8 slots: some wait their turn
     for r, g in zip(REQUESTS, got):
         assert g["rows"] == alone(model, *r), r
     assert len({tuple(g["rows"][0]) for g in got}) == len(REQUESTS)  # not one token over and over
-    assert engine.free and sorted(engine.free) == list(range(8)) and not engine.active  # every slot back
+    if kind == "thread":
+        assert engine.free and sorted(engine.free) == list(range(8)) and not engine.active  # every slot back
+    else:
+        assert engine.running == 0 and engine.waiting_count() == 0 and not engine.handles
 
 
 def test_trained_model_text_and_eot_equal_generate(trained):
@@ -190,10 +198,11 @@ def test_adjust_logits_is_openais_formula():
     assert got.tolist() == [[0, -0.75, -1.25, 5], [-1.0, 0, 0, 5]]
 
 
-def test_max_batch_queues_and_cancel_frees_the_slot(trained):
+@pytest.mark.parametrize("kind", ENGINES)
+def test_max_batch_queues_and_cancel_frees_the_slot(trained, kind):
     """One slot: a second request waits; cancelling the first (its client left) lets the second run at once."""
     model, tok = trained
-    engine = BatchEngine(model, max_batch=1, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    engine = ENGINES[kind](model, max_batch=1, window_shift=SHIFT, vocab_size=tok.vocab_size)
     prompt = tok.encode("ROMEO:")
     with pytest.raises(ValueError, match="max_batch"):
         engine.submit(request(model, prompt, 2, 5, 0.0, 0), None)
@@ -215,6 +224,87 @@ def test_max_batch_queues_and_cancel_frees_the_slot(trained):
             got = asyncio.run(both())
     finally:
         engine.stop()
-        engine.thread.join()
+        engine.join()
     assert [t for (t,) in got] == alone(model, prompt, 1, 5, 0.0, 0)[0]
     assert engine.tokens_generated < 1000
+
+
+# --- the engine in a process of its own (serve.py's --engine=process) ------------------------------------
+
+
+class Recorder:
+    """serve.py's Metrics' two calls, recorded."""
+
+    def __init__(self):
+        self.batches, self.tokens = [], []
+
+    def batch(self, rows):
+        self.batches.append(rows)
+
+    def token(self, handle, rows):
+        self.tokens.append((handle, rows))
+
+
+def test_the_engine_process_reports_each_step_to_the_servers_metrics(trained):
+    """The metrics the engine process gathers reach the server's side: every decoding forward's rows, every
+    request's tokens, each tied to the server's own handle (its submission time gives time to first token)."""
+    model, tok = trained
+    metrics = Recorder()
+    engine = EngineProcess(model, max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size, metrics=metrics)
+    prompt = tok.encode("ROMEO:")
+    reqs = [request(model, prompt, n, 12, 1.0, seed) for n, seed in ((1, 0), (2, 1), (1, 2))]
+    got = run(engine, reqs)
+    for req, g, seed in zip(reqs, got, range(3)):
+        assert g["rows"] == alone(model, prompt, req.n, 12, 1.0, seed)
+    assert 4 in metrics.batches and sum(metrics.batches) == 4 * 11  # every row's 11 decoding forwards
+    assert sorted(rows for _, rows in metrics.tokens) == [1] * 24 + [2] * 12
+    assert {type(h).__name__ for h, _ in metrics.tokens} == {"ProcessHandle"}
+    assert engine.tokens_generated == 36 and not engine.process.is_alive()
+
+
+def test_the_engine_process_ending_fails_its_requests_in_one_line(trained):
+    """The engine process killed mid-generation: the open request ends with 'generation failed' and the exit
+    code, and the next submission is refused the same way, rather than waiting for ever."""
+    model, tok = trained
+    engine = EngineProcess(model, max_batch=2, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    prompt = tok.encode("ROMEO:")
+
+    async def killed():
+        handle = engine.submit(request(model, prompt, 1, 100000, 1.0, 0), asyncio.get_running_loop())
+        events = handle.events()
+        await events.__anext__()
+        engine.process.kill()
+        with pytest.raises(RuntimeError, match=r"generation failed: the process ended \(exit code -9\)"):
+            async for _ in events:
+                pass
+
+    engine.start()
+    try:
+        asyncio.run(asyncio.wait_for(killed(), 60))  # a request left waiting for ever fails here
+        with pytest.raises(RuntimeError, match="engine process has ended"):
+            engine.submit(request(model, prompt, 1, 5, 0.0, 0), None)
+    finally:
+        engine.stop()
+        engine.join()
+
+
+def test_stopping_the_engine_process_ends_open_requests_and_the_process(trained):
+    model, tok = trained
+    engine = EngineProcess(model, max_batch=2, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    prompt = tok.encode("ROMEO:")
+
+    async def stopped():
+        handle = engine.submit(request(model, prompt, 1, 100000, 1.0, 0), asyncio.get_running_loop())
+        events = handle.events()
+        await events.__anext__()
+        engine.stop()
+        with pytest.raises(ServerStopping):
+            async for _ in events:
+                pass
+        with pytest.raises(ServerStopping):
+            engine.submit(request(model, prompt, 1, 5, 0.0, 0), None)
+
+    engine.start()
+    asyncio.run(asyncio.wait_for(stopped(), 60))
+    engine.join(30)
+    assert engine.process.exitcode == 0

@@ -57,7 +57,7 @@ class Server:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "serve.py", *args, f"--port={self.port}", "--device=cpu",
                                           "--dtype=float32"],
-                                         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env=os.environ | ONE_THREAD_ENV | (env or {}))
         deadline = time.monotonic() + 120
         while True:
@@ -463,7 +463,10 @@ def test_ctrl_c_and_sigterm_shut_down_cleanly_mid_stream(char_out, tmp_path, sig
             lines = r.iter_lines()
             next(lines)
             t0 = time.monotonic()
-            server.proc.send_signal(sig)
+            if sig == signal.SIGINT:  # as a terminal sends it: to the whole process group, the engine's process too
+                os.killpg(server.proc.pid, sig)
+            else:
+                server.proc.send_signal(sig)
             rest = list(lines)
         assert server.proc.wait(15) == 0  # one signal: a second Ctrl-C would mean "stop waiting" (force exit)
         assert time.monotonic() - t0 < 10
@@ -472,6 +475,51 @@ def test_ctrl_c_and_sigterm_shut_down_cleanly_mid_stream(char_out, tmp_path, sig
             server.proc.kill()
     assert "shutting down" in "".join(rest)  # the stream says why it ends early
     assert "Traceback" not in server.output() and "Finished server process" in server.output()
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def gone(pid: int, within: float = 15) -> bool:
+    """Whether process pid has exited (or is a zombie left to its parent) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from /proc (Linux)")
+@pytest.mark.parametrize("engine", ["auto", "thread"])
+def test_the_engine_is_a_process_of_its_own_on_a_cpu_and_ends_with_the_server(char_out, tmp_path, engine):
+    """On a CPU the engine runs in a child process (--engine=auto), with --engine=thread in the server's; the
+    text is the same either way; the child ends when the server does, stopped cleanly or killed."""
+    with running(tmp_path, f"--out_dir={char_out}", "--model_name=romeo", f"--engine={engine}") as server:
+        kids = children(server.proc.pid)
+        assert len(kids) == (1 if engine == "auto" else 0)
+        text = complete(server, prompt="ROMEO:", max_tokens=40, temperature=0).choices[0].text
+    assert "ROMEO:" + text == sample_py(char_out, ["--start=ROMEO:", "--max_new_tokens=40", "--temperature=0"])[0]
+    assert all(gone(k) for k in kids)  # stopped by SIGTERM with the server
+    if engine == "auto":
+        server = Server(tmp_path, f"--out_dir={char_out}", "--model_name=romeo")
+        (kid,) = children(server.proc.pid)
+        server.proc.kill()  # the server dies without a word: its engine must not be left behind
+        server.proc.wait(15)
+        assert gone(kid)
+
+
+def test_engine_choice_is_checked(char_out):
+    model, tok, _ = weights.load_model("resume", str(char_out))
+    cfg = serve.ServeConfig(engine="process")
+    with pytest.raises(serve.UserError, match="--engine=process serves CPU models only .* use --engine=thread"):
+        serve.build_app(model, tok, cfg, "romeo", "cuda")
+    with pytest.raises(serve.UserError, match="--engine must be auto, process or thread, got 'fork'"):
+        serve.ServeConfig(engine="fork").validate()
 
 
 def test_ctrl_c_while_the_model_loads_stops_before_serving(char_out, monkeypatch):
