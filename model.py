@@ -745,6 +745,15 @@ class GPT(nn.Module):
         head_t = self.lm_head.weight.detach().float().t().contiguous()  # (C, vocab)
         self.register_buffer("head_float32", head_t, persistent=False)
 
+    def lay_head_by_columns(self) -> None:
+        """Decoding in float32 on a CPU: the head's storage laid out in place as (C, vocab), the same values
+        seen as (vocab, C), so F.linear reads it as keep_float32_head's copy is read (0.7-0.8x the time over
+        the row-major matrix at 1 to 16 rows; docs/performance.md, "Decoding against the bandwidth bound"),
+        with no second copy: a tied token table is the same tensor, and an embedding row is a strided read.
+        For a model that only decodes (runtime.inference_model)."""
+        w = self.lm_head.weight
+        w.data = w.data.t().contiguous().t()  # (vocab, C), strides (1, vocab)
+
     def _softcap(self, logits):
         """c * tanh(logits / c) with c = logit_softcap (Gemma 2): bounds the logits smoothly, so no
         token can become arbitrarily confident; the identity when logit_softcap is None."""

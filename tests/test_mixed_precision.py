@@ -155,6 +155,24 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     assert all(len(set(row[9:].tolist())) > 8 for row in cached)  # real text, not one token repeated
 
 
+def test_float32_decoding_reads_the_head_by_columns_with_the_same_floats(trained):
+    """runtime.inference_model in float32 on a CPU lays the head's storage out (C, vocab) in place: the same
+    values, the tied token table the same tensor (no second copy), logits equal to the row-major head's to
+    1e-5, and greedy text the same."""
+    from core.checkpoint import model_from_checkpoint
+    model = runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
+    reference = model_from_checkpoint(trained).eval()
+    head = model.lm_head.weight
+    assert head.stride() == (1, head.size(0)) and not hasattr(model, "head_float32")
+    assert head.t().is_contiguous() and torch.equal(head, reference.lm_head.weight)
+    if model.config.tie_embeddings:
+        assert model.transformer.wte.weight is head
+    stoi = trained["meta"]["tokenizer"]["stoi"]
+    idx = torch.tensor([[stoi[c] for c in "First Cit"], [stoi[c] for c in "All: Spea"]])  # (2, 9)
+    torch.testing.assert_close(model(idx, last_only=True)[0], reference(idx, last_only=True)[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(model.generate(idx, 40, temperature=0.0), reference.generate(idx, 40, temperature=0.0))
+
+
 def test_next_logits_equal_the_full_forward_last_position(trained):
     from core.checkpoint import model_from_checkpoint
     model = model_from_checkpoint(trained).eval()
