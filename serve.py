@@ -10,8 +10,8 @@
 Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...). The model's name is
 its out_dir's folder name (or init_from), unless --model_name says otherwise.
 
-Requests are batched continuously by core/engine.py's BatchEngine: one forward per step decodes the next
-token of every running request, each with its own seeded generator, so a request's text is what
+Requests are batched continuously by core/engine.py's BatchEngine (on a CPU in a process of its own,
+EngineProcess): one forward per step decodes the next token of every running request, each with its own seeded generator, so a request's text is what
 model.generate gives it alone. Every request field is implemented or refused with a 400 that names it.
 Here: the request models, the text side (whole characters, stop strings, logprobs), the routes at module
 level over app.state.served, and main.
@@ -305,10 +305,10 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.last: dict[int, float] = {}  # id(handle) -> when its last tokens were drawn
 
-    def batch(self, rows: int) -> None:  # the engine thread, each decoding forward
+    def batch(self, rows: int) -> None:  # the engine's thread (or its process's reader), each decoding forward
         self.batch_size.observe(rows)
 
-    def token(self, handle, rows: int) -> None:  # the engine thread, each request's step
+    def token(self, handle, rows: int) -> None:  # likewise, each request's step
         now = time.monotonic()
         key = id(handle)
         if key in self.last:
@@ -737,7 +737,8 @@ async def lifespan(app):
 
 
 def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: str) -> FastAPI:
-    """The ASGI app over one BatchEngine: the routes above, errors in OpenAI's shape, the key, the body limit."""
+    """The ASGI app over one engine (a BatchEngine in a thread, or in a process of its own: --engine): the routes
+    above, errors in OpenAI's shape, the key, the body limit."""
     try:
         shift = window_shift(cfg.window_shift, model.config.block_size)
     except ValueError as e:

@@ -13,6 +13,9 @@ finishes, fails or is cancelled frees its slots at once. Rows decode through mod
 per-row positions (KVCache): a free or prefilling slot rides along as a dummy row whose key is
 overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a view, never a copy.
 
+EngineProcess (at the end) runs a BatchEngine in a process of its own behind the same caller's side: serve.py's
+default on a CPU, so that the server's event loop and the engine do not take turns under one GIL.
+
 The decoding math is model.py's, not a second copy: sample_next draws each request's rows with the
 request's own generator, slide_window moves a row's context window past block_size as generate does
 (refilling the row's cache, as generate refills its own), and tokens not yet in the cache are fed as
