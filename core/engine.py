@@ -99,6 +99,13 @@ def score(logprobs: torch.Tensor, tokens: torch.Tensor, k: int, vocab_size: int)
             zip(picked, top.indices.tolist(), top.values.tolist())]
 
 
+def check_submission(req: EngineRequest, max_batch: int, stopping) -> None:
+    if not 1 <= req.n <= max_batch:
+        raise ValueError(f"n must be in 1..{max_batch} (the engine's max_batch), got {req.n}")
+    if stopping.is_set():
+        raise ServerStopping()
+
+
 class Handle:
     """A submitted request: its events cross from the engine thread to the caller's event loop."""
 
@@ -188,10 +195,7 @@ class BatchEngine:
         self.thread.join(timeout)
 
     def submit(self, req: EngineRequest, loop: asyncio.AbstractEventLoop) -> Handle:
-        if not 1 <= req.n <= self.max_batch:
-            raise ValueError(f"n must be in 1..{self.max_batch} (the engine's max_batch), got {req.n}")
-        if self.stopping.is_set():
-            raise ServerStopping()
+        check_submission(req, self.max_batch, self.stopping)
         handle = Handle(req, loop)
         self.pending.put(handle)
         return handle
@@ -532,6 +536,7 @@ class EngineProcess:
         try:
             return self.conn.recv()
         except (EOFError, OSError):
+            self.process.join(5)  # its pipe closes as it dies: wait for its exit code
             return ("error", f"the process ended (exit code {self.process.exitcode})")
 
     def start(self) -> None:
@@ -545,10 +550,7 @@ class EngineProcess:
             self.conn.send(message)
 
     def submit(self, req: EngineRequest, loop: asyncio.AbstractEventLoop) -> Handle:
-        if not 1 <= req.n <= self.max_batch:
-            raise ValueError(f"n must be in 1..{self.max_batch} (the engine's max_batch), got {req.n}")
-        if self.stopping.is_set():
-            raise ServerStopping()
+        check_submission(req, self.max_batch, self.stopping)
         if not self.process.is_alive():
             raise RuntimeError(f"generation failed: the engine process has ended (exit code {self.process.exitcode})")
         self.loop = loop  # one server, one event loop
