@@ -43,7 +43,7 @@ def scripted(name, clock, losses, trace, max_iters=1000, step_s=(1.0, 0.5), eval
         trace.append((name, "eval", r.it))
         clock.tick(eval_s, 0.0)
         return losses(r.it)
-    r = race.Racer(name, step, evaluate, max_iters, tokens_per_iter=768)
+    r = race.Racer(name, step, evaluate, max_iters, tokens_at=lambda it: 768)
     return r
 
 
