@@ -38,7 +38,7 @@ from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run
 from core.fileio import write_json
 from core.runlog import RunLog, format_duration
 from core.tokenizer import check_extends, check_same_ids, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
-from core.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer
+from core.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from model import GPT, GPTConfig
 
 
@@ -95,9 +95,12 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
 
     stop.check(starting)
     write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
-    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    rows = cfg.gradient_accumulation_steps * cfg.batch_size  # sequences per iteration, all processes together
+    tokens_per_iter = rows * cfg.block_size
+    warmup = (f" (from {rows * seq_len_at(0, cfg):,} over a {cfg.seq_len_warmup_iters}-iteration sequence-length "
+              f"warm-up)" if cfg.seq_len_warmup_iters else "")
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
-        f"{rt.dtype} | {tokens_per_iter:,} tokens per iteration")
+        f"{rt.dtype} | {tokens_per_iter:,} tokens per iteration{warmup}")
     runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if cfg.init_from == "resume" else None,
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
     peak, peak_source = flops.peak_flops_with_source(rt)
@@ -105,7 +108,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     note = gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
     if note:
         log(note)
-    batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device)
+    batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device,
+                           seq_len=lambda it: seq_len_at(it, cfg))
     stop.message = "stopping after this batch; saving"
 
     def stopped() -> bool:  # every rank calls it at the same eval batches
@@ -192,18 +196,22 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
+        seq_len = seq_len_at(iter_num, cfg)  # block_size, or shorter during the sequence-length warm-up
+        iter_tokens = rows * seq_len
         iter_num += 1
         steps_run += 1
 
         if logging:
             if peak and steps_run > 5:  # the first steps include warm-up and compilation
-                mfu = raw_model.estimate_mfu(cfg.batch_size * accum, dt, peak)
+                # the iteration's tokens as whole windows (attention counted at block_size: a little high
+                # during a sequence-length warm-up)
+                mfu = raw_model.estimate_mfu(cfg.batch_size * accum * seq_len / cfg.block_size, dt, peak)
                 mfu_avg = mfu if mfu_avg < 0 else 0.9 * mfu_avg + 0.1 * mfu
             log(f"iter {iter_num - 1}/{cfg.max_iters}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
-                f"{tokens_per_iter / dt:,.0f} tok/s" + (f", mfu {mfu_avg * 100:.2f}%" if mfu_avg >= 0 else "")
+                f"{iter_tokens / dt:,.0f} tok/s" + (f", mfu {mfu_avg * 100:.2f}%" if mfu_avg >= 0 else "")
                 + f" | elapsed {format_duration(runlog.elapsed())}, eta {eta()}")
             runlog.write({"iter": iter_num - 1, "loss": loss, "lr": lr, "ms": dt * 1000,
-                          "tok_per_s": tokens_per_iter / dt, "mfu": mfu_avg if mfu_avg >= 0 else None})
+                          "tok_per_s": iter_tokens / dt, "mfu": mfu_avg if mfu_avg >= 0 else None})
 
 
 def parse_config(argv) -> TrainConfig:

@@ -77,7 +77,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         accum, state = local_accum_steps(tcfg, 1), {"it": 0, "timed": []}
         warm = max(1, cfg.warmup) * 2
         train_bin = Path(tmp) / "train.bin"
-        step = nanogpt.train_step(model, optimizer, lambda: nanogpt.get_batch(
+        step = nanogpt.train_step(model, optimizer, lambda it: nanogpt.get_batch(
             train_bin, tcfg.block_size, tcfg.batch_size, rt.device), tcfg, rt)
 
         def plain(n: int) -> float:

@@ -32,13 +32,16 @@ def char_dataset(out_dir: Path) -> tuple[str, int]:
     return source, meta["vocab_size"]
 
 
-def get_batch(path: Path, block_size: int, batch_size: int, device: str,
-              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """nanoGPT's get_batch: a fresh memmap, random starts from `generator` (torch's global one when None)."""
+def get_batch(path: Path, block_size: int, batch_size: int, device: str, generator: torch.Generator | None = None,
+              seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's get_batch: a fresh memmap, random starts from `generator` (torch's global one when None).
+    seq_len (ours' sequence-length warm-up; None: block_size) keeps the first seq_len tokens of each window,
+    drawn as for block_size: the same draws of the generator at any length."""
+    T = block_size if seq_len is None else seq_len
     data = np.memmap(path, dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
-    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix])          # (B, T)
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])  # (B, T)
     if torch.device(device).type == "cuda":
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
@@ -57,21 +60,22 @@ def adamw(model: GPT, recipe: TrainConfig, device_type: str) -> torch.optim.Adam
     return optimizer
 
 
-def train_step(model, optimizer, batches: Callable[[], tuple], recipe: TrainConfig,
+def train_step(model, optimizer, batches: Callable[[int], tuple], recipe: TrainConfig,
                rt: runtime.Runtime) -> Callable[[int], torch.Tensor]:
     """nanoGPT's train.py iteration without its eval, checkpoints and logging: set the lr, micro-steps
     (forward under autocast, the next batch read while the device works, backward), clip, step, zero
-    the grads. The rate: the recipe's schedule times each group's base_lr. step(it) returns the last
+    the grads. The rate: the recipe's schedule times each group's base_lr. batches(it) is a micro-batch
+    of iteration it (the one read ahead in the last micro-step is it + 1's). step(it) returns the last
     micro-step's loss, unsynchronised."""
     scaler, accum, xy = rt.grad_scaler(), recipe.gradient_accumulation_steps, []
 
     def step(it: int) -> torch.Tensor:
         optim.set_lr(optimizer, get_lr(it, recipe) / recipe.learning_rate)
-        x, y = xy.pop() if xy else batches()
-        for _ in range(accum):
+        x, y = xy.pop() if xy else batches(it)
+        for micro in range(accum):
             with rt.autocast():
                 loss = model(x, y)[1] / accum
-            x, y = batches()
+            x, y = batches(it if micro + 1 < accum else it + 1)
             scaler.scale(loss).backward()
         xy.append((x, y))  # the next iteration's first batch, read already
         if recipe.grad_clip > 0:

@@ -11,16 +11,18 @@ from typing import Callable
 
 @dataclasses.dataclass
 class Racer:
-    """One run of the race: step(it) trains iteration it, evaluate() returns the whole-val-split loss, sync()
-    waits for the device, log(record) keeps an evaluation. The rest is its record so far."""
+    """One run of the race: step(it) trains iteration it, evaluate() returns the whole-val-split loss,
+    tokens_at(it) is how many tokens iteration it trains, sync() waits for the device, log(record) keeps an
+    evaluation. The rest is its record so far."""
     name: str
     step: Callable[[int], None]
     evaluate: Callable[[], float]
     max_iters: int  # the cap: a run that has not reached the target by then stops without it
-    tokens_per_iter: int
+    tokens_at: Callable[[int], int]
     sync: Callable[[], None] = lambda: None
     log: Callable[[dict], None] = lambda record: None
     it: int = 0  # iterations trained
+    tokens: int = 0  # tokens trained, the sum of tokens_at over them
     train_wall_s: float = 0.0
     train_cpu_s: float = 0.0
     eval_wall_s: float = 0.0
@@ -80,7 +82,7 @@ def run_chunk(r: Racer, n: int, target: float, every: int, fine_every: int, marg
             r.curve.append([r.it, loss, r.train_wall_s, r.train_cpu_s])
             r.log({"iter": r.it, "val_loss": loss, "train_s": r.train_wall_s, "train_cpu_s": r.train_cpu_s})
             if loss <= target:
-                r.reached = {"iter": r.it, "tokens": r.it * r.tokens_per_iter, "wall_s": r.train_wall_s,
+                r.reached = {"iter": r.it, "tokens": r.tokens, "wall_s": r.train_wall_s,
                              "cpu_s": r.train_cpu_s, "val_loss": loss}
                 return
         if r.it >= r.max_iters:
@@ -89,6 +91,7 @@ def run_chunk(r: Racer, n: int, target: float, every: int, fine_every: int, marg
         if trained == n:
             break
         r.step(r.it)
+        r.tokens += r.tokens_at(r.it)
         r.it += 1
         trained += 1
     close_stretch()

@@ -29,7 +29,7 @@ from core.data import TokenData, read_meta
 from core.errors import UserError
 from core.evaluate import evaluate_split
 from core.fileio import write_json
-from core.train_config import TrainConfig, get_lr, make_optimizer
+from core.train_config import TrainConfig, get_lr, make_optimizer, seq_len_at
 from model import GPT, GPTConfig
 
 
@@ -81,8 +81,10 @@ def check(cfg) -> None:
                         f"{cfg.speedrun_max_iters_factor}, {cfg.speedrun_eval_margin}")
 
 
-def tokens_per_iter(cfg: TrainConfig) -> int:
-    return cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+def tokens_per_iter(cfg: TrainConfig, it: int | None = None) -> int:
+    """The tokens iteration it trains (None: any after a sequence-length warm-up)."""
+    seq_len = cfg.block_size if it is None else seq_len_at(it, cfg)
+    return cfg.batch_size * seq_len * cfg.gradient_accumulation_steps
 
 
 def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab: int, cap: int, cfg,
@@ -100,8 +102,8 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
         optimizer = make_optimizer(model, recipe, rt.device_type)
     gen = torch.Generator().manual_seed(seed)
     train_path = Path(data_dir) / "train.bin"
-    step = nanogpt.train_step(model, optimizer, lambda: nanogpt.get_batch(
-        train_path, recipe.block_size, recipe.batch_size, rt.device, gen), recipe, rt)
+    step = nanogpt.train_step(model, optimizer, lambda it: nanogpt.get_batch(
+        train_path, recipe.block_size, recipe.batch_size, rt.device, gen, seq_len_at(it, recipe)), recipe, rt)
     val = TokenData(data_dir, "val", recipe.block_size)
 
     def evaluate() -> float:
@@ -116,7 +118,7 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
         if log_dir is not None:
             with open(log_dir / "log.jsonl", "a") as f:
                 f.write(json.dumps(record | {"lr": get_lr(record["iter"], recipe)}) + "\n")
-    return Racer(name, step, evaluate, cap, tokens_per_iter(recipe), rt.synchronize, log)
+    return Racer(name, step, evaluate, cap, lambda it: tokens_per_iter(recipe, it), rt.synchronize, log)
 
 
 def speedrun_data(cfg, tmp: Path) -> tuple[str, str, int]:

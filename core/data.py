@@ -24,7 +24,7 @@ import operator
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -171,15 +171,19 @@ class TokenData:
                             f"{self.dtype.name} tokens; it is truncated or not a token file: re-run prepare.py")
         return nbytes // self.dtype.itemsize
 
-    def get_batch(self, batch_size: int, generator: torch.Generator,
-                  device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """Random windows: x (B, T) int64 and targets y (B, T), the same windows shifted one token on."""
+    def get_batch(self, batch_size: int, generator: torch.Generator, device: str | torch.device = "cpu",
+                  seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows: x (B, T) int64 and targets y (B, T), the same windows shifted one token on.
+        T is seq_len (None: block_size). The starts are drawn as for block_size whatever T, so a shorter
+        window is the first T tokens of the one block_size reads, from the same draws of the generator."""
         import torch
 
+        T = self.block_size if seq_len is None else seq_len
+        if not 1 <= T <= self.block_size:
+            raise ValueError(f"seq_len must be in [1, block_size={self.block_size}], got {seq_len}")
         if self.starts is not None:
-            x, y = self._chat_batch(batch_size, generator)
+            x, y = self._chat_batch(batch_size, generator, T)
             return _to_device(x, y, device)
-        T = self.block_size
         flat = torch.randint(int(self._ends[-1]), (batch_size,), generator=generator).numpy()
         file_idx = np.searchsorted(self._ends, flat, side="right")
         starts = flat - (self._ends[file_idx] - self.windows[file_idx])
@@ -195,11 +199,11 @@ class TokenData:
         x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T), (B, T)
         return _to_device(x, y, device)
 
-    def _chat_batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chat_batch(self, batch_size: int, generator: torch.Generator, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows from random conversation starts: x (B, T) and y (B, T), y = -1 where not learned or padding."""
         import torch
 
-        T, n = self.block_size, self.num_tokens
+        n = self.num_tokens
         picks = self.starts[torch.randint(len(self.starts), (batch_size,), generator=generator).numpy()]
         buf = np.zeros((batch_size, T + 1), dtype=np.int64)
         learned = np.zeros((batch_size, T + 1), dtype=bool)
@@ -237,12 +241,15 @@ class TrainBatches:
 
     Micro-batch g of the global batch (g = rank * accum + micro) is drawn from (seed, iter, g)
     alone, so the global batch does not depend on how many processes share it, and a resumed run
-    reads exactly the batches the first run would have.
+    reads exactly the batches the first run would have. seq_len(iter) is the window's length at an
+    iteration (None: block_size throughout; train.py passes core.train_config.seq_len_at).
     """
 
-    def __init__(self, data: TokenData, seed: int, batch_size: int, accum: int, rank: int = 0, device="cpu"):
+    def __init__(self, data: TokenData, seed: int, batch_size: int, accum: int, rank: int = 0, device="cpu",
+                 seq_len: Callable[[int], int] | None = None):
         self.data, self.seed, self.batch_size = data, seed, batch_size
         self.accum, self.rank, self.device = accum, rank, device
+        self.seq_len = seq_len or (lambda iter_num: data.block_size)
         self.ahead = None  # ((iter_num, micro), (x, y))
 
     def get(self, iter_num: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,4 +265,4 @@ class TrainBatches:
     def _fetch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         iter_num, micro = key
         gen = batch_generator(self.seed, "train", iter_num, self.rank * self.accum + micro)
-        return self.data.get_batch(self.batch_size, gen, self.device)
+        return self.data.get_batch(self.batch_size, gen, self.device, self.seq_len(iter_num))

@@ -79,6 +79,9 @@ class TrainConfig(ModelKeys):
     warmup_iters: int = 2000               # linear warmup from 0 over N iterations
     lr_decay_iters: int = 600000           # where the decay reaches min_lr (usually max_iters)
     min_lr: float = 6e-5                   # the learning rate at and after lr_decay_iters
+    # sequence-length warm-up (seq_len_at): short windows first, for cheaper early iterations
+    seq_len_warmup_iters: int = 0          # grow the window to block_size over N iterations; 0: block_size throughout
+    seq_len_warmup_start: int = 16         # the first window's length; the length grows in multiples of it
     # system
     device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"                    # auto, float32, bfloat16, float16
@@ -130,6 +133,11 @@ class TrainConfig(ModelKeys):
         if self.decay_lr and not 0 <= self.min_lr <= self.learning_rate:
             raise UserError(f"need 0 <= min_lr <= learning_rate with decay_lr=True, got min_lr={self.min_lr}, "
                             f"learning_rate={self.learning_rate}")
+        if self.seq_len_warmup_iters < 0 or (self.seq_len_warmup_iters
+                                             and not 1 <= self.seq_len_warmup_start < self.block_size):
+            raise UserError(f"need seq_len_warmup_iters >= 0, and 1 <= seq_len_warmup_start < block_size "
+                            f"({self.block_size}) when it is on, got {self.seq_len_warmup_iters}, "
+                            f"{self.seq_len_warmup_start}")
         if self.warmup_iters < 0 or self.checkpoint_interval < 0:
             raise UserError("warmup_iters and checkpoint_interval must not be negative")
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.weight_decay < 0:
@@ -148,6 +156,21 @@ def get_lr(it: int, cfg: TrainConfig) -> float:
         return cfg.learning_rate
     return optim.lr_at(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule,
                        cfg.cooldown_frac)
+
+
+def seq_len_at(it: int, cfg: TrainConfig) -> int:
+    """The training window's length at iteration it: seq_len_warmup_start at first, growing linearly to
+    block_size over seq_len_warmup_iters, rounded down to a multiple of the start (so at most
+    block_size / start shapes, each a recompile under torch.compile), then block_size. DeepSpeed's
+    fixed_linear curriculum with its step equal to the start (Li et al. 2022, sequence-length warm-up).
+
+    A function of it alone, in integers: every rank, micro-step and resumed run agrees on it. The learning
+    rate stays get_lr(it): a shorter window is a smaller batch at the same rate, as in Li et al."""
+    if it >= cfg.seq_len_warmup_iters:
+        return cfg.block_size
+    start = cfg.seq_len_warmup_start
+    grown = start + (cfg.block_size - start) * it // cfg.seq_len_warmup_iters
+    return grown // start * start
 
 
 def local_accum_steps(cfg: TrainConfig, world_size: int) -> int:

@@ -162,6 +162,19 @@ def test_get_batch_gives_shifted_windows(tmp_path):
     assert int(x[:, 0].min()) >= 0 and int(y[:, -1].max()) <= 999
 
 
+def test_a_shorter_window_is_the_first_tokens_of_the_full_one(tmp_path):
+    """seq_len (the sequence-length warm-up) crops the windows block_size draws, from the same draws:
+    a warm-up changes how much of each window is read, never which windows."""
+    data = TokenData(make_dataset(tmp_path, train=np.random.default_rng(0).integers(0, 1000, 5000)), "train", 16)
+    x, y = data.get_batch(4, batch_generator(7, "train", 3, 0))
+    xs, ys = data.get_batch(4, batch_generator(7, "train", 3, 0), seq_len=5)
+    assert xs.shape == ys.shape == (4, 5) and xs.is_contiguous()
+    assert torch.equal(xs, x[:, :5]) and torch.equal(ys, y[:, :5])
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="seq_len must be in"):
+            data.get_batch(4, batch_generator(7, "train", 3, 0), seq_len=bad)
+
+
 def test_get_batch_is_deterministic_and_leaves_global_rngs_alone(tmp_path):
     data = TokenData(make_dataset(tmp_path, train=np.random.default_rng(0).integers(0, 1000, 5000)), "train", 8)
     torch_state, np_state, py_state = torch.get_rng_state(), np.random.get_state(), random.getstate()

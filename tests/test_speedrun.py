@@ -43,7 +43,7 @@ def scripted(name, clock, losses, trace, max_iters=1000, step_s=(1.0, 0.5), eval
         trace.append((name, "eval", r.it))
         clock.tick(eval_s, 0.0)
         return losses(r.it)
-    r = race.Racer(name, step, evaluate, max_iters, tokens_per_iter=768)
+    r = race.Racer(name, step, evaluate, max_iters, tokens_at=lambda it: 768)
     return r
 
 
@@ -149,6 +149,30 @@ def test_nanogpt_runs_float32_on_a_cpu_and_ours_follows_the_runtime(tiny_data, m
         with one_thread():
             racer.step(0), racer.evaluate()
         assert seen and set(seen) == {want}, name
+
+
+def test_ours_trains_on_the_warm_ups_windows_and_the_race_counts_their_tokens(tiny_data, monkeypatch):
+    """With seq_len_warmup_iters, ours' micro-batches have seq_len_at's length (the read-ahead one
+    included), and the tokens at the crossing are the ones it trained, not iterations x block_size."""
+    import model as modellib
+    from core import runtime
+    from core.data import read_meta
+
+    shapes, forward = [], modellib.GPT.forward
+    monkeypatch.setattr(modellib.GPT, "forward", lambda self, idx, *a, **k: shapes.append(tuple(idx.shape))
+                        or forward(self, idx, *a, **k))
+    cfg = bench.load_config(tiny_speedrun(tiny_data, tiny_data))
+    recipe = common.read_recipe(["n_layer=1", "n_head=2", "n_embd=32", "block_size=16", "batch_size=4",
+                                 "gradient_accumulation_steps=2", "seq_len_warmup_iters=4", "seq_len_warmup_start=4"],
+                                "test")
+    rt, vocab = runtime.Runtime("cpu", "cpu", "float32"), read_meta(tiny_data)["vocab_size"]
+    r = speedrun.build_racer("ours", recipe, 1, str(tiny_data), vocab, 10, cfg, rt, None)
+    r.evaluate = lambda: 5.0 if r.it < 6 else 1.0  # crosses at 6
+    with one_thread():
+        race.race([r], chunk=10, target=2.0, every=6, fine_every=6, margin=0.0)
+    lengths = [4, 4, 8, 12, 16, 16]  # 4 + 12 * it / 4 in multiples of 4, then block_size
+    assert shapes == [(4, n) for n in lengths for _ in range(2)]
+    assert r.reached["iter"] == 6 and r.reached["tokens"] == 8 * sum(lengths) == 480
 
 
 @pytest.mark.slow

@@ -343,3 +343,61 @@ def test_progress_position_eta_total_time_and_timestamped_log(tmp_path, data_dir
     train_tiny(tmp_path, data_dir, max_iters=10, eval_interval=4, log_interval=2, init_from="resume")
     resumed = records(tmp_path)[len(first):]
     assert resumed and min(r["elapsed_s"] for r in resumed) >= elapsed[-1]
+
+
+# --- the sequence-length warm-up (seq_len_warmup_iters) ------------------------------------------
+
+
+def test_seq_len_warmup_grows_linearly_in_multiples_of_its_start():
+    cfg = train.TrainConfig(block_size=64, seq_len_warmup_iters=100, seq_len_warmup_start=16)
+    lens = [train.seq_len_at(it, cfg) for it in range(120)]
+    assert lens == [16] * 34 + [32] * 33 + [48] * 33 + [64] * 20  # 16 + 48 * it / 100, rounded down to 16s
+    odd = train.TrainConfig(block_size=40, seq_len_warmup_iters=10, seq_len_warmup_start=16)
+    assert [train.seq_len_at(it, odd) for it in range(12)] == [16] * 7 + [32] * 3 + [40] * 2
+    assert train.seq_len_at(0, train.TrainConfig(block_size=64)) == 64  # off by default: block_size throughout
+
+
+WARMUP_RUN = dict(block_size=32, batch_size=4, gradient_accumulation_steps=2, seq_len_warmup_iters=8,
+                  seq_len_warmup_start=8)  # 8 + 24 * it / 8 in multiples of 8: 8 for 3 iterations, 16, 24, then 32
+
+
+def test_train_py_trains_on_the_warm_ups_windows_in_every_micro_step(tmp_path, data_dir, monkeypatch):
+    """The batches the model trains on (evaluation apart) have the schedule's length in each micro-step,
+    the read-ahead ones included; evaluation stays at block_size. config.json records the switch."""
+    shapes, forward = [], modellib.GPT.forward
+
+    def spy(self, idx, *args, **kwargs):
+        if torch.is_grad_enabled():
+            shapes.append(tuple(idx.shape))
+        return forward(self, idx, *args, **kwargs)
+    monkeypatch.setattr(modellib.GPT, "forward", spy)
+    train_tiny(tmp_path, data_dir, max_iters=10, lr_decay_iters=10, log_interval=1, **WARMUP_RUN)
+    lengths = [8] * 3 + [16] * 3 + [24] * 2 + [32] * 2  # iterations 0-9
+    assert shapes == [(4, n) for n in lengths for _ in range(2)]  # two micro-steps each
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["seq_len_warmup_iters"], config["seq_len_warmup_start"]) == (8, 8)
+    tok = [r["tok_per_s"] * r["ms"] / 1000 for r in records(tmp_path) if "loss" in r]
+    assert tok == pytest.approx([8 * n for n in lengths])  # the iteration's real tokens, not 8 x 32
+
+
+def test_resume_inside_the_warm_up_equals_the_uninterrupted_run(tmp_path, data_dir):
+    common = dict(max_iters=12, lr_decay_iters=12, warmup_iters=2, log_interval=1, eval_interval=6) | WARMUP_RUN
+    train_tiny(tmp_path / "a", data_dir, **common)
+    train_tiny(tmp_path / "b", data_dir, **(common | {"max_iters": 4}))  # stopped at a length of 16
+    train_tiny(tmp_path / "b", data_dir, **(common | {"init_from": "resume"}))
+    timeless = [[{k: v for k, v in r.items() if k not in TIMINGS} for r in records(tmp_path / run)] for run in "ab"]
+    assert timeless[1] == timeless[0]
+    sa, sb = load_checkpoint(tmp_path / "a" / "ckpt.pt"), load_checkpoint(tmp_path / "b" / "ckpt.pt")
+    for name, tensor in sa["model"].items():
+        assert torch.equal(tensor, sb["model"][name]), name
+
+
+@pytest.mark.parametrize("args", [["--seq_len_warmup_iters=-1"],
+                                  ["--seq_len_warmup_iters=10", "--seq_len_warmup_start=0"],
+                                  ["--seq_len_warmup_iters=10", "--seq_len_warmup_start=64", "--block_size=64"],
+                                  ["--seq_len_warmup_iters=10", "--seq_len_warmup_start=128", "--block_size=64"]])
+def test_bad_seq_len_warmup_is_one_line(args):
+    with pytest.raises(UserError, match=r"need seq_len_warmup_iters >= 0, and 1 <= seq_len_warmup_start < "
+                                        r"block_size") as e:
+        train.parse_config(args)
+    assert "\n" not in str(e.value)
