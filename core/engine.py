@@ -413,6 +413,11 @@ def engine_sampling(temperature: float, top_k: int | None, top_p: float | None, 
 # --- the engine in a process of its own ------------------------------------------------------
 
 
+def ends(item) -> bool:
+    """Whether an event ends its request: None (done) or an exception (failed, stopping)."""
+    return item is None or isinstance(item, BaseException)
+
+
 class StepStats:
     """The child's stand-in for the server's metrics: what each step told them, sent with its events."""
 
@@ -440,7 +445,7 @@ class PipeLoop:
 
     def call_soon_threadsafe(self, _deliver, events: list[tuple[Handle, object]]) -> None:
         for handle, item in events:
-            if item is None or isinstance(item, BaseException):
+            if ends(item):
                 self.handles.pop(handle.id, None)
         e = self.engine
         try:
@@ -591,7 +596,7 @@ class EngineProcess:
             handle = self.handles.get(rid)
             if handle is None:
                 continue
-            if item is None or isinstance(item, BaseException):
+            if ends(item):
                 handle.ended = True
                 del self.handles[rid]
             handle.out.put_nowait(item)

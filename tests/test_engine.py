@@ -262,6 +262,13 @@ def test_the_engine_process_reports_each_step_to_the_servers_metrics(trained):
     assert engine.tokens_generated == 36 and not engine.process.is_alive()
 
 
+async def streaming(engine, model, prompt):
+    """A request that would run for ever, its first event taken: its events go on from there."""
+    events = engine.submit(request(model, prompt, 1, 100000, 1.0, 0), asyncio.get_running_loop()).events()
+    await events.__anext__()
+    return events
+
+
 def test_the_engine_process_ending_fails_its_requests_in_one_line(trained):
     """The engine process killed mid-generation: the open request ends with 'generation failed' and the exit
     code, and the next submission is refused the same way, rather than waiting for ever."""
@@ -270,9 +277,7 @@ def test_the_engine_process_ending_fails_its_requests_in_one_line(trained):
     prompt = tok.encode("ROMEO:")
 
     async def killed():
-        handle = engine.submit(request(model, prompt, 1, 100000, 1.0, 0), asyncio.get_running_loop())
-        events = handle.events()
-        await events.__anext__()
+        events = await streaming(engine, model, prompt)
         engine.process.kill()
         with pytest.raises(RuntimeError, match=r"generation failed: the process ended \(exit code -9\)"):
             async for _ in events:
@@ -294,9 +299,7 @@ def test_stopping_the_engine_process_ends_open_requests_and_the_process(trained)
     prompt = tok.encode("ROMEO:")
 
     async def stopped():
-        handle = engine.submit(request(model, prompt, 1, 100000, 1.0, 0), asyncio.get_running_loop())
-        events = handle.events()
-        await events.__anext__()
+        events = await streaming(engine, model, prompt)
         engine.stop()
         with pytest.raises(ServerStopping):
             async for _ in events:
