@@ -520,14 +520,39 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     check_sampling_args(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)  # (B, vocab)
+    return draw(probs, exponential_noise(probs, generator))  # (B, 1)
+
+
+def sampling_probs(logits, temperature, top_k=None, top_p=None) -> torch.Tensor:
+    """The distribution sample_next draws from, (B, vocab): softmax of logits / temperature (> 0) cut to
+    top_k, then to top_p. Each row on its own, so rows of many requests with one setting go in one call."""
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, [-1]]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
         logits = _nucleus(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)  # (B, vocab)
-    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+    return torch.softmax(logits, dim=-1)  # (B, vocab)
+
+
+def exponential_noise(probs, generator=None) -> torch.Tensor:
+    """Exp(1) noise shaped like probs (B, vocab), drawn from generator: what torch.multinomial(probs, 1,
+    generator=generator) draws, in the same order."""
+    return torch.empty_like(probs).exponential_(1, generator=generator)
+
+
+def draw(probs, noise) -> torch.Tensor:
+    """One token per row of probs (B, vocab), given noise (B, vocab) ~ Exp(1): argmax(probs / noise) -> (B, 1).
+
+    The exponential race (the Gumbel-max trick with exp applied) is torch.multinomial's own algorithm for
+    one sample, so a row's token is multinomial's from the same generator, bit for bit (tests/test_model.py).
+    Unlike multinomial it takes the noise as an argument, so rows drawn from different generators (the
+    server's requests, core/engine.py) share one call; and it checks the rows once, where multinomial makes
+    three checks that each wait for a value."""
+    if not bool((probs.sum(dim=-1) > 0).all()):  # NaN or inf logits; softmax leaves no other way to fail
+        raise ValueError("the next token's probabilities are not finite: the logits hold a NaN or inf")
+    return (probs / noise).argmax(dim=-1, keepdim=True)  # (B, 1)
 
 
 def _nucleus(logits, top_p):

@@ -16,16 +16,18 @@ overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a 
 EngineProcess (at the end) runs a BatchEngine in a process of its own behind the same caller's side: serve.py's
 default on a CPU, so that the server's event loop and the engine do not take turns under one GIL.
 
-The decoding math is model.py's, not a second copy: sample_next draws each request's rows with the
-request's own generator, slide_window moves a row's context window past block_size as generate does
-(refilling the row's cache, as generate refills its own), and tokens not yet in the cache are fed as
-generate's _next_logits feeds them. So a request's text is what model.generate gives for it alone
+The decoding math is model.py's, not a second copy: sample_next's parts draw each request's rows with the
+request's own generator (every request with one setting in one call: sampling_probs over all their rows, the
+noise from each request's generator, one draw), slide_window moves a row's context window past block_size as
+generate does (refilling the row's cache, as generate refills its own), and tokens not yet in the cache are
+fed as generate's _next_logits feeds them. So a request's text is what model.generate gives for it alone
 (tests/test_engine.py), whatever runs beside it, up to the rounding of batched matmuls (which has not
-changed a token in the tests). A request's n choices share its generator, so they are sampled together
-(one multinomial over n rows, as generate does) and leave the batch together.
+changed a token in the tests). A request's n choices share its generator, so they are sampled together (one
+noise tensor over n rows, as generate draws its batch) and leave the batch together.
 """
 import asyncio
 import dataclasses
+import itertools
 import multiprocessing
 import queue
 import signal
@@ -37,7 +39,7 @@ import torch
 from torch.nn import functional as F
 
 from core.errors import first_line
-from model import GPT, Sampling, sample_next, slide_window
+from model import GPT, Sampling, check_sampling_args, draw, exponential_noise, sampling_probs, slide_window
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
@@ -150,7 +152,7 @@ class Active:
         # The context window is tokens[start:], the cache's position 0 at tokens[start] (generate's rule).
         self.start = max(0, len(req.prompt) - block_size)
         self.generated = 0
-        self.done = torch.zeros(len(slots), dtype=torch.bool)  # rows that emitted eot (then padded with it)
+        self.done = [False] * len(slots)  # rows that emitted eot (then padded with it)
         self.prompt_scores: list[TokenScore | None] = [None]
         self.prompt_last: torch.Tensor | None = None  # log-softmax of the last prefilled position (with echo)
         penalised = req.presence_penalty or req.frequency_penalty
@@ -289,8 +291,7 @@ class BatchEngine:
                 budget -= used
                 if logits is not None:
                     ready.append((a, logits))
-        for a, logits in ready:
-            self._draw(a, logits)
+        self._draw(ready)
 
     def _uncached(self, a: Active) -> int:
         """Tokens of a's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
@@ -355,37 +356,58 @@ class BatchEngine:
         prefilling slots ride along as dummies (token 0, their position put back, their output unused: the
         key a dummy writes at its position is overwritten by its next chunk before anything reads it)."""
         hi = max(s for a in decoding for s in a.slots) + 1
-        idx = torch.zeros(hi, 1, dtype=torch.long)
-        live = torch.zeros(hi, dtype=torch.bool)
+        tokens, live = [0] * hi, [False] * hi  # lists, then one tensor each: a tensor's item set costs microseconds
         for a in decoding:
             for r, slot in enumerate(a.slots):
-                idx[slot, 0] = a.tokens[r][-1]
-                live[slot] = True
+                tokens[slot], live[slot] = a.tokens[r][-1], True
         if self.metrics is not None:
-            self.metrics.batch(int(live.sum()))
+            self.metrics.batch(sum(live))
         view = self.cache.rows(0, hi)
-        logits, _ = self.model(idx.to(self.device), kv_cache=view, last_only=True)  # (hi, 1, V)
-        self.cache.pos[:hi] -= (~live).long()  # a dummy's key at its position is overwritten before it is read
-        return [(a, logits[a.slots, 0]) for a in decoding]
+        logits, _ = self.model(torch.tensor(tokens, device=self.device)[:, None], kv_cache=view,
+                               last_only=True)  # (hi, 1, V)
+        self.cache.pos[:hi] -= (~torch.tensor(live)).long()  # a dummy's key at its position is overwritten before it is read
+        return [(a, rows_of(logits[:, 0], a.slots)) for a in decoding]
 
-    def _draw(self, a: Active, logits: torch.Tensor) -> None:
-        """Draw a's next token for each row from logits (n, V), as generate does; send them; finish a if done."""
+    def _draw(self, ready: list[tuple[Active, torch.Tensor]]) -> None:
+        """Draw the next token of every row in ready ((request, its logits (n, V))) as generate does, all
+        requests with one setting in one call (each request's rows from its own generator); send them."""
+        groups: dict[tuple, list[tuple[Active, torch.Tensor, torch.Tensor]]] = {}
+        for a, logits in ready:
+            req, s = a.req, a.req.sampling
+            if req.max_tokens == 0:  # only the prompt's scores were wanted
+                self._finish(a, None)
+                continue
+            cut = adjust_logits(logits[:, :s.vocab_size], a.counts, req.presence_penalty, req.frequency_penalty,
+                                a.bias if a.bias is None else a.bias[:s.vocab_size])  # (n, V)
+            groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((a, cut, logits))
+        for (temperature, top_k, top_p, _), members in groups.items():
+            check_sampling_args(temperature, top_k, top_p)
+            cuts = torch.cat([cut for _, cut, _ in members])  # (rows, V)
+            ends = list(itertools.accumulate(len(a.slots) for a, _, _ in members))  # each request's rows end there
+            if temperature == 0:
+                tokens = cuts.argmax(dim=-1)  # (rows,)
+            else:
+                probs = sampling_probs(cuts, temperature, top_k, top_p)  # (rows, V)
+                noise = torch.cat([exponential_noise(probs[j - len(a.slots):j], a.req.sampling.generator)
+                                   for (a, _, _), j in zip(members, ends)])  # each request's rows, its generator
+                tokens = draw(probs, noise)[:, 0]  # (rows,)
+            ids = tokens.tolist()
+            for (a, _, logits), j in zip(members, ends):
+                self._took(a, ids[j - len(a.slots):j], logits)
+
+    def _took(self, a: Active, ids: list[int], logits: torch.Tensor) -> None:
+        """a's rows drew ids (n,) from logits (n, V): pad the rows that ended, score, send; finish a if done."""
         req, s = a.req, a.req.sampling
-        if req.max_tokens == 0:  # only the prompt's scores were wanted
-            self._finish(a, None)
-            return
-        cut = adjust_logits(logits[:, :s.vocab_size], a.counts, req.presence_penalty, req.frequency_penalty,
-                            a.bias if a.bias is None else a.bias[:s.vocab_size])
-        token = sample_next(cut, s.temperature, s.top_k, s.top_p, s.generator)  # (n, 1)
         if s.eot_token is not None:
-            token = token.masked_fill(a.done[:, None].to(token.device), s.eot_token)
-            a.done |= token[:, 0].cpu() == s.eot_token
+            ids = [s.eot_token if done else t for t, done in zip(ids, a.done)]
+            a.done = [done or t == s.eot_token for t, done in zip(ids, a.done)]
         scores = [None] * len(a.slots)
+        if req.logprobs is not None or a.counts is not None:
+            token = torch.tensor(ids, device=logits.device)[:, None]  # (n, 1)
         if req.logprobs is not None:
             scores = score(F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.vocab_size)
         if a.counts is not None:
             a.counts.scatter_add_(1, token, torch.ones_like(token, dtype=a.counts.dtype))
-        ids = token[:, 0].tolist()
         for r, t in enumerate(ids):
             a.tokens[r].append(t)
         a.generated += 1
@@ -393,12 +415,19 @@ class BatchEngine:
         if self.metrics is not None:
             self.metrics.token(a.handle, len(ids))
         self._send(a.handle, [RowStep(t, sc) for t, sc in zip(ids, scores)])
-        if a.generated == req.max_tokens or (s.eot_token is not None and bool(a.done.all())):
+        if a.generated == req.max_tokens or all(a.done):
             self._finish(a, None)
             return
         if len(a.tokens[0]) - a.start > self.block_size:  # generate's window rule, and its cache refill
             a.start = slide_window(a.start, len(a.tokens[0]), self.block_size, s.window_shift)
             self.cache.pos[a.slots] = 0
+
+
+def rows_of(x: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """x's rows at slots: a view where they are consecutive (as a request's usually are), else a gather."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return x[slots[0]:slots[0] + len(slots)]
+    return x[slots]
 
 
 def engine_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int, device,

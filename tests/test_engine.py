@@ -107,6 +107,35 @@ def test_every_request_gets_what_generate_gives_it_alone(variant, kind):
         assert engine.running == 0 and engine.waiting_count() == 0 and not engine.handles
 
 
+def test_requests_with_different_cuts_drawn_in_one_step_each_get_their_own(trained):
+    """The engine draws every request with one setting in one call: requests at one temperature but other
+    top_k or top_p, decoding side by side, still each get generate's text under their own settings."""
+    model, tok = trained
+    settings = [(None, None), (3, None), (None, 0.6), (None, None), (2, 0.9)]  # (top_k, top_p), all at 1.0
+    prompt, V = tok.encode("ROMEO:"), model.config.vocab_size
+
+    def sampling(top_k, top_p, seed):
+        return engine_sampling(1.0, top_k, top_p, seed, "cpu", None, SHIFT, V)
+
+    engine = BatchEngine(model, max_batch=8, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    got = run(engine, [EngineRequest(prompt, 1, 40, sampling(k, p, seed)) for seed, (k, p) in enumerate(settings)])
+    for seed, ((k, p), g) in enumerate(zip(settings, got)):
+        expected = model.generate(torch.tensor([prompt]), 40, sampling(k, p, seed))[:, len(prompt):].tolist()
+        assert g["rows"] == expected, (k, p)
+    loose = model.generate(torch.tensor([prompt]), 40, sampling(None, None, 1))[:, len(prompt):].tolist()
+    assert got[1]["rows"] != loose  # the cut changes the text: the test can tell one setting from another
+
+def test_a_request_on_slots_apart_gets_what_generate_gives_it_alone():
+    """Two short requests on slots 0 and 2 end together, around a long one on slot 1: the waiting request
+    of n=2 then takes slots 0 and 2, not side by side in the cache."""
+    model = sharp_model()
+    reqs = [([1, 2], 1, 5, 1.0, 1), ([3], 1, 40, 1.0, 2), ([4, 5], 1, 5, 1.0, 3), ([6, 7, 8], 2, 20, 1.0, 4)]
+    engine = BatchEngine(model, max_batch=3, window_shift=SHIFT, vocab_size=50)
+    got = run(engine, [request(model, *r) for r in reqs])
+    for r, g in zip(reqs, got):
+        assert g["rows"] == alone(model, *r), r
+    assert got[3]["rows"][0] != got[3]["rows"][1]
+
 def test_trained_model_text_and_eot_equal_generate(trained):
     model, tok = trained
     eot = tok.encode(",")[0]  # rows stop at a comma, as at <|endoftext|>: padded with it until all stop

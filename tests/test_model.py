@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (GPT, Block, GPTConfig, KVCache, attention_weights, causal_mask, sample_next,
-                   scaled_dot_product_attention)
+from model import (GPT, Block, GPTConfig, KVCache, attention_weights, causal_mask, draw, exponential_noise,
+                   sample_next, scaled_dot_product_attention)
 
 BACKENDS = ["sdpa", "naive"]
 
@@ -398,6 +398,29 @@ def test_sample_next_uses_its_generator():
     b = sample_next(logits, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a, b)
 
+
+
+@pytest.mark.parametrize("vocab", [65, 50304])
+def test_draw_is_torch_multinomial_bit_for_bit(vocab):
+    """sample_next's draw (the exponential race, its noise from the generator) gives torch.multinomial's token
+    from the same seed, and rows whose noise comes from different generators each get their own generator's."""
+    for seed in range(40):
+        probs = torch.softmax(torch.randn(3, vocab, generator=torch.Generator().manual_seed(seed)) * 4, dim=-1)
+        expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(sample_next(probs.log(), generator=torch.Generator().manual_seed(seed)), expected)
+    probs = torch.softmax(torch.randn(4, vocab) * 4, dim=-1)
+    noise = torch.cat([exponential_noise(probs[:1], torch.Generator().manual_seed(7)),
+                       exponential_noise(probs[1:], torch.Generator().manual_seed(8))])
+    assert torch.equal(draw(probs, noise), torch.cat([
+        torch.multinomial(probs[:1], 1, generator=torch.Generator().manual_seed(7)),
+        torch.multinomial(probs[1:], 1, generator=torch.Generator().manual_seed(8))]))
+
+
+def test_sample_next_refuses_non_finite_logits():
+    logits = torch.zeros(2, 10)
+    logits[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        sample_next(logits, generator=torch.Generator().manual_seed(0))
 
 # --- sizes, FLOPs, optimizer ---------------------------------------------------------------
 
