@@ -15,7 +15,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -272,7 +272,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, kv=None, pos=0, attn_out=None, rope=None, ve=None):
         """x (B, T, C) -> (B, T, C).
 
-        kv: this layer's (k, v) cache buffers (B, nkv, max_len, hs); the chunk's keys and values
+        kv: this layer's LayerKV, its cache buffers (B, nkv, max_len, hs); the chunk's keys and values
         are written at [pos:pos+T] and the queries attend to [0:pos+T] (see _write_cache past max_len).
         pos may be a LongTensor (B,): each row at its own position (the server's batch, see KVCache);
         row b writes at [pos[b]:pos[b]+T] and its queries are masked to their own keys.
@@ -307,7 +307,7 @@ class CausalSelfAttention(nn.Module):
 
     @staticmethod
     def _write_cache(kv, pos, k, v):
-        k_cache, v_cache = kv
+        k_cache, v_cache = kv.k, kv.v
         T, max_len = k.size(2), k_cache.size(2)
         if pos + T > max_len:
             # A full rolling cache (rotary positions, one token at a time, see KVCache): the new key
@@ -323,15 +323,24 @@ class CausalSelfAttention(nn.Module):
     @staticmethod
     def _write_rows(kv, pos, k, v):
         """Each row b at its own position pos[b] (B,): its T keys go to [pos[b]:pos[b]+T], and the keys are the
-        first max(pos) + T slots of every row, masked per row to the ones it has written: (k, v, mask)."""
-        k_cache, v_cache = kv
+        first max(pos) + T slots of every row, masked per row to the ones it has written: (k, v, mask).
+        kv.slots: the buffers' rows these B rows are (KVCache.take), written there and read back gathered;
+        kv.real (B, T): only the real tokens' keys are written (ragged rows), and the keys read stop at the
+        last real one."""
+        k_cache, v_cache, slots, real = kv
         B, T = k.size(0), k.size(2)
         at = pos.to(k.device)[:, None] + torch.arange(T, device=k.device)  # (B, T) each new key's slot
-        rows = torch.arange(B, device=k.device)[:, None]  # (B, 1)
-        k_cache[rows, :, at] = k.transpose(1, 2)  # (B, T, nkv, hs) into (B, nkv, max_len, hs)
-        v_cache[rows, :, at] = v.transpose(1, 2)
-        Tk = int(pos.max()) + T
+        rows = (torch.arange(B, device=k.device) if slots is None else slots)[:, None].expand(B, T)  # (B, T)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, nkv, hs), as the buffers are indexed
+        if real is None:
+            k_cache[rows, :, at], v_cache[rows, :, at] = k, v  # into (B, nkv, max_len, hs)
+            Tk = int(pos.max()) + T
+        else:  # only the real tokens: (N,) rows and slots, (N, nkv, hs) keys and values
+            k_cache[rows[real], :, at[real]], v_cache[rows[real], :, at[real]] = k[real], v[real]
+            Tk = int(at[real].max()) + 1
         mask = torch.arange(Tk, device=k.device) <= at[:, :, None]  # (B, T, Tk): key j up to the query's own slot
+        if slots is not None:  # gathered: (B, nkv, Tk, hs) x 2
+            return k_cache[slots, :, :Tk], v_cache[slots, :, :Tk], mask[:, None]
         return k_cache[:, :, :Tk], v_cache[:, :, :Tk], mask[:, None]  # (B, nkv, Tk, hs) x 2, (B, 1, T, Tk)
 
     def _sdpa(self, q, k, v, mask=None):
@@ -419,6 +428,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
+class LayerKV(NamedTuple):
+    """One layer's part of a KVCache, as the attention writes and reads it."""
+    k: torch.Tensor  # (B, nkv, max_len, hs): the buffers
+    v: torch.Tensor
+    slots: torch.Tensor | None = None  # (B,): the buffers' rows the forward's rows are (KVCache.take); None: all
+    real: torch.Tensor | None = None  # (B, T) bool: the chunk's real tokens, the rest padding (take); None: all
+
+
 class KVCache:
     """Keys and values of every layer, preallocated for max_len positions, and an explicit position.
 
@@ -434,7 +451,8 @@ class KVCache:
     Each row at its own position (the server's batch, core/engine.py): pos may be a LongTensor (B,) on
     the CPU. Row b's chunk goes to [pos[b]:pos[b]+T] and its queries see only its own keys, so rows of
     different lengths share one forward; advance moves every row, in place. rows(i, j) is a view of
-    slots i..j-1 sharing the buffers and the positions, for a forward over some of the rows.
+    slots i..j-1 sharing the buffers and the positions, for a forward over some of the rows. take(slots,
+    lengths) is any rows, in any order, with ragged chunks: the server's prefill of many requests in one forward.
     """
 
     def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32):
@@ -442,6 +460,8 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nkv, max_len, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nkv, max_len, hs)
         self.pos: int | torch.Tensor = 0
+        self.slots: torch.Tensor | None = None  # take(): see LayerKV
+        self.lengths: torch.Tensor | None = None  # take(): each row's real tokens (B,)
 
     def rows(self, start: int, stop: int) -> "KVCache":
         """Slots start..stop-1 as a cache of their own: the same buffers, and a view of the per-row positions."""
@@ -449,21 +469,40 @@ class KVCache:
             raise ValueError("rows() needs per-row positions: set pos to a LongTensor (B,) first")
         view = KVCache.__new__(KVCache)
         view.k, view.v, view.pos = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop]
+        view.slots = view.lengths = None
+        return view
+
+    def take(self, slots: list[int], lengths: list[int]) -> "KVCache":
+        """Rows slots (B, any order) for one forward whose chunk (B, T) is ragged: row b's first lengths[b]
+        tokens are real, the rest padding. Each layer writes the real tokens' keys into these buffers at the
+        slots and reads the rows back gathered; each row then advances by its own length, and last_only gives
+        each row's last real token. A padded query's output means nothing (it sees keys it did not write)."""
+        if not isinstance(self.pos, torch.Tensor):
+            raise ValueError("take() needs per-row positions: set pos to a LongTensor (B,) first")
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.parent = self.k, self.v, self
+        view.slots, view.lengths = torch.tensor(slots, device=self.k.device), torch.tensor(lengths)
+        view.real = (torch.arange(max(lengths)) < view.lengths[:, None]).to(self.k.device)  # (B, T)
+        view.pos = self.pos[slots]  # a copy: advance writes the parent's
         return view
 
     @property
     def batch_size(self) -> int:
-        return self.k.size(1)
+        return self.k.size(1) if self.slots is None else self.slots.numel()
 
     @property
     def max_len(self) -> int:
         return self.k.size(3)
 
-    def layer(self, i: int):
-        """Layer i's (k, v) buffers, each (B, nkv, max_len, hs)."""
-        return self.k[i], self.v[i]
+    def layer(self, i: int) -> LayerKV:
+        """Layer i's buffers, each (B, nkv, max_len, hs)."""
+        return LayerKV(self.k[i], self.v[i], self.slots, None if self.lengths is None else self.real)
 
     def advance(self, n: int):
+        if self.lengths is not None:  # take(): each row by its own length, in the parent's positions
+            self.parent.pos[self.slots.cpu()] += self.lengths
+            self.pos = self.pos + self.lengths
+            return
         self.pos += n  # in place for per-row positions, so a rows() view moves its parent's rows
 
     def reset(self):
@@ -694,7 +733,8 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, return_attn=False, last_only=False):
         """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
 
-        last_only (generation): only the last position's logits, (B, 1, vocab), in float32.
+        last_only (generation): only the last position's logits, (B, 1, vocab), in float32 (with a ragged
+        KVCache.take, each row's last real token's).
 
         targets (B, T): next-token ids; the loss is their mean cross-entropy, positions with -1
         ignored. kv_cache: idx is the next chunk after kv_cache.pos tokens already fed; its
@@ -705,6 +745,8 @@ class GPT(nn.Module):
         pos = self._check_input(B, T, kv_cache, return_attn)
         if isinstance(pos, torch.Tensor):  # each row at its own position: (B, T)
             positions = pos.to(idx.device)[:, None] + torch.arange(T, device=idx.device)
+            if kv_cache.lengths is not None:  # a ragged chunk's padding may run past the table: its output is unused
+                positions = positions.clamp(max=self.config.block_size - 1)
         else:
             positions = torch.arange(pos, pos + T, device=idx.device)  # (T,)
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
@@ -720,6 +762,8 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:
+            if kv_cache is not None and kv_cache.lengths is not None:  # each row's last real token
+                x = x[torch.arange(B, device=x.device), kv_cache.lengths.to(x.device) - 1][:, None]  # (B, 1, C)
             return self._last_logits(x), None
         logits = self._softcap(self.lm_head(self.transformer.ln_f(x)))  # (B, T, vocab)
         loss = None
@@ -790,12 +834,17 @@ class GPT(nn.Module):
         different positions); raise ValueError if the model cannot take the chunk."""
         pos = 0 if kv_cache is None else kv_cache.pos
         if isinstance(pos, torch.Tensor):
-            if pos.numel() and bool((pos == pos[0]).all()):
+            # take()'s rows are rows of the buffers: the per-row path, whatever their positions
+            if pos.numel() and kv_cache.slots is None and bool((pos == pos[0]).all()):
                 pos = int(pos[0])  # every row at one position: the plain path, the same floats as generate
             elif return_attn:
                 raise ValueError("return_attn needs every row of the cache at one position")
         per_row = isinstance(pos, torch.Tensor)
         seen = (int(pos.max()) if per_row else pos) + T  # keys the last query attends to
+        if kv_cache is not None and kv_cache.lengths is not None:
+            if T != kv_cache.real.size(1):
+                raise ValueError(f"a ragged chunk is padded to its longest row, {kv_cache.real.size(1)} tokens, not {T}")
+            seen = int((pos + kv_cache.lengths).max())  # the last real query's
         if (kv_cache is not None and not per_row and self.config.pos_embedding == "rope" and T == 1
                 and pos >= kv_cache.max_len):
             seen = kv_cache.max_len  # a full rotary cache rolls: the oldest key makes room (see KVCache)

@@ -155,6 +155,7 @@ class Active:
         self.done = [False] * len(slots)  # rows that emitted eot (then padded with it)
         self.prompt_scores: list[TokenScore | None] = [None]
         self.prompt_last: torch.Tensor | None = None  # log-softmax of the last prefilled position (with echo)
+        self.last: list[torch.Tensor | None] = [None] * len(slots)  # each row's next-token logits, once prefilled
         penalised = req.presence_penalty or req.frequency_penalty
         self.counts = torch.zeros(len(slots), vocab, device=device) if penalised else None
         self.bias = None
@@ -276,68 +277,89 @@ class BatchEngine:
         self.free += a.slots
         self.running = len(self.active)
 
+    @torch.no_grad()  # as generate: no graph (the cache's in-place writes would chain every step's into it)
     def step(self) -> None:
-        """One step: one forward over every decoding row, then a prefill chunk for requests with more than one
-        token not yet cached; then every request whose rows have next-token logits draws its tokens.
+        """One step: one forward over every decoding row, then the prefill of up to prefill_chunk tokens over
+        the other requests; then every request whose rows have next-token logits draws its tokens.
 
         Decoding first: a prefilling slot then rides along at a position its next chunk overwrites, and never
         at block_size (where a prompt that fills the context would leave it after its last chunk)."""
         decoding = [a for a in self.active if a.generated and self._uncached(a) == 1]
         ready = self._decode(decoding) if decoding else []
-        budget = self.prefill_chunk
-        for a in self.active:
-            if a not in decoding and budget > 0:
-                logits, used = self._prefill(a, budget)
-                budget -= used
-                if logits is not None:
-                    ready.append((a, logits))
+        ready += self._prefill([a for a in self.active if a not in decoding])
         self._draw(ready)
 
     def _uncached(self, a: Active) -> int:
         """Tokens of a's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
         return len(a.tokens[0]) - a.start - int(self.cache.pos[a.slots[0]])
 
-    def _prefill(self, a: Active, budget: int) -> tuple[torch.Tensor | None, int]:
-        """Feed up to budget uncached tokens of each of a's rows; their logits (n, V) once none are left."""
-        if a.generated == 0:  # the prompt: one row prefilled, its keys copied to the others
-            return self._prefill_prompt(a, budget)
-        rows, used = [], 0
-        for r, slot in enumerate(a.slots):  # a window moved: every row refills its own window, as generate does
-            logits, n = self._feed(slot, a.tokens[r][a.start:], budget, last_only=True)
-            rows.append(logits)
-            used += n
-        return (None if any(x is None for x in rows) else torch.cat(rows)), used
+    def _prefill(self, waiting: list[Active]) -> list[tuple[Active, torch.Tensor]]:
+        """Feed up to prefill_chunk uncached tokens, first come first served, to the rows that need them: a
+        new prompt's first row (its keys then copied to its other rows), or every row of a request whose
+        window moved (each refills its own window, as generate does). Rows of about one length go through
+        one forward, ragged (KVCache.take); a prompt with echo, scored at every position, goes alone.
+        -> (request, logits (n, V)) for each request whose rows are now all cached."""
+        budget, feeds, ready = self.prefill_chunk, [], []
+        for a in waiting:
+            if budget <= 0:
+                break
+            if a.generated == 0 and a.req.echo:
+                logits, used = self._prefill_echo(a, budget)
+                budget -= used
+                if logits is not None:
+                    ready.append((a, logits))
+                continue
+            for r in range(1 if a.generated == 0 else len(a.slots)):
+                chunk = a.tokens[r][a.start + int(self.cache.pos[a.slots[r]]):][:budget]
+                if chunk and budget > 0:
+                    feeds.append((a, r, chunk))
+                    budget -= len(chunk)
+        for group in ragged_groups(feeds):
+            self._feed_rows(group)
+        for a in dict.fromkeys(a for a, _, _ in feeds):  # each request once, in order
+            if a.generated == 0 and a.last[0] is not None:
+                ready.append((a, self._prompt_cached(a, a.last[0][None])))
+            elif a.generated and all(x is not None for x in a.last):
+                ready.append((a, torch.stack(a.last)))
+            else:
+                continue
+            a.last = [None] * len(a.slots)
+        return ready
 
-    def _prefill_prompt(self, a: Active, budget: int):
+    def _feed_rows(self, feeds: list[tuple[Active, int, list[int]]]) -> None:
+        """One forward over the chunks of feeds ((request, row, tokens)), padded to the longest; a row whose
+        window is then all cached keeps its last token's logits in its request's last."""
+        slots, lengths = [a.slots[r] for a, r, _ in feeds], [len(chunk) for _, _, chunk in feeds]
+        T = max(lengths)
+        idx = torch.tensor([chunk + [0] * (T - len(chunk)) for _, _, chunk in feeds], device=self.device)  # (B, T)
+        logits, _ = self.model(idx, kv_cache=self.cache.take(slots, lengths), last_only=True)  # (B, 1, V)
+        for (a, r, _), slot, row in zip(feeds, slots, logits[:, 0]):
+            if int(self.cache.pos[slot]) == len(a.tokens[r]) - a.start:
+                a.last[r] = row
+
+    def _prefill_echo(self, a: Active, budget: int):
+        """The next chunk of a prompt with echo through its first row, every position's logits scored ->
+        (logits (n, V) once the prompt is all cached, else None; tokens fed)."""
         slot, seq = a.slots[0], a.tokens[0][a.start:]
-        first = int(self.cache.pos[slot])
-        logits, used = self._feed(slot, seq, budget, last_only=not a.req.echo)
-        if a.req.echo:
-            self._score_prompt(a, seq, first, logits)
-            logits = logits[:, -1]  # (1, V): the next token's
-        T = len(seq)
-        if int(self.cache.pos[slot]) < T:
-            return None, used
-        for other in a.slots[1:]:  # the other choices start from the same prompt's keys
+        view = self.cache.rows(slot, slot + 1)
+        first = int(view.pos[0])
+        chunk = seq[first:first + budget]
+        logits, _ = self.model(torch.tensor([chunk], device=self.device), kv_cache=view)  # (1, T, V)
+        self._score_prompt(a, seq, first, logits)
+        if first + len(chunk) < len(seq):
+            return None, len(chunk)
+        self._send(a.handle, PromptScores(a.prompt_scores))
+        return self._prompt_cached(a, logits[:, -1]), len(chunk)
+
+    def _prompt_cached(self, a: Active, logits: torch.Tensor) -> torch.Tensor:
+        """a's prompt is in its first row's cache: the other choices start from the same keys. logits (1, V)
+        of its last token -> (n, V)."""
+        slot, T = a.slots[0], int(self.cache.pos[a.slots[0]])
+        for other in a.slots[1:]:
             self.cache.k[:, other, :, :T] = self.cache.k[:, slot, :, :T]
             self.cache.v[:, other, :, :T] = self.cache.v[:, slot, :, :T]
             self.cache.pos[other] = T
-        if a.req.echo:
-            self._send(a.handle, PromptScores(a.prompt_scores))
-        return logits.float().expand(len(a.slots), -1), used
-
-    def _feed(self, slot: int, seq: list[int], budget: int, last_only: bool):
-        """Run the next chunk of seq's uncached tokens through slot's cache -> (logits or None, tokens fed).
-        logits: (1, V) of the last token once seq is all cached (last_only), else (1, T, V) of the chunk."""
-        view = self.cache.rows(slot, slot + 1)
-        pos = int(view.pos[0])
-        chunk = seq[pos:pos + budget]
-        idx = torch.tensor([chunk], dtype=torch.long, device=self.device)  # (1, T)
-        logits, _ = self.model(idx, kv_cache=view, last_only=last_only)
-        done = pos + len(chunk) == len(seq)
-        if last_only:
-            return (logits[:, -1] if done else None), len(chunk)
-        return logits, len(chunk)
+        return logits.float().expand(len(a.slots), -1)
 
     def _score_prompt(self, a: Active, seq: list[int], first: int, logits: torch.Tensor) -> None:
         """Prompt logprobs of the chunk just fed (logits (1, T, V) of positions first..first+T-1)."""
@@ -421,6 +443,18 @@ class BatchEngine:
         if len(a.tokens[0]) - a.start > self.block_size:  # generate's window rule, and its cache refill
             a.start = slide_window(a.start, len(a.tokens[0]), self.block_size, s.window_shift)
             self.cache.pos[a.slots] = 0
+
+
+def ragged_groups(feeds: list) -> list[list]:
+    """feeds (anything, row, tokens) split into groups for one forward each: longest first, a group taking
+    chunks at least half its longest, so padding at most doubles the tokens computed."""
+    groups = []
+    for feed in sorted(feeds, key=lambda f: -len(f[2])):
+        if groups and 2 * len(feed[2]) >= len(groups[-1][0][2]):
+            groups[-1].append(feed)
+        else:
+            groups.append([feed])
+    return groups
 
 
 def rows_of(x: torch.Tensor, slots: list[int]) -> torch.Tensor:

@@ -236,6 +236,36 @@ def test_rows_at_their_own_positions_equal_each_row_alone(overrides):
         torch.testing.assert_close(torch.cat([steps[0][b], steps[1][b]]), alone[b], atol=1e-5, rtol=0)
 
 
+
+@pytest.mark.parametrize("overrides", [dict(), dict(attn_backend="naive"), dict(pos_embedding="rope", n_kv_head=1)])
+def test_ragged_rows_taken_from_the_cache_equal_each_row_alone(overrides):
+    """KVCache.take: rows of the cache in any order, each with its own chunk length (padded to the longest),
+    in one forward: each row's last real token's logits, its keys and its position are what feeding it alone
+    gives; a slot not taken is not written. One row fills the whole context, another starts mid-way."""
+    model = sharp_model(**overrides) if "wpe" in tiny_model(**overrides).transformer else tiny_model(**overrides)
+    B = model.config.block_size
+    seqs = {3: random_idx(1, 7)[0].tolist(), 0: [9, 8], 1: random_idx(1, B)[0].tolist()}
+    taken, alone = model.new_kv_cache(4), model.new_kv_cache(4)
+    with torch.no_grad():
+        for cache in (taken, alone):
+            cache.pos = torch.zeros(4, dtype=torch.long)
+            model(torch.tensor([seqs[3][:3]]), kv_cache=cache.rows(3, 4))  # slot 3 holds 3 tokens already
+        expected = {s: model(torch.tensor([seq[int(alone.pos[s]):]]), kv_cache=alone.rows(s, s + 1),
+                             last_only=True)[0][0, -1] for s, seq in seqs.items()}
+        order = [3, 0, 1]
+        chunks = [seqs[s][int(taken.pos[s]):] for s in order]  # 4, 2 and B tokens
+        T = max(len(c) for c in chunks)
+        idx = torch.tensor([c + [0] * (T - len(c)) for c in chunks])
+        got = model(idx, kv_cache=taken.take(order, [len(c) for c in chunks]), last_only=True)[0][:, 0]
+    assert taken.pos.tolist() == alone.pos.tolist() == [2, B, 0, 7]
+    for row, s in zip(got, order):
+        torch.testing.assert_close(row, expected[s], atol=1e-5, rtol=0)
+        n = int(taken.pos[s])
+        torch.testing.assert_close(taken.k[:, s, :, :n], alone.k[:, s, :, :n], atol=1e-5, rtol=0)
+    assert not taken.k[:, 2].any()  # never taken
+    with pytest.raises(ValueError, match="padded to its longest row"):
+        model(idx[:, :-1], kv_cache=taken.take(order, [1, 1, T]))
+
 def test_kv_cache_capacity_and_reset():
     model = tiny_model()
     cache = model.new_kv_cache(1, max_len=6)
