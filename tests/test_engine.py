@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from core.engine import (BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping, adjust_logits,
-                         engine_sampling)
+                         engine_sampling, ragged_groups)
 from core.evaluate import token_losses
 from core.weights import load_model
 from model import GPT, GPTConfig, Sampling
@@ -138,6 +138,15 @@ def test_a_request_on_slots_apart_gets_what_generate_gives_it_alone():
     for r, g in zip(reqs, got):
         assert g["rows"] == alone(model, *r), r
     assert got[3]["rows"][0] != got[3]["rows"][1]
+
+def test_ragged_groups_keep_every_chunk_and_at_most_double_the_tokens():
+    feeds = [(i, 0, [0] * n) for i, n in enumerate([64, 3, 40, 33, 64, 16, 1, 2, 31])]
+    groups = ragged_groups(feeds)
+    assert sorted(f[0] for g in groups for f in g) == list(range(len(feeds)))
+    for g in groups:
+        longest, real = max(len(f[2]) for f in g), sum(len(f[2]) for f in g)
+        assert len(g) * longest <= 2 * real
+    assert [len(g) for g in groups] == [4, 2, 2, 1]  # 64 64 40 33 | 31 16 | 3 2 | 1
 
 def test_trained_model_text_and_eot_equal_generate(trained):
     model, tok = trained
