@@ -843,7 +843,8 @@ class GPT(nn.Module):
         seen = (int(pos.max()) if per_row else pos) + T  # keys the last query attends to
         if kv_cache is not None and kv_cache.lengths is not None:
             if T != kv_cache.real.size(1):
-                raise ValueError(f"a ragged chunk is padded to its longest row, {kv_cache.real.size(1)} tokens, not {T}")
+                raise ValueError(f"a ragged chunk is padded to its longest row, {kv_cache.real.size(1)} tokens, "
+                                 f"not {T}")
             seen = int((pos + kv_cache.lengths).max())  # the last real query's
         if (kv_cache is not None and not per_row and self.config.pos_embedding == "rope" and T == 1
                 and pos >= kv_cache.max_len):

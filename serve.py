@@ -67,7 +67,7 @@ class ServeConfig:
     max_body_bytes: int = 1_000_000  # a larger request body gets 413
     window_shift: int | None = None  # past block_size the window slides this far at once; None: block_size // 2
     max_batch: int = 16              # the most rows decoded at once (KV cache slots); more requests wait their turn
-    prefill_chunk: int = 512         # a prompt is fed at most this many tokens per step, between decoding steps
+    prefill_chunk: int = 512         # at most this many prompt tokens fed per step (all requests), between decodes
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
     threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core

@@ -387,7 +387,7 @@ class BatchEngine:
         view = self.cache.rows(0, hi)
         logits, _ = self.model(torch.tensor(tokens, device=self.device)[:, None], kv_cache=view,
                                last_only=True)  # (hi, 1, V)
-        self.cache.pos[:hi] -= (~torch.tensor(live)).long()  # a dummy's key at its position is overwritten before it is read
+        self.cache.pos[:hi] -= (~torch.tensor(live)).long()  # a dummy's key there is overwritten before it is read
         return [(a, rows_of(logits[:, 0], a.slots)) for a in decoding]
 
     def _draw(self, ready: list[tuple[Active, torch.Tensor]]) -> None:
