@@ -7,8 +7,10 @@ next token of every decoding row of every request, each row at its own position 
     async for event in handle.events(): ...     # PromptScores once (with echo), then one list[RowStep] per step
 
 The cache holds max_batch slots, preallocated once; a request's n rows take n free slots. A new request
-is prefilled on its own slot (its prompt in chunks of prefill_chunk tokens, one chunk per step, so a long
-prompt does not stall the rows already decoding) and joins the batch at the next step. A request that
+is prefilled on its own slot (at most prefill_chunk tokens per step over all requests, so a long prompt
+does not stall the rows already decoding) and joins the batch at the next step. The prefill is batched
+too: every row with tokens not yet cached (a new prompt, a window refilled after it slid) feeds its next
+chunk in one ragged forward per step (KVCache.take), rows of about one length together. A request that
 finishes, fails or is cancelled frees its slots at once. Rows decode through model.py's forward with
 per-row positions (KVCache): a free or prefilling slot rides along as a dummy row whose key is
 overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a view, never a copy.
