@@ -101,6 +101,15 @@ def read_json_meta(path: Path) -> dict:
     return json.loads((path / checkpoint.META_NAME).read_text())["meta"]
 
 
+def saved_iter(path: Path) -> int:
+    """The iteration of the checkpoint at path while a run is saving: -1 between its two renames (the newest
+    one is then ckpt.prev.dcp, for a moment), when the file is not there."""
+    try:
+        return read_json_meta(path)["iter_num"]
+    except FileNotFoundError:
+        return -1
+
+
 def from_iter_10(src: Path, dst: Path) -> Path:
     """A copy of src's iteration-10 checkpoint (ckpt.prev.dcp) as the newest one of a new out_dir."""
     dst.mkdir()
@@ -159,7 +168,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
 
     job = launch("first")
     try:
-        wait_until(lambda: newest.exists() and read_json_meta(newest.parent)["iter_num"] >= 3, job)
+        wait_until(lambda: saved_iter(newest.parent) >= 3, job)
         wait_until(temp.exists, job)  # the next save has begun: the processes are writing their shards
         kill_job(job)
     finally:
@@ -169,7 +178,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
     saved = checkpoint.read_sharded_meta(out / checkpoint.SHARDED_NAME)["iter_num"]  # intact
     job = launch("second", init_from="resume")
     try:
-        wait_until(lambda: read_json_meta(newest.parent)["iter_num"] >= saved + 3, job)
+        wait_until(lambda: saved_iter(newest.parent) >= saved + 3, job)
         time.sleep(0.05)
         kill_job(job)
     finally:
