@@ -462,6 +462,7 @@ class KVCache:
         self.pos: int | torch.Tensor = 0
         self.slots: torch.Tensor | None = None  # take(): see LayerKV
         self.lengths: torch.Tensor | None = None  # take(): each row's real tokens (B,)
+        self.real: torch.Tensor | None = None  # take(): (B, T) bool, see LayerKV
 
     def rows(self, start: int, stop: int) -> "KVCache":
         """Slots start..stop-1 as a cache of their own: the same buffers, and a view of the per-row positions."""
@@ -469,7 +470,7 @@ class KVCache:
             raise ValueError("rows() needs per-row positions: set pos to a LongTensor (B,) first")
         view = KVCache.__new__(KVCache)
         view.k, view.v, view.pos = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop]
-        view.slots = view.lengths = None
+        view.slots = view.lengths = view.real = None
         return view
 
     def take(self, slots: list[int], lengths: list[int]) -> "KVCache":
@@ -496,7 +497,7 @@ class KVCache:
 
     def layer(self, i: int) -> LayerKV:
         """Layer i's buffers, each (B, nkv, max_len, hs)."""
-        return LayerKV(self.k[i], self.v[i], self.slots, None if self.lengths is None else self.real)
+        return LayerKV(self.k[i], self.v[i], self.slots, self.real)
 
     def advance(self, n: int):
         if self.lengths is not None:  # take(): each row by its own length, in the parent's positions
