@@ -525,9 +525,14 @@ def reply(sv: Served, req: Common, reqs: list[EngineRequest], stops: list[str], 
                     "finish_reason": finish}
         return {"index": i, "text": text, "logprobs": logprobs_of(c, c.row.take_scores()), "finish_reason": finish}
 
-    def chunk(choices: list[dict], **extra) -> dict:
-        return {"id": rid, "object": kind + (".chunk" if chat else ""), "created": int(time.time()),
-                "model": sv.name, "choices": choices, **({"usage": None} if include_usage else {}), **extra}
+    created = int(time.time())  # one for the whole reply: OpenAI's chunks of one stream share it
+    head = json.dumps({"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
+                       "model": sv.name}, ensure_ascii=False)[:-1]  # without its "}": serialised once, not per chunk
+
+    def event(choices: list[dict], used: dict | None = None) -> str:
+        """One chunk of the stream as a server-sent event: the fields every chunk shares, then its own."""
+        tail = f', "usage": {json.dumps(used)}}}' if include_usage else "}"
+        return f'data: {head}, "choices": {json.dumps(choices, ensure_ascii=False)}{tail}\n\n'
 
     def whole_choice(i: int, c: Choice) -> dict:
         if chat:
@@ -544,7 +549,7 @@ def reply(sv: Served, req: Common, reqs: list[EngineRequest], stops: list[str], 
             choices: list[Choice] = []
             async for _ in pieces(sv, reqs, make_rows, choices):
                 pass
-            return {"id": rid, "object": kind, "created": int(time.time()), "model": sv.name,
+            return {"id": rid, "object": kind, "created": created, "model": sv.name,
                     "choices": [whole_choice(i, c) for i, c in enumerate(choices)],
                     "usage": usage(prompt_tokens, sum(c.row.tokens for c in choices if reqs[0].max_tokens))}
         return whole()
@@ -554,11 +559,11 @@ def reply(sv: Served, req: Common, reqs: list[EngineRequest], stops: list[str], 
         try:
             if chat:  # OpenAI's first chunk of each choice names the role
                 for i in range(sum(r.n for r in reqs)):
-                    yield sse(chunk([choice(i, "", None, None, first=True)]))
+                    yield event([choice(i, "", None, None, first=True)])
             async for i, piece in pieces(sv, reqs, make_rows, choices):
-                yield sse(chunk([choice(i, piece, choices[i].row.finish, choices[i])]))
+                yield event([choice(i, piece, choices[i].row.finish, choices[i])])
             if include_usage:
-                yield sse(chunk([], usage=usage(prompt_tokens, sum(c.row.tokens for c in choices))))
+                yield event([], usage(prompt_tokens, sum(c.row.tokens for c in choices)))
             yield "data: [DONE]\n\n"
         except ServerStopping:
             yield sse(error_body("the server is shutting down; the reply is incomplete", "server_error"))

@@ -520,6 +520,23 @@ class PipeLoop:
             e.stop()
 
 
+def packed(req: EngineRequest) -> tuple[EngineRequest, bytes | None]:
+    """req without its generator, and the generator's state as bytes: pickled as it is, the state tensor would
+    cross the pipe as shared memory, a file descriptor passed per request (~0.2 ms of the event loop's time)."""
+    g = req.sampling.generator
+    return (dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, generator=None)),
+            None if g is None else g.get_state().numpy().tobytes())
+
+
+def unpacked(req: EngineRequest, state: bytes | None) -> EngineRequest:
+    """packed's inverse, in the engine process (a CPU generator: the process engine serves CPU models)."""
+    if state is None:
+        return req
+    generator = torch.Generator()
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, generator=generator))
+
+
 def _child(conn, parent_end, stop, model: GPT, args: tuple, threads: int) -> None:
     """The engine process: a BatchEngine whose events go down the pipe; a thread takes submissions from it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the server stops us
@@ -539,7 +556,7 @@ def _child(conn, parent_end, stop, model: GPT, args: tuple, threads: int) -> Non
             while True:
                 kind, rid, *rest = conn.recv()
                 if kind == "submit":
-                    handle = handles[rid] = Handle(rest[0], loop)
+                    handle = handles[rid] = Handle(unpacked(*rest), loop)
                     handle.id = rid
                     engine.pending.put(handle)
                 elif rid in handles:  # cancel
@@ -626,7 +643,7 @@ class EngineProcess:
         self.loop = loop  # one server, one event loop
         self.next_id += 1
         handle = self.handles[self.next_id] = ProcessHandle(req, loop, self, self.next_id)
-        self.send(("submit", handle.id, req))
+        self.send(("submit", handle.id, *packed(req)))
         return handle
 
     def waiting_count(self) -> int:

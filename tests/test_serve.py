@@ -229,6 +229,10 @@ def test_same_seed_same_text_and_stream_equals_whole(base):
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-2])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 60
     assert chunks[-1].usage.prompt_tokens == 6 and chunks[-1].usage.total_tokens == 66
+    # every chunk of a stream names the same reply, as OpenAI's do
+    assert {(ch.id, ch.created, ch.model, ch.object) for ch in chunks} == {
+        (chunks[0].id, chunks[0].created, "romeo", "text_completion")}
+    assert chunks[0].id.startswith("cmpl-") and abs(chunks[0].created - time.time()) < 600
     plain, _ = streamed(base, seed=11, **kw)
     assert all(ch.usage is None for ch in plain)  # no usage chunk unless asked for
 
