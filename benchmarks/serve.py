@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 import torch
 
@@ -55,6 +56,7 @@ class Settings:
     serve_prompt_len: int = 6
     serve_max_batch: int = 64        # serve.py's --max_batch and the in-process engine's: rows decoded at once
     serve_engines: str = "process,thread"  # serve.py's --engine for each server measured, side by side
+    serve_client: str = "lean"       # the HTTP clients: lean (lean_stream, asyncio's streams) or httpx
 
 
 PRESETS = {"gpt2": dict(serve_shape="gpt2")}
@@ -66,6 +68,8 @@ def check(cfg) -> None:
     for engine in engines(cfg):
         if engine not in ("auto", "process", "thread"):
             raise UserError(f"serve_engines: each must be auto, process or thread, got '{engine}'")
+    if cfg.serve_client not in ("lean", "httpx"):
+        raise UserError(f"serve_client must be lean or httpx, got '{cfg.serve_client}'")
     if cfg.serve_shape not in SHAPES:
         raise UserError(f"serve_shape must be one of {', '.join(SHAPES)}, got '{cfg.serve_shape}'")
     if "serve" in section_list(cfg) and cfg.serve_prompt_len > model_config(cfg.serve_shape).block_size:
@@ -161,25 +165,67 @@ def in_process(engine: BatchEngine, prompt: list[int], clients: int, max_tokens:
     return asyncio.run(at_once(one, clients))
 
 
-def over_http(url: str, prompt: list[int], clients: int, max_tokens: int) -> tuple[float, list[float]]:
-    """clients concurrent streaming /v1/completions requests; each one's usage is checked."""
+async def lean_stream(url: str, path: str, body: dict) -> AsyncIterator[tuple[int, str]]:
+    """A POST's (status, line) for each line of its reply, read with asyncio's own streams: HTTP/1.1 with a
+    chunked or a sized body, one request per connection. The clients share this machine's cores with the
+    server, and httpx's work per streamed chunk is about the server's own, so it would be charged to the
+    server's time (serve_client=httpx measures that)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        data = json.dumps(body).encode()
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode("latin-1").partition(":")
+            headers[key.strip().lower()] = value.strip()
+        if headers.get("transfer-encoding") != "chunked":
+            for line in (await reader.read()).decode().splitlines():
+                yield status, line
+            return
+        rest = b""
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            lines = (rest + (await reader.readexactly(size + 2))[:-2]).split(b"\n")
+            rest = lines.pop()  # a line not yet ended
+            for line in lines:
+                yield status, line.decode()
+    finally:
+        writer.close()
+
+
+def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
+              client: str = "lean") -> tuple[float, list[float]]:
+    """clients concurrent streaming /v1/completions requests, read by lean_stream or by httpx; each one's
+    usage is checked."""
     import httpx
 
-    async def one(client, seed, t0):
+    async def lines(c, body):
+        if c is None:
+            async for status, line in lean_stream(url, "/v1/completions", body):
+                yield status, line
+            return
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                yield r.status_code, line
+
+    async def one(c, seed, t0):
         body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
                 "stream": True, "stream_options": {"include_usage": True}}
-        first, usage = None, None
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    first = first or time.perf_counter() - t0
-                    if '"usage": {' in line:  # the last chunk (include_usage)
-                        usage = json.loads(line[len("data: "):])["usage"]
-        if r.status_code != 200 or (usage or {}).get("completion_tokens") != max_tokens:
-            raise UserError(f"serve.py answered {r.status_code} without {max_tokens} tokens (usage {usage})")
+        first, usage, status = None, None, None
+        async for status, line in lines(c, body):
+            if line.startswith("data: {"):
+                first = first or time.perf_counter() - t0
+                if '"usage": {' in line:  # the last chunk (include_usage)
+                    usage = json.loads(line[len("data: "):])["usage"]
+        if status != 200 or (usage or {}).get("completion_tokens") != max_tokens:
+            raise UserError(f"serve.py answered {status} without {max_tokens} tokens (usage {usage})")
         return first
 
     async def every():
+        if client == "lean":
+            return await at_once(lambda seed, t0: one(None, seed, t0), clients)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=clients)) as c:
             return await at_once(lambda seed, t0: one(c, seed, t0), clients)
     return asyncio.run(every())
@@ -204,7 +250,7 @@ def clients_rows(cfg, engine: BatchEngine, servers: dict[str, tuple[subprocess.P
             runs.setdefault((c, "in_process"), []).append(run | ttft(ttfts))
             for name, (server, url) in servers.items():
                 cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
-                s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens)
+                s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens, cfg.serve_client)
                 run = {"s": s, "client_cpu_s": time.process_time() - cpu0}
                 if server0 is not None:
                     run["cpu_s"] = process_cpu_s(server.pid) - server0
@@ -253,7 +299,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
             "model": f"{mc.n_layer} layers x {mc.n_embd} wide, {mc.n_head} heads, block_size {mc.block_size}, "
                      f"vocab {mc.vocab_size}",
             "prompt_tokens": cfg.serve_prompt_len, "max_tokens": cfg.serve_max_tokens,
-            "max_batch": cfg.serve_max_batch, "repeats": cfg.repeats, "rows": rows}
+            "max_batch": cfg.serve_max_batch, "client": cfg.serve_client, "repeats": cfg.repeats, "rows": rows}
 
 
 def table(r: dict) -> str:
@@ -267,7 +313,8 @@ def table(r: dict) -> str:
                      "n/a" if "cpu_ratio" not in row else f"{row['cpu_ratio']:.2f}x", num(sv["client_cpu_s"], 2)])
     return (f"### Serving: serve.py over HTTP against the same rows batched in-process ({r['shape']})\n"
             f"{r['model']}; {r['params'] / 1e6:.2f}M parameters; each client streams one /v1/completions request, "
-            f"all at once ({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled); max_batch "
+            f"all at once ({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled; {r['client']} "
+            f"clients); max_batch "
             f"{r['max_batch']} on both sides; medians of {r['repeats']}\n\n"
             + markdown.table(["engine", "clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms",
                               "in-process tok/s", "in-process TTFT ms", "time ratio", "CPU s server / in-process",

@@ -2,6 +2,7 @@
 
     python -m pytest tests/test_bench.py
 """
+import asyncio
 import json
 import math
 import os
@@ -292,6 +293,7 @@ def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
     (["--sections=serve", "--serve_prompt_len=65"], "block_size 64"),
     (["--serve_clients=1,x"], "serve_clients"),
     (["--serve_engines=process,fork"], "serve_engines"),
+    (["--serve_client=curl"], "serve_client"),
 ])
 def test_bad_serve_flags_are_user_errors(argv, fragment):
     with pytest.raises(UserError, match=fragment):
@@ -299,6 +301,33 @@ def test_bad_serve_flags_are_user_errors(argv, fragment):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads processes from /proc (Linux)")
+@pytest.mark.parametrize("reply, want", [
+    # chunked: a line split across two chunks, two lines in one, a chunk extension
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ndata:\r\n6;x=1\r\n 1\n\nda\r\n"
+     b"7\r\nta: 2\n\n\r\n0\r\n\r\n", [(200, "data: 1"), (200, ""), (200, "data: 2"), (200, "")]),
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 13\r\n\r\n{\"error\": 1}\n", [(400, '{"error": 1}')]),
+])
+def test_the_lean_client_reads_chunked_and_sized_replies(reply, want):
+    from benchmarks.serve import lean_stream
+
+    async def run():
+        got_request = []
+
+        async def answer(reader, writer):
+            got_request.append(await reader.readuntil(b"\r\n\r\n") + await reader.readexactly(8))
+            writer.write(reply)
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        lines = [x async for x in lean_stream(f"http://127.0.0.1:{port}", "/v1/x", {"a": 1})]
+        server.close()
+        return got_request[0], lines
+    request, lines = asyncio.run(asyncio.wait_for(run(), 60))
+    assert request.startswith(b"POST /v1/x HTTP/1.1\r\n") and request.endswith(b'\r\n\r\n{"a": 1}')
+    assert lines == want
+
+
 def test_a_servers_cpu_counts_its_engine_process(tmp_path):
     """The serve section's server CPU includes its children (serve.py's engine process): a parent that only
     sleeps, beside a child that burns a second, has used about a second."""
