@@ -144,10 +144,19 @@ def last_logged_iter(out_dir) -> int:
         return -1
 
 
+def wait_stopped(pid: int) -> None:
+    """Until SIGSTOP has taken hold of `pid` (its /proc state is T): kill() returns before it has."""
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + 10
+    while stat.exists() and stat.read_text().rpartition(")")[2].split()[0] not in "tT" and time.monotonic() < deadline:
+        time.sleep(0.0002)
+
+
 def kill_at_a_random_moment(proc: subprocess.Popen, out_dir: Path, in_write: bool, rng: random.Random) -> bool:
     """SIGKILL `proc` a random 2-6 iterations into its training (counted in iterations, not seconds, so
     that a faster machine does not finish first): then at once, inside its next checkpoint write
-    (in_write), or after up to 50 ms more. Returns whether it was killed (not already finished)."""
+    (in_write: frozen with SIGSTOP while its temporary file exists, so the kill lands mid-write), or
+    after up to 50 ms more. Returns whether it was killed (not already finished)."""
     def saving() -> bool:
         """proc writing a checkpoint"""
         return bool(temp_files(out_dir, proc.pid, prefix=".ckpt"))
@@ -164,8 +173,18 @@ def kill_at_a_random_moment(proc: subprocess.Popen, out_dir: Path, in_write: boo
     if not wait_for(reached, proc, timeout=60, poll=0.005):
         return False
     if in_write:
-        if not wait_for(saving, proc, timeout=10, poll=0.0005):
-            return False
+        # Seen mid-write, the write may still finish before a SIGKILL lands (on a loaded machine it often
+        # does): freeze the process first, and kill it only if the temporary is still there.
+        for _ in range(100):
+            if not wait_for(saving, proc, timeout=10, poll=0.0005):
+                return False
+            proc.send_signal(signal.SIGSTOP)
+            wait_stopped(proc.pid)
+            if saving():
+                break
+            proc.send_signal(signal.SIGCONT)
+        else:
+            raise AssertionError("100 checkpoint writes each finished before the process could be stopped")
     else:
         time.sleep(rng.uniform(0.0, 0.05))
     proc.kill()
