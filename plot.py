@@ -10,7 +10,8 @@
 
 Loss: train loss per logged step (faint), train and val loss at each eval, and the learning rate
 below; tokens seen (batch_size x block_size x gradient_accumulation_steps per iteration, from
-each run's config.json) on the top axis. A run still going or resumed is read as written: a
+each run's config.json; shorter windows under sequence-length warm-up) on the top axis, or below with
+--x=tokens (the top axis is left out where warm-up makes tokens not linear in iterations). A run still going or resumed is read as written: a
 last line cut short is skipped, and where an iteration appears twice the later record wins.
 
 Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
@@ -22,6 +23,8 @@ from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import dataclasses
+import functools
+import itertools
 import json
 import math
 import sys
@@ -85,6 +88,29 @@ class RunHistory:
         c = self.config
         keys = ("batch_size", "block_size", "gradient_accumulation_steps")
         return math.prod(c[k] for k in keys) if all(isinstance(c.get(k), int) for k in keys) else None
+
+    @property
+    def seq_len_warmup(self) -> bool:
+        return bool(self.config.get("seq_len_warmup_iters"))
+
+    def tokens_seen(self, it: int) -> int:
+        """Tokens trained in the iterations before `it`: it x tokens_per_iter, except that under
+        sequence-length warm-up the first windows are shorter (core.train_config.seq_len_at)."""
+        it = max(it, 0)
+        if not self.seq_len_warmup:
+            return it * self.tokens_per_iter
+        warm, prefix = len(self._warmup_prefix) - 1, self._warmup_prefix
+        return prefix[min(it, warm)] + max(it - warm, 0) * self.tokens_per_iter
+
+    @functools.cached_property
+    def _warmup_prefix(self) -> list[int]:
+        """[tokens before iteration i for i in 0..seq_len_warmup_iters]"""
+        from core.train_config import TrainConfig, seq_len_at  # imports torch: only for warm-up runs
+        c = self.config
+        cfg = TrainConfig(block_size=c["block_size"], seq_len_warmup_iters=c["seq_len_warmup_iters"],
+                          seq_len_warmup_start=c["seq_len_warmup_start"])
+        rows = self.tokens_per_iter // cfg.block_size
+        return [0, *itertools.accumulate(rows * seq_len_at(i, cfg) for i in range(cfg.seq_len_warmup_iters))]
 
 
 def read_log(out_dir: str | Path) -> RunHistory:
@@ -175,32 +201,32 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
                         f"log.jsonl was written without it: plot it with --x=iter")
     for i, (run, label) in enumerate(zip(runs, run_labels(runs))):
         color = f"C{i}"
-        scale = run.tokens_per_iter if x == "tokens" else 1
+        at = run.tokens_seen if x == "tokens" else (lambda s: s)  # the x of iteration s
         if x == "elapsed":  # each record at its wall time since the run started
             run = dataclasses.replace(run, steps={s["elapsed_s"]: s for s in run.steps.values()},
                                       evals={e["elapsed_s"]: e for e in run.evals.values()})
         step_it, evals = list(run.steps), list(run.evals)
         if key:  # the x of an evaluation is its training time so far; steps carry none
-            step_it, scale = [], 1
+            step_it, at = [], (lambda s: s)
             run = dataclasses.replace(run, evals={e[key]: e for e in run.evals.values()})
             evals = list(run.evals)
         if step_it:
-            ax.plot([s * scale for s in step_it], [run.steps[s]["loss"] for s in step_it], color=color, lw=0.8,
+            ax.plot([at(s) for s in step_it], [run.steps[s]["loss"] for s in step_it], color=color, lw=0.8,
                     alpha=0.35)
         if evals:
-            ax.plot([s * scale for s in evals], [run.evals[s]["val_loss"] for s in evals], color=color, lw=1.8,
+            ax.plot([at(s) for s in evals], [run.evals[s]["val_loss"] for s in evals], color=color, lw=1.8,
                     marker="o", ms=3, label=label)
             trained = [s for s in evals if "train_loss" in run.evals[s]]
-            ax.plot([s * scale for s in trained], [run.evals[s]["train_loss"] for s in trained], color=color,
+            ax.plot([at(s) for s in trained], [run.evals[s]["train_loss"] for s in trained], color=color,
                     lw=1.2, ls="--")
         else:
             ax.plot([], [], color=color, lw=1.8, label=label)
         if hellaswag:
             hs = [s for s in evals if "hellaswag_acc_norm" in run.evals[s]]
-            axes[1].plot([s * scale for s in hs], [run.evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
+            axes[1].plot([at(s) for s in hs], [run.evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
                          lw=1.5, marker="o", ms=3)
         lr = run.evals if key else run.steps or run.evals
-        ax_lr.plot([s * scale for s in lr], [lr[s]["lr"] for s in lr], color=color, lw=1.2)
+        ax_lr.plot([at(s) for s in lr], [lr[s]["lr"] for s in lr], color=color, lw=1.2)
     ax.set_ylabel("loss (cross-entropy, nats/token)")
     if target is not None:
         ax.axhline(target, color="black", ls=":", lw=1)
@@ -226,6 +252,9 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
                       "cpu_seconds": "training CPU seconds of the process (evaluation excluded)"}.get(x, "iteration"))
     if x == "tokens":
         ax_lr.xaxis.set_major_formatter(EngFormatter())
+    elif x == "iter" and any(r.seq_len_warmup for r in runs):
+        print("note: sequence-length warm-up makes the first iterations shorter; the top axis of tokens seen is "
+              "left out (--x=tokens plots against them)", file=sys.stderr)
     elif x == "iter" and len(set(tpis)) == 1 and tpis[0]:
         tpi = tpis[0]
         top = ax.secondary_xaxis("top", functions=(lambda it: it * tpi, lambda tok: tok / tpi))
