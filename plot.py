@@ -11,8 +11,9 @@
 Loss: train loss per logged step (faint), train and val loss at each eval, and the learning rate
 below; tokens seen (batch_size x block_size x gradient_accumulation_steps per iteration, from
 each run's config.json; shorter windows under sequence-length warm-up) on the top axis, or below with
---x=tokens (the top axis is left out where warm-up makes tokens not linear in iterations). A run still going or resumed is read as written: a
-last line cut short is skipped, and where an iteration appears twice the later record wins.
+--x=tokens (the top axis is left out where warm-up makes tokens not linear in iterations). A run still
+going or resumed is read as written: a last line cut short is skipped, and where an iteration appears
+twice the later record wins.
 
 Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
 key columns), from the naive attention backend (the fused kernel never forms them); and beside
@@ -99,7 +100,8 @@ class RunHistory:
         it = max(it, 0)
         if not self.seq_len_warmup:
             return it * self.tokens_per_iter
-        warm, prefix = len(self._warmup_prefix) - 1, self._warmup_prefix
+        prefix = self._warmup_prefix
+        warm = len(prefix) - 1
         return prefix[min(it, warm)] + max(it - warm, 0) * self.tokens_per_iter
 
     @functools.cached_property
@@ -207,7 +209,7 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
                                       evals={e["elapsed_s"]: e for e in run.evals.values()})
         step_it, evals = list(run.steps), list(run.evals)
         if key:  # the x of an evaluation is its training time so far; steps carry none
-            step_it, at = [], (lambda s: s)
+            step_it = []  # (x is a time here, so `at` is already the identity)
             run = dataclasses.replace(run, evals={e[key]: e for e in run.evals.values()})
             evals = list(run.evals)
         if step_it:
