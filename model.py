@@ -350,7 +350,8 @@ class CausalSelfAttention(nn.Module):
         if mask is not None:  # rows at their own positions: each row's own causal mask
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
         if Tq == Tk:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+            with short_training_attention(q, Tk, self.training):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
         # One new token is the last position and sees every key: no mask, which keeps decoding
         # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
         mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
@@ -538,6 +539,7 @@ def _without_onednn():
 
 
 ONE_QUERY_MATH_KEYS = 128  # one bfloat16 query on a CPU: the math backend is faster from this many keys on
+SHORT_TRAINING_MATH_KEYS = 128  # bfloat16 training on a CPU: the math backend is faster up to this many keys
 
 
 def one_query_attention(q: torch.Tensor, Tk: int) -> contextlib.AbstractContextManager:
@@ -545,6 +547,18 @@ def one_query_attention(q: torch.Tensor, Tk: int) -> contextlib.AbstractContextM
     over ONE_QUERY_MATH_KEYS keys or more: there the flash kernel, made for blocks of queries, is slower
     (docs/performance.md, "Decoding against the bandwidth bound"). With fewer keys flash is the faster."""
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.size(0) * q.size(2) != 1 or Tk < ONE_QUERY_MATH_KEYS:
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
+    """SDPA's math backend for bfloat16 attention on the CPU over at most SHORT_TRAINING_MATH_KEYS keys in
+    a training forward (training mode, autograd recording q): there the flash kernel's backward takes
+    1.5x-4.5x the math backend's forward and backward together (at the CPU quick start's 64 x 32 heads,
+    2.7x); from 256 keys flash is the faster (docs/performance.md, "Mixed precision on a CPU with native
+    bfloat16"). Float32 and evaluation keep flash, faster there at every length measured."""
+    recorded = training and torch.is_grad_enabled() and q.requires_grad
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not recorded or Tk > SHORT_TRAINING_MATH_KEYS:
         return contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH)
 

@@ -236,6 +236,43 @@ def test_one_bf16_query_over_many_keys_takes_the_math_backend(monkeypatch):
     math_error, flash_error = ((out.double() - reference).abs().max().item() for out in (outs[many], flash))
     assert math_error <= 2 * flash_error + 1e-3 and math_error < 2 ** -7 * v.abs().max().item()
 
+def test_short_bf16_training_attention_takes_the_math_backend(monkeypatch):
+    """bfloat16 attention that autograd records on the CPU over SHORT_TRAINING_MATH_KEYS keys or fewer
+    in training mode (model.short_training_attention): SDPA's math backend, whose backward is the faster
+    there; over more keys, without grad, in eval mode, or in float32, flash. Its gradients are as close to
+    float64's as flash's are."""
+    import model as model_module
+    flash_on, real_sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        flash_on.append(torch.backends.cuda.flash_sdp_enabled())
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    c = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=256, vocab_size=40)
+    attn = model_module.CausalSelfAttention(c).train()
+    gen = torch.Generator().manual_seed(0)
+    short, long = model_module.SHORT_TRAINING_MATH_KEYS, model_module.SHORT_TRAINING_MATH_KEYS + 1
+    q, k, v = (3 * torch.randn(2, 2, long, 16, generator=gen) for _ in range(3))  # scores far from uniform
+
+    def grads(dtype, T, kernel=attn._sdpa):
+        leaves = [t[:, :, :T].to(dtype).requires_grad_() for t in (q, k, v)]
+        kernel(*leaves).float().square().sum().backward()
+        return [t.grad.double() for t in leaves]
+    got = grads(torch.bfloat16, short)
+    grads(torch.bfloat16, long)
+    grads(torch.float32, short)
+    with torch.no_grad():
+        attn._sdpa(q[:, :, :short].bfloat16(), k[:, :, :short].bfloat16(), v[:, :, :short].bfloat16())
+    grads(torch.bfloat16, short, attn.eval()._sdpa)  # evaluation, or inference with autograd on
+    assert flash_on == [False, True, True, True, True] and torch.backends.cuda.flash_sdp_enabled()
+    flash = grads(torch.bfloat16, short, lambda *t: real_sdpa(*t, is_causal=True))
+    reference = grads(torch.float64, short, lambda *t: real_sdpa(*t, is_causal=True))
+    for g, f, r in zip(got, flash, reference):
+        scale = r.abs().max().item()
+        assert (g - r).abs().max().item() <= 2 * (f - r).abs().max().item() + 1e-2 * scale
+
+
 def test_fp16_grad_scaler_skips_an_inf_step_and_survives_resume(tmp_path, data_dir, monkeypatch):
     """float16 with torch.amp.GradScaler("cpu"): an inf gradient at iteration 3 (an overflow in the
     backward pass) skips that update and halves the scale; the loss itself is finite, so training goes
