@@ -355,9 +355,8 @@ class CausalSelfAttention(nn.Module):
         # One new token is the last position and sees every key: no mask, which keeps decoding
         # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
         mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
-        with one_query_attention(q, Tk):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                  enable_gqa=gqa)  # (B, nh, T, hs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              enable_gqa=gqa)  # (B, nh, T, hs)
 
     def _naive(self, q, k, v, attn_out, mask=None):
         group = self.n_head // self.n_kv_head
@@ -515,40 +514,30 @@ class KVCache:
             self.pos = 0
 
 
-def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The matmul kernels for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1).
+class PackedLinear(nn.Module):
+    """An nn.Linear whose bfloat16 weight oneDNN has reordered once into its own blocked layout, for a
+    model that only decodes on a CPU with native bfloat16 (GPT.pack_linears). F.linear hands oneDNN the
+    plain (out, in) matrix, which it reorders at every call: at one row, a matrix-vector product bound by
+    reading the weight, that costs about as much as float32's product of twice the bytes. Packed, the
+    product reads the weight once, at memory speed (docs/performance.md, "Decoding against the bandwidth
+    bound"), and gives the very floats of F.linear's oneDNN product, at any number of rows."""
 
-    At one row every matmul is a matrix-vector product, bound by reading the weights. oneDNN, torch's
-    bfloat16 matmul on a CPU, is made for many rows: at one row its product takes as long as float32's,
-    which reads twice the bytes. With oneDNN off, torch's own GEMV gives the same floats in half the time;
-    at 4 rows it is slower (docs/performance.md, "Decoding against the bandwidth bound").
-    """
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.size(0) * x.size(1) != 1:
-        return contextlib.nullcontext()
-    return _without_onednn()
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_numel = linear.weight.numel()  # the weight lives on only as `packed`: counted for get_num_params
+        self.weight_bytes = self.weight_numel * linear.weight.element_size()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # opaque, oneDNN's
+        self.bias = linear.bias
+
+    def forward(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., out)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-@contextlib.contextmanager
-def _without_onednn():
-    onednn = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = onednn
-
-
-ONE_QUERY_MATH_KEYS = 128  # one bfloat16 query on a CPU: the math backend is faster from this many keys on
 SHORT_TRAINING_MATH_KEYS = 128  # bfloat16 training on a CPU: the math backend is faster up to this many keys
-
-
-def one_query_attention(q: torch.Tensor, Tk: int) -> contextlib.AbstractContextManager:
-    """SDPA's math backend, softmax(q k^T) v written out, for one bfloat16 query (q (1, nh, 1, hs)) on the CPU
-    over ONE_QUERY_MATH_KEYS keys or more: there the flash kernel, made for blocks of queries, is slower
-    (docs/performance.md, "Decoding against the bandwidth bound"). With fewer keys flash is the faster."""
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.size(0) * q.size(2) != 1 or Tk < ONE_QUERY_MATH_KEYS:
-        return contextlib.nullcontext()
-    return sdpa_kernel(SDPBackend.MATH)
 
 
 def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
@@ -772,8 +761,7 @@ class GPT(nn.Module):
             rope = rope_angles(positions, c.head_size, c.rope_base, c.rope_llama3)  # 2 x (T, hs)
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
-        with one_row_kernels(x):
-            x = self._blocks(x, kv_cache, pos, attn, rope, idx)  # (B, T, C)
+        x = self._blocks(x, kv_cache, pos, attn, rope, idx)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:
@@ -828,6 +816,17 @@ class GPT(nn.Module):
         stale if the weights change afterwards: for a model that only decodes (runtime.inference_model)."""
         head_t = self.lm_head.weight.detach().float().t().contiguous()  # (C, vocab)
         self.register_buffer("head_float32", head_t, persistent=False)
+
+    def pack_linears(self) -> None:
+        """Decoding with bfloat16 weights on a CPU that computes them natively: every Block's matrix handed
+        to oneDNN once, in its blocked layout (PackedLinear). The weights then exist only packed, so this is
+        for a model that only decodes (runtime.inference_model); the head, the embeddings and the norms
+        stay as they are."""
+        for block in self.transformer.h:
+            for name, module in list(block.named_modules()):
+                if isinstance(module, nn.Linear):
+                    parent, _, attr = name.rpartition(".")
+                    setattr(block.get_submodule(parent), attr, PackedLinear(module))
 
     def lay_head_by_columns(self) -> None:
         """Decoding in float32 on a CPU: the head's storage laid out in place as (C, vocab), the same values
@@ -947,6 +946,7 @@ class GPT(nn.Module):
         embeddings stay in, since they are also the output head's weights).
         """
         n = sum(p.numel() for p in self.parameters())
+        n += sum(m.weight_numel for m in self.modules() if isinstance(m, PackedLinear))
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from core import markdown, runtime
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, PackedLinear
 
 
 def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[], float] = time.perf_counter,
@@ -46,7 +46,8 @@ def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[]
 def decode_weight_bytes(model: GPT) -> int:
     """Bytes of the weights one cached decode step reads: every parameter, at its own dtype, but the
     embedding tables the step only looks one row up in (the position table; the token table when the
-    head is untied, else the head reads it whole). Shared tensors count once."""
+    head is untied, else the head reads it whole), and the matrices GPT.pack_linears packed, at their own
+    bytes. Shared tensors count once."""
     c, seen, total = model.config, set(), 0
     lookups = {id(model.transformer.wpe.weight)} if c.pos_embedding == "learned" else set()
     if model.lm_head.weight is not model.transformer.wte.weight:
@@ -57,7 +58,7 @@ def decode_weight_bytes(model: GPT) -> int:
         seen.add(id(p))
         rows = p[0].numel() if id(p) in lookups else p.numel()
         total += rows * p.element_size()
-    return total
+    return total + sum(m.weight_bytes for m in model.modules() if isinstance(m, PackedLinear))
 
 
 def kv_cache_bytes(config: GPTConfig, context: int, itemsize: int, batch_size: int = 1) -> int:

@@ -1,19 +1,19 @@
 """The decode levers at batch 1, measured side by side: one shape's cached step (benchmarks/bandwidth.py's
-SHAPES) in float32 and in bfloat16 with model.py's one-row kernels on and off, and with a bfloat16 head,
-alternated round by round in one process, so that a busy machine slows them all alike
-(docs/performance.md, "Decoding against the bandwidth bound").
+SHAPES) in float32 and in bfloat16 with the Blocks' matrices packed for oneDNN or not, each attention
+kernel, and with a bfloat16 head, alternated round by round in one process, so that a busy machine slows
+them all alike (docs/performance.md, "Decoding against the bandwidth bound").
 
     python scripts/decode_levers.py                           # GPT-2 small's shape, 5 rounds, one thread
     python scripts/decode_levers.py --shape=quickstart --rounds=3 --threads=2
     python scripts/decode_levers.py --compile                 # also torch.compile's float32 step (minutes)
     python scripts/decode_levers.py --profile --rounds=1      # also each variant's ops (torch.profiler)
 
-Variants: "bf16 oneDNN + flash" is the model with model.one_row_kernels and model.one_query_attention
-replaced by no-ops (torch's default kernels), "bf16 GEMV without oneDNN" with only the first replaced;
-"bf16 head copy (vocab, C)" reads the float32 head copy untransposed through F.linear; "bf16 bf16 head"
-computes the logits from the bfloat16 head, rounded to bfloat16, then float32 (not what the model does:
-see GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with
-native bfloat16 for the bf16 rows.
+Variants: "unpacked" is the bfloat16 model without GPT.pack_linears, through torch's default oneDNN matmul
+or, with oneDNN off, torch's own GEMV; "math backend for one query" runs attention through SDPA's math
+backend instead of the flash kernel; "head copy (vocab, C)" reads the float32 head copy untransposed through
+F.linear; "bf16 head" computes the logits from the packed bfloat16 head, rounded to bfloat16, then float32
+(not what the model does: see GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all
+rounds. Needs a CPU with native bfloat16 for the bf16 rows.
 """
 import contextlib
 import dataclasses
@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
 import model as model_module  # noqa: E402
@@ -45,18 +46,15 @@ class LeverConfig:
     profile: bool = False    # also each variant's ops over `steps` cached steps: torch.profiler's self CPU time
 
 
-def no_kernel_choice(*args) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
 def with_bf16_head(model: GPT) -> GPT:
-    """The logits from the bfloat16 head (half the bytes of the float32 copy), rounded to bfloat16."""
+    """The logits from the bfloat16 head (half the bytes of the float32 copy), packed as the Blocks' matrices
+    are (model.PackedLinear), rounded to bfloat16."""
     del model.head_float32
+    head = model_module.PackedLinear(model.lm_head)
 
     def last_logits(x):
         h = model.transformer.ln_f(x[:, -1:, :])  # (1, 1, C)
-        with model_module.one_row_kernels(h):
-            return F.linear(h, model.lm_head.weight).float()  # (1, 1, vocab)
+        return head(h).float()  # (1, 1, vocab)
     model._last_logits = last_logits
     return model
 
@@ -74,17 +72,24 @@ def with_vocab_by_c_head(model: GPT) -> GPT:
 
 
 def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
-    """name: (model, which of model.py's one-row kernel choices are on); every model from the same weights."""
-    def build(dtype):
+    """name: (model, (oneDNN on, SDPA's math backend for one query)); every model from the same weights."""
+    def build(dtype, pack=True):
         torch.manual_seed(0)
-        return runtime.inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
-    on = (True, True)
+        if pack:
+            return runtime.inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
+        model = GPT(config).eval().to(dtype=runtime.DTYPES[dtype])  # as inference_model, but for the packing
+        model.keep_float32_head()
+        return model
+    on = (True, False)  # as the model decodes: oneDNN, flash
     out = {"float32": (build("float32"), on)}
     if runtime.cpu_native_bf16():
-        bf16 = build("bfloat16")
-        out |= {"bf16 oneDNN + flash": (bf16, (False, False)), "bf16 GEMV without oneDNN": (bf16, (True, False)),
-                "bf16 head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), on),
-                "bf16 (one-row kernels)": (bf16, on), "bf16 bf16 head": (with_bf16_head(build("bfloat16")), on)}
+        plain, packed = build("bfloat16", pack=False), build("bfloat16")
+        out |= {"bf16 unpacked, oneDNN": (plain, on),
+                "bf16 unpacked, torch's GEMV (oneDNN off)": (plain, (False, False)),
+                "bf16 packed (as decoding now)": (packed, on),
+                "bf16 packed, math backend for one query": (packed, (True, True)),
+                "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), on),
+                "bf16 packed, bf16 head": (with_bf16_head(build("bfloat16")), on)}
     if compile:
         out["float32 compiled"] = (build("float32"), on)
         out["float32 compiled"][0].compile()
@@ -106,16 +111,12 @@ def compile_startup(model: GPT, context: int) -> list[float]:
 
 
 @contextlib.contextmanager
-def one_row_kernels(rows: bool, query: bool):
-    """model.py's one-row kernel choices for the block: its matmul choice (one_row_kernels) if rows, its
-    attention choice (one_query_attention) if query; torch's default kernels for the ones left off."""
-    kernels = model_module.one_row_kernels, model_module.one_query_attention
-    model_module.one_row_kernels = kernels[0] if rows else no_kernel_choice
-    model_module.one_query_attention = kernels[1] if query else no_kernel_choice
-    try:
-        yield
-    finally:
-        model_module.one_row_kernels, model_module.one_query_attention = kernels
+def kernels(onednn: bool, math_query: bool):
+    """The kernel choices for the block: oneDNN for the unpacked matmuls if onednn (packed ones call it
+    directly); SDPA's math backend for attention if math_query, else torch's choice (flash for one query)."""
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        with sdpa_kernel(SDPBackend.MATH) if math_query else contextlib.nullcontext():
+            yield
 
 
 @torch.no_grad()
@@ -151,11 +152,11 @@ def main(argv: Sequence[str]) -> None:
     for _ in range(cfg.rounds):
         copies.append(bandwidth.copy_bandwidth(repeats=5))
         for key, (model, on) in models.items():
-            with one_row_kernels(*on):
+            with kernels(*on):
                 steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.steps))
     if cfg.profile:
         for key, (model, on) in models.items():
-            with one_row_kernels(*on):
+            with kernels(*on):
                 print(f"\n{key}: the ops of {cfg.steps} cached steps\n\n{profile_table(model, context, cfg.steps)}")
     bw = max(copies)
     print(f"{name}, context {context}, {cfg.threads} thread(s), {cfg.rounds} rounds; copy {bw / 1e9:.1f} GB/s at best, "

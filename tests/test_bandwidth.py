@@ -6,17 +6,18 @@ the bandwidth (with a scripted clock: speed itself is never asserted).
 import re
 
 import pytest
+import torch
 
 from benchmarks import bandwidth
 from core import runtime
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, PackedLinear
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=40, dropout=0.0)
 
 
 def test_decode_reads_every_weight_but_the_looked_up_tables():
     """Tied head (GPT-2): the token table is the head, read whole; the position table is one row. Untied:
-    the token table is one row and the head whole. bf16 weights are half the bytes."""
+    the token table is one row and the head whole. bf16 weights are half the bytes, packed or not."""
     tied = GPT(GPTConfig(**TINY))
     C, V = 16, 40
     blocks = sum(p.numel() for p in tied.transformer.h.parameters()) + sum(p.numel() for p in tied.transformer.ln_f.parameters())
@@ -26,6 +27,8 @@ def test_decode_reads_every_weight_but_the_looked_up_tables():
     assert bandwidth.decode_weight_bytes(untied) == 4 * (blocks + V * C + C)  # + the head whole, + one wte row
     bf16 = runtime.inference_model(GPT(GPTConfig(**TINY)), runtime.Runtime("cpu", "cpu", "bfloat16"))
     assert bandwidth.decode_weight_bytes(bf16) * 2 == bandwidth.decode_weight_bytes(tied)
+    # where bf16 is native the Blocks' matrices are packed (GPT.pack_linears), and still counted
+    assert any(isinstance(m, PackedLinear) for m in bf16.modules()) == runtime.cpu_native_bf16()
 
 
 def test_kv_bytes_and_the_bound():
@@ -78,13 +81,11 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
 
 def test_decode_levers_script_prints_every_variant_and_restores_the_kernels(capsys):
     """scripts/decode_levers.py at the quick start's shape, one round of one step: a row per variant (the
-    bf16 ones where bf16 is native), and model.py's kernel choices are model.py's own again afterwards."""
-    import model as model_module
+    bf16 ones where bf16 is native), and oneDNN and the flash kernel are on again afterwards."""
     from scripts import decode_levers
-    kernels = model_module.one_row_kernels, model_module.one_query_attention
     decode_levers.main(["--shape=quickstart", "--rounds=1", "--steps=1"])
     rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-    bf16 = ["bf16 oneDNN + flash", "bf16 GEMV without oneDNN", "bf16 head copy (vocab, C)", "bf16 (one-row kernels)",
-            "bf16 bf16 head"]
+    bf16 = ["bf16 unpacked, oneDNN", "bf16 unpacked, torch's GEMV (oneDNN off)", "bf16 packed (as decoding now)",
+            "bf16 packed, math backend for one query", "bf16 packed, head copy (vocab, C)", "bf16 packed, bf16 head"]
     assert rows == ["float32"] + bf16 * runtime.cpu_native_bf16()
-    assert (model_module.one_row_kernels, model_module.one_query_attention) == kernels
+    assert torch.backends.mkldnn.enabled and torch.backends.cuda.flash_sdp_enabled()

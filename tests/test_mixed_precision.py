@@ -9,7 +9,6 @@ the command line refuses float16 on the CPU, and bfloat16 where it is emulated. 
 Runtime directly, so these code paths run on any CPU with its autocast and GradScaler; the one through
 the scripts fakes the CPU's answer both ways.
 """
-import contextlib
 import math
 
 import pytest
@@ -21,7 +20,7 @@ import train
 from benchmarks import common
 from core import runtime
 from core.checkpoint import load_checkpoint
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, PackedLinear
 from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, run_main, train_tiny
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -78,6 +77,9 @@ def test_every_script_follows_the_cpus_bf16(tmp_path, data_dir, monkeypatch, nat
     result = run_main(eval_script.main, [f"--out_dir={tmp_path}", "--device=cpu"])
     assert result.returncode == 0 and f"cpu in {dtype}" in result.stderr and set(seen) == {(torch.float32, want)}
     seen.clear()
+    packed = PackedLinear.forward  # where bf16 is native, inference_model packs the Blocks' matrices
+    monkeypatch.setattr(PackedLinear, "forward", lambda m, x: seen.append((m.packed.dtype, packed(m, x).dtype))
+                        or packed(m, x))
     result = run_main(sample.main, [f"--out_dir={tmp_path}", "--device=cpu", "--num_samples=1", "--max_new_tokens=4"])
     assert result.returncode == 0 and f"cpu {dtype}" in result.stderr and set(seen) == {(want, want)}
 
@@ -185,56 +187,55 @@ def test_next_logits_equal_the_full_forward_last_position(trained):
 
 
 
-def test_one_bf16_row_decodes_without_onednn_to_the_same_floats(trained, monkeypatch):
-    """Batch 1 in bfloat16 (model.one_row_kernels): every Block's matmul runs with oneDNN off (torch's own
-    GEMV, twice as fast at one row), and the logits are the very floats the oneDNN path gives, at every
-    position of a cached greedy run. Two rows, or float32 weights, keep oneDNN; the flag is restored."""
-    import model as model_module
+NATIVE_BF16 = pytest.mark.skipif(not runtime.cpu_native_bf16(), reason="oneDNN packs bfloat16 matrices only on a "
+                                 "CPU with native bfloat16 (runtime.cpu_native_bf16)")
+
+
+@NATIVE_BF16
+def test_bf16_decoding_packs_the_blocks_matrices_to_the_same_floats(trained):
+    """On a CPU with native bfloat16, runtime.inference_model hands every Block's matrix to oneDNN once
+    (GPT.pack_linears): the forwards then run through model.PackedLinear, and the logits are the very floats
+    of the unpacked model's oneDNN products, at every position of a cached greedy run at one row, and in a
+    prefill of two rows. The parameter count is the unpacked model's."""
     from core.checkpoint import model_from_checkpoint
-    model = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    from model import PackedLinear
+    packed = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    plain = model_from_checkpoint(trained).eval().bfloat16()
+    plain.keep_float32_head()
+    linears = [m for m in packed.transformer.h.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert packed.get_num_params() == plain.get_num_params()
     stoi = trained["meta"]["tokenizer"]["stoi"]
     idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
-    context = model.generate(idx, model.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
-    seen = []
-    model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
-    got = teacher_forced_logits(model, context, use_cache=True)  # (1, 32, vocab)
-    assert seen == [False] * 32 and torch.backends.mkldnn.enabled
-    seen.clear()
+    context = plain.generate(idx, plain.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
+    calls = []
+    packed.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: calls.append(1))
+    assert torch.equal(teacher_forced_logits(packed, context, use_cache=True),
+                       teacher_forced_logits(plain, context, use_cache=True))
+    assert len(calls) == 32
+    two = torch.cat([context, context.flip(1)])  # (2, 32)
     with torch.no_grad():
-        model(context.expand(2, -1)[:, :1], kv_cache=model.new_kv_cache(2), last_only=True)  # two rows
-        fp32 = runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
-        fp32.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
-        fp32(context[:, :1], kv_cache=fp32.new_kv_cache(1), last_only=True)
-    assert seen == [True, True]
-    monkeypatch.setattr(model_module, "one_row_kernels", lambda x: contextlib.nullcontext())  # the oneDNN path
-    assert torch.equal(got, teacher_forced_logits(model, context, use_cache=True))
+        assert torch.equal(packed(two)[0], plain(two)[0])
 
 
-def test_one_bf16_query_over_many_keys_takes_the_math_backend(monkeypatch):
-    """One bfloat16 query over ONE_QUERY_MATH_KEYS keys or more (model.one_query_attention): SDPA's math
-    backend, not the flash kernel (slower there); over fewer keys, or two rows, flash. The math backend's
-    output is as close to float64 attention as flash's is: the same function at bfloat16's precision."""
-    import model as model_module
-    flash_on, real_sdpa = [], torch.nn.functional.scaled_dot_product_attention
+def test_bf16_decoding_packs_nothing_where_bf16_is_not_native(trained, monkeypatch):
+    """Where the CPU has no native bfloat16, or under --compile, or in float32, the model keeps its nn.Linear
+    matrices: oneDNN's bfloat16 products are emulated there, and torch.compile traces the plain model."""
+    from core.checkpoint import model_from_checkpoint
+    from model import PackedLinear
 
-    def spy(*args, **kwargs):
-        flash_on.append(torch.backends.cuda.flash_sdp_enabled())
-        return real_sdpa(*args, **kwargs)
+    def packed_any(model):
+        return any(isinstance(m, PackedLinear) for m in model.modules())
+    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: False)
+    assert not packed_any(runtime.inference_model(model_from_checkpoint(trained), BF16))
+    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: True)
+    model = model_from_checkpoint(trained)
+    monkeypatch.setattr(model, "compile", lambda: None)  # the choice, not the compile
+    assert not packed_any(runtime.inference_model(model, BF16, compile=True))
+    assert not packed_any(runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu",
+                                                                                                   "float32")))
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    c = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=256, vocab_size=40)
-    attn = model_module.CausalSelfAttention(c).eval()
-    gen = torch.Generator().manual_seed(0)
-    many = model_module.ONE_QUERY_MATH_KEYS + 72
-    q = (3 * torch.randn(1, 2, 1, 16, generator=gen)).bfloat16()  # scores far from uniform
-    k, v = (torch.randn(2, 2, many, 16, generator=gen).bfloat16() for _ in range(2))
-    outs = {keys: attn._sdpa(q, k[:1, :, :keys], v[:1, :, :keys]) for keys in (many, many - 100)}
-    attn._sdpa(q.expand(2, -1, -1, -1), k, v)
-    assert flash_on == [False, True, True] and torch.backends.cuda.flash_sdp_enabled()
-    reference = real_sdpa(q.double(), k[:1].double(), v[:1].double())
-    flash = real_sdpa(q, k[:1], v[:1])
-    math_error, flash_error = ((out.double() - reference).abs().max().item() for out in (outs[many], flash))
-    assert math_error <= 2 * flash_error + 1e-3 and math_error < 2 ** -7 * v.abs().max().item()
 
 def test_short_bf16_training_attention_takes_the_math_backend(monkeypatch):
     """bfloat16 attention that autograd records on the CPU over SHORT_TRAINING_MATH_KEYS keys or fewer
