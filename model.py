@@ -518,9 +518,10 @@ class PackedLinear(nn.Module):
     """An nn.Linear whose bfloat16 weight oneDNN has reordered once into its own blocked layout, for a
     model that only decodes on a CPU with native bfloat16 (GPT.pack_linears). F.linear hands oneDNN the
     plain (out, in) matrix, which it reorders at every call: at one row, a matrix-vector product bound by
-    reading the weight, that costs about as much as float32's product of twice the bytes. Packed, the
-    product reads the weight once, at memory speed (docs/performance.md, "Decoding against the bandwidth
-    bound"), and gives the very floats of F.linear's oneDNN product, at any number of rows."""
+    reading the weight, that costs about as much as float32's product of twice the bytes. Packed, GPT-2
+    small's cached step takes 0.80x the time of oneDNN's unpacked products and 0.88x that of torch's own
+    GEMV (docs/performance.md, "Decoding against the bandwidth bound"), with the very floats of F.linear's
+    oneDNN product, at any number of rows."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -535,6 +536,35 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+PACK_MIN_WEIGHTS = 1 << 18  # GPT.pack_linears packs matrices this large or larger (512 x 512, GPT-2's 768 x 768)
+
+
+def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The matmul kernels for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1).
+
+    At one row every matmul is a matrix-vector product, bound by reading the weights. oneDNN, torch's
+    bfloat16 matmul on a CPU, is made for many rows: handed a plain matrix it lays the weight out again at
+    every call, which at one row costs as much as the product. The large matrices are packed once for it
+    (PackedLinear, which calls oneDNN directly, this flag or not); for the small ones left as nn.Linear
+    (under PACK_MIN_WEIGHTS) oneDNN's fixed cost of about 20 us a call dominates, and with oneDNN off
+    torch's own GEMV gives the same floats in a quarter to a half of the time; at 4 rows it is slower
+    (docs/performance.md, "Decoding against the bandwidth bound").
+    """
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.size(0) * x.size(1) != 1:
+        return contextlib.nullcontext()
+    return _without_onednn()
+
+
+@contextlib.contextmanager
+def _without_onednn():
+    onednn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = onednn
 
 
 SHORT_TRAINING_MATH_KEYS = 128  # bfloat16 training on a CPU: the math backend is faster up to this many keys
@@ -761,7 +791,8 @@ class GPT(nn.Module):
             rope = rope_angles(positions, c.head_size, c.rope_base, c.rope_llama3)  # 2 x (T, hs)
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
-        x = self._blocks(x, kv_cache, pos, attn, rope, idx)  # (B, T, C)
+        with one_row_kernels(x):
+            x = self._blocks(x, kv_cache, pos, attn, rope, idx)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:
@@ -818,13 +849,13 @@ class GPT(nn.Module):
         self.register_buffer("head_float32", head_t, persistent=False)
 
     def pack_linears(self) -> None:
-        """Decoding with bfloat16 weights on a CPU that computes them natively: every Block's matrix handed
-        to oneDNN once, in its blocked layout (PackedLinear). The weights then exist only packed, so this is
-        for a model that only decodes (runtime.inference_model); the head, the embeddings and the norms
-        stay as they are."""
+        """Decoding with bfloat16 weights on a CPU that computes them natively: every Block's matrix of
+        PACK_MIN_WEIGHTS weights or more handed to oneDNN once, in its blocked layout (PackedLinear); smaller
+        ones are faster as they are (one_row_kernels). Those weights then exist only packed, so this is for a
+        model that only decodes (runtime.inference_model); the head, the embeddings and the norms stay."""
         for block in self.transformer.h:
             for name, module in list(block.named_modules()):
-                if isinstance(module, nn.Linear):
+                if isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS:
                     parent, _, attr = name.rpartition(".")
                     setattr(block.get_submodule(parent), attr, PackedLinear(module))
 

@@ -8,8 +8,8 @@ them all alike (docs/performance.md, "Decoding against the bandwidth bound").
     python scripts/decode_levers.py --compile                 # also torch.compile's float32 step (minutes)
     python scripts/decode_levers.py --profile --rounds=1      # also each variant's ops (torch.profiler)
 
-Variants: "unpacked" is the bfloat16 model without GPT.pack_linears, through torch's default oneDNN matmul
-or, with oneDNN off, torch's own GEMV; "math backend for one query" runs attention through SDPA's math
+Variants: "unpacked" is the bfloat16 model without GPT.pack_linears, through oneDNN's matmul at one row or
+torch's own GEMV (model.one_row_kernels, which also serves the matrices too small to pack); "math backend for one query" runs attention through SDPA's math
 backend instead of the flash kernel; "head copy (vocab, C)" reads the float32 head copy untransposed through
 F.linear; "bf16 head" computes the logits from the packed bfloat16 head, rounded to bfloat16, then float32
 (not what the model does: see GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all
@@ -72,7 +72,7 @@ def with_vocab_by_c_head(model: GPT) -> GPT:
 
 
 def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
-    """name: (model, (oneDNN on, SDPA's math backend for one query)); every model from the same weights."""
+    """name: (model, (oneDNN at one row, SDPA's math backend for one query)); every model from the same weights."""
     def build(dtype, pack=True):
         torch.manual_seed(0)
         if pack:
@@ -80,14 +80,14 @@ def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
         model = GPT(config).eval().to(dtype=runtime.DTYPES[dtype])  # as inference_model, but for the packing
         model.keep_float32_head()
         return model
-    on = (True, False)  # as the model decodes: oneDNN, flash
+    on = (False, False)  # as the model decodes: model.py's kernel choice, flash
     out = {"float32": (build("float32"), on)}
     if runtime.cpu_native_bf16():
         plain, packed = build("bfloat16", pack=False), build("bfloat16")
-        out |= {"bf16 unpacked, oneDNN": (plain, on),
-                "bf16 unpacked, torch's GEMV (oneDNN off)": (plain, (False, False)),
+        out |= {"bf16 unpacked, oneDNN": (plain, (True, False)),
+                "bf16 unpacked, torch's GEMV (oneDNN off)": (plain, on),
                 "bf16 packed (as decoding now)": (packed, on),
-                "bf16 packed, math backend for one query": (packed, (True, True)),
+                "bf16 packed, math backend for one query": (packed, (False, True)),
                 "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), on),
                 "bf16 packed, bf16 head": (with_bf16_head(build("bfloat16")), on)}
     if compile:
@@ -112,11 +112,18 @@ def compile_startup(model: GPT, context: int) -> list[float]:
 
 @contextlib.contextmanager
 def kernels(onednn: bool, math_query: bool):
-    """The kernel choices for the block: oneDNN for the unpacked matmuls if onednn (packed ones call it
-    directly); SDPA's math backend for attention if math_query, else torch's choice (flash for one query)."""
-    with torch.backends.mkldnn.flags(enabled=onednn):
+    """The kernel choices for the block: if onednn, oneDNN for the unpacked matmuls at one row too
+    (model.one_row_kernels made a no-op), else model.py's own choice (torch's GEMV at one row); packed
+    matrices call oneDNN either way. SDPA's math backend for attention if math_query, else torch's
+    choice (flash for one query)."""
+    choice = model_module.one_row_kernels
+    if onednn:
+        model_module.one_row_kernels = lambda x: contextlib.nullcontext()
+    try:
         with sdpa_kernel(SDPBackend.MATH) if math_query else contextlib.nullcontext():
             yield
+    finally:
+        model_module.one_row_kernels = choice
 
 
 @torch.no_grad()

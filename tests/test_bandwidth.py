@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+import model as model_module
 from benchmarks import bandwidth
 from core import runtime
 from model import GPT, GPTConfig, PackedLinear
@@ -15,7 +16,7 @@ from model import GPT, GPTConfig, PackedLinear
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=40, dropout=0.0)
 
 
-def test_decode_reads_every_weight_but_the_looked_up_tables():
+def test_decode_reads_every_weight_but_the_looked_up_tables(monkeypatch):
     """Tied head (GPT-2): the token table is the head, read whole; the position table is one row. Untied:
     the token table is one row and the head whole. bf16 weights are half the bytes, packed or not."""
     tied = GPT(GPTConfig(**TINY))
@@ -25,6 +26,7 @@ def test_decode_reads_every_weight_but_the_looked_up_tables():
     untied = GPT(GPTConfig(**TINY, tie_embeddings=False, pos_embedding="rope"))
     blocks = sum(p.numel() for p in untied.transformer.h.parameters()) + sum(p.numel() for p in untied.transformer.ln_f.parameters())
     assert bandwidth.decode_weight_bytes(untied) == 4 * (blocks + V * C + C)  # + the head whole, + one wte row
+    monkeypatch.setattr(model_module, "PACK_MIN_WEIGHTS", 0)  # pack every matrix, however small
     bf16 = runtime.inference_model(GPT(GPTConfig(**TINY)), runtime.Runtime("cpu", "cpu", "bfloat16"))
     assert bandwidth.decode_weight_bytes(bf16) * 2 == bandwidth.decode_weight_bytes(tied)
     # where bf16 is native the Blocks' matrices are packed (GPT.pack_linears), and still counted
@@ -81,11 +83,13 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
 
 def test_decode_levers_script_prints_every_variant_and_restores_the_kernels(capsys):
     """scripts/decode_levers.py at the quick start's shape, one round of one step: a row per variant (the
-    bf16 ones where bf16 is native), and oneDNN and the flash kernel are on again afterwards."""
+    bf16 ones where bf16 is native), and model.py's kernel choice and the flash kernel are theirs again afterwards."""
     from scripts import decode_levers
+    kernel = model_module.one_row_kernels
     decode_levers.main(["--shape=quickstart", "--rounds=1", "--steps=1"])
     rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     bf16 = ["bf16 unpacked, oneDNN", "bf16 unpacked, torch's GEMV (oneDNN off)", "bf16 packed (as decoding now)",
             "bf16 packed, math backend for one query", "bf16 packed, head copy (vocab, C)", "bf16 packed, bf16 head"]
     assert rows == ["float32"] + bf16 * runtime.cpu_native_bf16()
-    assert torch.backends.mkldnn.enabled and torch.backends.cuda.flash_sdp_enabled()
+    assert model_module.one_row_kernels is kernel and torch.backends.mkldnn.enabled
+    assert torch.backends.cuda.flash_sdp_enabled()

@@ -9,6 +9,7 @@ the command line refuses float16 on the CPU, and bfloat16 where it is emulated. 
 Runtime directly, so these code paths run on any CPU with its autocast and GradScaler; the one through
 the scripts fakes the CPU's answer both ways.
 """
+import contextlib
 import math
 
 import pytest
@@ -187,24 +188,54 @@ def test_next_logits_equal_the_full_forward_last_position(trained):
 
 
 
+def test_one_bf16_row_decodes_without_onednn_to_the_same_floats(trained, monkeypatch):
+    """Batch 1 in bfloat16 (model.one_row_kernels): every Block's matmul runs with oneDNN off (torch's own
+    GEMV, twice as fast at one row), and the logits are the very floats the oneDNN path gives, at every
+    position of a cached greedy run. Two rows, or float32 weights, keep oneDNN; the flag is restored."""
+    import model as model_module
+    from core.checkpoint import model_from_checkpoint
+    model = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    stoi = trained["meta"]["tokenizer"]["stoi"]
+    idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
+    context = model.generate(idx, model.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
+    seen = []
+    model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
+    got = teacher_forced_logits(model, context, use_cache=True)  # (1, 32, vocab)
+    assert seen == [False] * 32 and torch.backends.mkldnn.enabled
+    seen.clear()
+    with torch.no_grad():
+        model(context.expand(2, -1)[:, :1], kv_cache=model.new_kv_cache(2), last_only=True)  # two rows
+        fp32 = runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
+        fp32.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
+        fp32(context[:, :1], kv_cache=fp32.new_kv_cache(1), last_only=True)
+    assert seen == [True, True]
+    monkeypatch.setattr(model_module, "one_row_kernels", lambda x: contextlib.nullcontext())  # the oneDNN path
+    assert torch.equal(got, teacher_forced_logits(model, context, use_cache=True))
+
+
 NATIVE_BF16 = pytest.mark.skipif(not runtime.cpu_native_bf16(), reason="oneDNN packs bfloat16 matrices only on a "
                                  "CPU with native bfloat16 (runtime.cpu_native_bf16)")
 
 
 @NATIVE_BF16
-def test_bf16_decoding_packs_the_blocks_matrices_to_the_same_floats(trained):
-    """On a CPU with native bfloat16, runtime.inference_model hands every Block's matrix to oneDNN once
-    (GPT.pack_linears): the forwards then run through model.PackedLinear, and the logits are the very floats
-    of the unpacked model's oneDNN products, at every position of a cached greedy run at one row, and in a
+def test_bf16_decoding_packs_the_blocks_matrices_to_the_same_floats(trained, monkeypatch):
+    """On a CPU with native bfloat16, runtime.inference_model hands every Block's matrix of PACK_MIN_WEIGHTS
+    weights or more to oneDNN once (GPT.pack_linears; the threshold lowered here to the MLP's matrices of the
+    tiny model, so that both kinds are in it): those forwards run through model.PackedLinear, and the logits
+    are the very floats of the unpacked model's, at every position of a cached greedy run at one row, and in a
     prefill of two rows. The parameter count is the unpacked model's."""
+    import model as model_module
     from core.checkpoint import model_from_checkpoint
     from model import PackedLinear
-    packed = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    assert not any(isinstance(m, PackedLinear) for m in runtime.inference_model(model_from_checkpoint(trained),
+                                                                                BF16).modules())  # all small
     plain = model_from_checkpoint(trained).eval().bfloat16()
     plain.keep_float32_head()
-    linears = [m for m in packed.transformer.h.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-    assert linears and all(isinstance(m, PackedLinear) for m in linears)
-    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    monkeypatch.setattr(model_module, "PACK_MIN_WEIGHTS", plain.transformer.h[0].mlp.c_fc.weight.numel())
+    packed = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    for block in packed.transformer.h:
+        assert [isinstance(m, PackedLinear) for m in (block.mlp.c_fc, block.mlp.c_proj, block.attn.c_attn,
+                                                     block.attn.c_proj)] == [True, True, False, False]
     assert packed.get_num_params() == plain.get_num_params()
     stoi = trained["meta"]["tokenizer"]["stoi"]
     idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
