@@ -519,9 +519,10 @@ class PackedLinear(nn.Module):
     model that only decodes on a CPU with native bfloat16 (GPT.pack_linears). F.linear hands oneDNN the
     plain (out, in) matrix, which it reorders at every call: at one row, a matrix-vector product bound by
     reading the weight, that costs about as much as float32's product of twice the bytes. Packed, GPT-2
-    small's cached step takes 0.80x the time of oneDNN's unpacked products and 0.88x that of torch's own
-    GEMV (docs/performance.md, "Decoding against the bandwidth bound"), with the very floats of F.linear's
-    oneDNN product, at any number of rows."""
+    small's cached step takes 0.81x the time of oneDNN's unpacked products and 0.85x that of torch's own
+    GEMV, and 4 to 64 rows 0.6x the unpacked time (docs/performance.md, "Decoding against the bandwidth
+    bound"), with the very floats of F.linear's oneDNN product, at any number of rows. torch has no public
+    eager API for a weight packed once; these two ops are the ones torch.compile's CPU freezing emits."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -549,7 +550,7 @@ def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
     every call, which at one row costs as much as the product. The large matrices are packed once for it
     (PackedLinear, which calls oneDNN directly, this flag or not); for the small ones left as nn.Linear
     (under PACK_MIN_WEIGHTS) oneDNN's fixed cost of about 20 us a call dominates, and with oneDNN off
-    torch's own GEMV gives the same floats in a quarter to a half of the time; at 4 rows it is slower
+    torch's own GEMV gives the same floats in 0.2x-0.6x oneDNN's time; at 4 rows it is slower
     (docs/performance.md, "Decoding against the bandwidth bound").
     """
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.size(0) * x.size(1) != 1:
@@ -572,8 +573,8 @@ SHORT_TRAINING_MATH_KEYS = 128  # bfloat16 training on a CPU: the math backend i
 
 def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
     """SDPA's math backend for bfloat16 attention on the CPU over at most SHORT_TRAINING_MATH_KEYS keys in
-    a training forward (training mode, autograd recording q): there the flash kernel's backward takes
-    1.5x-4.5x the math backend's forward and backward together (at the CPU quick start's 64 x 32 heads,
+    a training forward (training mode, autograd recording q): there the flash kernel's forward and backward
+    take 1.5x-4.6x the math backend's, for its slow bf16 backward (at the CPU quick start's 64 x 32 heads,
     2.7x); from 256 keys flash is the faster (docs/performance.md, "Mixed precision on a CPU with native
     bfloat16"). Float32 and evaluation keep flash, faster there at every length measured."""
     recorded = training and torch.is_grad_enabled() and q.requires_grad

@@ -328,6 +328,12 @@ def teardown(rt: Runtime) -> None:
         dist.destroy_process_group()
 
 
+def cpu_packs_bf16() -> bool:
+    """Whether bfloat16 decoding packs its large matrices for oneDNN here (GPT.pack_linears): an x86 CPU with
+    native bfloat16 (torch's AVX512 kernels), where it was measured; not ARM."""
+    return cpu_native_bf16() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def inference_model(model: torch.nn.Module, rt: Runtime, compile: bool = False) -> torch.nn.Module:
     """The model as it decodes: on the device, in eval mode, its weights cast once to the run's dtype.
 
@@ -335,14 +341,15 @@ def inference_model(model: torch.nn.Module, rt: Runtime, compile: bool = False) 
     too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), from
     a float32 copy of the head made here once (GPT.keep_float32_head), and the KV cache takes the
     weights' dtype. A float32 model on a CPU has its head's storage laid out by columns instead
-    (GPT.lay_head_by_columns): the same floats, read faster one row at a time. A bfloat16 model on a CPU
-    that computes it natively hands its Blocks' matrices to oneDNN once (GPT.pack_linears), so that a
-    product at one row reads each weight once; not under --compile, which traces the plain model.
+    (GPT.lay_head_by_columns): the same floats, read faster one row at a time. A bfloat16 model on an
+    x86 CPU that computes it natively hands its Blocks' large matrices to oneDNN once (GPT.pack_linears),
+    so that a product at one row reads each weight once; not under --compile, which traces the plain
+    model, and not on ARM, where it was never measured.
     """
     model = model.eval().to(rt.device, rt.ptdtype)
     if rt.ptdtype != torch.float32:
         model.keep_float32_head()
-        if rt.device_type == "cpu" and rt.ptdtype == torch.bfloat16 and not compile and cpu_native_bf16():
+        if rt.device_type == "cpu" and rt.ptdtype == torch.bfloat16 and not compile and cpu_packs_bf16():
             model.pack_linears()
     elif rt.device_type == "cpu":
         model.lay_head_by_columns()

@@ -8,9 +8,9 @@ them all alike (docs/performance.md, "Decoding against the bandwidth bound").
     python scripts/decode_levers.py --compile                 # also torch.compile's float32 step (minutes)
     python scripts/decode_levers.py --profile --rounds=1      # also each variant's ops (torch.profiler)
 
-Variants: "unpacked" is the bfloat16 model without GPT.pack_linears, through oneDNN's matmul at one row or
-torch's own GEMV (model.one_row_kernels, which also serves the matrices too small to pack); "math backend for one query" runs attention through SDPA's math
-backend instead of the flash kernel; "head copy (vocab, C)" reads the float32 head copy untransposed through
+Variants: "unpacked" is the bfloat16 model without GPT.pack_linears, through oneDNN's matmul at one row
+or torch's own GEMV (model.one_row_kernels, which also serves the matrices too small to pack); "math
+backend for one query" runs attention through SDPA's math backend instead of the flash kernel; "head copy (vocab, C)" reads the float32 head copy untransposed through
 F.linear; "bf16 head" computes the logits from the packed bfloat16 head, rounded to bfloat16, then float32
 (not what the model does: see GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all
 rounds. Needs a CPU with native bfloat16 for the bf16 rows.
@@ -80,18 +80,18 @@ def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
         model = GPT(config).eval().to(dtype=runtime.DTYPES[dtype])  # as inference_model, but for the packing
         model.keep_float32_head()
         return model
-    on = (False, False)  # as the model decodes: model.py's kernel choice, flash
-    out = {"float32": (build("float32"), on)}
+    as_decoding = (False, False)  # model.py's kernel choice, flash
+    out = {"float32": (build("float32"), as_decoding)}
     if runtime.cpu_native_bf16():
         plain, packed = build("bfloat16", pack=False), build("bfloat16")
         out |= {"bf16 unpacked, oneDNN": (plain, (True, False)),
-                "bf16 unpacked, torch's GEMV (oneDNN off)": (plain, on),
-                "bf16 packed (as decoding now)": (packed, on),
+                "bf16 unpacked, torch's GEMV (oneDNN off)": (plain, as_decoding),
+                "bf16 packed (as decoding now)": (packed, as_decoding),
                 "bf16 packed, math backend for one query": (packed, (False, True)),
-                "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), on),
-                "bf16 packed, bf16 head": (with_bf16_head(build("bfloat16")), on)}
+                "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), as_decoding),
+                "bf16 packed, bf16 head": (with_bf16_head(build("bfloat16")), as_decoding)}
     if compile:
-        out["float32 compiled"] = (build("float32"), on)
+        out["float32 compiled"] = (build("float32"), as_decoding)
         out["float32 compiled"][0].compile()
     return out
 

@@ -30,7 +30,7 @@ def test_decode_reads_every_weight_but_the_looked_up_tables(monkeypatch):
     bf16 = runtime.inference_model(GPT(GPTConfig(**TINY)), runtime.Runtime("cpu", "cpu", "bfloat16"))
     assert bandwidth.decode_weight_bytes(bf16) * 2 == bandwidth.decode_weight_bytes(tied)
     # where bf16 is native the Blocks' matrices are packed (GPT.pack_linears), and still counted
-    assert any(isinstance(m, PackedLinear) for m in bf16.modules()) == runtime.cpu_native_bf16()
+    assert any(isinstance(m, PackedLinear) for m in bf16.modules()) == runtime.cpu_packs_bf16()
 
 
 def test_kv_bytes_and_the_bound():
