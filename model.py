@@ -539,7 +539,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-PACK_MIN_WEIGHTS = 1 << 18  # GPT.pack_linears packs matrices this large or larger (512 x 512, GPT-2's 768 x 768)
+PACK_MIN_WEIGHTS = 1 << 18  # GPT.pack_linears packs matrices this large or larger: 512 x 512 and up, all of GPT-2's
 
 
 def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
