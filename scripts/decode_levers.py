@@ -11,9 +11,10 @@ them all alike (docs/performance.md, "Decoding against the bandwidth bound").
 Variants: "unpacked" is the bfloat16 model without GPT.pack_linears, through oneDNN's matmul at one row
 or torch's own GEMV (model.one_row_kernels, which also serves the matrices too small to pack); "math
 backend for one query" runs attention through SDPA's math backend instead of the flash kernel; "head copy
-(vocab, C)" reads the float32 head copy untransposed through F.linear; "bf16 head" computes the logits from the packed bfloat16 head, rounded to bfloat16, then float32
-(not what the model does: see GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all
-rounds. Needs a CPU with native bfloat16 for the bf16 rows.
+(vocab, C)" reads the float32 head copy untransposed through F.linear; "bf16 head" computes the logits
+from the packed bfloat16 head, rounded to bfloat16, then float32 (not what the model does: see
+GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with
+native bfloat16 for the bf16 rows.
 """
 import contextlib
 import dataclasses
