@@ -26,12 +26,13 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from core import evaluate, runtime, weights
-from core.chat import ChatTemplate
+from core import evaluate, runtime
+from core.weights import resolver
+from core.data.chat import ChatTemplate
 from core.config import parse_args
-from core.data import TokenData, read_meta
+from core.data.loader import TokenData, read_meta
 from core.errors import Stopped, UserError, run_cli
-from core.tokenizer import check_same_tokenizer, token_bytes
+from core.data.tokenizer import check_same_tokenizer, token_bytes
 
 TASKS = ("perplexity", "hellaswag", "chat")
 
@@ -62,7 +63,7 @@ class EvalConfig:
                 raise UserError(f"{key} must be at least 1, got {value}")
         if self.max_examples < 0:
             raise UserError(f"max_examples must be >= 0 (0: all), got {self.max_examples}")
-        weights.check_init_from(self.init_from)
+        resolver.check_init_from(self.init_from)
 
 
 def run_data_dir(cfg: EvalConfig) -> str:
@@ -157,7 +158,7 @@ def main(argv: Sequence[str]) -> str:
         if cfg.task == "chat":
             examples = evaluate.load_chat_file(cfg.chat_file, cfg.max_examples)
         stop.check("before the evaluation; no result")
-        model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
+        model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
         stop.check("before the evaluation; no result")
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)

@@ -10,11 +10,11 @@ The folder loads without trust_remote_code:
     tok = AutoTokenizer.from_pretrained("hf-shakespeare-char")
     pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", max_new_tokens=40, do_sample=False)
 
-The class is the one that computes exactly the run's recipe (core/hf.py: GPT2LMHeadModel, LlamaForCausalLM,
+The class is the one that computes exactly the run's recipe (core/weights/hf.py: GPT2LMHeadModel, LlamaForCausalLM,
 Qwen3ForCausalLM, ArceeForCausalLM, NemotronForCausalLM); a recipe no class holds stops with one line naming
 the switches and the nearest recipe that exports. A character vocabulary gets <|endoftext|> appended, the
 end-of-text token lm_eval and generate need (with_end_of_text). Before writing, the exported model's logits are checked
-against ours on a test sequence. A chat run's tokenizer carries the chat template (core/chat.py), so
+against ours on a test sequence. A chat run's tokenizer carries the chat template (core/data/chat.py), so
 tok.apply_chat_template(messages) gives the ids the model was fine-tuned on (docs/chat.md).
 """
 from core.errors import quiet_start
@@ -28,13 +28,13 @@ from typing import Sequence
 
 import torch
 
-from core import hf, weights
-from core.chat import JINJA_TEMPLATE, ChatTemplate
+from core.weights import hf, resolver
+from core.data.chat import JINJA_TEMPLATE, ChatTemplate
 from core.config import parse_args
 from core.runtime import DTYPES
 from core.errors import UserError, run_cli
-from core.hf_tokenizer import save_hf_tokenizer
-from core.tokenizer import END_OF_TEXT, CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_meta
+from core.data.hf_tokenizer import save_hf_tokenizer
+from core.data.tokenizer import END_OF_TEXT, CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_meta
 from model import GPT
 
 CHECK_TOKENS = 1024  # the longest sequence check_logits compares
@@ -129,7 +129,7 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
 
 def main(argv: Sequence[str]) -> str:
     cfg = parse_args(ExportConfig, argv)  # validates
-    model, tok, source = weights.load_model("resume", cfg.out_dir)
+    model, tok, source = resolver.load_model("resume", cfg.out_dir)
     model.eval()
     arch = export(model, tok, cfg.hf_dir, cfg.dtype, cfg.check)
     files = ", ".join(sorted(p.name for p in Path(cfg.hf_dir).iterdir()))

@@ -448,7 +448,7 @@ class KVCache:
     token at a time past max_len; it overwrites the oldest slot, so the queries attend to the
     last max_len keys (a sliding window). pos keeps counting: it is the new token's rotary position.
 
-    Each row at its own position (the server's batch, core/engine.py): pos may be a LongTensor (B,) on
+    Each row at its own position (the server's batch, core/serving/engine.py): pos may be a LongTensor (B,) on
     the CPU. Row b's chunk goes to [pos[b]:pos[b]+T] and its queries see only its own keys, so rows of
     different lengths share one forward; advance moves every row, in place. rows(i, j) is a view of
     slots i..j-1 sharing the buffers and the positions, for a forward over some of the rows. take(slots,
@@ -622,7 +622,7 @@ def draw(probs, noise) -> torch.Tensor:
     The exponential race (the Gumbel-max trick with exp applied) is torch.multinomial's own algorithm for
     one sample, so a row's token is multinomial's from the same generator, bit for bit (tests/test_model.py).
     Unlike multinomial it takes the noise as an argument, so rows drawn from different generators (the
-    server's requests, core/engine.py) share one call; and it checks the rows once, where multinomial makes
+    server's requests, core/serving/engine.py) share one call; and it checks the rows once, where multinomial makes
     three checks that each wait for a value."""
     if not bool((probs.sum(dim=-1) > 0).all()):  # NaN or inf logits; softmax leaves no other way to fail
         raise ValueError("the next token's probabilities are not finite: the logits hold a NaN or inf")
@@ -985,8 +985,8 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """nanoGPT's AdamW (weight decay on matrices and embeddings only); the groups, and Muon,
-        live in core/optim.py."""
-        from core.optim import build_optimizer  # here, not at the top: see from_pretrained
+        live in core/training/optim.py."""
+        from core.training.optim import build_optimizer  # here, not at the top: see from_pretrained
 
         return build_optimizer(self, "adamw", learning_rate, weight_decay, betas, device_type)
 
@@ -1037,14 +1037,14 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_dir, override_args=None) -> "GPT":
         """Outside weights: GPT-2 from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a folder written
-        by transformers' save_pretrained or export.py of any architecture core/hf.py maps (GPT-2, Llama,
+        by transformers' save_pretrained or export.py of any architecture core/weights/hf.py maps (GPT-2, Llama,
         Qwen3, Arcee, Nemotron). Needs transformers.
 
         override_args may set dropout and attn_backend; the architecture comes from the checkpoint.
         """
-        # Imported here, not at the top: core/hf.py builds GPTs, so it imports this file, and this file
+        # Imported here, not at the top: core/weights/hf.py builds GPTs, so it imports this file, and this file
         # imports core/ only inside methods (these two and configure_optimizers): no import circle.
-        from core import hf
+        from core.weights import hf
 
         if os.path.isdir(name_or_dir):
             return hf.from_folder(name_or_dir, override_args)
@@ -1052,8 +1052,8 @@ class GPT(nn.Module):
 
     def save_pretrained(self, directory):
         """Write directory/config.json and model.safetensors for the transformers class that computes this
-        model's function (core/hf.py), loadable by transformers' from_pretrained and by GPT.from_pretrained.
+        model's function (core/weights/hf.py), loadable by transformers' from_pretrained and by GPT.from_pretrained.
         export.py adds the tokenizer and generation_config.json."""
-        from core import hf  # inside the method, as in from_pretrained
+        from core.weights import hf  # inside the method, as in from_pretrained
 
         hf.to_transformers(self).save_pretrained(directory)

@@ -78,7 +78,7 @@ class AttentionConfig:
 
 @dataclasses.dataclass
 class RunHistory:
-    """One run's log.jsonl read back (core.runlog.RunLog writes it)."""
+    """One run's log.jsonl read back (core.training.runlog.RunLog writes it)."""
     out_dir: Path
     config: dict
     steps: dict[int, dict]   # iter -> {"loss", "lr", ...}, one per logged iteration
@@ -96,7 +96,7 @@ class RunHistory:
 
     def tokens_seen(self, it: int) -> int:
         """Tokens trained in the iterations before `it`: it x tokens_per_iter, except that under
-        sequence-length warm-up the first windows are shorter (core.train_config.seq_len_at)."""
+        sequence-length warm-up the first windows are shorter (core.training.train_config.seq_len_at)."""
         it = max(it, 0)
         if not self.seq_len_warmup:
             return it * self.tokens_per_iter
@@ -107,7 +107,7 @@ class RunHistory:
     @functools.cached_property
     def _warmup_prefix(self) -> list[int]:
         """[tokens before iteration i for i in 0..seq_len_warmup_iters]"""
-        from core.train_config import TrainConfig, seq_len_at  # imports torch: only for warm-up runs
+        from core.training.train_config import TrainConfig, seq_len_at  # imports torch: only for warm-up runs
         c = self.config
         cfg = TrainConfig(block_size=c["block_size"], seq_len_warmup_iters=c["seq_len_warmup_iters"],
                           seq_len_warmup_start=c["seq_len_warmup_start"])
@@ -391,8 +391,8 @@ def plot_summary(values, kind: str, title: str):
 
 
 def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
-    from core.weights import load_model  # torch is imported only here: loss plots start without it
-    from core.tokenizer import encode_prompt, read_prompt
+    from core.weights.resolver import load_model  # torch is imported only here: loss plots start without it
+    from core.data.tokenizer import encode_prompt, read_prompt
 
     cfg = parse_args(AttentionConfig, argv)
     model, tok, source = load_model(cfg.init_from, cfg.out_dir)

@@ -13,7 +13,7 @@ stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokeniz
 checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
 
 --chat needs a model fine-tuned on a chat set (docs/chat.md): each message goes through the chat
-template (core/chat.py), the reply streams until the model ends its turn, and the conversation
+template (core/data/chat.py), the reply streams until the model ends its turn, and the conversation
 continues. Ctrl-C stops a reply (what was said stays in the conversation); Ctrl-D, or Ctrl-C at the
 prompt, quits. With --prompt= it answers that one message on stdout and exits.
 """
@@ -28,11 +28,12 @@ from typing import Sequence
 
 import torch
 
-from core import runtime, weights
-from core.chat import ChatTemplate, stream_reply
+from core import runtime
+from core.weights import resolver
+from core.data.chat import ChatTemplate, stream_reply
 from core.config import parse_args
 from core.errors import UserError, run_cli
-from core.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
+from core.data.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
 from model import GPT, check_sampling_args, window_shift
 
 SEPARATOR = "---------------"
@@ -59,7 +60,7 @@ class SampleConfig:
     dtype: str = "auto"              # auto, float32, bfloat16, float16
     threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
     compile: bool = False            # torch.compile the model (recompiles for each new input shape at first)
-    chat: bool = False               # a conversation with a chat fine-tune (core/chat.py's template)
+    chat: bool = False               # a conversation with a chat fine-tune (core/data/chat.py's template)
     system: str | None = None        # chat: the system message
     prompt: str | None = None        # chat: answer this one user message (or FILE:path) and exit
 
@@ -75,7 +76,7 @@ class SampleConfig:
         if self.stream and self.num_samples != 1:
             raise UserError(f"stream=True prints one sample as it is decoded; use --num_samples=1 "
                             f"(got {self.num_samples}) or --stream=False")
-        weights.check_init_from(self.init_from)
+        resolver.check_init_from(self.init_from)
         if not self.chat and (self.system is not None or self.prompt is not None):
             raise UserError("--system and --prompt are for chat; add --chat (or use --start= for plain text)")
 
@@ -176,7 +177,7 @@ def chat_turn(model: GPT, template: ChatTemplate, messages: list[dict], cfg: Sam
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(SampleConfig, argv)
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
-    model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
+    model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
     if cfg.chat:
         return run_chat(cfg, model, tok, source, rt)
     eot = tok.eot_token if cfg.stop_at_eot else None

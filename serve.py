@@ -10,7 +10,7 @@
 Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...). The model's name is
 its out_dir's folder name (or init_from), unless --model_name says otherwise.
 
-Requests are batched continuously by core/engine.py's BatchEngine (on a CPU in a process of its own,
+Requests are batched continuously by core/serving/engine.py's BatchEngine (on a CPU in a process of its own,
 EngineProcess): one forward per step decodes the next token of every running request, each with its own seeded generator, so a request's text is what
 model.generate gives it alone. Every request field is implemented or refused with a 400 that names it.
 Here: the request models, the text side (whole characters, stop strings, logprobs), the routes at module
@@ -41,13 +41,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from core import runtime, weights
-from core.chat import ChatTemplate
+from core import runtime
+from core.weights import resolver
+from core.data.chat import ChatTemplate
 from core.config import parse_args
-from core.engine import (MAX_LOGPROBS, BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping,
+from core.serving.engine import (MAX_LOGPROBS, BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping,
                          TokenScore, engine_sampling)
 from core.errors import UserError, first_line, run_cli
-from core.tokenizer import StreamDecoder, Tokenizer
+from core.data.tokenizer import StreamDecoder, Tokenizer
 from model import GPT, check_sampling_args, window_shift
 
 API_KEY_ENV = "SERVE_API_KEY"
@@ -81,7 +82,7 @@ class ServeConfig:
                 raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
         if self.api_key == "":
             raise UserError("--api_key is empty; pass a secret, or leave it out to serve without one")
-        weights.check_init_from(self.init_from)
+        resolver.check_init_from(self.init_from)
         if self.engine not in ("auto", "process", "thread"):
             raise UserError(f"--engine must be auto, process or thread, got {self.engine!r}")
 
@@ -810,7 +811,7 @@ def main(argv: Sequence[str]) -> None:
     cfg = parse_args(ServeConfig, argv)
     check_port(cfg.host, cfg.port)
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
-    model, tok, source = weights.load_model(cfg.init_from, cfg.out_dir)
+    model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
     model = runtime.inference_model(model, rt)  # as sample.py: weights cast once, float32 next-token logits
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if cfg.init_from == "resume" else cfg.init_from)
     app = build_app(model, tok, cfg, name, rt.device)

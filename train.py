@@ -6,9 +6,9 @@
     torchrun --nnodes=2 --node_rank=0 --rdzv_endpoint=HOST:29500 --nproc_per_node=8 train.py config/gpt2_small.py
     python train.py --init_from=resume --out_dir=out-shakespeare-char   # continue a run: its config.json, ckpt.pt
     python train.py config/train_shakespeare_char_cpu.py config/sft_tasks_char.py   # chat fine-tune of that base
-    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/parallel.py
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/training/parallel.py
 
-Configuration: the TrainConfig defaults (core/train_config.py), overridden by config files (Python
+Configuration: the TrainConfig defaults (core/training/train_config.py), overridden by config files (Python
 files that assign names), overridden by --key=value; a resumed run starts from its own config.json
 instead of the defaults. The resolved config is written
 to out_dir/config.json, and every logged iteration and eval to out_dir/log.jsonl.
@@ -32,13 +32,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from core import checkpoint, config as configlib, evaluate, flops, memory, optim, parallel, runtime, weights
-from core.data import TokenData, TrainBatches, batch_generator, read_meta
+from core import config as configlib, evaluate, runtime
+from core.training import flops, memory, optim, parallel
+from core.weights import checkpoint, resolver
+from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run_cli
 from core.fileio import write_json
-from core.runlog import RunLog, format_duration
-from core.tokenizer import check_extends, check_same_ids, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
-from core.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
+from core.training.runlog import RunLog, format_duration
+from core.data.tokenizer import check_extends, check_same_ids, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
+from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from model import GPT, GPTConfig
 
 
@@ -290,12 +292,12 @@ def write_run_config(cfg: TrainConfig, out_dir: Path, rt: runtime.Runtime) -> No
 
 
 def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
-                log) -> tuple[GPT, dict, weights.Weights | None]:
-    """The model for cfg.init_from (core/weights.py), the tokenizer metadata it is trained with, and for
+                log) -> tuple[GPT, dict, resolver.Weights | None]:
+    """The model for cfg.init_from (core/weights/resolver.py), the tokenizer metadata it is trained with, and for
     init_from=resume the checkpoint it resumes (restore_state). The training checks run on the
     architecture before any weight is read, so a run that plainly does not fit in memory stops first."""
 
-    def check(w: weights.Weights) -> None:
+    def check(w: resolver.Weights) -> None:
         if w.kind == "resume":
             check_resume(cfg, w, data_meta, rt, log)
         elif w.kind == "run":  # a base run: its weights, a new run (e.g. a chat fine-tune)
@@ -307,9 +309,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
             check_gpt2(cfg, data_meta)
         check_memory(dataclasses.replace(w.config, block_size=min(cfg.block_size, w.config.block_size)), cfg, rt)
 
-    training = weights.Training({"dropout": cfg.dropout, "attn_backend": cfg.attn_backend},
+    training = resolver.Training({"dropout": cfg.dropout, "attn_backend": cfg.attn_backend},
                                 lambda: scratch_config(cfg, data_meta), check, cfg.parallel == "fsdp", log)
-    w = weights.resolve(cfg.init_from, cfg.out_dir, training)
+    w = resolver.resolve(cfg.init_from, cfg.out_dir, training)
     model = w.model
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
@@ -350,7 +352,7 @@ def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
     return GPTConfig(**(cfg.model_args() | {"vocab_size": vocab}))
 
 
-def check_resume(cfg: TrainConfig, w: weights.Weights, data_meta: dict, rt: runtime.Runtime, log) -> None:
+def check_resume(cfg: TrainConfig, w: resolver.Weights, data_meta: dict, rt: runtime.Runtime, log) -> None:
     """A resumed run continues the run it resumes: the same architecture, tokenizer and a block that fits."""
     saved = w.state["meta"]
     log(f"resuming from {w.path} at iter {saved['iter_num']}")

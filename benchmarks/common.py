@@ -17,7 +17,7 @@ import torch
 from core import runtime
 from core.config import apply_overrides, parse_args, read_config_file
 from core.errors import UserError
-from core.train_config import TrainConfig
+from core.training.train_config import TrainConfig
 from model import GPTConfig
 
 OOM = "OOM"  # a figure that did not fit in device memory

@@ -25,7 +25,7 @@ from benchmarks.common import ROOT, at_least, model_text, num
 from core import markdown, runtime
 from core.config import apply_overrides, read_config_file
 from core.errors import UserError
-from core.train_config import TrainConfig, local_accum_steps
+from core.training.train_config import TrainConfig, local_accum_steps
 from model import GPT, GPTConfig
 
 
@@ -118,7 +118,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
 def table(r: dict) -> str:
     rows = [["plain loop (nanoGPT's)", num(r["plain_ms"], 2), "1.00x"],
             ["train.py", num(r["train_py_ms"], 2), f"{r['train_py_over_plain']:.2f}x"]]
-    if "recipe_ms" in r:  # Muon's Newton-Schulz runs in bf16 only where bf16 is native (core/optim.py)
+    if "recipe_ms" in r:  # Muon's Newton-Schulz runs in bf16 only where bf16 is native (core/training/optim.py)
         rows.append([f"train.py + {r['recipe_config']} (Newton-Schulz in {r['muon_newton_schulz']})",
                      num(r["recipe_ms"], 2), f"{r['recipe_ms'] / r['plain_ms']:.2f}x"])
     text = (f"### Training iteration: train.py against a plain loop, and the modern recipe\n{r['config']}: {r['model']}, "

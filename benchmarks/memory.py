@@ -16,9 +16,10 @@ import torch
 
 from benchmarks import train
 from benchmarks.common import cpu_peak_extra_bytes, cuda_peak_extra_bytes, median_time, mib, model_text, num
-from core import markdown, parallel, runtime
+from core import markdown, runtime
+from core.training import parallel
 from core.fileio import write_json
-from core.memory import MemoryEstimate, estimate_training_memory, parameter_count
+from core.training.memory import MemoryEstimate, estimate_training_memory, parameter_count
 from model import GPT, GPT2_SHAPES, GPTConfig
 
 MEMORY_WORLD_SIZES = (1, 2, 4)
@@ -114,7 +115,7 @@ def gpu_training_memory(config, how: str, world_size: int, micro_batch: int,
                         activation_checkpointing: bool = False) -> MemoryEstimate:
     """Bytes per GPU to train `config` with AdamW on micro_batch sequences of block_size tokens, as
     train.py runs it on CUDA with dtype=bfloat16 under parallel=`how` (docs/sharding.md, "Which GPT-2 fits where"):
-    core.memory.estimate_training_memory with float32 weights, gradients and AdamW moments (16 bytes per
+    core.training.memory.estimate_training_memory with float32 weights, gradients and AdamW moments (16 bytes per
     parameter: ddp all of it on every GPU, fsdp 1/world_size), bf16 compute (autocast under ddp, fsdp's
     MixedPrecisionPolicy), fused attention (sdpa never stores the (T, T) scores), one micro-step per
     optimizer step (accumulation under fsdp keeps every Block gathered), and a gathered Block's gradient

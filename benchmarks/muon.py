@@ -2,15 +2,16 @@
 
 The model: loop_config + recipe_config, with --muon_shape on top; fixed random gradients. Each row is
 one implementation's step (momentum, Newton-Schulz, update): torch.optim.Muon (Newton-Schulz in bf16,
-one matrix at a time) against core.optim.BatchedMuon in bf16 and in float32 (each shape's matrices as
-one batch); the row core.optim.build_optimizer picks on this device is marked.
+one matrix at a time) against core.training.optim.BatchedMuon in bf16 and in float32 (each shape's matrices as
+one batch); the row core.training.optim.build_optimizer picks on this device is marked.
 """
 import dataclasses
 
 import torch
 
 from benchmarks.common import median_time, model_text, num, read_recipe, spec_list
-from core import markdown, optim, runtime
+from core import markdown, runtime
+from core.training import optim
 from model import GPT, GPTConfig
 
 
@@ -19,7 +20,7 @@ class Settings:
     muon_shape: str = ""       # key=value pairs on that model, e.g. "n_layer=2,n_head=12,n_embd=768" (GPT-2's width)
 
 
-MUON_STEPS = {  # what core.optim.build_optimizer chooses between, per device
+MUON_STEPS = {  # what core.training.optim.build_optimizer chooses between, per device
     "torch.optim.Muon, bf16": (torch.optim.Muon, {}),
     "BatchedMuon, bf16": (optim.BatchedMuon, {"ns_dtype": torch.bfloat16}),
     "BatchedMuon, float32": (optim.BatchedMuon, {"ns_dtype": torch.float32}),

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from benchmarks import common
-from core import optim, runtime
-from core.prepare import write_dataset
-from core.tokenizer import CharTokenizer
-from core.train_config import TrainConfig, get_lr
+from core import runtime
+from core.training import optim
+from core.data.prepare import write_dataset
+from core.data.tokenizer import CharTokenizer
+from core.training.train_config import TrainConfig, get_lr
 from model import GPT
 
 

@@ -37,11 +37,12 @@ from typing import AsyncIterator
 import torch
 
 from benchmarks.common import ROOT, at_least, int_list, num, section_list
-from core import checkpoint, markdown, runtime
+from core import markdown, runtime
+from core.weights import checkpoint
 from core.config import read_config_file
-from core.engine import BatchEngine, EngineRequest, engine_sampling
+from core.serving.engine import BatchEngine, EngineRequest, engine_sampling
 from core.errors import UserError
-from core.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
+from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
 from model import GPT, GPTConfig, window_shift
 
 QUICKSTART = "config/train_shakespeare_char_cpu.py"

@@ -2,7 +2,7 @@
 
 nanoGPT's model and plain loop (benchmarks/nanogpt.py; speedrun_base: GPT-2, its AdamW fused only on
 CUDA, its cosine schedule) against ours (speedrun_base + speedrun_ours: config/modern.py's model,
-core.optim's optimizer and schedule). Both read batches as nanoGPT does, from a generator of their own
+core.training.optim's optimizer and schedule). Both read batches as nanoGPT does, from a generator of their own
 seeded alike. The runs take turns of speedrun_chunk iterations, so that load from other processes hits
 both, and are scored every speedrun_eval_every iterations, every speedrun_eval_fine once near the
 target; a run is done at its first score at or below the target. Per run: iterations, tokens,
@@ -25,11 +25,11 @@ from benchmarks.common import at_least, int_list, model_text, num, read_recipe, 
 from benchmarks.race import Racer, race
 from core import markdown, runtime
 from core.config import to_dict
-from core.data import TokenData, read_meta
+from core.data.loader import TokenData, read_meta
 from core.errors import UserError
 from core.evaluate import evaluate_split
 from core.fileio import write_json
-from core.train_config import TrainConfig, get_lr, make_optimizer, seq_len_at
+from core.training.train_config import TrainConfig, get_lr, make_optimizer, seq_len_at
 from model import GPT, GPTConfig
 
 
@@ -89,7 +89,7 @@ def tokens_per_iter(cfg: TrainConfig, it: int | None = None) -> int:
 
 def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab: int, cap: int, cfg,
                 rt: runtime.Runtime, log_dir: Path | None) -> Racer:
-    """nanogpt: GPT-2 with nanoGPT's AdamW and cosine schedule; ours: the recipe's model and core.optim's
+    """nanogpt: GPT-2 with nanoGPT's AdamW and cosine schedule; ours: the recipe's model and core.training.optim's
     optimizer and schedule. Both step as nanoGPT's loop does, read batches from their own generator seeded
     with `seed`, and start from torch.manual_seed(seed)."""
     if name == "nanogpt" and rt.device_type == "cpu":

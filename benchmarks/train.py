@@ -11,7 +11,8 @@ import time
 import torch
 
 from benchmarks.common import OOM, median_time, mib, model_text, num, or_oom
-from core import flops, markdown, runtime
+from core import markdown, runtime
+from core.training import flops
 from core.errors import UserError, first_line
 from model import GPT, GPTConfig
 

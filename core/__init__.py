@@ -1,5 +1,9 @@
-"""Shared homes for the scripts: config, device/dtype, checkpoints, tokenizers, data.
+"""What every script shares, by wing; the scripts import these and model.py, never each other.
 
-train.py, sample.py, bench.py and the tests import these; nothing here is copied
-into a script. Importing any module here does no work.
+The ground floor, used everywhere: config (dataclass defaults <- config files <- --key=value), errors (one line,
+a non-zero exit), runtime (device, dtype, threads, process groups, the stop flag), fileio (atomic writes),
+markdown (tables), evaluate (whole-split perplexity, HellaSwag).
+
+The wings, each a package: training/, data/, weights/, decoding/, serving/ (their docstrings list the rooms).
+Importing any module here does no work.
 """

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from core.data import TokenData
+from core.data.loader import TokenData
 from core.errors import UserError
-from core.tokenizer import Tokenizer
+from core.data.tokenizer import Tokenizer
 
 
 def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     every world_size-th batch of windows and the sums are all-reduced. progress(done, total), if
     given, is called after each batch with how far into the list of all windows this rank is.
 
-    token_bytes (core.tokenizer.token_bytes: the UTF-8 bytes of each id) adds bits per byte: the summed
+    token_bytes (core.data.tokenizer.token_bytes: the UTF-8 bytes of each id) adds bits per byte: the summed
     loss in bits over the bytes of the text scored, which tokenizers of any vocabulary share, so models
     with different tokenizers compare on the same text. As nanochat's evaluate_bpb, special tokens
     (no bytes) are left out of both sums.
@@ -322,7 +322,7 @@ def chat_accuracy(model, template, conversations: list[list[dict]], max_new_toke
                   stopped=None) -> dict | None:
     """The fraction of conversations whose last assistant turn the model reproduces exactly, greedily,
     from the messages before it; None if stopped(), called before each conversation, says so."""
-    from core.chat import reply
+    from core.data.chat import reply
 
     was_training = model.training
     model.eval()

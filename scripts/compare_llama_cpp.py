@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: the repository's core/
 
 from core.config import parse_args  # noqa: E402
-from core.data import TokenData  # noqa: E402
+from core.data.loader import TokenData  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
-from core.weights import load_model  # noqa: E402
+from core.weights.resolver import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SEPARATOR = "\n---------------\n"  # sample.py's line after each sample

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.tokenizer import token_bytes, tokenizer_from_meta  # noqa: E402
+from core.data.tokenizer import token_bytes, tokenizer_from_meta  # noqa: E402
 
 import numpy as np  # noqa: E402
 

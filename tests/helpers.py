@@ -60,7 +60,7 @@ def use_gpt2_bpe() -> None:
     if "TIKTOKEN_CACHE_DIR" not in os.environ and SHARED_TIKTOKEN_CACHE.is_dir():
         os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_TIKTOKEN_CACHE)
     from core.errors import UserError
-    from core.tokenizer import GPT2Tokenizer
+    from core.data.tokenizer import GPT2Tokenizer
 
     cache = os.environ.get("TIKTOKEN_CACHE_DIR")
     try:
@@ -86,8 +86,8 @@ def needs_transformers():
 
 def make_char_dataset(data_dir, text: str, val_fraction: float = 0.1) -> dict:
     """A character-level dataset of `text` in data_dir (train.bin, val.bin, meta.json); returns meta."""
-    from core.prepare import write_dataset
-    from core.tokenizer import CharTokenizer
+    from core.data.prepare import write_dataset
+    from core.data.tokenizer import CharTokenizer
 
     tok = CharTokenizer.from_text(text)
     n = int(len(text) * (1 - val_fraction))
@@ -99,8 +99,8 @@ def make_gpt2_dataset(data_dir, documents: list[str], val_documents: list[str] |
 
     val_documents defaults to the training documents. Call use_gpt2_bpe() first.
     """
-    from core.prepare import write_dataset
-    from core.tokenizer import GPT2Tokenizer
+    from core.data.prepare import write_dataset
+    from core.data.tokenizer import GPT2Tokenizer
 
     tok = GPT2Tokenizer()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.checkpoint import load_checkpoint
+from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
 from tests.helpers import (REPO_ROOT, TINY_TRAIN, assert_user_error, flip_a_weight_bit, make_char_dataset, run_main,
                            run_many, train_tiny)

@@ -91,7 +91,7 @@ def test_loop_section_compares_train_py_with_a_plain_loop(tmp_path, tmp_path_fac
 @pytest.mark.parametrize("native", [True, False])
 def test_muon_section_times_each_step_and_marks_the_one_this_device_gets(tmp_path, capsys, monkeypatch, native):
     """torch's Muon and BatchedMuon in bf16 and float32, each a step on the recipe model's hidden matrices
-    (muon_shape on top), and the one core.optim.build_optimizer builds here marked, with bf16 faked native
+    (muon_shape on top), and the one core.training.optim.build_optimizer builds here marked, with bf16 faked native
     and not."""
     monkeypatch.setattr(muon.optim, "native_bf16", lambda device: native)
     monkeypatch.setattr(muon.runtime, "native_bf16", lambda device: native)

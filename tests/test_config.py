@@ -118,7 +118,7 @@ def other_value(field: dataclasses.Field):
 def test_every_gpt_config_field_is_a_train_config_key_with_its_default():
     """A field added to GPTConfig is a key of train.py's config with nothing else to edit; vocab_size's
     None there means the dataset's vocabulary."""
-    from core.train_config import TrainConfig
+    from core.training.train_config import TrainConfig
     from model import GPTConfig
 
     keys = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -132,7 +132,7 @@ def test_every_gpt_config_field_is_a_train_config_key_with_its_default():
                                   if f.name != "vocab_size"])
 def test_every_gpt_config_field_set_on_the_command_line_reaches_the_model(name):
     import train
-    from core.train_config import TrainConfig
+    from core.training.train_config import TrainConfig
     from model import GPTConfig
 
     field = next(f for f in dataclasses.fields(GPTConfig) if f.name == name)
@@ -145,7 +145,7 @@ def test_every_gpt_config_field_set_on_the_command_line_reaches_the_model(name):
 
 def test_a_config_file_sets_the_norm_epsilon_mlp_width_and_gelu(tmp_path):
     import train
-    from core.train_config import TrainConfig
+    from core.training.train_config import TrainConfig
 
     f = tmp_path / "c.py"
     f.write_text("norm_eps = 1e-6\nmlp_hidden = 100\ngelu_approximate = 'none'\n")
@@ -182,7 +182,7 @@ def test_train_help_describes_every_commented_key_with_its_values():
 
     import model
     from core.config import config_help
-    from core.train_config import TrainConfig
+    from core.training.train_config import TrainConfig
 
     text = config_help(TrainConfig)
     source = inspect.getsource(model.GPTConfig)

@@ -16,7 +16,7 @@ import torch
 
 import train
 from core import config as configlib
-from core.checkpoint import load_checkpoint
+from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (REPO_ROOT, make_char_dataset, make_chat_dataset, make_gpt2_dataset, needs_transformers,
                            records, run_main, use_gpt2_bpe)
 

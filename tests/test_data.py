@@ -1,4 +1,4 @@
-"""Token files and the batch loader (core/data.py): atomic writes, dtype checks, validation, determinism.
+"""Token files and the batch loader (core/data/loader.py): atomic writes, dtype checks, validation, determinism.
 
     python -m pytest tests/test_data.py
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import core.fileio
-from core.data import TokenData, batch_generator, read_meta
-from core.prepare import ShardWriter, write_dataset, write_tokens
+from core.data.loader import TokenData, batch_generator, read_meta
+from core.data.prepare import ShardWriter, write_dataset, write_tokens
 from core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_sigkill_mid_write_leaves_no_final_shard(tmp_path):
         import sys, time
         import numpy as np
         sys.path.insert(0, {str(ROOT)!r})
-        from core.prepare import ShardWriter
+        from core.data.prepare import ShardWriter
         with ShardWriter({str(tmp_path)!r}, "train", shard_tokens=1000) as w:
             w.write(np.arange(5500) % 100)  # five complete shards and part of a sixth
             print("written", flush=True)

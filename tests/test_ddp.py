@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train
-from core.checkpoint import load_checkpoint
+from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (TINY_TRAIN, char_data_fixture, child_pids, make_chat_dataset,
                            process_env, records, run_main, train_tiny)
 from tests.test_faults import TORCHRUN, last_logged_iter, start_train, stop_job, wait_for

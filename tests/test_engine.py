@@ -1,4 +1,4 @@
-"""core/engine.py's BatchEngine: continuous batching equals model.generate row for row, one forward per step
+"""core/serving/engine.py's BatchEngine: continuous batching equals model.generate row for row, one forward per step
 for every row, logprobs, penalties and logit_bias, the cap on rows in flight.
 
     python -m pytest tests/test_engine.py
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.engine import (BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping, adjust_logits,
+from core.serving.engine import (BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping, adjust_logits,
                          engine_sampling, ragged_groups)
 from core.evaluate import token_losses
-from core.weights import load_model
+from core.weights.resolver import load_model
 from model import GPT, GPTConfig, Sampling
 from tests.helpers import ROMEO_JULIET, make_char_dataset, one_thread, train_tiny
 

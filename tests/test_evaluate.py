@@ -16,9 +16,9 @@ from torch.nn import functional as F
 
 import eval as eval_script
 from core import evaluate
-from core.data import TokenData
+from core.data.loader import TokenData
 from core.errors import UserError
-from core.tokenizer import CharTokenizer
+from core.data.tokenizer import CharTokenizer
 from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, needs_transformers, records,
                            run_main, run_script, train_tiny, use_gpt2_bpe)
 
@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
     make_char_dataset(tmp / "data", TEXT, val_fraction=0.1)
     train_tiny(tmp / "out", tmp / "data", max_iters=120, lr_decay_iters=120, eval_interval=120)
-    from core.weights import load_model
+    from core.weights.resolver import load_model
     model, tok, _ = load_model("resume", tmp / "out")
     model.eval().save_pretrained(tmp / "hf")
     hf = needs_transformers().GPT2LMHeadModel.from_pretrained(tmp / "hf").eval()
@@ -115,8 +115,8 @@ MIXED = ("中文測試，日本語のテキスト。한국어 😀👍🏽👩�
 def test_token_bytes_add_up_to_the_text(tmp_path):
     """Every tokenizer's ids of a text hold exactly its UTF-8 bytes; special tokens hold none."""
     use_gpt2_bpe()
-    from core.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
-    from core.tokenizer import EOT, GPT2Tokenizer, token_bytes, train_bpe
+    from core.data.hf_tokenizer import load_hf_tokenizer, save_hf_tokenizer
+    from core.data.tokenizer import EOT, GPT2Tokenizer, token_bytes, train_bpe
 
     bpe = train_bpe(iter([MIXED * 3, TEXT]), 400, (EOT, "<|user|>"), progress=False)
     save_hf_tokenizer(bpe, tmp_path, 64)
@@ -132,8 +132,8 @@ def test_bits_per_byte_is_the_loss_in_bits_over_the_bytes_scored(tmp_path):
     """A BPE dataset of multi-byte text: bits per byte = summed loss / ln 2 / the bytes of the decoded targets."""
     import importlib.util
 
-    from core.weights import load_model
-    from core.tokenizer import token_bytes
+    from core.weights.resolver import load_model
+    from core.data.tokenizer import token_bytes
     from tests.helpers import REPO_ROOT
 
     for name in ("a", "b"):  # two documents: the val split is one whole document, starting with ASCII

@@ -27,7 +27,8 @@ import torch
 
 from benchmarks import common
 from benchmarks import memory as bench_memory
-from core import checkpoint, parallel
+from core.training import parallel
+from core.weights import checkpoint
 from core.errors import UserError
 from model import GPT, GPTConfig
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,

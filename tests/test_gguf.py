@@ -26,7 +26,7 @@ import torch
 
 import export
 from core.errors import UserError
-from core.tokenizer import GPT2Tokenizer, HFTokenizer
+from core.data.tokenizer import GPT2Tokenizer, HFTokenizer
 from model import GPT, GPTConfig, llama3_frequencies
 from tests.helpers import REPO_ROOT, needs_transformers, use_gpt2_bpe
 

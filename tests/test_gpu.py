@@ -12,7 +12,7 @@ Each test runs `python train.py` / `python sample.py` as a user would, on a smal
 import pytest
 import torch
 
-from core.checkpoint import load_checkpoint
+from core.weights.checkpoint import load_checkpoint
 from tests.helpers import char_data_fixture, losses, records, run_script
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from core import hf as core_hf
+from core.weights import hf as core_hf
 from model import GPT, GPTConfig
 from tests.helpers import needs_transformers
 

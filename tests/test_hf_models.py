@@ -18,9 +18,9 @@ import torch
 
 import export
 import sample
-from core import hf
-from core.hf_tokenizer import load_hf_tokenizer
-from core.tokenizer import CharTokenizer
+from core.weights import hf
+from core.data.hf_tokenizer import load_hf_tokenizer
+from core.data.tokenizer import CharTokenizer
 from tests.helpers import needs_transformers, run_main
 from tests.test_hf_export import PROMPTS, attention_peak
 
@@ -155,7 +155,7 @@ def test_export_gives_back_identical_tensors_and_config(folder, tmp_path):
 
 def test_a_qwen2_recipe_with_our_tokenizer_does_not_export(tmp_path):
     """transformers' AutoTokenizer would read the folder's GPT-2 BPE as Qwen2Tokenizer, digits one by one."""
-    from core.tokenizer import CharTokenizer as Chars
+    from core.data.tokenizer import CharTokenizer as Chars
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(block_size=16, vocab_size=8, n_layer=1, n_head=2, n_embd=16, pos_embedding="rope",
@@ -189,10 +189,10 @@ def test_a_llama_3_2_fine_tune_resumes_exactly_and_exports(tmp_path):
     (losses, lrs, evals; dropout's RNG included) and weights bit for bit, and export.py of the resumed run
     gives transformers' logits equal to ours, the scaled RoPE in its config."""
     import train
-    from core.weights import load_model
+    from core.weights.resolver import load_model
     from tests.helpers import records, train_tiny
     from tests.test_tokenizer import MIXED, RESERVED, bos_backend, corpus_texts, prepare
-    from core.tokenizer import EOT, train_bpe
+    from core.data.tokenizer import EOT, train_bpe
 
     bpe = train_bpe(iter(corpus_texts() + [MIXED]), 600, RESERVED, progress=False)
     backend, bos = bos_backend(bpe)

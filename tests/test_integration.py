@@ -19,9 +19,11 @@ import torch
 import eval as eval_script
 import sample
 import train
-from core import checkpoint, evaluate, memory, runtime, weights
-from core.data import TokenData
-from core.tokenizer import CharTokenizer
+from core import evaluate, runtime
+from core.training import memory
+from core.weights import checkpoint, resolver
+from core.data.loader import TokenData
+from core.data.tokenizer import CharTokenizer
 from model import GPTConfig
 from tests.helpers import assert_user_error, char_data_fixture, losses, records, run_main, run_scripts, train_tiny
 
@@ -210,7 +212,7 @@ import os, sys, torch, torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.optim._muon import _zeropower_via_newtonschulz, DEFAULT_A, DEFAULT_B, DEFAULT_C
 sys.path.insert(0, os.getcwd())  # the repository root: this script lives in a temporary folder
-from core.optim import BatchedMuon
+from core.training.optim import BatchedMuon
 dist.init_process_group("gloo")
 mesh, rank = torch.distributed.device_mesh.init_device_mesh("cpu", (2,)), dist.get_rank()
 torch.manual_seed(0)
@@ -265,7 +267,7 @@ def test_two_process_fsdp_modern_muon_resumes_exactly(runs):
 def test_eval_and_sample_rebuild_the_variant_from_a_sharded_checkpoint(runs):
     """eval.py and sample.py read ckpt.dcp written by 2 processes, rebuild the recipe variant, and score
     it as the 1-process run's checkpoint scores; eval.py's HellaSwag equals the in-training figure."""
-    model, _, source = weights.load_model("resume", runs / "fsdp2")
+    model, _, source = resolver.load_model("resume", runs / "fsdp2")
     assert "ckpt.dcp" in source
     assert {k: getattr(model.config, k) for k in MODERN if hasattr(model.config, k)} == \
         {k: v for k, v in MODERN.items() if hasattr(model.config, k)}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import export
-from core.tokenizer import GPT2_VOCAB, CharTokenizer, GPT2Tokenizer
+from core.data.tokenizer import GPT2_VOCAB, CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
 from tests.helpers import REPO_ROOT, needs_transformers, use_gpt2_bpe
 

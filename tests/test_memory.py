@@ -9,7 +9,8 @@ import torch
 import train
 from benchmarks import common
 from benchmarks import memory as bench_memory
-from core import memory, weights
+from core.training import memory
+from core.weights import resolver
 from model import GPT, GPT2_SHAPES, GPTConfig
 from tests.helpers import assert_user_error, char_data_fixture, run_main, run_scripts
 
@@ -30,7 +31,7 @@ def test_weights_grads_and_optimizer_of_gpt2_small():
     muon = memory.estimate_training_memory(GPTConfig(vocab_size=50257), 1, "muon", seq_len=1)
     block_matrices = 12 * (768 * 2304 + 768 * 768 + 768 * 3072 + 3072 * 768)
     assert muon.optimizer == (block_matrices + 2 * (GPT2_SMALL_PARAMS - block_matrices)) * 4
-    for unknown in ("adam", "sgd"):  # the optimizers core/optim.py builds, and no other
+    for unknown in ("adam", "sgd"):  # the optimizers core/training/optim.py builds, and no other
         with pytest.raises(ValueError, match="optimizer"):
             memory.estimate_training_memory(GPTConfig(), 1, unknown)
 

@@ -20,7 +20,7 @@ import sample
 import train
 from benchmarks import common
 from core import runtime
-from core.checkpoint import load_checkpoint
+from core.weights.checkpoint import load_checkpoint
 from model import GPT, GPTConfig, PackedLinear
 from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, run_main, train_tiny
 
@@ -116,7 +116,7 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     Not compared: bf16's and float32's free-running greedy texts. Once one near-tie goes the other way
     the texts part for good, and where that happens depends on the CPU's kernels (74% equal positions
     under ATEN_CPU_CAPABILITY=avx2 here, 100% under default)."""
-    from core.checkpoint import model_from_checkpoint
+    from core.weights.checkpoint import model_from_checkpoint
     model = runtime.inference_model(model_from_checkpoint(trained), BF16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
     assert model.new_kv_cache(2).k.dtype == torch.bfloat16
@@ -159,7 +159,7 @@ def test_float32_decoding_reads_the_head_by_columns_with_the_same_floats(trained
     """runtime.inference_model in float32 on a CPU lays the head's storage out (C, vocab) in place: the same
     values, the tied token table the same tensor (no second copy), logits equal to the row-major head's to
     1e-5, and greedy text the same."""
-    from core.checkpoint import model_from_checkpoint
+    from core.weights.checkpoint import model_from_checkpoint
     model = runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
     reference = model_from_checkpoint(trained).eval()
     head = model.lm_head.weight
@@ -174,7 +174,7 @@ def test_float32_decoding_reads_the_head_by_columns_with_the_same_floats(trained
 
 
 def test_next_logits_equal_the_full_forward_last_position(trained):
-    from core.checkpoint import model_from_checkpoint
+    from core.weights.checkpoint import model_from_checkpoint
     model = model_from_checkpoint(trained).eval()
     idx = torch.randint(model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -190,7 +190,7 @@ def test_one_bf16_row_decodes_without_onednn_to_the_same_floats(trained, monkeyp
     GEMV, twice as fast at one row), and the logits are the very floats the oneDNN path gives, at every
     position of a cached greedy run. Two rows, or float32 weights, keep oneDNN; the flag is restored."""
     import model as model_module
-    from core.checkpoint import model_from_checkpoint
+    from core.weights.checkpoint import model_from_checkpoint
     model = runtime.inference_model(model_from_checkpoint(trained), BF16)
     stoi = trained["meta"]["tokenizer"]["stoi"]
     idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
@@ -219,7 +219,7 @@ def test_bf16_decoding_packs_the_blocks_matrices_to_the_same_floats(trained, mon
     are the very floats of the unpacked model's, at every position of a cached greedy run at one row, and in a
     prefill of two rows. The parameter count is the unpacked model's."""
     import model as model_module
-    from core.checkpoint import model_from_checkpoint
+    from core.weights.checkpoint import model_from_checkpoint
     assert not any(isinstance(m, PackedLinear) for m in runtime.inference_model(model_from_checkpoint(trained),
                                                                                 BF16).modules())  # all small
     plain = model_from_checkpoint(trained).eval().bfloat16()
@@ -248,7 +248,7 @@ def test_bf16_decoding_packs_nothing_where_bf16_is_not_native(trained, monkeypat
     keeps its nn.Linear matrices, however large (the threshold lowered to 0 here): oneDNN's bfloat16 products
     are emulated without native bf16, and torch.compile traces the plain model."""
     import model as model_module
-    from core.checkpoint import model_from_checkpoint
+    from core.weights.checkpoint import model_from_checkpoint
 
     def packed_any(model):
         return any(isinstance(m, PackedLinear) for m in model.modules())
@@ -381,7 +381,7 @@ def test_sample_compile_warms_up_outside_the_timing_and_keeps_the_text(tmp_path,
     """sample.py --compile runs a short warm-up before its clock starts and says so; the warm-up draws
     from its own generator, so the sampled text equals the uncompiled run's. (torch.compile itself is
     replaced by a no-op here: compiling on the CPU takes minutes; the compiled CLI run is in test_gpu.py.)"""
-    from core.checkpoint import save_checkpoint
+    from core.weights.checkpoint import save_checkpoint
     from tests.helpers import run_main
     save_checkpoint(tmp_path, trained["meta"], trained["model"])
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)

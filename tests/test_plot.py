@@ -107,7 +107,7 @@ def test_against_tokens_when_the_runs_see_different_batches(tmp_path):
 
 def test_tokens_seen_count_the_shorter_windows_of_sequence_length_warm_up(tmp_path, capsys):
     """Block 64 warmed up from 16 over 6 iterations trains windows of 16, 16, 32, 32, 48, 48 tokens
-    (core.train_config.seq_len_at), 8 rows each: 8 x 192 tokens before iteration 6, then 8 x 64 a step."""
+    (core.training.train_config.seq_len_at), 8 rows each: 8 x 192 tokens before iteration 6, then 8 x 64 a step."""
     run = plot.read_log(write_run(tmp_path / "warm", block_size=64, seq_len_warmup_iters=6, seq_len_warmup_start=16))
     assert [run.tokens_seen(it) for it in (0, 3, 6, 15, 30)] == [0, 8 * 64, 8 * 192, 8 * (192 + 9 * 64),
                                                                  8 * (192 + 24 * 64)]

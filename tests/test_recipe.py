@@ -13,9 +13,10 @@ import torch.nn as nn
 
 from scripts import compare_recipe
 import train
-from core import config as configlib, optim, runtime
-from core.checkpoint import load_checkpoint
-from core.weights import load_model
+from core import config as configlib, runtime
+from core.training import optim
+from core.weights.checkpoint import load_checkpoint
+from core.weights.resolver import load_model
 from core.errors import UserError
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
 from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu, run_script, train_tiny
@@ -311,7 +312,7 @@ def test_softcap_bounds_the_logits():
 
 
 def test_defaults_are_gpt2_and_save_pretrained_refuses_what_no_architecture_holds(tmp_path):
-    """save_pretrained writes any variant a transformers class computes (core/hf.py); ALL has a soft-cap
+    """save_pretrained writes any variant a transformers class computes (core/weights/hf.py); ALL has a soft-cap
     and q/k norm with ReLU^2, which none does, and is refused in one line naming them."""
     assert GPTConfig().non_gpt2_fields() == [] and config(n_kv_head=2).non_gpt2_fields() == []
     model = GPT(config(**ALL))

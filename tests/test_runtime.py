@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core import flops, runtime
+from core import runtime
+from core.training import flops
 from core.errors import UserError
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu,
                            run_scripts)
@@ -254,7 +255,7 @@ SLOW_FIRST_SAVE = '''
 import sys, time
 sys.path.insert(0, {repo!r})
 import train
-from core import checkpoint
+from core.weights import checkpoint
 from core.errors import run_cli
 
 real_save, slept = checkpoint.save_checkpoint, []
@@ -338,7 +339,7 @@ def test_slow_rank0_save_and_sigterm_to_one_rank(tmp_path, data_dir):
         finish(job, timeout=60)
     stdout, stderr = (tmp_path / "slow.out").read_text(), (tmp_path / "slow.err").read_text()
     assert job.returncode == 0, stderr[-3000:]
-    from core.checkpoint import load_checkpoint
+    from core.weights.checkpoint import load_checkpoint
     state = load_checkpoint(out / "ckpt.pt")
     stopped = state["meta"]["iter_num"]
     assert stopped > 4 and stdout.count("(stopped by a signal to another process)") == 1, stdout
@@ -349,7 +350,7 @@ def test_slow_rank0_save_and_sigterm_to_one_rank(tmp_path, data_dir):
 def test_resume_memory_maps_the_checkpoint(tmp_path, data_dir, monkeypatch):
     """Every rank loads the checkpoint on resume: mmap=True reads tensors from the file as they are
     used instead of copying the whole file into each process's memory."""
-    from core import checkpoint
+    from core.weights import checkpoint
     from tests.helpers import train_tiny
     train_tiny(tmp_path, data_dir, max_iters=2)
     real_load, seen = torch.load, []
@@ -387,7 +388,7 @@ def test_next_batch_is_prefetched_across_steps_and_loss_synced_only_to_log(tmp_p
     """After an iteration's forward and backward, the next iteration's first micro-batch is already
     fetched (and used as is); the global loss is computed only on logging iterations."""
     import train
-    from core.data import TrainBatches
+    from core.data.loader import TrainBatches
     from tests.helpers import train_tiny
     real_get, real_mean = TrainBatches.get, train.global_mean
     seen, means = [], []

@@ -16,7 +16,7 @@ import torch
 
 import sample
 from core import runtime
-from core.tokenizer import CharTokenizer, GPT2Tokenizer, StreamDecoder
+from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, StreamDecoder
 from model import GPT, GPTConfig
 from tests.helpers import (ROMEO_JULIET, assert_user_error, make_char_dataset, make_gpt2_dataset, run_main,
                            run_scripts, train_tiny, use_gpt2_bpe)

@@ -5,7 +5,7 @@ what a client library would refuse to send).
 
 The models are trained here, so greedy text is a real continuation rather than one token repeated:
 a char model on a Shakespeare passage (a base model: completions only), a char model trained on chat
-conversations (its tokenizer carries core/chat.py's tokens; served with a key from SERVE_API_KEY), and
+conversations (its tokenizer carries core/data/chat.py's tokens; served with a key from SERVE_API_KEY), and
 a GPT-2 BPE model trained on text with multi-byte characters (skipped without tiktoken's BPE file).
 """
 import asyncio
@@ -27,10 +27,10 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 import serve  # noqa: E402
-from core.chat import ChatTemplate, with_chat_tokens  # noqa: E402
-from core.prepare import write_dataset  # noqa: E402
-from core import weights  # noqa: E402
-from core.tokenizer import CharTokenizer  # noqa: E402
+from core.data.chat import ChatTemplate, with_chat_tokens  # noqa: E402
+from core.data.prepare import write_dataset  # noqa: E402
+from core.weights import resolver  # noqa: E402
+from core.data.tokenizer import CharTokenizer  # noqa: E402
 from tests.helpers import (ROMEO_JULIET, assert_user_error, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)
 
@@ -106,7 +106,7 @@ def train_chat_model(root: Path) -> Path:
     with its answer and then <|end|>."""
     chars = sorted(set("".join(q + a for q, a in CONVERSATIONS)))
     meta = with_chat_tokens(CharTokenizer(chars).meta())
-    from core.tokenizer import tokenizer_from_meta
+    from core.data.tokenizer import tokenizer_from_meta
     template = ChatTemplate.for_tokenizer(tokenizer_from_meta(meta))
     ids = []
     for q, a in CONVERSATIONS * 60:
@@ -130,7 +130,7 @@ def char_out(tmp_path_factory):
 def char_eot_out(tmp_path_factory):
     """char_out's run with <|endoftext|> in its vocabulary (never in the text): export.py then writes the
     vocabulary as it is, with no id appended for harnesses, so the folder's probabilities are exactly ours."""
-    from core.tokenizer import END_OF_TEXT, tokenizer_from_meta
+    from core.data.tokenizer import END_OF_TEXT, tokenizer_from_meta
     root = tmp_path_factory.mktemp("char-eot")
     meta = CharTokenizer.from_text(TEXT).meta()
     tok = tokenizer_from_meta(meta | {"special_tokens": {END_OF_TEXT: meta["vocab_size"]},
@@ -518,7 +518,7 @@ def test_the_engine_is_a_process_of_its_own_on_a_cpu_and_ends_with_the_server(ch
 
 
 def test_engine_choice_is_checked(char_out):
-    model, tok, _ = weights.load_model("resume", str(char_out))
+    model, tok, _ = resolver.load_model("resume", str(char_out))
     cfg = serve.ServeConfig(engine="process")
     with pytest.raises(serve.UserError, match="--engine=process serves CPU models only .* use --engine=thread"):
         serve.build_app(model, tok, cfg, "romeo", "cuda")
@@ -529,7 +529,7 @@ def test_engine_choice_is_checked(char_out):
 def test_ctrl_c_while_the_model_loads_stops_before_serving(char_out, monkeypatch):
     """Ctrl-C while the weights load (after the imports) ends there: one line, exit 130, and uvicorn never
     starts, so no second Ctrl-C is needed."""
-    real_load = weights.load_model
+    real_load = resolver.load_model
 
     def interrupted_load(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # Python's handler raises at the next bytecode, inside the load
@@ -681,7 +681,7 @@ def test_echo_logprobs_are_lm_evals_request(base, char_out):
     assert lp["top_logprobs"][0] is None and lp["tokens"][:len(ids)] == list("ROMEO: But soft, what light")
     assert lp["text_offset"] == list(range(len(ids) + 1)) and r["choices"][0]["text"].startswith("ROMEO: But")
     import torch
-    from core.weights import load_model
+    from core.weights.resolver import load_model
     model, _, _ = load_model("resume", str(char_out))
     with torch.no_grad():
         logits, _ = model.eval()(torch.tensor([ids + [tok.encode(lp["tokens"][-1])[0]]]))
@@ -787,7 +787,7 @@ def test_row_finish_reasons_length_and_stop_token():
 
 def test_row_sends_only_whole_utf8_characters():
     use_gpt2_bpe()
-    from core.tokenizer import GPT2Tokenizer
+    from core.data.tokenizer import GPT2Tokenizer
     tok = GPT2Tokenizer()
     text = "naïve 🙂 日本語"
     ids = tok.encode(text)
@@ -803,7 +803,7 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
     stream chunk), the same text; one step at a time when it keeps up."""
     from types import SimpleNamespace
 
-    from core.engine import EngineRequest, Handle, RowStep
+    from core.serving.engine import EngineRequest, Handle, RowStep
     tok = CharTokenizer.from_text("abcde")
     ids = tok.encode("abcde")
 
@@ -833,7 +833,7 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
 
 
 def test_completion_logprobs_shape_and_offsets():
-    from core.engine import TokenScore
+    from core.serving.engine import TokenScore
     tok = CharTokenizer.from_text("abc")
     a, b = tok.encode("ab")
     got = serve.completion_logprobs(tok, [(a, None), (b, TokenScore(-0.5, [(b, -0.5), (a, -1.5)]))])

@@ -10,7 +10,7 @@ import pytest
 import bench
 import plot
 from benchmarks import common, race, speedrun
-from core import optim
+from core.training import optim
 from core.errors import UserError
 from tests.helpers import make_char_dataset, one_thread
 
@@ -136,7 +136,7 @@ def test_nanogpt_runs_float32_on_a_cpu_and_ours_follows_the_runtime(tiny_data, m
     runs bf16 autocast (a native-bf16 CPU's --dtype=auto)."""
     import torch
     from core import runtime
-    from core.data import read_meta
+    from core.data.loader import read_meta
 
     seen, linear = [], torch.nn.Linear.forward
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda m, x: seen.append(linear(m, x).dtype) or linear(m, x))
@@ -156,7 +156,7 @@ def test_ours_trains_on_the_warm_ups_windows_and_the_race_counts_their_tokens(ti
     included), and the tokens at the crossing are the ones it trained, not iterations x block_size."""
     import model as modellib
     from core import runtime
-    from core.data import read_meta
+    from core.data.loader import read_meta
 
     shapes, forward = [], modellib.GPT.forward
     monkeypatch.setattr(modellib.GPT, "forward", lambda self, idx, *a, **k: shapes.append(tuple(idx.shape))

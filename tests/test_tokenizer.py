@@ -1,4 +1,4 @@
-"""Trained BPE tokenizers (core/tokenizer.py's train_bpe) and data/text/prepare.py, the prepare script for any text.
+"""Trained BPE tokenizers (core/data/tokenizer.py's train_bpe) and data/text/prepare.py, the prepare script for any text.
 
     python -m pytest tests/test_tokenizer.py
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import core.prepare
-from core.chat import CHAT_TOKENS, ChatTemplate, with_chat_tokens
-from core.data import TokenData
-from core.tokenizer import EOT, BPETokenizer, GPT2Tokenizer, check_extends, tokenizer_from_meta, train_bpe
+import core.data.prepare
+from core.data.chat import CHAT_TOKENS, ChatTemplate, with_chat_tokens
+from core.data.loader import TokenData
+from core.data.tokenizer import EOT, BPETokenizer, GPT2Tokenizer, check_extends, tokenizer_from_meta, train_bpe
 from tests.helpers import REPO_ROOT, assert_user_error, needs_transformers, run_main, train_tiny, use_gpt2_bpe
 
 RESERVED = (EOT, *CHAT_TOKENS)
@@ -26,7 +26,7 @@ MIXED = ("中文測試，日本語のテキスト。한국어 😀👍🏽👩�
 
 
 def corpus_texts() -> list[str]:
-    return [(REPO_ROOT / name).read_text(encoding="utf-8") for name in ("model.py", "core/prepare.py", "core/data.py")]
+    return [(REPO_ROOT / name).read_text(encoding="utf-8") for name in ("model.py", "core/data/prepare.py", "core/data/loader.py")]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_trained_bpe_layout(bpe):
     assert bpe.eot_token == 595 and bpe.special_tokens == {}  # a base tokenizer: no chat template
     assert ChatTemplate.for_tokenizer(bpe) is None
     pre = json.loads(bpe.json)["pre_tokenizer"]["pretokenizers"][0]
-    assert pre["pattern"]["Regex"] == core.tokenizer.SPLIT_PATTERN  # llama.cpp's "llama-bpe" split
+    assert pre["pattern"]["Regex"] == core.data.tokenizer.SPLIT_PATTERN  # llama.cpp's "llama-bpe" split
 
 
 def test_round_trips_mixed_text(bpe):
@@ -86,7 +86,7 @@ def test_metadata_round_trip_and_chat_tokens(bpe):
 
 def test_exported_folder_gives_the_same_ids(bpe, tmp_path):
     transformers = needs_transformers()
-    from core.hf_tokenizer import save_hf_tokenizer
+    from core.data.hf_tokenizer import save_hf_tokenizer
 
     save_hf_tokenizer(bpe, tmp_path, 1 << 20)
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
@@ -156,9 +156,9 @@ def test_pieces_encode_to_the_ids_of_the_whole(kind, docs, tmp_path, monkeypatch
     hard = tmp_path / "in" / "hard.txt"  # whitespace before line ends, CRLF, blank lines, punctuation at ends
     hard.write_bytes(("x  \ny\r\nz.\nw\n\n\nv'\ns\n" * 400 + MIXED * 20).encode("utf-8"))
     args = [f"--input={tmp_path / 'in' / '*.txt'}", f"--tokenizer={kind}", "--val_fraction=0.3"]
-    monkeypatch.setattr(core.prepare, "CHUNK_CHARS", None)
+    monkeypatch.setattr(core.data.prepare, "CHUNK_CHARS", None)
     whole = prepare(*args, f"--out_dir={tmp_path / 'whole'}")
-    monkeypatch.setattr(core.prepare, "CHUNK_CHARS", 50)
+    monkeypatch.setattr(core.data.prepare, "CHUNK_CHARS", 50)
     pieces = prepare(*args, f"--out_dir={tmp_path / 'pieces'}")
     assert whole == pieces | {"source": whole["source"]}
     for split in ("train", "val"):
@@ -204,13 +204,13 @@ def test_a_prepending_tokenizer_encodes_each_document_in_one_call():
     """SentencePiece-style tokenizers (Llama 2, TinyLlama) prepend "▁" to every call: pieces would differ."""
     from tokenizers import Tokenizer, models, normalizers
 
-    from core.tokenizer import HFTokenizer
+    from core.data.tokenizer import HFTokenizer
 
     chars = sorted(set("▁Hello world.\nNext line ab x=1def f():中文。下一行"))
     backend = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, merges=[]))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    assert not core.prepare.chunks_encode_whole(HFTokenizer(backend.to_str()))
-    assert core.prepare.chunks_encode_whole(train_bpe(iter(corpus_texts()), 300, RESERVED, progress=False))
+    assert not core.data.prepare.chunks_encode_whole(HFTokenizer(backend.to_str()))
+    assert core.data.prepare.chunks_encode_whole(train_bpe(iter(corpus_texts()), 300, RESERVED, progress=False))
 
 
 def test_a_separator_line_splits_a_file_into_documents(tmp_path):
@@ -330,7 +330,7 @@ def test_fine_tune_an_imported_model_on_your_text(bpe, docs, tmp_path):
     import eval as eval_script
     import export
     import sample
-    from core.weights import load_model
+    from core.weights.resolver import load_model
 
     folder = tmp_path / "llama"
     bos = write_llama_folder(folder, bpe)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train
-from core.checkpoint import load_checkpoint
+from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
 import model as modellib
 from tests.helpers import (TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, losses, make_char_dataset,

@@ -8,7 +8,7 @@
 
 Each line is one conversation: {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
 (an optional system message, then user and assistant alternating, ending with the assistant). Blank
-lines are skipped. Every conversation goes through core/chat.py's template; out_dir gets, per split:
+lines are skipped. Every conversation goes through core/data/chat.py's template; out_dir gets, per split:
 
     {split}.bin         token ids (uint16), conversations back to back
     {split}_mask.bin    uint8, one per token: 1 where the token is learned (assistant content + its <|end|>)
@@ -34,13 +34,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make the repo's core/ importable
 
-from core.chat import ChatTemplate, with_chat_tokens  # noqa: E402
+from core.data.chat import ChatTemplate, with_chat_tokens  # noqa: E402
 from core.config import parse_args  # noqa: E402
-from core.data import read_meta  # noqa: E402
+from core.data.loader import read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.fileio import write_json  # noqa: E402
-from core.prepare import script_out_dir, write_tokens  # noqa: E402
-from core.tokenizer import GPT2Tokenizer, tokenizer_from_meta, tokenizer_meta  # noqa: E402
+from core.data.prepare import script_out_dir, write_tokens  # noqa: E402
+from core.data.tokenizer import GPT2Tokenizer, tokenizer_from_meta, tokenizer_meta  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ def base_tokenizer_meta(cfg: ChatPrepareConfig) -> dict:
     path = Path(cfg.tokenizer_from)
     if (path / "meta.json").is_file():  # a prepared dataset
         return tokenizer_meta(read_meta(path))
-    from core import checkpoint  # a run's out_dir; torch is needed only here
+    from core.weights import checkpoint  # a run's out_dir; torch is needed only here
 
     for name in (checkpoint.CKPT_NAME, checkpoint.SHARDED_NAME):
         if (path / name).exists():

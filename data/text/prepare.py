@@ -13,7 +13,7 @@ document gives its last --val_fraction of characters instead, as nanoGPT splits 
 --tokenizer:
     char        the corpus's characters (all of them, train and val)
     gpt2        GPT-2's BPE; <|endoftext|> between documents
-    bpe:VOCAB   a byte-level BPE of VOCAB ids trained here on the train split (core/tokenizer.py's train_bpe:
+    bpe:VOCAB   a byte-level BPE of VOCAB ids trained here on the train split (core/data/tokenizer.py's train_bpe:
                 Llama 3's split, <|endoftext|> and the chat tokens reserved); <|endoftext|> between documents
     DIR         a transformers folder's tokenizer.json (or a tokenizer.json file): each document gets what its
                 post-processor adds (Llama 3: <|begin_of_text|> first), for fine-tuning that model
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 
 from core.config import parse_args  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
-from core.prepare import check_tokenizer_spec, prepare_corpus, script_out_dir  # noqa: E402
+from core.data.prepare import check_tokenizer_spec, prepare_corpus, script_out_dir  # noqa: E402
 
 
 @dataclasses.dataclass

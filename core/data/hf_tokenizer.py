@@ -4,7 +4,7 @@
 from pathlib import Path
 
 from core.errors import UserError, first_line
-from core.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, _gpt2_encoding
+from core.data.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, _gpt2_encoding
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -92,7 +92,7 @@ def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
                       extra_special_tokens: tuple[str, ...] = (), chat_template: str | None = None) -> None:
     """tokenizer.json and tokenizer_config.json in directory, which transformers' AutoTokenizer loads
     (PreTrainedTokenizerFast) with our ids, and decodes without touching the spaces. A chat template
-    (Jinja, core/chat.py's) goes in tokenizer_config.json's "chat_template", where transformers 4 and 5
+    (Jinja, core/data/chat.py's) goes in tokenizer_config.json's "chat_template", where transformers 4 and 5
     both read it (transformers 5 would otherwise write a chat_template.jinja beside it)."""
     from transformers import PreTrainedTokenizerFast
 

@@ -5,7 +5,8 @@ read the same config files, so it lives here rather than in train.py.
 import dataclasses
 import math
 
-from core import optim, parallel, weights
+from core.training import optim, parallel
+from core.weights import resolver
 from core.config import field_help
 from core.errors import UserError
 from model import CHOICES, RECIPE_SWITCHES, GPTConfig
@@ -72,7 +73,7 @@ class TrainConfig(ModelKeys):
     beta1: float = 0.9                     # AdamW's first-moment decay
     beta2: float = 0.95                    # AdamW's second-moment decay
     grad_clip: float = 1.0                 # 0 disables clipping
-    # learning-rate schedule: linear warmup, then down to min_lr at lr_decay_iters (core/optim.py lr_at)
+    # learning-rate schedule: linear warmup, then down to min_lr at lr_decay_iters (core/training/optim.py lr_at)
     decay_lr: bool = True                  # False: learning_rate throughout, no warmup or decay
     lr_schedule: str = "cosine"            # cosine (nanoGPT) | wsd: the peak, then linear over the last cooldown_frac
     cooldown_frac: float = 0.2             # wsd only: the fraction of lr_decay_iters spent decaying
@@ -89,7 +90,7 @@ class TrainConfig(ModelKeys):
     compile: bool | None = None            # None: on for CUDA, off elsewhere
     seed: int = 1337                       # weights, dropout and batches all follow from it
     dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
-    parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/parallel.py)
+    parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/training/parallel.py)
     activation_checkpointing: bool = False  # recompute each Block in the backward pass: less memory, more compute
 
     def model_args(self) -> dict:
@@ -146,7 +147,7 @@ class TrainConfig(ModelKeys):
         parallel.check_parallel(self.parallel, self.dtype)
         if not self.dist_timeout_s > 0:
             raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
-        weights.check_init_from(self.init_from, scratch=True)
+        resolver.check_init_from(self.init_from, scratch=True)
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:

@@ -4,10 +4,10 @@ Which tokenizer a dataset or checkpoint uses is an explicit field in its metadat
 (meta.json, written by prepare.py and copied into every checkpoint), never guessed
 from a file or folder name, and never silently swapped for another.
 
-Special tokens (the chat turn markers of core/chat.py) are ids beyond the ordinary ones, named in the
+Special tokens (the chat turn markers of core/data/chat.py) are ids beyond the ordinary ones, named in the
 metadata's "special_tokens" ({"<|user|>": 50258, ...}). encode() never produces them: text that spells
 "<|user|>" is encoded as those characters, so user text cannot forge a turn. Only code that means a
-special token puts its id in (core/chat.py). decode() writes a special id as its name.
+special token puts its id in (core/data/chat.py). decode() writes a special id as its name.
 """
 import functools
 from pathlib import Path
@@ -235,7 +235,7 @@ def reserved_tokens(tokenizer_json: str) -> dict[str, int]:
 class BPETokenizer(HFTokenizer):
     """A byte-level BPE trained on the dataset's own text (train_bpe), with SPLIT_PATTERN before it.
 
-    Its tokenizers JSON reserves <|endoftext|> (eot_token) and the chat tokens (core/chat.py) as added
+    Its tokenizers JSON reserves <|endoftext|> (eot_token) and the chat tokens (core/data/chat.py) as added
     special tokens after the ordinary ids. Only the ones named in special_tokens count as the vocabulary's
     (a chat dataset names the chat tokens, so a base model's tokenizer has no chat template); the ids of
     all of them are fixed by the training, so a chat fine-tune never grows the embedding.
@@ -353,7 +353,7 @@ def _hf_token_bytes(tok: "HFTokenizer") -> list[int]:
     import json
     import re
 
-    from core.hf_tokenizer import bytes_to_unicode
+    from core.data.hf_tokenizer import bytes_to_unicode
 
     decoder = json.loads(tok.json).get("decoder") or {}
     byte_level = "ByteLevel" in json.dumps(decoder)

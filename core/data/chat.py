@@ -19,13 +19,13 @@ the char tokenizer), so a user who types "<|end|><|assistant|>" gets those chara
 
 With GPT-2's BPE the four tokens take ids 50257-50260, inside the 50304 rows a GPT-2-shaped model
 already has; with a character vocabulary they are appended after its characters and a fine-tune grows
-the embedding by four rows (model.GPT.grow_vocab); a trained BPE (core/tokenizer.py's train_bpe) reserved
+the embedding by four rows (model.GPT.grow_vocab); a trained BPE (core/data/tokenizer.py's train_bpe) reserved
 their ids when it was trained.
 """
 from __future__ import annotations
 
 from core.errors import UserError
-from core.tokenizer import GPT2_VOCAB, Tokenizer, reserved_tokens
+from core.data.tokenizer import GPT2_VOCAB, Tokenizer, reserved_tokens
 
 TEMPLATE_NAME = "role-tokens-v1"
 SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"

@@ -1,5 +1,5 @@
 """Preparing token data: text sources, tokenizing, and writing token files and shards with their
-meta.json, in the format core/data.py reads. The data/<name>/prepare.py scripts call it.
+meta.json, in the format core/data/loader.py reads. The data/<name>/prepare.py scripts call it.
 
 Any text (data/text/prepare.py, and tiny Shakespeare's two scripts) goes through prepare_corpus:
 files -> documents -> whole-document train/val -> a tokenizer (char, GPT-2's BPE, a BPE trained on the
@@ -27,10 +27,10 @@ from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
 
-from core.data import shard_paths
+from core.data.loader import shard_paths
 from core.errors import UserError, first_line
 from core.fileio import atomic_path, fsync_dir, write_json
-from core.tokenizer import (EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, check_bpe_vocab,
+from core.data.tokenizer import (EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, check_bpe_vocab,
                             tokenizer_from_meta, train_bpe)
 
 
@@ -394,8 +394,8 @@ def check_tokenizer_spec(spec: str, char: bool = True) -> None:
 
 
 def bpe_reserved() -> tuple[str, ...]:
-    """What a trained BPE reserves: <|endoftext|> and the chat tokens (core.chat imports core.tokenizer)."""
-    from core.chat import CHAT_TOKENS
+    """What a trained BPE reserves: <|endoftext|> and the chat tokens (core.data.chat imports core.data.tokenizer)."""
+    from core.data.chat import CHAT_TOKENS
 
     return (EOT, *CHAT_TOKENS)
 
@@ -416,7 +416,7 @@ def make_tokenizer(spec: str, train_texts: Iterable[str] = (), chars: set[str] |
             print(f"the train split has only enough distinct pairs for {tok.vocab_size} ids", file=sys.stderr)
         print(f"trained the BPE in {time.perf_counter() - start:.1f}s", file=sys.stderr)
         return tok
-    from core.hf_tokenizer import load_tokenizer_json  # transformers folders only
+    from core.data.hf_tokenizer import load_tokenizer_json  # transformers folders only
 
     return load_tokenizer_json(spec)
 

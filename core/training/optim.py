@@ -97,7 +97,7 @@ def check_muon_params(named: list[tuple[str, nn.Parameter]]) -> None:
     for name, p in named:
         if p.dim() != 2:
             raise UserError(f"optimizer=muon takes only 2-D matrices, but {name} has shape {tuple(p.shape)}; "
-                            f"give it to AdamW (core/optim.py split_params) or use optimizer=adamw")
+                            f"give it to AdamW (core/training/optim.py split_params) or use optimizer=adamw")
 
 
 def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_decay: float,

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
-from core import optim, parallel
+from core.training import optim, parallel
 from core.errors import UserError, first_line
 from core.fileio import atomic_path, fsync_dir, remove_orphaned_temps, write_json
 from core.runtime import Runtime
@@ -177,7 +177,7 @@ def model_from_checkpoint(state: dict[str, Any], **overrides) -> GPT:
 
 
 # -----------------------------------------------------------------------------
-# saving from a training run (loading a model for any script: core/weights.py)
+# saving from a training run (loading a model for any script: core/weights/resolver.py)
 
 
 def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module, optimizer, scaler, rt: Runtime,

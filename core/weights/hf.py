@@ -1,7 +1,7 @@
 """Our recipe variants <-> transformers architectures: which class computes exactly our function,
 and the config and state-dict maps both ways.
 
-    from core import hf
+    from core.weights import hf
     hf.architecture(model.config)                  # 'LlamaForCausalLM', or a UserError naming what no class holds
     hf_model = hf.to_transformers(model)           # a transformers model with our weights, same logits
     model = hf.from_transformers(hf_model)         # and back
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError, first_line
-from core.hf_tokenizer import load_hf_tokenizer
-from core.tokenizer import GPT2Tokenizer, Tokenizer
+from core.data.hf_tokenizer import load_hf_tokenizer
+from core.data.tokenizer import GPT2Tokenizer, Tokenizer
 from model import CHOICES, GPT, GPT2_HUB_NAMES, RECIPE_SWITCHES, GPTConfig, swiglu_hidden
 
 # GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).

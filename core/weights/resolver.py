@@ -3,7 +3,7 @@
     scratch    new weights for the config train.py builds (train.py only)
     resume     the checkpoint in out_dir (training: also its optimizer, RNG and iteration)
     run        a training run's out_dir: its checkpoint's weights, e.g. for a chat fine-tune
-    folder     a transformers folder (GPT-2, Llama, Qwen3, ...: core/hf.py), with its tokenizer.json
+    folder     a transformers folder (GPT-2, Llama, Qwen3, ...: core/weights/hf.py), with its tokenizer.json
     hub        a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), with GPT-2's BPE
 
     w = weights.resolve("resume", "out-shakespeare-char")
@@ -18,9 +18,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-from core import checkpoint, hf  # hf imports transformers only inside its functions
+from core.weights import checkpoint, hf  # hf imports transformers only inside its functions
 from core.errors import UserError, first_line
-from core.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
+from core.data.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
 from model import GPT, GPT2_HUB_NAMES, GPT2_SHAPES, GPTConfig
 
 

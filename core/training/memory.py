@@ -16,7 +16,7 @@ import os
 import torch
 
 from core.errors import UserError, first_line
-from core.optim import OPTIMIZERS
+from core.training.optim import OPTIMIZERS
 from model import GPT
 
 # fp32 state tensors the optimizer keeps per parameter: AdamW's two moments; Muon's momentum for
@@ -66,7 +66,7 @@ def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
     shards > 1 (parallel=fsdp on that many processes): each keeps 1/shards of the weights, gradients
     and optimizer state, plus the compute_dtype weights and param_dtype gradients of the Blocks
     gathered at a time: two (the one running, the next prefetched), or with micro_steps > 1 every
-    one, since they stay gathered between micro-steps (core/parallel.py micro_step).
+    one, since they stay gathered between micro-steps (core/training/parallel.py micro_step).
     activation_checkpointing: a layer keeps only its input, and one layer its whole set while it
     is recomputed in the backward pass.
     """

@@ -1,5 +1,5 @@
 """Token data on disk, read: memory-mapped token files and shards -> batches (train.py, eval.py).
-Writing it is core/prepare.py's (the data/<name>/prepare.py scripts).
+Writing it is core/data/prepare.py's (the data/<name>/prepare.py scripts).
 
 A prepared dataset is a folder holding meta.json (tokenizer, vocab_size, dtype, token counts)
 and, per split, either one `{split}.bin` or shards `{split}_000000.bin`, `{split}_000001.bin`, ...:
@@ -31,7 +31,7 @@ import numpy as np
 from core.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where batches are made: prepare.py scripts, which read
-    # shard_paths through core/prepare.py, run without it (2 s faster)
+    # shard_paths through core/data/prepare.py, run without it (2 s faster)
     import torch
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -242,7 +242,7 @@ class TrainBatches:
     Micro-batch g of the global batch (g = rank * accum + micro) is drawn from (seed, iter, g)
     alone, so the global batch does not depend on how many processes share it, and a resumed run
     reads exactly the batches the first run would have. seq_len(iter) is the window's length at an
-    iteration (None: block_size throughout; train.py passes core.train_config.seq_len_at).
+    iteration (None: block_size throughout; train.py passes core.training.train_config.seq_len_at).
     """
 
     def __init__(self, data: TokenData, seed: int, batch_size: int, accum: int, rank: int = 0, device="cpu",

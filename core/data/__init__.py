@@ -1,0 +1,6 @@
+"""The data wing: text to token files, and token files to batches.
+
+tokenizer (every kind behind one interface), hf_tokenizer (tokenizer.json both ways), chat (the chat template),
+loader (token files -> batches), and preparing: sources (a corpus's text), writer (token files, shards,
+meta.json), corpus (any text files -> documents -> train/val), web (hub-sized corpora in worker processes).
+"""
