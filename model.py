@@ -1,8 +1,12 @@
 """The GPT language model: a pre-LayerNorm decoder-only transformer in the GPT-2 layout.
 
-Read it bottom-up, the way the model computes: reference attention -> causal self-attention
--> MLP -> Block -> GPT, then the KV cache, sampling and generation, and GPT-2 interop with
-Hugging Face transformers.
+Read it bottom-up, the way the model computes: GPTConfig (the recipe switches as fields) -> reference
+attention and rotary positions -> causal self-attention -> MLP -> Block -> KVCache -> GPT (forward, init,
+parameter count, MFU, and from_pretrained as nanoGPT's users know it).
+
+Elsewhere, and never imported here: decoding (sampling, generate, inference_model) in core/decoding/decode.py,
+the CPU's kernel choices in core/cpu.py (they act through the Kernels hook below), and the transformers
+interop in core/weights/hf.py.
 
 Shapes: B batch, T sequence (queries), Tk keys, C = n_embd, nh heads, hs = C // nh head size.
 
@@ -15,12 +19,11 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTN_BACKENDS = ("sdpa", "naive")
 GELU_APPROXIMATIONS = ("tanh", "none")
@@ -244,12 +247,28 @@ def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 
 
+class Kernels:
+    """Which of torch's kernels a forward runs, picked per call: the function computed is the same whatever
+    they pick. This base leaves every call to torch; core/cpu.py's CPUKernels pick for a CPU, set on a model
+    from outside (GPT.use_kernels), as sharding and compile are."""
+
+    def blocks(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Around the Blocks of one forward of x (B, T, C)."""
+        return contextlib.nullcontext()
+
+    def attention(self, q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
+        """Around one causal attention call of q (B, nh, T, hs) over Tk keys."""
+        return contextlib.nullcontext()
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused q/k/v projection.
 
     With n_kv_head < n_head (grouped-query attention) the projection makes n_head query heads
     but only n_kv_head key/value heads, each shared by n_head // n_kv_head query heads.
     """
+
+    kernels = Kernels()  # torch's own choice; GPT.use_kernels sets another
 
     def __init__(self, config: GPTConfig, value_embed: bool = False):
         super().__init__()
@@ -350,7 +369,7 @@ class CausalSelfAttention(nn.Module):
         if mask is not None:  # rows at their own positions: each row's own causal mask
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
         if Tq == Tk:
-            with short_training_attention(q, Tk, self.training):
+            with self.kernels.attention(q, Tk, self.training):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
         # One new token is the last position and sees every key: no mask, which keeps decoding
         # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
@@ -514,197 +533,14 @@ class KVCache:
             self.pos = 0
 
 
-class PackedLinear(nn.Module):
-    """An nn.Linear whose bfloat16 weight oneDNN has reordered once into its own blocked layout, for a
-    model that only decodes on a CPU with native bfloat16 (GPT.pack_linears). F.linear hands oneDNN the
-    plain (out, in) matrix, which it reorders at every call: at one row, a matrix-vector product bound by
-    reading the weight, that costs about as much as float32's product of twice the bytes. Packed, GPT-2
-    small's cached step takes 0.81x the time of oneDNN's unpacked products and 0.85x that of torch's own
-    GEMV, and 4 to 64 rows 0.6x the unpacked time (docs/performance.md, "Decoding against the bandwidth
-    bound"), with the very floats of F.linear's oneDNN product, at any number of rows. torch has no public
-    eager API for a weight packed once; these two ops are the ones torch.compile's CPU freezing emits."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_numel = linear.weight.numel()  # the weight lives on only as `packed`: counted for get_num_params
-        self.weight_bytes = self.weight_numel * linear.weight.element_size()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # opaque, oneDNN's
-        self.bias = linear.bias
-
-    def forward(self, x):
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., out)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-PACK_MIN_WEIGHTS = 1 << 18  # GPT.pack_linears packs matrices this large or larger: 512 x 512 and up, all of GPT-2's
-
-
-def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The matmul kernels for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1).
-
-    At one row every matmul is a matrix-vector product, bound by reading the weights. oneDNN, torch's
-    bfloat16 matmul on a CPU, is made for many rows: handed a plain matrix it lays the weight out again at
-    every call, which at one row costs as much as the product. The large matrices are packed once for it
-    (PackedLinear, which calls oneDNN directly, this flag or not); for the small ones left as nn.Linear
-    (under PACK_MIN_WEIGHTS) oneDNN's fixed cost of about 20 us a call dominates, and with oneDNN off
-    torch's own GEMV gives the same floats in 0.2x-0.6x oneDNN's time; at 4 rows it is slower
-    (docs/performance.md, "Decoding against the bandwidth bound").
-    """
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.size(0) * x.size(1) != 1:
-        return contextlib.nullcontext()
-    return _without_onednn()
-
-
-@contextlib.contextmanager
-def _without_onednn():
-    onednn = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = onednn
-
-
-SHORT_TRAINING_MATH_KEYS = 128  # bfloat16 training on a CPU: the math backend is faster up to this many keys
-
-
-def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
-    """SDPA's math backend for bfloat16 attention on the CPU over at most SHORT_TRAINING_MATH_KEYS keys in
-    a training forward (training mode, autograd recording q): there the flash kernel's forward and backward
-    take 1.5x-4.6x the math backend's, for its slow bf16 backward (at the CPU quick start's 64 x 32 heads,
-    2.7x); from 256 keys flash is the faster (docs/performance.md, "Mixed precision on a CPU with native
-    bfloat16"). Float32 and evaluation keep flash, faster there at every length measured."""
-    recorded = training and torch.is_grad_enabled() and q.requires_grad
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not recorded or Tk > SHORT_TRAINING_MATH_KEYS:
-        return contextlib.nullcontext()
-    return sdpa_kernel(SDPBackend.MATH)
-
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    """Pick the next token for each row of logits (B, vocab) -> (B, 1).
-
-    temperature == 0 means greedy: the argmax, ignoring top_k, top_p and generator. Otherwise the
-    logits are divided by temperature, cut to the top_k most likely tokens and then to the
-    smallest set whose probability reaches top_p (nucleus sampling, Holtzman et al. 2019), and
-    one token is drawn with `generator` (torch's default generator when None).
-    """
-    check_sampling_args(temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-    probs = sampling_probs(logits, temperature, top_k, top_p)  # (B, vocab)
-    return draw(probs, exponential_noise(probs, generator))  # (B, 1)
-
-
-def sampling_probs(logits, temperature, top_k=None, top_p=None) -> torch.Tensor:
-    """The distribution sample_next draws from, (B, vocab): softmax of logits / temperature (> 0) cut to
-    top_k, then to top_p. Each row on its own, so rows of many requests with one setting go in one call."""
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, [-1]]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        logits = _nucleus(logits, top_p)
-    return torch.softmax(logits, dim=-1)  # (B, vocab)
-
-
-def exponential_noise(probs, generator=None) -> torch.Tensor:
-    """Exp(1) noise shaped like probs (B, vocab), drawn from generator: what torch.multinomial(probs, 1,
-    generator=generator) draws, in the same order."""
-    return torch.empty_like(probs).exponential_(1, generator=generator)
-
-
-def draw(probs, noise) -> torch.Tensor:
-    """One token per row of probs (B, vocab), given noise (B, vocab) ~ Exp(1): argmax(probs / noise) -> (B, 1).
-
-    The exponential race (the Gumbel-max trick with exp applied) is torch.multinomial's own algorithm for
-    one sample, so a row's token is multinomial's from the same generator, bit for bit (tests/test_model.py).
-    Unlike multinomial it takes the noise as an argument, so rows drawn from different generators (the
-    server's requests, core/serving/engine.py) share one call; and it checks the rows once, where multinomial makes
-    three checks that each wait for a value."""
-    if not bool((probs.sum(dim=-1) > 0).all()):  # NaN or inf logits; softmax leaves no other way to fail
-        raise ValueError("the next token's probabilities are not finite: the logits hold a NaN or inf")
-    return (probs / noise).argmax(dim=-1, keepdim=True)  # (B, 1)
-
-
-def _nucleus(logits, top_p):
-    """Mask all but the most likely tokens whose probabilities, taken in order, first reach top_p."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, vocab)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-    drop = mass_before >= top_p
-    drop[:, 0] = False  # the most likely token always stays, even when top_p rounds to 0 in float32
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return sorted_logits.scatter(-1, order, sorted_logits)  # back to vocabulary order
-
-
-def check_sampling_args(temperature, top_k, top_p) -> None:
-    """The one check of how tokens are drawn (generate, sample.py, serve.py): a ValueError whose
-    message starts with the setting's name."""
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1 (or unset: no limit), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (or unset: no limit), got {top_p}")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How GPT.generate draws each token.
-
-    temperature, top_k, top_p, generator: sample_next's (temperature 0 is greedy). use_cache: decode with a
-    KV cache, or recompute every step; both give the same tokens. eot_token: a row stops after emitting it.
-    vocab_size: draw only ids below it (a padded vocabulary, 50304 for GPT-2's 50257, has ids no tokenizer
-    decodes).
-
-    Past block_size the context window slides window_shift tokens at once. Learned positions make every
-    cached key stale when it moves, so the cache is refilled each time. 1 is nanoGPT's rule: the model sees
-    exactly the last block_size tokens, and with a cache each step past block_size is a full forward;
-    block_size // 2 (window_shift() below) refills once per block_size // 2 tokens and stays fast.
-
-    rolling_cache (pos_embedding="rope", window_shift=1) keeps every cached key past block_size and
-    overwrites the oldest, at cached speed. A deeper layer's key was computed from the context its token
-    saw, so with n_layer > 1 this is sliding-window attention (as Mistral's), not nanoGPT's rule.
-    """
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    generator: torch.Generator | None = None
-    use_cache: bool = True
-    eot_token: int | None = None
-    window_shift: int = 1
-    vocab_size: int | None = None
-    rolling_cache: bool = False
-
-
-def slide_window(start: int, length: int, block_size: int, shift: int) -> int:
-    """Where the context window of a sequence of `length` tokens starts once the window tokens[start:] has
-    outgrown block_size: `shift` further on, or further still if that is not enough (a prompt longer than
-    block_size). generate and the server's engine both slide by this one rule."""
-    return max(start + shift, length - block_size)
-
-
-def window_shift(requested: int | None, block_size: int) -> int:
-    """How far the context window slides at once past block_size (see GPT.generate): `requested`, or
-    by default half the window, so that a KV cache is refilled only once per block_size // 2 tokens.
-    The one check of window_shift: a ValueError for less than 1 or more than block_size."""
-    shift = max(1, block_size // 2) if requested is None else requested
-    if shift < 1:
-        raise ValueError(f"window_shift must be at least 1 (or None for block_size // 2), got {shift}")
-    if shift > block_size:
-        raise ValueError(f"window_shift {shift} is larger than the model's block_size {block_size}")
-    return shift
-
-
 class GPT(nn.Module):
     """GPT-2: token + position embeddings -> n_layer Blocks -> LayerNorm -> vocabulary head.
 
     The recipe switches of GPTConfig change one piece each: rotary positions instead of wpe,
     RMSNorm, q/k norm, the MLP's nonlinearity, fewer k/v heads, an untied head, a logit soft-cap.
     """
+
+    kernels = Kernels()  # torch's own choice; use_kernels sets another
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -759,6 +595,12 @@ class GPT(nn.Module):
             if hasattr(block.attn, "ve_lambdas"):
                 nn.init.constant_(block.attn.ve_lambdas, 0.5)
 
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run every forward with kernels' choices (core/cpu.py's CPUKernels): this model and its attention."""
+        for module in (self, *self.modules()):
+            if isinstance(module, (GPT, CausalSelfAttention)):
+                module.kernels = kernels
+
     def value_embed_table(self, i: int) -> int | None:
         """Which value-embedding table Block i reads: j for Blocks j and L-k+j (j < k = value_embeds), else None.
         The first and the last Blocks get them, as in modded-nanogpt (3 tables over 12 or more layers)."""
@@ -792,7 +634,7 @@ class GPT(nn.Module):
             rope = rope_angles(positions, c.head_size, c.rope_base, c.rope_llama3)  # 2 x (T, hs)
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
-        with one_row_kernels(x):
+        with self.kernels.blocks(x):
             x = self._blocks(x, kv_cache, pos, attn, rope, idx)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(T)
@@ -833,41 +675,11 @@ class GPT(nn.Module):
         logits keep 8 bits of mantissa, which rounds close scores together and ties greedy and top-k.
         """
         h = self.transformer.ln_f(x[:, -1:, :])  # (B, 1, C)
-        head_t = getattr(self, "head_float32", None)  # keep_float32_head's copy (C, vocab), if the weights were cast
+        head_t = getattr(self, "head_float32", None)  # decode.keep_float32_head's (C, vocab), if weights were cast
         with torch.autocast(h.device.type, enabled=False):
             if head_t is None:
                 return self._softcap(F.linear(h.float(), self.lm_head.weight.float()))  # (B, 1, vocab)
             return self._softcap(h.float() @ head_t)  # (B, 1, vocab)
-
-    def keep_float32_head(self) -> None:
-        """Decoding with bfloat16 (or float16) weights: a float32 copy of the head, made once, for
-        _last_logits. Without it each token casts the whole head (vocab x C, GPT-2's largest matrix) to
-        float32 again, which costs more than the matmul it feeds. Stored transposed, (C, vocab): at one
-        row h @ head_t reads it in 0.7x the time F.linear takes over (vocab, C) on a CPU (MKL's GEMV;
-        docs/performance.md, "Decoding against the bandwidth bound"). Not saved (persistent=False), and
-        stale if the weights change afterwards: for a model that only decodes (runtime.inference_model)."""
-        head_t = self.lm_head.weight.detach().float().t().contiguous()  # (C, vocab)
-        self.register_buffer("head_float32", head_t, persistent=False)
-
-    def pack_linears(self) -> None:
-        """Decoding with bfloat16 weights on a CPU that computes them natively: every Block's matrix of
-        PACK_MIN_WEIGHTS weights or more handed to oneDNN once, in its blocked layout (PackedLinear); smaller
-        ones are faster as they are (one_row_kernels). Those weights then exist only packed, so this is for a
-        model that only decodes (runtime.inference_model); the head, the embeddings and the norms stay."""
-        for block in self.transformer.h:
-            for name, module in list(block.named_modules()):
-                if isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS:
-                    parent, _, attr = name.rpartition(".")
-                    setattr(block.get_submodule(parent), attr, PackedLinear(module))
-
-    def lay_head_by_columns(self) -> None:
-        """Decoding in float32 on a CPU: the head's storage laid out in place as (C, vocab), the same values
-        seen as (vocab, C), so F.linear reads it as keep_float32_head's copy is read (0.7-0.8x the time over
-        the row-major matrix at 1 to 16 rows; docs/performance.md, "Decoding against the bandwidth bound"),
-        with no second copy: a tied token table is the same tensor, and an embedding row is a strided read.
-        For a model that only decodes (runtime.inference_model)."""
-        w = self.lm_head.weight
-        w.data = w.data.t().contiguous().t()  # (vocab, C), strides (1, vocab)
 
     def _softcap(self, logits):
         """c * tanh(logits / c) with c = logit_softcap (Gemma 2): bounds the logits smoothly, so no
@@ -917,60 +729,6 @@ class GPT(nn.Module):
         return KVCache(c.n_layer, batch_size, c.kv_heads, max_len or c.block_size, c.head_size,
                        device=weight.device, dtype=dtype or weight.dtype)
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, sampling: "Sampling | None" = None, **settings) -> torch.Tensor:
-        """Continue idx (B, T) by up to max_new_tokens -> (B, T + new). Call model.eval() first.
-
-        How tokens are drawn is one Sampling value, or its fields by name (temperature=0.8, top_k=200, ...).
-        With eot_token, rows that emitted it are padded with it, and generation ends once all have.
-        """
-        return torch.cat([idx, *self.generate_stream(idx, max_new_tokens, sampling, **settings)], dim=1)
-
-    def generate_stream(self, idx, max_new_tokens, sampling: "Sampling | None" = None,
-                        **settings) -> Iterator[torch.Tensor]:
-        """Like generate, but yields each new token as a (B, 1) tensor as soon as it is sampled."""
-        s = sampling or Sampling(**settings)
-        check_sampling_args(s.temperature, s.top_k, s.top_p)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        window_shift(s.window_shift, self.config.block_size)
-        if s.vocab_size is not None and not 1 <= s.vocab_size <= self.config.vocab_size:
-            raise ValueError(f"vocab_size must be in [1, {self.config.vocab_size}], got {s.vocab_size}")
-        if s.rolling_cache and (self.config.pos_embedding != "rope" or s.window_shift != 1):
-            raise ValueError("rolling_cache needs pos_embedding='rope' and window_shift=1: learned positions make "
-                             "every cached key stale when the window moves")
-        return self._stream(idx, max_new_tokens, s)
-
-    @torch.no_grad()
-    def _stream(self, idx, max_new_tokens, s: "Sampling"):
-        block_size = self.config.block_size
-        cache = self.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if s.use_cache else None
-        start = max(0, idx.size(1) - block_size)  # the context window is idx[:, start:]
-        origin = start  # idx[:, origin] is the cache's position 0
-        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
-        for _ in range(max_new_tokens):
-            if idx.size(1) - start > block_size:
-                start = slide_window(start, idx.size(1), block_size, s.window_shift)
-                if cache is not None and not s.rolling_cache:
-                    cache.reset()  # every token moved to a new position: the cached keys are stale
-                    origin = start
-            logits = self._next_logits(idx, start, origin, cache)[:, :s.vocab_size]  # (B, vocab)
-            token = sample_next(logits, s.temperature, s.top_k, s.top_p, s.generator)  # (B, 1)
-            if s.eot_token is not None:
-                token = token.masked_fill(done[:, None], s.eot_token)
-                done |= token[:, 0] == s.eot_token
-            idx = torch.cat([idx, token], dim=1)
-            yield token
-            if s.eot_token is not None and bool(done.all()):
-                return
-
-    def _next_logits(self, idx, start, origin, cache):
-        """Logits (B, vocab) for the token after idx (B, T) seen through the window idx[:, start:];
-        with a cache (position 0 at idx[:, origin]) only the tokens not cached yet go through the model."""
-        if cache is None:
-            return self(idx[:, start:], last_only=True)[0][:, -1, :]
-        return self(idx[:, origin + cache.pos:], kv_cache=cache, last_only=True)[0][:, -1, :]
-
     def get_num_params(self, non_embedding=True) -> int:
         """Parameter count; the tied wte/lm_head matrix counts once.
 
@@ -978,17 +736,10 @@ class GPT(nn.Module):
         embeddings stay in, since they are also the output head's weights).
         """
         n = sum(p.numel() for p in self.parameters())
-        n += sum(m.weight_numel for m in self.modules() if isinstance(m, PackedLinear))
+        n += sum(getattr(m, "weight_numel", 0) for m in self.modules())  # weights packed outside parameters()
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """nanoGPT's AdamW (weight decay on matrices and embeddings only); the groups, and Muon,
-        live in core/training/optim.py."""
-        from core.training.optim import build_optimizer  # here, not at the top: see from_pretrained
-
-        return build_optimizer(self, "adamw", learning_rate, weight_decay, betas, device_type)
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for the matmuls with weights (2 forward, 4 backward) plus
@@ -1042,18 +793,10 @@ class GPT(nn.Module):
 
         override_args may set dropout and attn_backend; the architecture comes from the checkpoint.
         """
-        # Imported here, not at the top: core/weights/hf.py builds GPTs, so it imports this file, and this file
-        # imports core/ only inside methods (these two and configure_optimizers): no import circle.
+        # The one import of core/ in this file, and the project's one import circle: core/weights/hf.py builds
+        # GPTs, so it imports this file at its top, and nanoGPT's users call GPT.from_pretrained.
         from core.weights import hf
 
         if os.path.isdir(name_or_dir):
             return hf.from_folder(name_or_dir, override_args)
         return hf.from_hub(name_or_dir, override_args)
-
-    def save_pretrained(self, directory):
-        """Write directory/config.json and model.safetensors for the transformers class that computes this
-        model's function (core/weights/hf.py), loadable by transformers' from_pretrained and by GPT.from_pretrained.
-        export.py adds the tokenizer and generation_config.json."""
-        from core.weights import hf  # inside the method, as in from_pretrained
-
-        hf.to_transformers(self).save_pretrained(directory)

@@ -34,7 +34,8 @@ from core.data.chat import ChatTemplate, stream_reply
 from core.config import parse_args
 from core.errors import UserError, run_cli
 from core.data.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
-from model import GPT, check_sampling_args, window_shift
+from core.decoding.decode import check_sampling_args, generate, generate_stream, inference_model, window_shift
+from model import GPT
 
 SEPARATOR = "---------------"
 
@@ -126,7 +127,7 @@ def run_chat(cfg: SampleConfig, model: GPT, tok: Tokenizer, source: str, rt: run
     if template is None:
         raise UserError(f"{source} has no chat tokens: it is a base model. Fine-tune it on a chat set first "
                         f"(data/chat/prepare.py, then train.py --init_from=its out_dir; see docs/chat.md)")
-    model = runtime.inference_model(model, rt, cfg.compile)
+    model = inference_model(model, rt, cfg.compile)
     sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, use_cache=cfg.use_cache,
                     generator=torch.Generator(device=rt.device).manual_seed(cfg.seed))
     messages = [{"role": "system", "content": cfg.system}] if cfg.system is not None else []
@@ -194,7 +195,7 @@ def main(argv: Sequence[str]) -> None:
         print(f"note: kept the prompt's last {len(context)} tokens (--truncate_prompt=True)", file=sys.stderr)
     shown_prompt = tok.decode(context) if text else ""  # not the <|endoftext|> an empty prompt starts from
 
-    model = runtime.inference_model(model, rt, cfg.compile)
+    model = inference_model(model, rt, cfg.compile)
     print(f"sampling from {source}: {model.get_num_params() / 1e6:.2f}M parameters, "
           f"{tok.meta()['tokenizer']} tokenizer, {rt.device} {rt.dtype}", file=sys.stderr)
 
@@ -210,16 +211,16 @@ def main(argv: Sequence[str]) -> None:
     if cfg.compile and cfg.max_new_tokens:
         # Compiling takes seconds to minutes; a short run with its own generator does it before the clock starts.
         t0 = time.perf_counter()
-        model.generate(idx, **(args | dict(max_new_tokens=min(3, cfg.max_new_tokens),
+        generate(model, idx, **(args | dict(max_new_tokens=min(3, cfg.max_new_tokens),
                                      generator=torch.Generator(device=rt.device).manual_seed(0))))
         rt.synchronize()
         warmup = f"; compiling took {time.perf_counter() - t0:.1f}s before, not counted"
     try:
         t0 = time.perf_counter()
         if stream:
-            steps = write_stream(model.generate_stream(idx, **args), tok, shown_prompt, eot)
+            steps = write_stream(generate_stream(model, idx, **args), tok, shown_prompt, eot)
         else:
-            new = model.generate(idx, **args)[:, idx.size(1):]  # (B, steps)
+            new = generate(model, idx, **args)[:, idx.size(1):]  # (B, steps)
             steps = write_batch(new.tolist(), tok, shown_prompt, eot)
         rt.synchronize()
         dt = time.perf_counter() - t0

@@ -49,7 +49,8 @@ from core.serving.engine import (MAX_LOGPROBS, BatchEngine, EngineProcess, Engin
                          TokenScore, engine_sampling)
 from core.errors import UserError, first_line, run_cli
 from core.data.tokenizer import StreamDecoder, Tokenizer
-from model import GPT, check_sampling_args, window_shift
+from core.decoding.decode import check_sampling_args, inference_model, window_shift
+from model import GPT
 
 API_KEY_ENV = "SERVE_API_KEY"
 PAGE = Path(__file__).with_name("serve.html")
@@ -812,7 +813,7 @@ def main(argv: Sequence[str]) -> None:
     check_port(cfg.host, cfg.port)
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
-    model = runtime.inference_model(model, rt)  # as sample.py: weights cast once, float32 next-token logits
+    model = inference_model(model, rt)  # as sample.py: weights cast once, float32 next-token logits
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if cfg.init_from == "resume" else cfg.init_from)
     app = build_app(model, tok, cfg, name, rt.device)
     has_key = bool(cfg.api_key or os.environ.get(API_KEY_ENV))

@@ -21,8 +21,10 @@ from typing import Callable
 
 import torch
 
+from core.decoding.decode import inference_model
 from core import markdown, runtime
-from model import GPT, GPTConfig, PackedLinear
+from core.cpu import PackedLinear
+from model import GPT, GPTConfig
 
 
 def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[], float] = time.perf_counter,
@@ -46,7 +48,7 @@ def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[]
 def decode_weight_bytes(model: GPT) -> int:
     """Bytes of the weights one cached decode step reads: every parameter, at its own dtype, but the
     embedding tables the step only looks one row up in (the position table; the token table when the
-    head is untied, else the head reads it whole), and the matrices GPT.pack_linears packed, at their own
+    head is untied, else the head reads it whole), and the matrices cpu.pack_linears packed, at their own
     bytes. Shared tensors count once."""
     c, seen, total = model.config, set(), 0
     lookups = {id(model.transformer.wpe.weight)} if c.pos_embedding == "learned" else set()
@@ -107,7 +109,7 @@ SHAPES = {  # name: (what the table calls it, GPTConfig, context of the measured
 def measure(shapes: list[str], rt: runtime.Runtime, steps: int, seed: int = 0) -> dict:
     """The copy's bandwidth, then one row per shape and dtype (float32, and bfloat16 where the device computes
     it natively): the cached step at batch 1 against its bound. The model is cast once to the dtype, as
-    sample.py decodes (runtime.inference_model)."""
+    sample.py decodes (inference_model)."""
     bandwidth = copy_bandwidth(device=rt.device, synchronize=rt.synchronize)
     dtypes = ["float32"] + (["bfloat16"] if runtime.native_bf16(rt.device) else [])
     rows = []
@@ -115,7 +117,7 @@ def measure(shapes: list[str], rt: runtime.Runtime, steps: int, seed: int = 0) -
         name, config, context = SHAPES[shape]
         for dtype in dtypes:
             torch.manual_seed(seed)
-            model = runtime.inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype))
+            model = inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype))
             w = decode_weight_bytes(model)
             kv = kv_cache_bytes(config, context, runtime.DTYPES[dtype].itemsize)
             wall, cpu = cached_step_s(model, context, repeats=steps, synchronize=rt.synchronize)

@@ -1,6 +1,6 @@
 """Decoding: per-token latency with and without the KV cache, then whole generate() runs.
 
-The model is cast once to --dtype, as sample.py decodes (runtime.inference_model); decode_batch_size
+The model is cast once to --dtype, as sample.py decodes (inference_model); decode_batch_size
 rows at once; weights are random (speed does not depend on them) and decoding is greedy. Per-token
 latency at each context length: no cache = one forward over the whole context (what
 generate(use_cache=False) does per token); cache = one token through a KV cache already holding the
@@ -21,7 +21,8 @@ from benchmarks import bandwidth
 from benchmarks.common import OOM, at_least, int_list, median_time, model_text, num, or_oom, spec_list
 from core import markdown, runtime
 from core.errors import UserError
-from model import GPT, GPTConfig, window_shift
+from core.decoding.decode import generate_stream, inference_model, window_shift
+from model import GPT, GPTConfig
 
 
 @dataclasses.dataclass
@@ -75,7 +76,7 @@ def token_times(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bo
     """Seconds until each new token of a greedy generate_stream run was ready, token by token."""
     times = []
     t0 = time.perf_counter()
-    for _ in model.generate_stream(prompt, new_tokens, temperature=0.0, use_cache=use_cache, window_shift=shift):
+    for _ in generate_stream(model, prompt, new_tokens, temperature=0.0, use_cache=use_cache, window_shift=shift):
         rt.synchronize()
         t = time.perf_counter()
         times.append(t - t0)
@@ -86,7 +87,7 @@ def token_times(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bo
 def measure(cfg, rt: runtime.Runtime) -> dict:
     torch.manual_seed(cfg.seed)
     mc = model_config(cfg)
-    model = runtime.inference_model(GPT(mc), rt)  # as sample.py: weights cast once, float32 next-token logits
+    model = inference_model(GPT(mc), rt)  # as sample.py: weights cast once, float32 next-token logits
     B = cfg.decode_batch_size
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(mc.vocab_size, (B, mc.block_size), generator=gen).to(rt.device)  # (B, block_size)

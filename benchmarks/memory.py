@@ -16,8 +16,8 @@ import torch
 
 from benchmarks import train
 from benchmarks.common import cpu_peak_extra_bytes, cuda_peak_extra_bytes, median_time, mib, model_text, num
-from core import markdown, runtime
-from core.training import parallel
+from core import cpu, markdown, runtime
+from core.training import optim, parallel
 from core.fileio import write_json
 from core.training.memory import MemoryEstimate, estimate_training_memory, parameter_count
 from model import GPT, GPT2_SHAPES, GPTConfig
@@ -51,7 +51,7 @@ def _memory_worker(rank: int, world_size: int, init_file: str, how: str, mc: GPT
     torch.manual_seed(0)
     model = GPT(mc)
     wrapped = parallel.parallelize(model, rt, how, activation_checkpointing=False, compile=False)
-    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu")
+    optimizer = optim.build_optimizer(model, "adamw", 6e-4, 0.1, (0.9, 0.95), "cpu")
     x = torch.randint(mc.vocab_size, (batch_size, mc.block_size), generator=torch.Generator().manual_seed(rank))
     wrapped(x, x)[1].backward()
     optimizer.step()
@@ -89,7 +89,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
 def activation_checkpointing_rows(cfg, rt: runtime.Runtime, mc: GPTConfig) -> list[dict]:
     """Peak memory above the weights and step time of forward + backward, without and with checkpointing."""
     torch.manual_seed(cfg.seed)
-    models = {"off": GPT(mc).to(rt.device), "on": GPT(mc).to(rt.device)}
+    models = {"off": cpu.choose_kernels(GPT(mc).to(rt.device)), "on": cpu.choose_kernels(GPT(mc).to(rt.device))}
     models["on"].load_state_dict(models["off"].state_dict())
     parallel.apply_activation_checkpointing(models["on"])
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -2,7 +2,7 @@
 
 Per token, on the decode section's model, greedy: learned positions (the cache is refilled at every
 step), RoPE with the same refills, and RoPE with the rolling KV cache (one token per step;
-sliding-window attention, see GPT.generate's rolling_cache). The last row is the yardstick: the same
+sliding-window attention, see decode.generate's rolling_cache). The last row is the yardstick: the same
 RoPE model's cached step inside the context, the speed the rolling cache should keep.
 """
 import dataclasses
@@ -13,6 +13,7 @@ import torch
 
 from benchmarks import decode
 from benchmarks.common import at_least, median_time, model_text, num
+from core.decoding.decode import generate_stream
 from core import markdown, runtime
 from model import GPT
 
@@ -42,7 +43,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         def decode_tokens(n: int) -> list[float]:
             times, t0 = [], time.perf_counter()
             with rt.autocast():
-                for _ in model.generate_stream(prompt, n, temperature=0.0, window_shift=1, rolling_cache=rolling):
+                for _ in generate_stream(model, prompt, n, temperature=0.0, window_shift=1, rolling_cache=rolling):
                     rt.synchronize()
                     times.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()

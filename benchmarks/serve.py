@@ -43,7 +43,8 @@ from core.config import read_config_file
 from core.serving.engine import BatchEngine, EngineRequest, engine_sampling
 from core.errors import UserError
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
-from model import GPT, GPTConfig, window_shift
+from core.decoding.decode import inference_model, window_shift
+from model import GPT, GPTConfig
 
 QUICKSTART = "config/train_shakespeare_char_cpu.py"
 SHAPES = ("quickstart", "gpt2")
@@ -280,7 +281,7 @@ def ttft(ttfts: list[float]) -> dict:
 def measure(cfg, rt: runtime.Runtime) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = serve_checkpoint(cfg, Path(tmp))
-        model = runtime.inference_model(model, rt)
+        model = inference_model(model, rt)
         prompt = [i % tok.vocab_size for i in range(1, cfg.serve_prompt_len + 1)]
         engine = BatchEngine(model, cfg.serve_max_batch, window_shift(None, model.config.block_size), tok.vocab_size)
         engine.start()

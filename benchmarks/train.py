@@ -11,8 +11,8 @@ import time
 import torch
 
 from benchmarks.common import OOM, median_time, mib, model_text, num, or_oom
-from core import markdown, runtime
-from core.training import flops
+from core import cpu, markdown, runtime
+from core.training import flops, optim
 from core.errors import UserError, first_line
 from model import GPT, GPTConfig
 
@@ -47,8 +47,8 @@ def model_config(cfg) -> GPTConfig:
 def measure(cfg, rt: runtime.Runtime) -> dict:
     torch.manual_seed(cfg.seed)
     mc = model_config(cfg)
-    model = GPT(mc).to(rt.device)
-    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), rt.device_type)
+    model = cpu.choose_kernels(GPT(mc).to(rt.device))
+    optimizer = optim.build_optimizer(model, "adamw", 6e-4, 0.1, (0.9, 0.95), rt.device_type)
     scaler = rt.grad_scaler()
     gen = torch.Generator().manual_seed(cfg.seed)
     x, y = (torch.randint(mc.vocab_size, (cfg.batch_size, mc.block_size), generator=gen).to(rt.device)

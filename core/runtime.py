@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from core import cpu
 from core.errors import Stopped, UserError, first_line
 
 # The dtypes every script accepts (--dtype, export.py's stored weights): their one home.
@@ -168,48 +169,12 @@ def native_bf16(device: str) -> bool:
     """
     kind = device.split(":")[0]
     if kind == "cpu":
-        return cpu_native_bf16()
+        return cpu.cpu_native_bf16()
     if kind != "cuda":
         return False
     if torch.version.hip:
         return True
     return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow bf16 instructions: AVX512_CORE_BF16 and above.
-_ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "BF16", "AMX", "FP16", "AVX10")
-
-
-def cpu_native_bf16() -> bool:
-    """Whether this CPU's matmuls compute bfloat16 in hardware: x86 with AVX512-BF16 or AMX-BF16
-    and torch's AVX512 kernels in use, or ARM with the BF16 extension; oneDNN must do the bf16
-    matmuls (torch.ops.mkldnn._is_mkldnn_bf16_supported) and ONEDNN_MAX_CPU_ISA must not cap it
-    below bf16. Elsewhere, every AVX2-only x86 CPU among them, a bf16 matmul is emulated and many
-    times slower than float32 (docs/performance.md, the Xeon machine's matmul native and emulated).
-
-    ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are honoured, so that a machine with bf16 units can
-    be made to answer as an AVX2 one does. The CPU's flags come from /proc/cpuinfo (Linux); where
-    there is none, the answer is False, and float32 is correct everywhere.
-    """
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    if not any(name in isa for name in _ONEDNN_BF16_ISAS):
-        return False
-    flags = _cpu_flags()
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return "bf16" in flags  # ARM's Features line; x86 below AVX512 kernels has no bf16 units in use
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags (x86 "flags", ARM "Features") from /proc/cpuinfo; empty where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("flags", "Features"))]
-    except OSError:
-        return set()
-    return set(lines[0].split(":", 1)[1].split()) if lines else set()
 
 
 def resolve_dtype(name: str, device: str) -> str:
@@ -326,36 +291,6 @@ def teardown(rt: Runtime) -> None:
         # active exception"). Free it while Python is fully alive.
         gc.collect()
         dist.destroy_process_group()
-
-
-def cpu_packs_bf16() -> bool:
-    """Whether bfloat16 decoding packs its large matrices for oneDNN here (GPT.pack_linears): an x86 CPU with
-    native bfloat16 (torch's AVX512 kernels), where it was measured; not ARM."""
-    return cpu_native_bf16() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
-def inference_model(model: torch.nn.Module, rt: Runtime, compile: bool = False) -> torch.nn.Module:
-    """The model as it decodes: on the device, in eval mode, its weights cast once to the run's dtype.
-
-    Not autocast: it keeps float32 weights and casts each one again at every token (with --compile
-    too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), from
-    a float32 copy of the head made here once (GPT.keep_float32_head), and the KV cache takes the
-    weights' dtype. A float32 model on a CPU has its head's storage laid out by columns instead
-    (GPT.lay_head_by_columns): the same floats, read faster one row at a time. A bfloat16 model on an
-    x86 CPU that computes it natively hands its Blocks' large matrices to oneDNN once (GPT.pack_linears),
-    so that a product at one row reads each weight once; not under --compile, which traces the plain
-    model, and not on ARM, where it was never measured.
-    """
-    model = model.eval().to(rt.device, rt.ptdtype)
-    if rt.ptdtype != torch.float32:
-        model.keep_float32_head()
-        if rt.device_type == "cpu" and rt.ptdtype == torch.bfloat16 and not compile and cpu_packs_bf16():
-            model.pack_linears()
-    elif rt.device_type == "cpu":
-        model.lay_head_by_columns()
-    if compile:
-        model.compile()
-    return model
 
 
 class StopFlag:

@@ -8,8 +8,8 @@ them all alike (docs/performance.md, "Decoding against the bandwidth bound").
     python scripts/decode_levers.py --compile                 # also torch.compile's float32 step (minutes)
     python scripts/decode_levers.py --profile --rounds=1      # also each variant's ops (torch.profiler)
 
-Variants: "unpacked" is the bfloat16 model without GPT.pack_linears, through oneDNN's matmul at one row
-or torch's own GEMV (model.one_row_kernels, which also serves the matrices too small to pack); "math
+Variants: "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
+or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "math
 backend for one query" runs attention through SDPA's math backend instead of the flash kernel; "head copy
 (vocab, C)" reads the float32 head copy untransposed through F.linear; "bf16 head" computes the logits
 from the packed bfloat16 head, rounded to bfloat16, then float32 (not what the model does: see
@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
-import model as model_module  # noqa: E402
 from benchmarks import bandwidth  # noqa: E402
+from core import cpu  # noqa: E402
+from core.decoding.decode import inference_model, keep_float32_head  # noqa: E402
 from core import runtime  # noqa: E402
 from core.config import parse_args  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
@@ -49,9 +50,9 @@ class LeverConfig:
 
 def with_bf16_head(model: GPT) -> GPT:
     """The logits from the bfloat16 head (half the bytes of the float32 copy), packed as the Blocks' matrices
-    are (model.PackedLinear), rounded to bfloat16."""
+    are (cpu.PackedLinear), rounded to bfloat16."""
     del model.head_float32
-    head = model_module.PackedLinear(model.lm_head)
+    head = cpu.PackedLinear(model.lm_head)
 
     def last_logits(x):
         h = model.transformer.ln_f(x[:, -1:, :])  # (1, 1, C)
@@ -61,7 +62,7 @@ def with_bf16_head(model: GPT) -> GPT:
 
 
 def with_vocab_by_c_head(model: GPT) -> GPT:
-    """The float32 head copy as the head is laid out, (vocab, C), through F.linear (GPT.keep_float32_head
+    """The float32 head copy as the head is laid out, (vocab, C), through F.linear (decode.keep_float32_head
     keeps it transposed, (C, vocab))."""
     head = model.head_float32.t().contiguous()  # (vocab, C)
 
@@ -77,13 +78,13 @@ def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
     def build(dtype, pack=True):
         torch.manual_seed(0)
         if pack:
-            return runtime.inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
+            return inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
         model = GPT(config).eval().to(dtype=runtime.DTYPES[dtype])  # as inference_model, but for the packing
-        model.keep_float32_head()
+        keep_float32_head(model)
         return model
     as_decoding = (False, False)  # model.py's kernel choice, flash
     out = {"float32": (build("float32"), as_decoding)}
-    if runtime.cpu_native_bf16():
+    if cpu.cpu_native_bf16():
         plain, packed = build("bfloat16", pack=False), build("bfloat16")
         out |= {"bf16 unpacked, oneDNN": (plain, (True, False)),
                 "bf16 unpacked, torch's GEMV (oneDNN off)": (plain, as_decoding),
@@ -114,17 +115,17 @@ def compile_startup(model: GPT, context: int) -> list[float]:
 @contextlib.contextmanager
 def kernels(onednn: bool, math_query: bool):
     """The kernel choices for the block: if onednn, oneDNN for the unpacked matmuls at one row too
-    (model.one_row_kernels made a no-op), else model.py's own choice (torch's GEMV at one row); packed
+    (cpu.one_row_kernels made a no-op), else model.py's own choice (torch's GEMV at one row); packed
     matrices call oneDNN either way. SDPA's math backend for attention if math_query, else torch's
     choice (flash for one query)."""
-    choice = model_module.one_row_kernels
+    choice = cpu.one_row_kernels
     if onednn:
-        model_module.one_row_kernels = lambda x: contextlib.nullcontext()
+        cpu.one_row_kernels = lambda x: contextlib.nullcontext()
     try:
         with sdpa_kernel(SDPBackend.MATH) if math_query else contextlib.nullcontext():
             yield
     finally:
-        model_module.one_row_kernels = choice
+        cpu.one_row_kernels = choice
 
 
 @torch.no_grad()

@@ -316,10 +316,10 @@ And I'll no longer be a Capulet.
 
 def fake_cpu(monkeypatch, capability: str, flags: set[str], isa: str | None = None) -> None:
     """A CPU as cpu_native_bf16 sees it: torch's kernel capability, /proc/cpuinfo's flags, oneDNN's cap."""
-    from core import runtime
+    from core import cpu
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(runtime, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: flags)
     if isa is None:
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     else:

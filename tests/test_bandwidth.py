@@ -8,10 +8,12 @@ import re
 import pytest
 import torch
 
-import model as model_module
 from benchmarks import bandwidth
+from core import cpu
+from core.decoding.decode import inference_model
 from core import runtime
-from model import GPT, GPTConfig, PackedLinear
+from core.cpu import PackedLinear
+from model import GPT, GPTConfig
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=40, dropout=0.0)
 
@@ -26,11 +28,11 @@ def test_decode_reads_every_weight_but_the_looked_up_tables(monkeypatch):
     untied = GPT(GPTConfig(**TINY, tie_embeddings=False, pos_embedding="rope"))
     blocks = sum(p.numel() for p in untied.transformer.h.parameters()) + sum(p.numel() for p in untied.transformer.ln_f.parameters())
     assert bandwidth.decode_weight_bytes(untied) == 4 * (blocks + V * C + C)  # + the head whole, + one wte row
-    monkeypatch.setattr(model_module, "PACK_MIN_WEIGHTS", 0)  # pack every matrix, however small
-    bf16 = runtime.inference_model(GPT(GPTConfig(**TINY)), runtime.Runtime("cpu", "cpu", "bfloat16"))
+    monkeypatch.setattr(cpu, "PACK_MIN_WEIGHTS", 0)  # pack every matrix, however small
+    bf16 = inference_model(GPT(GPTConfig(**TINY)), runtime.Runtime("cpu", "cpu", "bfloat16"))
     assert bandwidth.decode_weight_bytes(bf16) * 2 == bandwidth.decode_weight_bytes(tied)
-    # where bf16 is native the Blocks' matrices are packed (GPT.pack_linears), and still counted
-    assert any(isinstance(m, PackedLinear) for m in bf16.modules()) == runtime.cpu_packs_bf16()
+    # where bf16 is native the Blocks' matrices are packed (cpu.pack_linears), and still counted
+    assert any(isinstance(m, PackedLinear) for m in bf16.modules()) == cpu.cpu_packs_bf16()
 
 
 def test_kv_bytes_and_the_bound():
@@ -68,7 +70,7 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
     monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda **kw: 1e9)  # 1 GB/s: the bound in ms is MB read
     monkeypatch.setattr(bandwidth, "cached_step_s", lambda model, context, repeats, synchronize: (0.05, 0.04))
     for native in (False, True):
-        monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: native)
+        monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: native)
         r = bandwidth.measure(["quickstart"], runtime.Runtime("cpu", "cpu", "float32"), steps=2)
         assert [row["dtype"] for row in r["rows"]] == ["float32"] + ["bfloat16"] * native
         f32 = r["rows"][0]
@@ -85,11 +87,11 @@ def test_decode_levers_script_prints_every_variant_and_restores_the_kernels(caps
     """scripts/decode_levers.py at the quick start's shape, one round of one step: a row per variant (the
     bf16 ones where bf16 is native), and model.py's kernel choice and the flash kernel are theirs again afterwards."""
     from scripts import decode_levers
-    kernel = model_module.one_row_kernels
+    kernel = cpu.one_row_kernels
     decode_levers.main(["--shape=quickstart", "--rounds=1", "--steps=1"])
     rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     bf16 = ["bf16 unpacked, oneDNN", "bf16 unpacked, torch's GEMV (oneDNN off)", "bf16 packed (as decoding now)",
             "bf16 packed, math backend for one query", "bf16 packed, head copy (vocab, C)", "bf16 packed, bf16 head"]
-    assert rows == ["float32"] + bf16 * runtime.cpu_native_bf16()
-    assert model_module.one_row_kernels is kernel and torch.backends.mkldnn.enabled
+    assert rows == ["float32"] + bf16 * cpu.cpu_native_bf16()
+    assert cpu.one_row_kernels is kernel and torch.backends.mkldnn.enabled
     assert torch.backends.cuda.flash_sdp_enabled()

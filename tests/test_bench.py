@@ -18,6 +18,7 @@ import torch
 
 import bench
 from benchmarks import attention, common, decode, train
+from core import cpu
 from core import runtime
 from core.errors import UserError
 from model import GPT, GPTConfig
@@ -72,7 +73,7 @@ def test_train_attention_decode_in_json_and_table(tmp_path, capsys):
     parts = result["decode"]["generation"]["parts"]
     assert {name: p["tokens"] for name, p in parts.items()} == {"inside_context": 13, "past_context": 7, "all": 20}
     assert result["decode"]["generation"]["window_shift"] == 8  # sample.py's default: block_size // 2
-    bound_dtypes = ["float32"] + ["bfloat16"] * runtime.cpu_native_bf16()
+    bound_dtypes = ["float32"] + ["bfloat16"] * cpu.cpu_native_bf16()
     assert [(r["model"].split(" (")[0], r["dtype"]) for r in result["decode"]["bound"]["rows"]] == \
         [("quick start", dtype) for dtype in bound_dtypes]
     for heading in ("Training step", "Attention memory", "Decoding", "Decoding against the bandwidth bound"):

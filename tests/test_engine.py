@@ -13,7 +13,8 @@ from core.serving.engine import (BatchEngine, EngineProcess, EngineRequest, Prom
                          engine_sampling, ragged_groups)
 from core.evaluate import token_losses
 from core.weights.resolver import load_model
-from model import GPT, GPTConfig, Sampling
+from core.decoding.decode import Sampling, generate
+from model import GPT, GPTConfig
 from tests.helpers import ROMEO_JULIET, make_char_dataset, one_thread, train_tiny
 
 VARIANTS = {"learned": dict(), "rope+gqa": dict(pos_embedding="rope", n_kv_head=2),
@@ -47,7 +48,7 @@ def alone(model, prompt, n, max_tokens, temperature, seed, eot=None):
     """What model.generate gives this request by itself, as lists of new ids per row."""
     s = Sampling(temperature=temperature, generator=torch.Generator().manual_seed(seed), window_shift=SHIFT,
                  vocab_size=model.config.vocab_size, eot_token=eot)
-    return model.generate(torch.tensor([prompt] * n), max_tokens, s)[:, len(prompt):].tolist()
+    return generate(model, torch.tensor([prompt] * n), max_tokens, s)[:, len(prompt):].tolist()
 
 
 def request(model, prompt, n, max_tokens, temperature, seed, eot=None, **kw) -> EngineRequest:
@@ -123,9 +124,9 @@ def test_requests_with_different_cuts_drawn_in_one_step_each_get_their_own(train
     engine = BatchEngine(model, max_batch=8, window_shift=SHIFT, vocab_size=tok.vocab_size)
     got = run(engine, [EngineRequest(prompt, 1, 40, sampling(k, p, seed)) for seed, (k, p) in enumerate(settings)])
     for seed, ((k, p), g) in enumerate(zip(settings, got)):
-        expected = model.generate(torch.tensor([prompt]), 40, sampling(k, p, seed))[:, len(prompt):].tolist()
+        expected = generate(model, torch.tensor([prompt]), 40, sampling(k, p, seed))[:, len(prompt):].tolist()
         assert g["rows"] == expected, (k, p)
-    loose = model.generate(torch.tensor([prompt]), 40, sampling(None, None, 1))[:, len(prompt):].tolist()
+    loose = generate(model, torch.tensor([prompt]), 40, sampling(None, None, 1))[:, len(prompt):].tolist()
     assert got[1]["rows"] != loose  # the cut changes the text: the test can tell one setting from another
 
 def test_a_request_on_slots_apart_gets_what_generate_gives_it_alone():

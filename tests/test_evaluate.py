@@ -41,9 +41,10 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
     make_char_dataset(tmp / "data", TEXT, val_fraction=0.1)
     train_tiny(tmp / "out", tmp / "data", max_iters=120, lr_decay_iters=120, eval_interval=120)
+    from core.weights.hf import to_transformers
     from core.weights.resolver import load_model
     model, tok, _ = load_model("resume", tmp / "out")
-    model.eval().save_pretrained(tmp / "hf")
+    to_transformers(model.eval()).save_pretrained(tmp / "hf")
     hf = needs_transformers().GPT2LMHeadModel.from_pretrained(tmp / "hf").eval()
     return tmp / "out", tmp / "data", model, tok, hf
 

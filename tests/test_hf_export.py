@@ -22,6 +22,7 @@ import eval as eval_script
 import export
 import sample
 import train
+from core.decoding.decode import generate
 from core.weights import hf, resolver
 from core.data.prepare import write_dataset
 from core.data.hf_tokenizer import hf_backend, save_hf_tokenizer
@@ -230,7 +231,7 @@ def test_controls_break_the_comparison(exported, control):
         diff = (theirs(idx).logits[..., :-1] - model(idx)[0]).abs().max().item()  # without the appended eot
     assert diff > 100 * TOL["atol"], diff
     out = theirs.generate(prompt_ids(tok, PROMPTS[1]), max_new_tokens=40, do_sample=False)
-    ours = model.generate(prompt_ids(tok, PROMPTS[1]), 40, temperature=0)
+    ours = generate(model, prompt_ids(tok, PROMPTS[1]), 40, temperature=0)
     assert not torch.equal(out, ours), "the broken export still generates the same tokens"
 
 

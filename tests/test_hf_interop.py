@@ -12,7 +12,9 @@ import json
 import pytest
 import torch
 
+from core.decoding.decode import generate
 from core.weights import hf as core_hf
+from core.weights.hf import to_transformers
 from model import GPT, GPTConfig
 from tests.helpers import needs_transformers
 
@@ -111,7 +113,7 @@ def test_save_pretrained_loads_in_transformers(tmp_path, overrides):
                 p[:64].mul_(40)  # nn.Linear (out, in): q and k rows
             elif p.dim() == 1:
                 p.normal_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0, 0.1)
-    model.save_pretrained(tmp_path)
+    to_transformers(model).save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     config = json.loads((tmp_path / "config.json").read_text())
     assert {k: config[k] for k in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size")} == dict(
@@ -128,12 +130,12 @@ def test_round_trip_and_greedy_generation_match(tmp_path):
     hf = sharp_hf_model()
     hf.save_pretrained(tmp_path / "hf")
     model = GPT.from_pretrained(str(tmp_path / "hf")).eval()
-    model.save_pretrained(tmp_path / "ours")
+    to_transformers(model).save_pretrained(tmp_path / "ours")
     again = GPT.from_pretrained(str(tmp_path / "ours")).eval()
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
     prompt = random_idx(101, B=1, T=6)
-    ours = model.generate(prompt, 12, temperature=0)
+    ours = generate(model, prompt, 12, temperature=0)
     theirs = hf.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     assert_same_greedy_text(ours, theirs, hf)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import export
+from core.decoding.decode import generate
 from core.data.tokenizer import GPT2_VOCAB, CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig
 from tests.helpers import REPO_ROOT, needs_transformers, use_gpt2_bpe
@@ -117,7 +118,7 @@ def our_loglikelihood(model: GPT, tok, context: str, continuation: str) -> float
 @torch.no_grad()
 def our_greedy(model: GPT, tok, context: str, max_new_tokens: int, until: str) -> str:
     ids = tok.encode(context)
-    out = model.generate(torch.tensor([ids]), max_new_tokens, temperature=0)[0, len(ids):].tolist()
+    out = generate(model, torch.tensor([ids]), max_new_tokens, temperature=0)[0, len(ids):].tolist()
     if tok.eot_token is not None and tok.eot_token in out:
         out = out[:out.index(tok.eot_token)]
     return tok.decode(out).split(until)[0]

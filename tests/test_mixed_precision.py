@@ -4,7 +4,7 @@ path, the float16 GradScaler, torch.compile training, and what the training step
     python -m pytest tests/test_mixed_precision.py
     python -m pytest tests/test_mixed_precision.py -m "not slow"    # without the torch.compile run
 
---dtype=auto is bfloat16 on a CPU that computes it natively (runtime.cpu_native_bf16), float32 elsewhere;
+--dtype=auto is bfloat16 on a CPU that computes it natively (cpu.cpu_native_bf16), float32 elsewhere;
 the command line refuses float16 on the CPU, and bfloat16 where it is emulated. Most tests here build the
 Runtime directly, so these code paths run on any CPU with its autocast and GradScaler; the one through
 the scripts fakes the CPU's answer both ways.
@@ -19,9 +19,12 @@ import eval as eval_script
 import sample
 import train
 from benchmarks import common
+from core import cpu
+from core.decoding.decode import generate, inference_model, keep_float32_head
 from core import runtime
 from core.weights.checkpoint import load_checkpoint
-from model import GPT, GPTConfig, PackedLinear
+from core.cpu import PackedLinear
+from model import GPT, CausalSelfAttention, GPTConfig
 from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, run_main, train_tiny
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -63,9 +66,9 @@ def test_bf16_autocast_training_step(tmp_path, data_dir, monkeypatch):
 def test_every_script_follows_the_cpus_bf16(tmp_path, data_dir, monkeypatch, native):
     """--dtype=auto through runtime.setup: where the CPU computes bf16 natively, train.py and eval.py run
     their forwards under bf16 autocast (every nn.Linear's output is bf16) with float32 weights and a
-    float32 checkpoint, and sample.py decodes with its weights cast to bf16 (runtime.inference_model);
+    float32 checkpoint, and sample.py decodes with its weights cast to bf16 (inference_model);
     elsewhere all three run float32 throughout."""
-    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: native)
+    monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: native)
     dtype, want = ("bfloat16", torch.bfloat16) if native else ("float32", torch.float32)
     seen, linear = [], torch.nn.Linear.forward
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda m, x: seen.append((m.weight.dtype, linear(m, x).dtype))
@@ -107,7 +110,7 @@ def teacher_forced_logits(model: GPT, idx: torch.Tensor, use_cache: bool) -> tor
 
 
 def test_bf16_decoding_through_sample_inference_path(trained):
-    """runtime.inference_model casts the weights once to bfloat16; the KV cache is bfloat16, the next-token
+    """inference_model casts the weights once to bfloat16; the KV cache is bfloat16, the next-token
     logits float32 (not rounded to bf16). Fed the same float32 context (the float32 model's own greedy
     text), bf16's next-token logits stay within BF16_LOGIT_TOL of float32's at every position and pick
     the same top-1 wherever float32's choice is clear of that; cached and uncached greedy decoding agree,
@@ -117,7 +120,7 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     the texts part for good, and where that happens depends on the CPU's kernels (74% equal positions
     under ATEN_CPU_CAPABILITY=avx2 here, 100% under default)."""
     from core.weights.checkpoint import model_from_checkpoint
-    model = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    model = inference_model(model_from_checkpoint(trained), BF16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
     assert model.new_kv_cache(2).k.dtype == torch.bfloat16
     stoi = trained["meta"]["tokenizer"]["stoi"]
@@ -139,7 +142,7 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     model.register_buffer("head_float32", head_t, persistent=False)
 
     reference = model_from_checkpoint(trained).eval()
-    context = reference.generate(idx, model.config.block_size - idx.size(1), temperature=0.0)  # (2, 32)
+    context = generate(reference, idx, model.config.block_size - idx.size(1), temperature=0.0)  # (2, 32)
     want = teacher_forced_logits(reference, context, use_cache=True)  # (2, 32, vocab)
     got = teacher_forced_logits(model, context, use_cache=True)
     error = (got - want).abs().max().item()
@@ -149,18 +152,18 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     assert clear.float().mean() > 0.75  # a trained model: most choices are clear (92% here)
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
-    cached = model.generate(idx, 60, temperature=0.0, use_cache=True, window_shift=8)
-    uncached = model.generate(idx, 60, temperature=0.0, use_cache=False, window_shift=8)
+    cached = generate(model, idx, 60, temperature=0.0, use_cache=True, window_shift=8)
+    uncached = generate(model, idx, 60, temperature=0.0, use_cache=False, window_shift=8)
     assert torch.equal(cached, uncached)
     assert all(len(set(row[9:].tolist())) > 8 for row in cached)  # real text, not one token repeated
 
 
 def test_float32_decoding_reads_the_head_by_columns_with_the_same_floats(trained):
-    """runtime.inference_model in float32 on a CPU lays the head's storage out (C, vocab) in place: the same
+    """inference_model in float32 on a CPU lays the head's storage out (C, vocab) in place: the same
     values, the tied token table the same tensor (no second copy), logits equal to the row-major head's to
     1e-5, and greedy text the same."""
     from core.weights.checkpoint import model_from_checkpoint
-    model = runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
+    model = inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
     reference = model_from_checkpoint(trained).eval()
     head = model.lm_head.weight
     assert head.stride() == (1, head.size(0)) and not hasattr(model, "head_float32")
@@ -170,7 +173,7 @@ def test_float32_decoding_reads_the_head_by_columns_with_the_same_floats(trained
     stoi = trained["meta"]["tokenizer"]["stoi"]
     idx = torch.tensor([[stoi[c] for c in "First Cit"], [stoi[c] for c in "All: Spea"]])  # (2, 9)
     torch.testing.assert_close(model(idx, last_only=True)[0], reference(idx, last_only=True)[0], rtol=1e-5, atol=1e-5)
-    assert torch.equal(model.generate(idx, 40, temperature=0.0), reference.generate(idx, 40, temperature=0.0))
+    assert torch.equal(generate(model, idx, 40, temperature=0.0), generate(reference, idx, 40, temperature=0.0))
 
 
 def test_next_logits_equal_the_full_forward_last_position(trained):
@@ -186,15 +189,14 @@ def test_next_logits_equal_the_full_forward_last_position(trained):
 
 
 def test_one_bf16_row_decodes_without_onednn_to_the_same_floats(trained, monkeypatch):
-    """Batch 1 in bfloat16 (model.one_row_kernels): every Block's matmul runs with oneDNN off (torch's own
+    """Batch 1 in bfloat16 (cpu.one_row_kernels): every Block's matmul runs with oneDNN off (torch's own
     GEMV, twice as fast at one row), and the logits are the very floats the oneDNN path gives, at every
     position of a cached greedy run. Two rows, or float32 weights, keep oneDNN; the flag is restored."""
-    import model as model_module
     from core.weights.checkpoint import model_from_checkpoint
-    model = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    model = inference_model(model_from_checkpoint(trained), BF16)
     stoi = trained["meta"]["tokenizer"]["stoi"]
     idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
-    context = model.generate(idx, model.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
+    context = generate(model, idx, model.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
     seen = []
     model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
     got = teacher_forced_logits(model, context, use_cache=True)  # (1, 32, vocab)
@@ -202,37 +204,36 @@ def test_one_bf16_row_decodes_without_onednn_to_the_same_floats(trained, monkeyp
     seen.clear()
     with torch.no_grad():
         model(context.expand(2, -1)[:, :1], kv_cache=model.new_kv_cache(2), last_only=True)  # two rows
-        fp32 = runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
+        fp32 = inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
         fp32.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
         fp32(context[:, :1], kv_cache=fp32.new_kv_cache(1), last_only=True)
     assert seen == [True, True]
-    monkeypatch.setattr(model_module, "one_row_kernels", lambda x: contextlib.nullcontext())  # the oneDNN path
+    monkeypatch.setattr(cpu, "one_row_kernels", lambda x: contextlib.nullcontext())  # the oneDNN path
     assert torch.equal(got, teacher_forced_logits(model, context, use_cache=True))
 
 
-@pytest.mark.skipif(not runtime.cpu_packs_bf16(), reason="decoding packs bfloat16 matrices for oneDNN only on an "
-                    "x86 CPU with native bfloat16 (runtime.cpu_packs_bf16)")
+@pytest.mark.skipif(not cpu.cpu_packs_bf16(), reason="decoding packs bfloat16 matrices for oneDNN only on an "
+                    "x86 CPU with native bfloat16 (cpu.cpu_packs_bf16)")
 def test_bf16_decoding_packs_the_blocks_matrices_to_the_same_floats(trained, monkeypatch):
-    """On a CPU with native bfloat16, runtime.inference_model hands every Block's matrix of PACK_MIN_WEIGHTS
-    weights or more to oneDNN once (GPT.pack_linears; the threshold lowered here to the MLP's matrices of the
-    tiny model, so that both kinds are in it): those forwards run through model.PackedLinear, and the logits
+    """On a CPU with native bfloat16, inference_model hands every Block's matrix of PACK_MIN_WEIGHTS
+    weights or more to oneDNN once (cpu.pack_linears; the threshold lowered here to the MLP's matrices of the
+    tiny model, so that both kinds are in it): those forwards run through cpu.PackedLinear, and the logits
     are the very floats of the unpacked model's, at every position of a cached greedy run at one row, and in a
     prefill of two rows. The parameter count is the unpacked model's."""
-    import model as model_module
     from core.weights.checkpoint import model_from_checkpoint
-    assert not any(isinstance(m, PackedLinear) for m in runtime.inference_model(model_from_checkpoint(trained),
+    assert not any(isinstance(m, PackedLinear) for m in inference_model(model_from_checkpoint(trained),
                                                                                 BF16).modules())  # all small
     plain = model_from_checkpoint(trained).eval().bfloat16()
-    plain.keep_float32_head()
-    monkeypatch.setattr(model_module, "PACK_MIN_WEIGHTS", plain.transformer.h[0].mlp.c_fc.weight.numel())
-    packed = runtime.inference_model(model_from_checkpoint(trained), BF16)
+    keep_float32_head(plain)
+    monkeypatch.setattr(cpu, "PACK_MIN_WEIGHTS", plain.transformer.h[0].mlp.c_fc.weight.numel())
+    packed = inference_model(model_from_checkpoint(trained), BF16)
     for block in packed.transformer.h:
         assert [isinstance(m, PackedLinear) for m in (block.mlp.c_fc, block.mlp.c_proj, block.attn.c_attn,
                                                      block.attn.c_proj)] == [True, True, False, False]
     assert packed.get_num_params() == plain.get_num_params()
     stoi = trained["meta"]["tokenizer"]["stoi"]
     idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
-    context = plain.generate(idx, plain.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
+    context = generate(plain, idx, plain.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
     calls = []
     packed.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: calls.append(1))
     assert torch.equal(teacher_forced_logits(packed, context, use_cache=True),
@@ -247,31 +248,29 @@ def test_bf16_decoding_packs_nothing_where_bf16_is_not_native(trained, monkeypat
     """Where the CPU has no native bfloat16, on ARM (never measured), under --compile, or in float32, the model
     keeps its nn.Linear matrices, however large (the threshold lowered to 0 here): oneDNN's bfloat16 products
     are emulated without native bf16, and torch.compile traces the plain model."""
-    import model as model_module
     from core.weights.checkpoint import model_from_checkpoint
 
     def packed_any(model):
         return any(isinstance(m, PackedLinear) for m in model.modules())
-    monkeypatch.setattr(model_module, "PACK_MIN_WEIGHTS", 0)
-    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: True)
+    monkeypatch.setattr(cpu, "PACK_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: True)
     model = model_from_checkpoint(trained)
     monkeypatch.setattr(model, "compile", lambda: None)  # the choice, not the compile
-    assert not packed_any(runtime.inference_model(model, BF16, compile=True))
-    assert not packed_any(runtime.inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu",
+    assert not packed_any(inference_model(model, BF16, compile=True))
+    assert not packed_any(inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu",
                                                                                                    "float32")))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")  # ARM with BF16
-    assert not packed_any(runtime.inference_model(model_from_checkpoint(trained), BF16))
-    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: False)
+    assert not packed_any(inference_model(model_from_checkpoint(trained), BF16))
+    monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert not packed_any(runtime.inference_model(model_from_checkpoint(trained), BF16))
+    assert not packed_any(inference_model(model_from_checkpoint(trained), BF16))
 
 
 def test_short_bf16_training_attention_takes_the_math_backend(monkeypatch):
     """bfloat16 attention that autograd records on the CPU over SHORT_TRAINING_MATH_KEYS keys or fewer
-    in training mode (model.short_training_attention): SDPA's math backend, whose backward is the faster
+    in training mode (cpu.short_training_attention): SDPA's math backend, whose backward is the faster
     there; over more keys, without grad, in eval mode, or in float32, flash. Its gradients are as close to
     float64's as flash's are."""
-    import model as model_module
     flash_on, real_sdpa = [], torch.nn.functional.scaled_dot_product_attention
 
     def spy(*args, **kwargs):
@@ -280,9 +279,10 @@ def test_short_bf16_training_attention_takes_the_math_backend(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     c = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=256, vocab_size=40)
-    attn = model_module.CausalSelfAttention(c).train()
+    attn = CausalSelfAttention(c).train()
+    attn.kernels = cpu.CPUKernels()  # as cpu.choose_kernels sets it on a model that trains
     gen = torch.Generator().manual_seed(0)
-    short, long = model_module.SHORT_TRAINING_MATH_KEYS, model_module.SHORT_TRAINING_MATH_KEYS + 1
+    short, long = cpu.SHORT_TRAINING_MATH_KEYS, cpu.SHORT_TRAINING_MATH_KEYS + 1
     q, k, v = (3 * torch.randn(2, 2, long, 16, generator=gen) for _ in range(3))  # scores far from uniform
 
     def grads(dtype, T, kernel=attn._sdpa):

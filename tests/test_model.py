@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (GPT, Block, GPTConfig, KVCache, attention_weights, causal_mask, draw, exponential_noise,
-                   sample_next, scaled_dot_product_attention)
+from core.decoding import decode
+from core.decoding.decode import draw, exponential_noise, generate, generate_stream, sample_next
+from core.training.optim import build_optimizer
+from model import GPT, Block, GPTConfig, KVCache, attention_weights, causal_mask, scaled_dot_product_attention
 
 BACKENDS = ["sdpa", "naive"]
 
@@ -41,18 +43,19 @@ def sharp_model(seed=0, **overrides):
 
 
 class WindowSpy:
-    """Records the context window each decoding step passes to the model (GPT._next_logits)."""
+    """Records the context window each decoding step passes to the model (decode._next_logits)."""
 
     def __init__(self, model, monkeypatch):
-        self.windows, real = [], model._next_logits
+        self.windows, real = [], decode._next_logits
 
-        def spy(idx, start, origin, cache):
+        def spy(m, idx, start, origin, cache):
             # what the model attends over: idx[:, start:]; with a cache, the cached tokens from origin
             # on (position 0 of the cache) and the new ones after them
-            self.windows.append(idx[:, start if cache is None else origin:].clone())
-            return real(idx, start, origin, cache)
+            if m is model:
+                self.windows.append(idx[:, start if cache is None else origin:].clone())
+            return real(m, idx, start, origin, cache)
 
-        monkeypatch.setattr(model, "_next_logits", spy)
+        monkeypatch.setattr(decode, "_next_logits", spy)
 
 
 # --- reference attention -------------------------------------------------------------------
@@ -288,8 +291,8 @@ def test_kv_cache_capacity_and_reset():
 def test_cached_and_uncached_greedy_agree_past_block_size(backend, sampling, window_shift):
     model = tiny_model(attn_backend=backend, block_size=16)
     idx = random_idx(2, 5)
-    cached = model.generate(idx, 40, use_cache=True, window_shift=window_shift, **sampling)
-    uncached = model.generate(idx, 40, use_cache=False, window_shift=window_shift, **sampling)
+    cached = generate(model, idx, 40, use_cache=True, window_shift=window_shift, **sampling)
+    uncached = generate(model, idx, 40, use_cache=False, window_shift=window_shift, **sampling)
     assert cached.shape == (2, 45)
     assert torch.equal(cached, uncached)
     assert torch.equal(cached[:, :5], idx)
@@ -309,7 +312,7 @@ def test_each_step_sees_exactly_its_window(monkeypatch, use_cache, prompt, windo
     output soon repeats one token, so a window one token short would give the same tokens."""
     model = sharp_model(block_size=8)
     spy = WindowSpy(model, monkeypatch)
-    out = model.generate(random_idx(1, prompt), 12, temperature=0, window_shift=window_shift, use_cache=use_cache)
+    out = generate(model, random_idx(1, prompt), 12, temperature=0, window_shift=window_shift, use_cache=use_cache)
     assert len(spy.windows) == 12
     for i, (window, start) in enumerate(zip(spy.windows, starts)):
         assert torch.equal(window, out[:, start:prompt + i]), (i, window.tolist(), start)
@@ -318,14 +321,14 @@ def test_each_step_sees_exactly_its_window(monkeypatch, use_cache, prompt, windo
 def test_vocab_size_keeps_padded_ids_out():
     model = tiny_model()
     g = torch.Generator().manual_seed(0)
-    out = model.generate(random_idx(4, 2), 50, temperature=50.0, vocab_size=5, generator=g)
+    out = generate(model, random_idx(4, 2), 50, temperature=50.0, vocab_size=5, generator=g)
     assert int(out[:, 2:].max()) < 5
 
 
 def test_prompt_longer_than_block_size():
     model = tiny_model(block_size=8)
     idx = random_idx(1, 12)
-    assert torch.equal(model.generate(idx, 5, temperature=0), model.generate(idx, 5, temperature=0, use_cache=False))
+    assert torch.equal(generate(model, idx, 5, temperature=0), generate(model, idx, 5, temperature=0, use_cache=False))
 
 
 def test_generate_and_generate_stream_equal_a_plain_sampling_loop():
@@ -338,11 +341,11 @@ def test_generate_and_generate_stream_equal_a_plain_sampling_loop():
         for _ in range(6):
             probs = torch.softmax(model(reference)[0][:, -1] / 0.8, dim=-1)
             reference = torch.cat([reference, torch.multinomial(probs, 1, generator=g)], dim=1)
-    steps = list(model.generate_stream(idx, 6, temperature=0.8, generator=torch.Generator().manual_seed(3)))
+    steps = list(generate_stream(model, idx, 6, temperature=0.8, generator=torch.Generator().manual_seed(3)))
     assert len(steps) == 6 and all(t.shape == (2, 1) for t in steps)
     assert torch.equal(torch.cat([idx, *steps], dim=1), reference)
     for use_cache in (True, False):
-        out = model.generate(idx, 6, temperature=0.8, use_cache=use_cache, generator=torch.Generator().manual_seed(3))
+        out = generate(model, idx, 6, temperature=0.8, use_cache=use_cache, generator=torch.Generator().manual_seed(3))
         assert torch.equal(out, reference), use_cache
     assert len(set(reference[:, 4:].flatten().tolist())) > 3
 
@@ -350,23 +353,23 @@ def test_generate_and_generate_stream_equal_a_plain_sampling_loop():
 def test_generator_makes_sampling_reproducible():
     model = tiny_model()
     idx = random_idx(3, 4)
-    a = model.generate(idx, 10, top_p=0.9, generator=torch.Generator().manual_seed(7))
-    b = model.generate(idx, 10, top_p=0.9, generator=torch.Generator().manual_seed(7))
+    a = generate(model, idx, 10, top_p=0.9, generator=torch.Generator().manual_seed(7))
+    b = generate(model, idx, 10, top_p=0.9, generator=torch.Generator().manual_seed(7))
     assert torch.equal(a, b)
 
 
 def test_eot_stops_rows_and_pads():
     model = tiny_model()
     idx = random_idx(2, 4)
-    greedy = model.generate(idx, 8, temperature=0)
+    greedy = generate(model, idx, 8, temperature=0)
     eot = int(greedy[0, 4])  # row 0's first new token
-    out = model.generate(idx, 8, temperature=0, eot_token=eot)
+    out = generate(model, idx, 8, temperature=0, eot_token=eot)
     assert torch.all(out[0, 4:] == eot)
     row1 = greedy[1, 4:].tolist()
     stop = row1.index(eot) + 1 if eot in row1 else len(row1)
     assert out[1, 4:4 + stop].tolist() == row1[:stop] and torch.all(out[1, 4 + stop:] == eot)
     # A single row that is done stops generation early.
-    assert model.generate(idx[:1], 8, temperature=0, eot_token=eot).shape == (1, 5)
+    assert generate(model, idx[:1], 8, temperature=0, eot_token=eot).shape == (1, 5)
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5),
@@ -375,7 +378,7 @@ def test_generate_validates_arguments_before_any_work(kwargs):
     model = tiny_model()
     args = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(ValueError):
-        model.generate_stream(random_idx(1, 2), **args)
+        generate_stream(model, random_idx(1, 2), **args)
 
 
 # --- sampling ------------------------------------------------------------------------------
@@ -489,9 +492,9 @@ def test_flops_and_mfu():
         model.estimate_mfu(1, 0.0, 1e15)
 
 
-def test_configure_optimizers_decays_only_matrices():
+def test_adamw_decays_only_matrices():
     model = tiny_model()
-    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=3e-4, betas=(0.9, 0.95), device_type="cpu")
+    opt = build_optimizer(model, "adamw", adamw_lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), device_type="cpu")
     assert isinstance(opt, torch.optim.AdamW)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -522,11 +525,11 @@ def test_cuda_backends_cache_and_fused_optimizer():
     with torch.no_grad():
         torch.testing.assert_close(naive(idx)[0], model(idx)[0], atol=1e-4, rtol=1e-4)
     short = idx[:, :5]
-    cached = model.generate(short, 40, temperature=0)
-    assert torch.equal(cached, model.generate(short, 40, temperature=0, use_cache=False))
+    cached = generate(model, short, 40, temperature=0)
+    assert torch.equal(cached, generate(model, short, 40, temperature=0, use_cache=False))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert model.generate(short, 4, temperature=0).shape == (2, 9)
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cuda")
+        assert generate(model, short, 4, temperature=0).shape == (2, 9)
+    opt = build_optimizer(model, "adamw", 1e-3, 0.1, (0.9, 0.95), "cuda")
     assert opt.param_groups[0]["fused"]
 
 

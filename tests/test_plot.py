@@ -12,6 +12,7 @@ import math
 import torch
 
 import plot
+from core.weights.hf import to_transformers
 from model import GPT, GPTConfig
 from tests.helpers import assert_user_error, make_char_dataset, needs_transformers, run_main, train_tiny
 
@@ -159,7 +160,7 @@ def sharp_model(n_layer=2, n_head=4):
 def test_attention_maps_equal_transformers(tmp_path):
     transformers = needs_transformers()
     model = sharp_model()
-    model.save_pretrained(tmp_path)
+    to_transformers(model).save_pretrained(tmp_path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     att = plot.attention_maps(model, ids)  # (L, nh, T, T)

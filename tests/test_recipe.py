@@ -13,11 +13,14 @@ import torch.nn as nn
 
 from scripts import compare_recipe
 import train
+from core import cpu
+from core.decoding.decode import generate
 from core import config as configlib, runtime
 from core.training import optim
 from core.weights.checkpoint import load_checkpoint
 from core.weights.resolver import load_model
 from core.errors import UserError
+from core.weights.hf import to_transformers
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
 from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu, run_script, train_tiny
 
@@ -108,8 +111,8 @@ def test_chunked_kv_cache_equals_full_forward(name):
 def test_cached_and_uncached_greedy_agree_past_block_size(name, window_shift):
     model = variant_model(VARIANTS[name], block_size=8)
     idx = idx_of(2, 3)
-    cached = model.generate(idx, 25, temperature=0, window_shift=window_shift)
-    uncached = model.generate(idx, 25, temperature=0, use_cache=False, window_shift=window_shift)
+    cached = generate(model, idx, 25, temperature=0, window_shift=window_shift)
+    uncached = generate(model, idx, 25, temperature=0, use_cache=False, window_shift=window_shift)
     assert torch.equal(cached, uncached)
     assert len(set(cached[:, 3:].flatten().tolist())) >= 4  # a sharp model, not one token repeated
 
@@ -160,9 +163,9 @@ def test_rolling_cache_equals_the_exact_rule_with_one_layer_and_never_refills():
     idx = idx_of(2, 3)
     fed = []
     hook = model.transformer.wte.register_forward_hook(lambda m, args, out: fed.append(args[0].size(1)))
-    rolling = model.generate(idx, 30, temperature=0, rolling_cache=True)
+    rolling = generate(model, idx, 30, temperature=0, rolling_cache=True)
     hook.remove()
-    exact = model.generate(idx, 30, temperature=0, use_cache=False, window_shift=1)
+    exact = generate(model, idx, 30, temperature=0, use_cache=False, window_shift=1)
     assert torch.equal(rolling, exact)
     assert fed == [3] + [1] * 29  # one prefill, then one token at a time, also past block_size
 
@@ -200,7 +203,7 @@ def sliding_window_forward(model: GPT, idx, band):
 
 def test_rolling_cache_refuses_learned_positions():
     with pytest.raises(ValueError, match="rolling_cache needs pos_embedding='rope'"):
-        GPT(config()).generate(idx_of(1, 3), 5, rolling_cache=True)
+        generate(GPT(config()), idx_of(1, 3), 5, rolling_cache=True)
     model = GPT(config(pos_embedding="rope"))
     cache = model.new_kv_cache(1)
     model(idx_of(1, 16), kv_cache=cache)
@@ -317,7 +320,7 @@ def test_defaults_are_gpt2_and_save_pretrained_refuses_what_no_architecture_hold
     assert GPTConfig().non_gpt2_fields() == [] and config(n_kv_head=2).non_gpt2_fields() == []
     model = GPT(config(**ALL))
     with pytest.raises(ValueError) as e:
-        model.save_pretrained(tmp_path)
+        to_transformers(model).save_pretrained(tmp_path)
     message = str(e.value)
     assert "\n" not in message and "logit_softcap=5.0" in message and "qk_norm=True" in message
     assert "nearest that exports" in message
@@ -427,7 +430,7 @@ def test_bf16_newton_schulz_keeps_the_loop_on_wide_matrices():
 ])
 def test_cpu_native_bf16_reads_the_cpu_and_honours_the_capability_caps(monkeypatch, capability, flags, isa, native):
     fake_cpu(monkeypatch, capability, flags, isa)
-    assert runtime.cpu_native_bf16() is native and runtime.native_bf16("cpu") is native
+    assert cpu.cpu_native_bf16() is native and runtime.native_bf16("cpu") is native
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert runtime.native_bf16("cpu") is False  # oneDNN does no bf16 matmuls here: they fall back to emulation
 
@@ -753,7 +756,7 @@ def test_value_embeds_train_on_adamw_are_recorded_and_refused_by_export(tmp_path
     assert GPTConfig(value_embeds=1).non_gpt2_fields() == ["value_embeds=1"]
     modern = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", bias=False, tie_embeddings=False)
     with pytest.raises(ValueError) as e:
-        GPT(config(**modern, value_embeds=1)).save_pretrained(tmp_path / "hf")
+        to_transformers(GPT(config(**modern, value_embeds=1))).save_pretrained(tmp_path / "hf")
     assert "\n" not in str(e.value) and "value_embeds=1" in str(e.value)
     assert "nearest that exports: value_embeds=0 (-> Qwen3ForCausalLM)" in str(e.value)
 

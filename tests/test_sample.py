@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import sample
-from core import runtime
+from core import cpu
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, StreamDecoder
+from core.weights.hf import to_transformers
 from model import GPT, GPTConfig
 from tests.helpers import (ROMEO_JULIET, assert_user_error, make_char_dataset, make_gpt2_dataset, run_main,
                            run_scripts, train_tiny, use_gpt2_bpe)
@@ -134,14 +135,14 @@ def test_bad_input_from_the_command_line(cli, name, fragments):
 def test_num_samples_one_streams_token_by_token(char_out, monkeypatch):
     # Each time the model is asked for the next token, the one before it is already on stdout.
     printed = []
-    generate_stream = GPT.generate_stream
+    generate_stream = sample.generate_stream
 
-    def spy(self, *args, **kwargs):
-        for token in generate_stream(self, *args, **kwargs):
+    def spy(model, *args, **kwargs):
+        for token in generate_stream(model, *args, **kwargs):
             yield token
             printed.append(sys.stdout.getvalue())  # run_main's captured stdout, after sample.py's turn
 
-    monkeypatch.setattr(GPT, "generate_stream", spy)
+    monkeypatch.setattr(sample, "generate_stream", spy)
     args = (f"--out_dir={char_out}", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=30")
     code, streamed, err = sample_here(*args)
     assert code == 0, err
@@ -241,7 +242,7 @@ BAD_OPTIONS = [
 def test_bad_options_are_one_line_errors(char_out, args, fragments, monkeypatch):
     if "--device=cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    monkeypatch.setattr(runtime, "cpu_native_bf16", lambda: False)  # an AVX2 CPU, whatever this one is
+    monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: False)  # an AVX2 CPU, whatever this one is
     code, out, err = sample_here(f"--out_dir={char_out}", *args)
     check_user_error(code, err, fragments)
 
@@ -301,7 +302,7 @@ def test_stream_decoder_never_splits_a_character():
 def test_save_pretrained_directory_as_init_from(tmp_path):
     use_gpt2_bpe()
     torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16)).save_pretrained(tmp_path)
+    to_transformers(GPT(GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16))).save_pretrained(tmp_path)
     code, out, err = sample_here(f"--init_from={tmp_path}", "--start=Hello", "--num_samples=2",
                                  "--max_new_tokens=8")
     assert code == 0, err

@@ -535,7 +535,7 @@ def test_ctrl_c_while_the_model_loads_stops_before_serving(char_out, monkeypatch
         os.kill(os.getpid(), signal.SIGINT)  # Python's handler raises at the next bytecode, inside the load
         return real_load(*args, **kwargs)
     started = []
-    monkeypatch.setattr(weights, "load_model", interrupted_load)
+    monkeypatch.setattr(resolver, "load_model", interrupted_load)
     monkeypatch.setattr(serve, "serve", lambda app, host, port: started.append(port))
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh process has it (not a stop
     try:                                                                # flag an earlier in-process main left)

@@ -24,6 +24,7 @@ their ids when it was trained.
 """
 from __future__ import annotations
 
+from core.decoding.decode import generate_stream
 from core.errors import UserError
 from core.data.tokenizer import GPT2_VOCAB, Tokenizer, reserved_tokens
 
@@ -179,7 +180,7 @@ def stream_reply(model, template: ChatTemplate, prompt: list[int], max_new_token
 
     device = model.transformer.wte.weight.device
     idx = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
-    for token in model.generate_stream(idx, max_new_tokens, eot_token=template.end_of_turn,
+    for token in generate_stream(model, idx, max_new_tokens, eot_token=template.end_of_turn,
                                        vocab_size=template.tok.vocab_size, **sampling):
         token_id = token.item()
         if token_id in template.stop_tokens:

@@ -41,7 +41,8 @@ import torch
 from torch.nn import functional as F
 
 from core.errors import first_line
-from model import GPT, Sampling, check_sampling_args, draw, exponential_noise, sampling_probs, slide_window
+from core.decoding.decode import Sampling, check_sampling_args, draw, exponential_noise, sampling_probs, slide_window
+from model import GPT
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
@@ -468,7 +469,7 @@ def rows_of(x: torch.Tensor, slots: list[int]) -> torch.Tensor:
 
 def engine_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int, device,
                     eot: int | None, window_shift: int, vocab_size: int) -> Sampling:
-    """model.Sampling for one request, its generator seeded: what generate would be given for it alone."""
+    """decode.Sampling for one request, its generator seeded: what generate would be given for it alone."""
     generator = torch.Generator(device=device).manual_seed(seed)
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, eot_token=eot,
                     window_shift=window_shift, vocab_size=vocab_size)

@@ -404,7 +404,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
 
 def load_sharded_full(path: str | os.PathLike) -> dict[str, Any]:
     """A sharded checkpoint as load_checkpoint returns a ckpt.pt (model weights, no optimizer), in one
-    process: what sample.py and GPT.save_pretrained need."""
+    process: what sample.py and hf.to_transformers(model).save_pretrained need."""
     path = Path(path)
     meta = read_sharded_meta(path)
     model = GPT(GPTConfig(**meta["model_args"]))

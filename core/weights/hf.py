@@ -435,7 +435,7 @@ def from_folder(directory: str | os.PathLike, override_args: dict | None = None,
 
 def folder_tokenizer(directory: str | os.PathLike, config: GPTConfig) -> Tokenizer:
     """The tokenizer of a transformers folder of architecture `config`: its tokenizer.json, or GPT-2's BPE
-    for a GPT-2 folder without one (GPT.save_pretrained writes only the weights)."""
+    for a GPT-2 folder without one (hf.to_transformers(model).save_pretrained writes only the weights)."""
     directory = Path(directory)
     if (directory / "tokenizer.json").is_file():
         return load_hf_tokenizer(directory)

@@ -1,0 +1,177 @@
+"""The CPU's kernel choices: which of torch's kernels a forward runs on a CPU, and how decoding lays out weights.
+
+The network (model.py) computes the same function whatever is chosen here; this room only picks how:
+
+    native bfloat16    cpu_native_bf16, cpu_packs_bf16: does this CPU compute bf16 in hardware (runtime's
+                       --dtype=auto asks), and is it one where decoding packs its matrices
+    kernels per call   CPUKernels (one_row_kernels, short_training_attention), set on a model from outside
+                       with choose_kernels, as sharding and compile are (core/training/parallel.py,
+                       core/decoding/decode.py's inference_model)
+    weights laid out   PackedLinear and pack_linears (bf16 matrices reordered once for oneDNN),
+                       lay_head_by_columns (a float32 head read one row at a time)
+
+Each choice was measured side by side with what it replaces; the tables, commands and machines are in
+docs/performance.md ("Decoding against the bandwidth bound", "Mixed precision on a CPU with native bfloat16").
+"""
+import contextlib
+import os
+
+import torch
+import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from model import GPT, Kernels
+
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow bf16 instructions: AVX512_CORE_BF16 and above.
+_ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "BF16", "AMX", "FP16", "AVX10")
+PACK_MIN_WEIGHTS = 1 << 18  # pack_linears packs matrices this large or larger: 512 x 512 and up, all of GPT-2's
+SHORT_TRAINING_MATH_KEYS = 128  # bfloat16 training on a CPU: the math backend is faster up to this many keys
+
+
+def cpu_native_bf16() -> bool:
+    """Whether this CPU's matmuls compute bfloat16 in hardware: x86 with AVX512-BF16 or AMX-BF16
+    and torch's AVX512 kernels in use, or ARM with the BF16 extension; oneDNN must do the bf16
+    matmuls (torch.ops.mkldnn._is_mkldnn_bf16_supported) and ONEDNN_MAX_CPU_ISA must not cap it
+    below bf16. Elsewhere, every AVX2-only x86 CPU among them, a bf16 matmul is emulated and many
+    times slower than float32 (docs/performance.md, a matmul native and emulated).
+
+    ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are honoured, so that a machine with bf16 units can
+    be made to answer as an AVX2 one does. The CPU's flags come from /proc/cpuinfo (Linux); where
+    there is none, the answer is False, and float32 is correct everywhere.
+    """
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if not any(name in isa for name in _ONEDNN_BF16_ISAS):
+        return False
+    flags = _cpu_flags()
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return "bf16" in flags  # ARM's Features line; x86 below AVX512 kernels has no bf16 units in use
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (x86 "flags", ARM "Features") from /proc/cpuinfo; empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("flags", "Features"))]
+    except OSError:
+        return set()
+    return set(lines[0].split(":", 1)[1].split()) if lines else set()
+
+
+def cpu_packs_bf16() -> bool:
+    """Whether bfloat16 decoding packs its large matrices for oneDNN here (pack_linears): an x86 CPU with
+    native bfloat16 (torch's AVX512 kernels), where it was measured; not ARM."""
+    return cpu_native_bf16() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+# -----------------------------------------------------------------------------
+# kernels picked per call
+
+
+class CPUKernels(Kernels):
+    """model.Kernels for a CPU: each method picks for the call in hand and leaves every other call (a GPU, float32,
+    many rows, long attention) to torch's own choice, so a model may carry it wherever it runs."""
+
+    def blocks(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
+        return one_row_kernels(x)
+
+    def attention(self, q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
+        return short_training_attention(q, Tk, training)
+
+
+def choose_kernels(model: GPT) -> GPT:
+    """The CPU's kernel choices on model (GPT.use_kernels), applied from outside as sharding and compile are."""
+    model.use_kernels(CPUKernels())
+    return model
+
+
+def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The matmul kernels for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1).
+
+    At one row every matmul is a matrix-vector product, bound by reading the weights. oneDNN, torch's
+    bfloat16 matmul on a CPU, is made for many rows: handed a plain matrix it lays the weight out again at
+    every call, which at one row costs as much as the product. The large matrices are packed once for it
+    (PackedLinear, which calls oneDNN directly, this flag or not); for the small ones left as nn.Linear
+    (under PACK_MIN_WEIGHTS) oneDNN's fixed cost a call dominates, and with oneDNN off torch's own GEMV
+    gives the same floats in less time; at 4 rows it is slower (docs/performance.md, "Decoding against
+    the bandwidth bound").
+    """
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.size(0) * x.size(1) != 1:
+        return contextlib.nullcontext()
+    return _without_onednn()
+
+
+@contextlib.contextmanager
+def _without_onednn():
+    onednn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = onednn
+
+
+def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
+    """SDPA's math backend for bfloat16 attention on the CPU over at most SHORT_TRAINING_MATH_KEYS keys in
+    a training forward (training mode, autograd recording q): there the flash kernel's forward and backward
+    are slower than the math backend's, for its slow bf16 backward; from 256 keys flash is the faster
+    (docs/performance.md, "Mixed precision on a CPU with native bfloat16"). Float32 and evaluation keep
+    flash, faster there at every length measured."""
+    recorded = training and torch.is_grad_enabled() and q.requires_grad
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not recorded or Tk > SHORT_TRAINING_MATH_KEYS:
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+# -----------------------------------------------------------------------------
+# weights laid out for decoding
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear whose bfloat16 weight oneDNN has reordered once into its own blocked layout, for a
+    model that only decodes on a CPU with native bfloat16 (pack_linears). F.linear hands oneDNN the
+    plain (out, in) matrix, which it reorders at every call: at one row, a matrix-vector product bound by
+    reading the weight, that costs about as much as float32's product of twice the bytes. Packed, a
+    cached step is faster at one row and at the server's 4 to 64 rows (docs/performance.md, "Decoding
+    against the bandwidth bound"), with the very floats of F.linear's oneDNN product, at any number of
+    rows. torch has no public eager API for a weight packed once; these two ops are the ones
+    torch.compile's CPU freezing emits."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_numel = linear.weight.numel()  # the weight lives on only as `packed`: GPT.get_num_params counts it
+        self.weight_bytes = self.weight_numel * linear.weight.element_size()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # opaque, oneDNN's
+        self.bias = linear.bias
+
+    def forward(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., out)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: GPT) -> None:
+    """Decoding with bfloat16 weights on a CPU that computes them natively: every Block's matrix of
+    PACK_MIN_WEIGHTS weights or more handed to oneDNN once, in its blocked layout (PackedLinear); smaller
+    ones are faster as they are (one_row_kernels). Those weights then exist only packed, so this is for a
+    model that only decodes (core/decoding/decode.py's inference_model); the head, the embeddings and the
+    norms stay."""
+    for block in model.transformer.h:
+        for name, module in list(block.named_modules()):
+            if isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS:
+                parent, _, attr = name.rpartition(".")
+                setattr(block.get_submodule(parent), attr, PackedLinear(module))
+
+
+def lay_head_by_columns(model: GPT) -> None:
+    """Decoding in float32 on a CPU: the head's storage laid out in place as (C, vocab), the same values
+    seen as (vocab, C), so F.linear reads it as decode.keep_float32_head's copy is read, faster at 1 to 16
+    rows than over the row-major matrix (docs/performance.md, "Decoding against the bandwidth bound"), with
+    no second copy: a tied token table is the same tensor, and an embedding row is a strided read. For a
+    model that only decodes (inference_model)."""
+    w = model.lm_head.weight
+    w.data = w.data.t().contiguous().t()  # (vocab, C), strides (1, vocab)
