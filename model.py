@@ -4,16 +4,12 @@ Read it bottom-up, the way the model computes: GPTConfig (the recipe switches as
 attention and rotary positions -> causal self-attention -> MLP -> Block -> KVCache -> GPT (forward, init,
 parameter count, MFU, and from_pretrained as nanoGPT's users know it).
 
-Elsewhere, and never imported here: decoding (sampling, generate, inference_model) in core/decoding/decode.py,
-the CPU's kernel choices in core/cpu.py (they act through the Kernels hook below), and the transformers
-interop in core/weights/hf.py.
+Elsewhere, never imported here: decoding (sampling, generate) in core/decoding/decode.py, the CPU's kernel
+choices in core/cpu.py (acting through the Kernels hook below), the transformers interop in core/weights/hf.py.
 
 Shapes: B batch, T sequence (queries), Tk keys, C = n_embd, nh heads, hs = C // nh head size.
-
-References:
-  GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners".
-  Attention: Vaswani et al. 2017, "Attention Is All You Need".
-  nanoGPT (Karpathy), whose parameter names this file keeps, so GPT-2 weights map one to one.
+References: GPT-2 (Radford et al. 2019); "Attention Is All You Need" (Vaswani et al. 2017); nanoGPT (Karpathy),
+whose parameter names this file keeps, so GPT-2 weights map one to one.
 """
 import contextlib
 import math
@@ -74,20 +70,18 @@ class GPTConfig:
     rope_original_max_positions: int = 8192  # llama3: "original", the context the model was first trained at
 
     def __post_init__(self):
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "head_dim", "mlp_hidden"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            optional = name in ("head_dim", "mlp_hidden")
+            bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
+            if bad and not (optional and value is None):
+                raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}")
         if self.head_dim is None and self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), or set head_dim")
-        hd = self.head_dim
-        if hd is not None and (not isinstance(hd, int) or isinstance(hd, bool) or hd < 1):
-            raise ValueError(f"head_dim must be a positive integer or None, got {hd!r}")
-        if self.rope_type == "llama3" and not (self.rope_factor >= 1 and
-                                               0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+        factor, low, high, _ = self.rope_llama3 or (1, 0.5, 1, 0)
+        if not (factor >= 1 and 0 < low < high):
             raise ValueError(f"rope_type='llama3' needs rope_factor >= 1 and 0 < rope_low_freq_factor < "
-                             f"rope_high_freq_factor, got {self.rope_factor}, {self.rope_low_freq_factor}, "
-                             f"{self.rope_high_freq_factor}")
+                             f"rope_high_freq_factor, got {factor}, {low}, {high}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         for name, allowed in CHOICES.items():
@@ -110,9 +104,6 @@ class GPTConfig:
                              f"last Block), got {ve!r} with n_layer={self.n_layer}")
         if not 0 < self.norm_eps < 1:
             raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
-        hidden = self.mlp_hidden
-        if hidden is not None and (not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1):
-            raise ValueError(f"mlp_hidden must be a positive integer or None, got {hidden!r}")
 
     @property
     def head_size(self) -> int:
@@ -135,36 +126,20 @@ class GPTConfig:
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 
-    def non_gpt2_fields(self) -> list[str]:
-        """The recipe switches set away from GPT-2, as 'name=value': what transformers' GPT-2 cannot hold."""
-        gpt2 = GPTConfig()
-        same = {"n_kv_head": self.kv_heads == self.n_head, "mlp_hidden": self.mlp_hidden in (None, 4 * self.n_embd),
-                "head_dim": self.head_size * self.n_head == self.n_embd, "qkv_bias": self.qkv_bias in (None, self.bias)}
-        return [f"{name}={getattr(self, name)!r}" for name in RECIPE_SWITCHES
-                if name not in GPT2_HOLDS and not same.get(name, getattr(self, name) == getattr(gpt2, name))]
 
-
-# GPTConfig's fields that size the model or say how it runs; every other field is a recipe switch,
-# so a new field is one (train.py's config, the GPT-2 and transformers checks read this list).
+# GPTConfig's fields that size the model or say how it runs; every other field is a recipe switch (train.py's
+# config and the transformers checks read this list).
 SHAPE_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "attn_backend")
 RECIPE_SWITCHES = tuple(f.name for f in fields(GPTConfig) if f.name not in SHAPE_FIELDS)
-# Switches whose other values transformers' GPT-2 holds too (zero biases, either GELU, any epsilon), or
-# that leave the function unchanged (an initialisation; RoPE's base without RoPE).
-GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base", "rope_type", "rope_factor",
-              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
 # The values a switch takes where it is one of a few named choices (GPTConfig checks them).
 CHOICES = {"attn_backend": ATTN_BACKENDS, "gelu_approximate": GELU_APPROXIMATIONS, "pos_embedding": POS_EMBEDDINGS,
            "norm": NORMS, "mlp": MLPS, "rope_type": ROPE_TYPES}
 
 
 def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
-    """Boolean (Tq, Tk) mask, True where query i may attend to key j.
-
-    Aligned to the *end*: the queries are the last Tq of the Tk positions, so query i sits at
-    position i + (Tk - Tq) and sees keys j <= i + Tk - Tq. This is what a chunk of new tokens
-    needs when it attends to a longer cached prefix. torch's is_causal=True aligns to the start
-    instead (j <= i); the two agree only when Tq == Tk.
-    """
+    """Boolean (Tq, Tk) mask, True where query i may attend to key j, aligned to the *end*: query i sits at
+    position i + (Tk - Tq) and sees keys j <= i + Tk - Tq, as a chunk of new tokens after a cached prefix
+    needs. torch's is_causal=True aligns to the start (j <= i); the two agree only when Tq == Tk."""
     return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=Tk - Tq)
 
 
@@ -185,24 +160,18 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, causal: bool = False) ->
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):
-    """Reference attention, written out: softmax(q k^T / sqrt(hs)) v, the causal mask end-aligned.
-
-    q (..., Tq, hs), k and v (..., Tk, hs) -> (..., Tq, hs). Equals torch's fused
-    F.scaled_dot_product_attention (to 1e-12 in float64) when Tq == Tk; for Tq != Tk give torch
-    the explicit causal_mask(Tq, Tk), since its is_causal aligns the mask to the start.
-    """
+    """Reference attention, written out: softmax(q k^T / sqrt(hs)) v, the causal mask end-aligned; q (..., Tq, hs),
+    k and v (..., Tk, hs) -> (..., Tq, hs). Equals torch's fused F.scaled_dot_product_attention in float64 when
+    Tq == Tk (tests/test_model.py); for Tq != Tk give torch the explicit causal_mask(Tq, Tk)."""
     return attention_weights(q, k, causal) @ v
 
 
 def rope_angles(positions: torch.Tensor, head_size: int, base: float,
                 llama3: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (T, hs), of the rotary angles positions * base^(-2i/hs), i < hs/2: column i
-    and column i + hs/2 hold pair i's angle, and sin's first half is negated (see apply_rope).
-    positions (B, T), each row at its own positions, gives (B, 1, T, hs): one table per row, for every head.
-
-    Computed in float64 where the device has it: a position's angle then stays exact far past
-    block_size, so a key rotated at position p scores the same against any later query.
-    """
+    """cos and sin, each (T, hs), of the rotary angles positions * base^(-2i/hs), i < hs/2: columns i and
+    i + hs/2 hold pair i's angle, sin's first half negated (see apply_rope); positions (B, T) give (B, 1, T, hs).
+    In float64 where the device has it: an angle stays exact far past block_size, so a key rotated at
+    position p scores the same against any later query."""
     dtype = torch.float32 if positions.device.type == "mps" else torch.float64
     inv_freq = base ** -(torch.arange(0, head_size, 2, device=positions.device, dtype=dtype) / head_size)  # (hs/2,)
     if llama3 is not None:
@@ -215,10 +184,9 @@ def rope_angles(positions: torch.Tensor, head_size: int, base: float,
 
 def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                        original_max_positions: int) -> torch.Tensor:
-    """Llama 3.1's RoPE scaling (transformers' _compute_llama3_parameters): frequencies whose wavelength
-    exceeds original/low_freq_factor positions are divided by factor, so they still turn less than once
-    over a context factor times longer; those under original/high_freq_factor (local order) are kept;
-    the band between is a linear blend in original/wavelength."""
+    """Llama 3.1's RoPE scaling (transformers' _compute_llama3_parameters): frequencies of wavelengths past
+    original/low_freq_factor are divided by factor; those under original/high_freq_factor (local order) kept;
+    the band between a linear blend in original/wavelength."""
     wavelen = 2 * math.pi / inv_freq  # (hs/2,) positions per turn
     smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -227,14 +195,10 @@ def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: f
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + hs/2) of x (B, nh, T, hs) by the angles of rope_angles (T, hs).
-
-    A rotation by angle(p) on q and angle(p') on k leaves q.k depending on p - p' only: the
-    scores see relative positions, and no position table bounds the sequence length.
-    Pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) is x cos + (x2, x1) (-sin, sin): the halves
-    swapped by a roll, the sign in the table. Three elementwise passes, where halves rotated apart
-    and concatenated take seven.
-    """
+    """Rotate channel pairs (i, i + hs/2) of x (B, nh, T, hs) by the angles of rope_angles (T, hs). A rotation by
+    angle(p) on q and angle(p') on k leaves q.k depending on p - p' only: relative positions, no table bounding
+    the length. (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) is x cos + (x2, x1) (-sin, sin): the halves
+    swapped by a roll, the sign in the table, three elementwise passes."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)  # (B, nh, T, hs)
 
@@ -248,25 +212,20 @@ def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
 
 
 class Kernels:
-    """Which of torch's kernels a forward runs, picked per call: the function computed is the same whatever
-    they pick. This base leaves every call to torch; core/cpu.py's CPUKernels pick for a CPU, set on a model
-    from outside (GPT.use_kernels), as sharding and compile are."""
+    """Which of torch's kernels a forward runs, picked per call; the function is the same whatever they pick.
+    This base leaves every call to torch; core/cpu.py's CPUKernels pick for a CPU, set from outside
+    (GPT.use_kernels), as sharding and compile are."""
 
-    def blocks(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
-        """Around the Blocks of one forward of x (B, T, C)."""
+    def blocks(self, x: torch.Tensor) -> contextlib.AbstractContextManager:  # around the Blocks of x (B, T, C)
         return contextlib.nullcontext()
 
     def attention(self, q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
-        """Around one causal attention call of q (B, nh, T, hs) over Tk keys."""
-        return contextlib.nullcontext()
+        return contextlib.nullcontext()  # around one causal attention of q (B, nh, T, hs) over Tk keys
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with one fused q/k/v projection.
-
-    With n_kv_head < n_head (grouped-query attention) the projection makes n_head query heads
-    but only n_kv_head key/value heads, each shared by n_head // n_kv_head query heads.
-    """
+    """Multi-head causal self-attention with one fused q/k/v projection. With n_kv_head < n_head (grouped-query
+    attention) it makes n_head query heads but n_kv_head key/value heads, each shared by n_head // n_kv_head."""
 
     kernels = Kernels()  # torch's own choice; GPT.use_kernels sets another
 
@@ -289,24 +248,17 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, kv=None, pos=0, attn_out=None, rope=None, ve=None):
-        """x (B, T, C) -> (B, T, C).
-
-        kv: this layer's LayerKV, its cache buffers (B, nkv, max_len, hs); the chunk's keys and values
-        are written at [pos:pos+T] and the queries attend to [0:pos+T] (see _write_cache past max_len).
-        pos may be a LongTensor (B,): each row at its own position (the server's batch, see KVCache);
-        row b writes at [pos[b]:pos[b]+T] and its queries are masked to their own keys.
-        attn_out: a list; the naive backend appends this layer's weights (B, nh, T, Tk) to it.
-        rope: (cos, sin) of the chunk's positions, each (T, hs), for pos_embedding="rope".
-        ve: the chunk's tokens' value embeddings (B, T, nkv * hs), for value_embeds: mixed into v before the
-        cache, since they depend on the token alone.
-        """
+        """x (B, T, C) -> (B, T, C). kv: this layer's LayerKV (B, nkv, max_len, hs); the chunk's keys and values go
+        to [pos:pos+T] and the queries attend to [0:pos+T] (past max_len see _write_cache). pos may be a LongTensor
+        (B,), each row at its own position (the server's batch, see KVCache). attn_out: a list the naive backend
+        appends this layer's weights (B, nh, T, Tk) to. rope: (cos, sin) of the chunk's positions, (T, hs) each.
+        ve: the tokens' value embeddings (B, T, nkv * hs), mixed into v before the cache (they depend on the token)."""
         B, T, _ = x.size()
         kv_dim = self.n_kv_head * self.head_size
         q, k, v = self.c_attn(x).split([self.width, kv_dim, kv_dim], dim=2)  # (B, T, nh * hs), 2 x (B, T, nkv * hs)
         if ve is not None:
             v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve  # (B, T, nkv * hs)
-        # Heads are a view: split nh * hs (C, unless head_dim is set) and move nh next to B, so every head is a
-        # batch entry.
+        # Heads are a view: split nh * hs and move nh next to B, so every head is a batch entry.
         q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         k, v = (t.view(B, T, self.n_kv_head, self.head_size).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
         q, k = self.q_norm(q), self.k_norm(k)
@@ -317,10 +269,7 @@ class CausalSelfAttention(nn.Module):
             k, v, mask = self._write_rows(kv, pos, k, v)  # (B, nkv, Tk, hs), mask (B, 1, T, Tk)
         elif kv is not None:
             k, v = self._write_cache(kv, pos, k, v)  # (B, nkv, pos+T, hs)
-        if self.backend == "sdpa":
-            y = self._sdpa(q, k, v, mask)
-        else:
-            y = self._naive(q, k, v, attn_out, mask)
+        y = self._sdpa(q, k, v, mask) if self.backend == "sdpa" else self._naive(q, k, v, attn_out, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, self.width)  # (B, T, nh * hs), heads side by side again
         return self.resid_dropout(self.c_proj(y))  # c_proj mixes what the heads found
 
@@ -332,20 +281,16 @@ class CausalSelfAttention(nn.Module):
             # A full rolling cache (rotary positions, one token at a time, see KVCache): the new key
             # replaces the oldest. Attention sums over keys in any order and a rotary key carries
             # its own position, so the slots need no reordering.
-            k_cache[:, :, pos % max_len] = k[:, :, 0]
-            v_cache[:, :, pos % max_len] = v[:, :, 0]
+            k_cache[:, :, pos % max_len], v_cache[:, :, pos % max_len] = k[:, :, 0], v[:, :, 0]
             return k_cache, v_cache  # (B, nkv, max_len, hs)
-        k_cache[:, :, pos:pos + T] = k
-        v_cache[:, :, pos:pos + T] = v
+        k_cache[:, :, pos:pos + T], v_cache[:, :, pos:pos + T] = k, v
         return k_cache[:, :, :pos + T], v_cache[:, :, :pos + T]  # (B, nkv, pos+T, hs)
 
     @staticmethod
     def _write_rows(kv, pos, k, v):
-        """Each row b at its own position pos[b] (B,): its T keys go to [pos[b]:pos[b]+T], and the keys are the
-        first max(pos) + T slots of every row, masked per row to the ones it has written: (k, v, mask).
-        kv.slots: the buffers' rows these B rows are (KVCache.take), written there and read back gathered;
-        kv.real (B, T): only the real tokens' keys are written (ragged rows), and the keys read stop at the
-        last real one."""
+        """Each row b at its own position pos[b] (B,): its T keys go to [pos[b]:pos[b]+T]; the keys are every row's
+        first max(pos) + T slots, masked per row to the ones it wrote: (k, v, mask). kv.slots: the buffers' rows
+        (KVCache.take), read back gathered; kv.real (B, T): only the real tokens of ragged rows are written."""
         k_cache, v_cache, slots, real = kv
         B, T = k.size(0), k.size(2)
         at = pos.to(k.device)[:, None] + torch.arange(T, device=k.device)  # (B, T) each new key's slot
@@ -399,12 +344,9 @@ def swiglu_hidden(n_embd: int) -> int:
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: expand, nonlinearity, project back.
-
-    "gelu": GPT-2's 4x GELU. "relu2": relu(x)^2, as cheap as ReLU and better than GELU at equal
-    size (Primer, So et al. 2021). "swiglu": silu(gate) * up, the gate and up halves from one
-    c_fc, H = swiglu_hidden(C) wide (Shazeer 2020).
-    """
+    """Position-wise feed-forward: expand, nonlinearity, project back. "gelu": GPT-2's 4C GELU. "relu2":
+    relu(x)^2, as cheap as ReLU and better than GELU at equal size (So et al. 2021). "swiglu": silu(gate) * up,
+    both halves from one c_fc, H = swiglu_hidden(C) wide (Shazeer 2020)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -429,11 +371,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer layer, pre-LN: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)).
-
-    Normalising each sublayer's input, not the residual stream, leaves an identity path from the
-    embeddings to the head, which keeps deep stacks trainable without warm-up tricks (GPT-2 section 2.3).
-    """
+    """One transformer layer, pre-LN: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)). Normalising each sublayer's
+    input, not the residual stream, leaves an identity path from the embeddings to the head, which keeps deep
+    stacks trainable without warm-up tricks (GPT-2 section 2.3)."""
 
     def __init__(self, config: GPTConfig, value_embed: bool = False):
         super().__init__()
@@ -449,35 +389,29 @@ class Block(nn.Module):
 
 class LayerKV(NamedTuple):
     """One layer's part of a KVCache, as the attention writes and reads it."""
-    k: torch.Tensor  # (B, nkv, max_len, hs): the buffers
+    k: torch.Tensor  # (B, nkv, max_len, hs): the buffers, and v
     v: torch.Tensor
     slots: torch.Tensor | None = None  # (B,): the buffers' rows the forward's rows are (KVCache.take); None: all
     real: torch.Tensor | None = None  # (B, T) bool: the chunk's real tokens, the rest padding (take); None: all
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated for max_len positions, and an explicit position.
+    """Keys and values of every layer, preallocated for max_len positions (n_kv_head heads: grouped-query
+    attention shrinks it), and an explicit position `pos`, the positions already written. In GPT.forward each
+    layer writes its chunk of T at [pos:pos+T] and attends to [0:pos+T]; then the forward advances pos by T.
 
-    `pos` is the number of positions already written. In GPT.forward each layer writes its chunk
-    of T keys/values at [pos:pos+T] and attends to [0:pos+T]; after the last layer the forward
-    advances pos by T, once. For inference: the buffers are overwritten in place. There are
-    n_kv_head heads, so grouped-query attention shrinks the cache by n_head // n_kv_head.
+    Rolling (rotary positions only): once full, one token at a time may go past max_len; it overwrites the
+    oldest slot, so the queries attend to the last max_len keys (a sliding window), and pos, still counting,
+    is the new token's rotary position.
 
-    Rolling (rotary positions only): once full, a model with pos_embedding="rope" may feed one
-    token at a time past max_len; it overwrites the oldest slot, so the queries attend to the
-    last max_len keys (a sliding window). pos keeps counting: it is the new token's rotary position.
-
-    Each row at its own position (the server's batch, core/serving/engine.py): pos may be a LongTensor (B,) on
-    the CPU. Row b's chunk goes to [pos[b]:pos[b]+T] and its queries see only its own keys, so rows of
-    different lengths share one forward; advance moves every row, in place. rows(i, j) is a view of
-    slots i..j-1 sharing the buffers and the positions, for a forward over some of the rows. take(slots,
-    lengths) is any rows, in any order, with ragged chunks: the server's prefill of many requests in one forward.
+    Each row at its own position (the server's batch, core/serving/engine.py): pos a LongTensor (B,) on the
+    CPU; row b's chunk goes to [pos[b]:pos[b]+T] and its queries see only its own keys. rows(i, j) is a view
+    of slots i..j-1; take(slots, lengths) any rows in any order with ragged chunks (many prefills, one forward).
     """
 
     def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32):
         shape = (n_layer, batch_size, n_head, max_len, head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nkv, max_len, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nkv, max_len, hs)
+        self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in "kv")  # (L, B, nkv, max_len, hs) each
         self.pos: int | torch.Tensor = 0
         self.slots: torch.Tensor | None = None  # take(): see LayerKV
         self.lengths: torch.Tensor | None = None  # take(): each row's real tokens (B,)
@@ -493,10 +427,9 @@ class KVCache:
         return view
 
     def take(self, slots: list[int], lengths: list[int]) -> "KVCache":
-        """Rows slots (B, any order) for one forward whose chunk (B, T) is ragged: row b's first lengths[b]
-        tokens are real, the rest padding. Each layer writes the real tokens' keys into these buffers at the
-        slots and reads the rows back gathered; each row then advances by its own length, and last_only gives
-        each row's last real token. A padded query's output means nothing (it sees keys it did not write)."""
+        """Rows slots (B, any order) for one forward of a ragged chunk (B, T): row b's first lengths[b] tokens are
+        real, the rest padding (their outputs mean nothing). Each layer writes the real tokens' keys at the slots
+        and reads the rows back gathered; each row advances by its own length, last_only gives its last token."""
         if not isinstance(self.pos, torch.Tensor):
             raise ValueError("take() needs per-row positions: set pos to a LongTensor (B,) first")
         view = KVCache.__new__(KVCache)
@@ -526,19 +459,13 @@ class KVCache:
         self.pos += n  # in place for per-row positions, so a rows() view moves its parent's rows
 
     def reset(self):
-        """Forget everything; the buffers are reused from position 0."""
-        if isinstance(self.pos, torch.Tensor):
-            self.pos.zero_()
-        else:
-            self.pos = 0
+        """Forget everything; the buffers are reused from position 0 (per-row positions in place)."""
+        self.pos = self.pos.zero_() if isinstance(self.pos, torch.Tensor) else 0
 
 
 class GPT(nn.Module):
-    """GPT-2: token + position embeddings -> n_layer Blocks -> LayerNorm -> vocabulary head.
-
-    The recipe switches of GPTConfig change one piece each: rotary positions instead of wpe,
-    RMSNorm, q/k norm, the MLP's nonlinearity, fewer k/v heads, an untied head, a logit soft-cap.
-    """
+    """GPT-2: token + position embeddings -> n_layer Blocks -> LayerNorm -> vocabulary head. The recipe switches
+    change one piece each: rotary positions, RMSNorm, q/k norm, the MLP, fewer k/v heads, an untied head, ..."""
 
     kernels = Kernels()  # torch's own choice; use_kernels sets another
 
@@ -559,8 +486,7 @@ class GPT(nn.Module):
                                                    for _ in range(config.value_embeds))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
-            # Weight tying (Press & Wolf 2017): the head scores a token by its similarity to the
-            # token's embedding. GPT-2 does it, and it saves vocab_size * n_embd parameters.
+            # Weight tying (Press & Wolf 2017, as GPT-2): a token's score is its embedding's similarity.
             self.lm_head.weight = self.transformer.wte.weight
         if config.unet_skips:  # one learned weight per skip connection (modded-nanogpt)
             self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
@@ -568,13 +494,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """GPT-2's initialisation, the one place weights get their starting values.
-
-        Linear and embedding weights ~ N(0, 0.02), biases 0, LayerNorms the identity. The two
-        projections per block that add into the residual stream (attn.c_proj, mlp.c_proj) get
-        std 0.02 / sqrt(2 * n_layer): the stream is a sum of 2 * n_layer such terms, and this
-        keeps its variance at the output from growing with depth (GPT-2 section 2.3).
-        """
+        """GPT-2's initialisation, the one place weights get their starting values: Linear and embedding weights
+        ~ N(0, 0.02), biases 0, norms the identity. The two projections per block that add into the residual
+        stream (attn.c_proj, mlp.c_proj) get std 0.02 / sqrt(2 * n_layer): the stream is a sum of 2 * n_layer
+        such terms, and this keeps its variance from growing with depth (GPT-2 section 2.3)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -582,18 +505,16 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(module.weight)
-        # zero_init_proj (modded-nanogpt): the projections start at 0, so every Block adds nothing and the
-        # first steps train an embedding-to-head bigram model; c_fc and c_attn still get gradients
-        # once c_proj has moved off 0 after one step.
+        # zero_init_proj (modded-nanogpt): the projections start at 0, every Block adds nothing, and the first
+        # step trains a bigram model; c_fc and c_attn get gradients once c_proj has moved off 0.
         residual_std = 0.0 if self.config.zero_init_proj else 0.02 / math.sqrt(2 * self.config.n_layer)
         for block in self.transformer.h:
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
-        if self.config.unet_skips:
-            nn.init.ones_(self.skip_weights)
-        for block in self.transformer.h:
             if hasattr(block.attn, "ve_lambdas"):
                 nn.init.constant_(block.attn.ve_lambdas, 0.5)
+        if self.config.unet_skips:
+            nn.init.ones_(self.skip_weights)
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run every forward with kernels' choices (core/cpu.py's CPUKernels): this model and its attention."""
@@ -602,35 +523,28 @@ class GPT(nn.Module):
                 module.kernels = kernels
 
     def value_embed_table(self, i: int) -> int | None:
-        """Which value-embedding table Block i reads: j for Blocks j and L-k+j (j < k = value_embeds), else None.
-        The first and the last Blocks get them, as in modded-nanogpt (3 tables over 12 or more layers)."""
+        """Which value-embedding table Block i reads: j for Blocks j and L-k+j (j < k = value_embeds), else None:
+        the first and the last Blocks, as in modded-nanogpt."""
         k, L = self.config.value_embeds, self.config.n_layer
         return i if i < k else i - (L - k) if i >= L - k else None
 
     def forward(self, idx, targets=None, kv_cache=None, return_attn=False, last_only=False):
-        """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
-
-        last_only (generation): only the last position's logits, (B, 1, vocab), in float32 (with a ragged
-        KVCache.take, each row's last real token's).
-
-        targets (B, T): next-token ids; the loss is their mean cross-entropy, positions with -1
-        ignored. kv_cache: idx is the next chunk after kv_cache.pos tokens already fed; its
-        positions continue from there and pos advances by T. return_attn (naive backend only):
-        also return the attention weights, (n_layer, B, nh, T, Tk) with Tk = pos + T, as a third value.
-        """
-        B, T = idx.size()
+        """idx (B, T) token ids -> (logits (B, T, vocab), loss or None). targets (B, T): next-token ids, the loss
+        their mean cross-entropy (-1 ignored). kv_cache: idx continues after kv_cache.pos tokens already fed.
+        last_only (generation): the last position's logits (B, 1, vocab) in float32 (with a ragged KVCache.take,
+        each row's last real token's). return_attn (naive backend): also the weights (n_layer, B, nh, T, Tk)."""
+        (B, T), c = idx.size(), self.config
         pos = self._check_input(B, T, kv_cache, return_attn)
         if isinstance(pos, torch.Tensor):  # each row at its own position: (B, T)
             positions = pos.to(idx.device)[:, None] + torch.arange(T, device=idx.device)
             if kv_cache.lengths is not None:  # a ragged chunk's padding may run past the table: its output is unused
-                positions = positions.clamp(max=self.config.block_size - 1)
+                positions = positions.clamp(max=c.block_size - 1)
         else:
             positions = torch.arange(pos, pos + T, device=idx.device)  # (T,)
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
-        if self.config.pos_embedding == "learned":
+        if c.pos_embedding == "learned":
             x = x + self.transformer.wpe(positions)
         else:
-            c = self.config
             rope = rope_angles(positions, c.head_size, c.rope_base, c.rope_llama3)  # 2 x (T, hs)
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
@@ -643,16 +557,14 @@ class GPT(nn.Module):
                 x = x[torch.arange(B, device=x.device), kv_cache.lengths.to(x.device) - 1][:, None]  # (B, 1, C)
             return self._last_logits(x), None
         logits = self._softcap(self.lm_head(self.transformer.ln_f(x)))  # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                                                            ignore_index=-1)
         return (logits, loss, torch.stack(attn)) if return_attn else (logits, loss)
 
     def _blocks(self, x, kv_cache, pos, attn, rope, idx):
-        """x (B, T, C) through every Block. unet_skips: Block L-1-j also gets the output of Block j (j < L // 2)
-        times a learned weight, added to its input: the late layers see the early features directly, as a
-        U-net's decoder sees its encoder's (modded-nanogpt). value_embeds: the Blocks value_embed_table names
-        get their table's rows of the tokens idx (B, T)."""
+        """x (B, T, C) through every Block. unet_skips: Block L-1-j also gets Block j's output (j < L // 2) times a
+        learned weight, as a U-net's decoder sees its encoder's (modded-nanogpt). value_embeds: the Blocks
+        value_embed_table names get their table's rows of the tokens idx (B, T)."""
         L = self.config.n_layer
         half = L // 2 if self.config.unet_skips else 0
         skips = []  # the first half's outputs, read back last-in first-out
@@ -668,12 +580,9 @@ class GPT(nn.Module):
         return x
 
     def _last_logits(self, x):
-        """x (B, T, C) -> the last position's logits (B, 1, vocab) in float32.
-
-        Generation reads only the next token's scores, so the head (vocab x C, the largest matmul at
-        small T) runs on one position, as in nanoGPT. Float32 whatever the weights or autocast: bfloat16
-        logits keep 8 bits of mantissa, which rounds close scores together and ties greedy and top-k.
-        """
+        """x (B, T, C) -> the last position's logits (B, 1, vocab) in float32: generation reads only the next
+        token's scores, so the head (the largest matmul at small T) runs on one position, as in nanoGPT; float32
+        whatever the weights or autocast, since bfloat16's 8-bit mantissa ties close scores in greedy and top-k."""
         h = self.transformer.ln_f(x[:, -1:, :])  # (B, 1, C)
         head_t = getattr(self, "head_float32", None)  # decode.keep_float32_head's (C, vocab), if weights were cast
         with torch.autocast(h.device.type, enabled=False):
@@ -682,14 +591,13 @@ class GPT(nn.Module):
             return self._softcap(h.float() @ head_t)  # (B, 1, vocab)
 
     def _softcap(self, logits):
-        """c * tanh(logits / c) with c = logit_softcap (Gemma 2): bounds the logits smoothly, so no
-        token can become arbitrarily confident; the identity when logit_softcap is None."""
+        """c * tanh(logits / c), c = logit_softcap (Gemma 2): no token can become arbitrarily confident."""
         c = self.config.logit_softcap
         return logits if c is None else c * torch.tanh(logits / c)
 
     def _check_input(self, B, T, kv_cache, return_attn) -> int | torch.Tensor:
-        """The position of idx's first token (an int, or a LongTensor (B,) when the cache's rows stand at
-        different positions); raise ValueError if the model cannot take the chunk."""
+        """The position of idx's first token (an int, or a LongTensor (B,) of each row's); a ValueError if the
+        model cannot take the chunk."""
         pos = 0 if kv_cache is None else kv_cache.pos
         if isinstance(pos, torch.Tensor):
             # take()'s rows are rows of the buffers: the per-row path, whatever their positions
@@ -709,19 +617,18 @@ class GPT(nn.Module):
             seen = kv_cache.max_len  # a full rotary cache rolls: the oldest key makes room (see KVCache)
         if seen > self.config.block_size:
             raise ValueError(f"sequence of {seen} tokens exceeds block_size {self.config.block_size}")
-        if kv_cache is not None and B != kv_cache.batch_size:
-            raise ValueError(f"batch of {B} rows fed to a KV cache made for {kv_cache.batch_size}")
-        if kv_cache is not None and seen > kv_cache.max_len:
-            raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {pos} used, {T} more do not fit")
+        if kv_cache is not None:
+            if B != kv_cache.batch_size:
+                raise ValueError(f"batch of {B} rows fed to a KV cache made for {kv_cache.batch_size}")
+            if seen > kv_cache.max_len:
+                raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {pos} used, {T} more do not fit")
         if return_attn and self.config.attn_backend != "naive":
             raise ValueError("return_attn needs attn_backend='naive' (the fused sdpa kernel never forms the weights)")
         return pos
 
     def new_kv_cache(self, batch_size, max_len=None, dtype=None) -> KVCache:
-        """An empty KVCache for this model, on its device; max_len defaults to block_size.
-
-        dtype defaults to the dtype the keys will have: autocast's when autocast is on, else the weights'.
-        """
+        """An empty KVCache for this model, on its device; max_len defaults to block_size, dtype to the keys'
+        (autocast's when autocast is on, else the weights')."""
         weight = self.transformer.wte.weight
         if dtype is None and torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
@@ -730,11 +637,8 @@ class GPT(nn.Module):
                        device=weight.device, dtype=dtype or weight.dtype)
 
     def get_num_params(self, non_embedding=True) -> int:
-        """Parameter count; the tied wte/lm_head matrix counts once.
-
-        non_embedding=True leaves out the position embeddings (nanoGPT's convention: the token
-        embeddings stay in, since they are also the output head's weights).
-        """
+        """Parameter count, the tied wte/lm_head matrix once. non_embedding=True leaves out the position embeddings
+        (nanoGPT's convention: the token embeddings stay in, since they are also the head's weights)."""
         n = sum(p.numel() for p in self.parameters())
         n += sum(getattr(m, "weight_numel", 0) for m in self.modules())  # weights packed outside parameters()
         if non_embedding and "wpe" in self.transformer:
@@ -748,12 +652,11 @@ class GPT(nn.Module):
         return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_size * c.block_size
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops) -> float:
-        """Model FLOPs utilisation: the fraction of peak_flops (FLOP/s of the device, passed in)
-        achieved by fwdbwd_per_iter forward+backward passes of block_size tokens taking dt seconds."""
+        """Model FLOPs utilisation: the fraction of peak_flops (the device's FLOP/s) that fwdbwd_per_iter forward
+        and backward passes of block_size tokens in dt seconds achieve."""
         if dt <= 0 or peak_flops <= 0:
             raise ValueError(f"dt and peak_flops must be positive, got {dt} and {peak_flops}")
-        flops_per_iter = self.flops_per_token() * self.config.block_size * fwdbwd_per_iter
-        return flops_per_iter / dt / peak_flops
+        return self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak_flops
 
     def crop_block_size(self, block_size):
         """Shrink the context to block_size, e.g. to fine-tune GPT-2 (1024) with a shorter one."""
@@ -765,13 +668,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def grow_vocab(self, vocab_size):
-        """Add rows to the embedding (and an untied head) for new token ids, e.g. a chat fine-tune's
-        turn markers appended to a character vocabulary.
-
-        Each new row is the mean of the existing rows (as transformers' resize_token_embeddings does):
-        a new input token starts as an average token, and a new output's logit starts at the average
-        logit, instead of a random row that can dominate or vanish from the softmax before it is learned.
-        """
+        """Add rows to the embedding (and an untied head) for new token ids, e.g. a chat fine-tune's turn markers
+        appended to a character vocabulary. Each new row is the mean of the others (as transformers'
+        resize_token_embeddings does): an average token and an average logit, not a random row that can
+        dominate or vanish from the softmax before it is learned."""
         old = self.config.vocab_size
         if vocab_size < old:
             raise ValueError(f"grow_vocab cannot shrink the vocabulary from {old} to {vocab_size}")
@@ -787,16 +687,12 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir, override_args=None) -> "GPT":
-        """Outside weights: GPT-2 from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a folder written
-        by transformers' save_pretrained or export.py of any architecture core/weights/hf.py maps (GPT-2, Llama,
-        Qwen3, Arcee, Nemotron). Needs transformers.
-
-        override_args may set dropout and attn_backend; the architecture comes from the checkpoint.
-        """
+        """Outside weights: GPT-2 from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a folder written by
+        transformers' save_pretrained or export.py, of any architecture core/weights/hf.py maps (GPT-2, Llama,
+        Qwen3, Arcee, Nemotron). Needs transformers. override_args may set dropout and attn_backend."""
         # The one import of core/ in this file, and the project's one import circle: core/weights/hf.py builds
         # GPTs, so it imports this file at its top, and nanoGPT's users call GPT.from_pretrained.
         from core.weights import hf
-
         if os.path.isdir(name_or_dir):
             return hf.from_folder(name_or_dir, override_args)
         return hf.from_hub(name_or_dir, override_args)

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from core import config as configlib, evaluate, runtime
 from core.training import flops, memory, optim, parallel
-from core.weights import checkpoint, resolver
+from core.weights import checkpoint, hf, resolver
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run_cli
 from core.fileio import write_json
@@ -380,7 +380,7 @@ def check_gpt2(cfg: TrainConfig, data_meta: dict) -> None:
     if data_meta.get("tokenizer") != "gpt2":
         raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
                         f"{cfg.data_dir} uses {data_meta.get('tokenizer')!r}")
-    switched = GPTConfig(**cfg.model_args()).non_gpt2_fields()
+    switched = hf.non_gpt2_fields(GPTConfig(**cfg.model_args()))
     if switched:
         raise UserError(f"init_from={cfg.init_from} loads GPT-2's architecture, which has none of "
                         f"{', '.join(switched)}; drop those settings (or config/modern.py) to fine-tune it")

@@ -20,7 +20,7 @@ from core.training import optim
 from core.weights.checkpoint import load_checkpoint
 from core.weights.resolver import load_model
 from core.errors import UserError
-from core.weights.hf import to_transformers
+from core.weights.hf import non_gpt2_fields, to_transformers
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
 from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu, run_script, train_tiny
 
@@ -317,7 +317,7 @@ def test_softcap_bounds_the_logits():
 def test_defaults_are_gpt2_and_save_pretrained_refuses_what_no_architecture_holds(tmp_path):
     """save_pretrained writes any variant a transformers class computes (core/weights/hf.py); ALL has a soft-cap
     and q/k norm with ReLU^2, which none does, and is refused in one line naming them."""
-    assert GPTConfig().non_gpt2_fields() == [] and config(n_kv_head=2).non_gpt2_fields() == []
+    assert non_gpt2_fields(GPTConfig()) == [] and non_gpt2_fields(config(n_kv_head=2)) == []
     model = GPT(config(**ALL))
     with pytest.raises(ValueError) as e:
         to_transformers(model).save_pretrained(tmp_path)
@@ -653,7 +653,7 @@ def test_zero_init_proj_is_recorded_and_rebuilt_from_model_args():
     cfg = train.TrainConfig(zero_init_proj=True, n_layer=2, n_head=2, n_embd=16, block_size=16)
     margs = cfg.model_args() | {"vocab_size": 29}
     assert margs["zero_init_proj"] is True and GPTConfig(**margs).zero_init_proj
-    assert GPTConfig(zero_init_proj=True).non_gpt2_fields() == []  # an initialisation: GPT-2 can hold the weights
+    assert non_gpt2_fields(GPTConfig(zero_init_proj=True)) == []  # an initialisation: GPT-2 can hold the weights
 
 
 def test_muon_ns_steps_reaches_torchs_muon_and_changes_the_update():
@@ -699,7 +699,7 @@ def test_unet_skips_feed_block_j_output_into_block_L_minus_1_minus_j():
     with torch.no_grad():
         model.skip_weights.zero_()  # no skip: the plain model
     torch.testing.assert_close(model(idx_of(2, 16))[0], plain(idx_of(2, 16))[0])
-    assert GPTConfig(unet_skips=True).non_gpt2_fields() == ["unet_skips=True"]
+    assert non_gpt2_fields(GPTConfig(unet_skips=True)) == ["unet_skips=True"]
 
 
 def test_value_embeds_go_to_the_first_and_last_blocks_as_each_tokens_row():
@@ -753,7 +753,7 @@ def test_value_embeds_train_on_adamw_are_recorded_and_refused_by_export(tmp_path
     assert ckpt["meta"]["model_args"]["value_embeds"] == 1 and "transformer.ve.0.weight" in ckpt["model"]
     loaded, _, _ = load_model("resume", tmp_path)
     assert loaded.config.value_embeds == 1
-    assert GPTConfig(value_embeds=1).non_gpt2_fields() == ["value_embeds=1"]
+    assert non_gpt2_fields(GPTConfig(value_embeds=1)) == ["value_embeds=1"]
     modern = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", bias=False, tie_embeddings=False)
     with pytest.raises(ValueError) as e:
         to_transformers(GPT(config(**modern, value_embeds=1))).save_pretrained(tmp_path / "hf")

@@ -62,6 +62,20 @@ FLIPS = {name: list(CHOICES.get(name) or ([False, True] if isinstance(default, b
 # -----------------------------------------------------------------------------
 # which class holds a variant
 
+# Switches whose other values transformers' GPT-2 holds too (zero biases, either GELU, any epsilon), or
+# that leave the function unchanged (an initialisation; RoPE's base without RoPE).
+GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base", "rope_type", "rope_factor",
+              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
+
+
+def non_gpt2_fields(c: GPTConfig) -> list[str]:
+    """The recipe switches set away from GPT-2, as 'name=value': what transformers' GPT-2 cannot hold."""
+    gpt2 = GPTConfig()
+    same = {"n_kv_head": c.kv_heads == c.n_head, "mlp_hidden": c.mlp_hidden in (None, 4 * c.n_embd),
+            "head_dim": c.head_size * c.n_head == c.n_embd, "qkv_bias": c.qkv_bias in (None, c.bias)}
+    return [f"{name}={getattr(c, name)!r}" for name in RECIPE_SWITCHES
+            if name not in GPT2_HOLDS and not same.get(name, getattr(c, name) == getattr(gpt2, name))]
+
 
 def _holds(c: GPTConfig) -> str | None:
     """The transformers class that computes exactly this variant, or None."""
@@ -103,7 +117,7 @@ def architecture(c: GPTConfig) -> str:
 
 
 def _switches(c: GPTConfig) -> list[str]:
-    return c.non_gpt2_fields() or ["these switches"]
+    return non_gpt2_fields(c) or ["these switches"]
 
 
 def nearest_exportable(c: GPTConfig) -> list[str]:
