@@ -210,7 +210,7 @@ def resolve_dtype(name: str, device: str) -> str:
             raise UserError(f"dtype bfloat16 is not supported on this CPU: it has no native bfloat16 "
                             f"(no AVX512-BF16, AMX or ARM BF16 in use; torch's kernels: "
                             f"{torch.backends.cpu.get_cpu_capability()}), so bf16 matmuls are emulated, "
-                            f"~50x slower than float32; use --dtype=float32 or --dtype=auto")
+                            f"many times slower than float32; use --dtype=float32 or --dtype=auto")
         major, minor = torch.cuda.get_device_capability(device)
         raise UserError(f"{torch.cuda.get_device_name(device)} (sm{major}{minor}) has no native bfloat16 (it would be "
                         f"emulated, many times slower); use --dtype=float16 or --dtype=auto")
@@ -245,7 +245,7 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, t
     if device_type == "cuda":
         # Before anything touches CUDA (the dtype probe included): otherwise every rank opens a context on GPU 0.
         torch.cuda.set_device(device)
-        # TF32 matmuls: ~8x the float32 throughput on Ampere+ at a precision training tolerates.
+        # TF32 matmuls: several times float32's throughput on Ampere+, at a precision training tolerates.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     dtype = resolve_dtype(dtype, device)

@@ -130,7 +130,7 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
         return adamw
     check_muon_params(groups["hidden"])
     bf16 = native_bf16(device_type)
-    # On a CPU with native bf16 (AMX) torch's own step, one matrix at a time, is the slower: its small
+    # On a CPU with native bf16 torch's own step, one matrix at a time, is the slower: its small
     # matmuls leave the other cores idle (docs/performance.md, Muon's step alone). CUDA keeps torch's:
     # bench.py --sections=muon compares.
     quintic = muon_ns_coefficients == "quintic"
