@@ -86,7 +86,7 @@ def needs_transformers():
 
 def make_char_dataset(data_dir, text: str, val_fraction: float = 0.1) -> dict:
     """A character-level dataset of `text` in data_dir (train.bin, val.bin, meta.json); returns meta."""
-    from core.data.prepare import write_dataset
+    from core.data.writer import write_dataset
     from core.data.tokenizer import CharTokenizer
 
     tok = CharTokenizer.from_text(text)
@@ -99,7 +99,7 @@ def make_gpt2_dataset(data_dir, documents: list[str], val_documents: list[str] |
 
     val_documents defaults to the training documents. Call use_gpt2_bpe() first.
     """
-    from core.data.prepare import write_dataset
+    from core.data.writer import write_dataset
     from core.data.tokenizer import GPT2Tokenizer
 
     tok = GPT2Tokenizer()
