@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # torch is imported where batches are made: prepare.py script
     import torch
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-DATA_ROOT = Path(__file__).resolve().parents[1] / "data"  # data/<name>/prepare.py, one per dataset
+DATA_ROOT = Path(__file__).resolve().parents[2] / "data"  # data/<name>/prepare.py, one per dataset
 
 
 # ---------------------------------------------------------------------------------------------
