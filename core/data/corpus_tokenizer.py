@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from core.data.chat import CHAT_TOKENS
 from core.data.tokenizer import (EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, check_bpe_vocab,
                                  train_bpe)
 from core.errors import UserError
@@ -45,9 +46,7 @@ def check_tokenizer_spec(spec: str, char: bool = True) -> None:
 
 
 def bpe_reserved() -> tuple[str, ...]:
-    """What a trained BPE reserves: <|endoftext|> and the chat tokens (core.data.chat imports core.data.tokenizer)."""
-    from core.data.chat import CHAT_TOKENS
-
+    """What a trained BPE reserves: <|endoftext|> and the chat tokens (core/data/chat.py's)."""
     return (EOT, *CHAT_TOKENS)
 
 
