@@ -1,4 +1,4 @@
-"""Data preparation: core.data.prepare.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path).
+"""Data preparation: core.data.corpus.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path).
 
 Read, encode, write train.bin / val.bin / meta.json to a temporary folder; the first run is a warm-up
 too (it reads the file into the page cache). The corpus: --corpus, else common.DEFAULT_CORPUS where it
@@ -14,7 +14,7 @@ from benchmarks import common
 from benchmarks.common import median_time, num
 from core import markdown, runtime
 from core.errors import UserError
-from core.data.prepare import TextPrepareConfig, prepare_text_corpus
+from core.data.corpus import TextPrepareConfig, prepare_text_corpus
 from core.data.tokenizer import GPT2Tokenizer
 
 
@@ -48,7 +48,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         dt = median_time(run, max(0, cfg.warmup - 1), cfg.repeats)
         chars = len(path.read_text(encoding="utf-8"))
     tokens = meta["train_tokens"] + meta["val_tokens"]
-    return {"corpus": source, "path": "core.data.prepare.prepare_text_corpus + GPT2Tokenizer (data/shakespeare/prepare.py)",
+    return {"corpus": source, "path": "core.data.corpus.prepare_text_corpus + GPT2Tokenizer (data/shakespeare/prepare.py)",
             "chars": chars, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
 
 

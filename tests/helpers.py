@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_TIKTOKEN_CACHE = REPO_ROOT.parent / "shared" / "tiktoken_cache"
 
 # Tiny models gain nothing from a second thread, and on a busy two-core machine OpenMP threads
-# spinning for each other make them ~100x slower (700 ms instead of 7 ms per step, measured).
+# spinning for each other make them far slower (docs/performance.md, "Threads: why `--threads=1` is the default").
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # A model that trains in well under a second per 10 iterations on two CPU cores.
@@ -86,7 +86,7 @@ def needs_transformers():
 
 def make_char_dataset(data_dir, text: str, val_fraction: float = 0.1) -> dict:
     """A character-level dataset of `text` in data_dir (train.bin, val.bin, meta.json); returns meta."""
-    from core.data.prepare import write_dataset
+    from core.data.writer import write_dataset
     from core.data.tokenizer import CharTokenizer
 
     tok = CharTokenizer.from_text(text)
@@ -99,7 +99,7 @@ def make_gpt2_dataset(data_dir, documents: list[str], val_documents: list[str] |
 
     val_documents defaults to the training documents. Call use_gpt2_bpe() first.
     """
-    from core.data.prepare import write_dataset
+    from core.data.writer import write_dataset
     from core.data.tokenizer import GPT2Tokenizer
 
     tok = GPT2Tokenizer()

@@ -17,7 +17,7 @@ import torch
 
 import core.fileio
 from core.data.loader import TokenData, batch_generator, read_meta
-from core.data.prepare import ShardWriter, write_dataset, write_tokens
+from core.data.writer import ShardWriter, write_dataset, write_tokens
 from core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_sigkill_mid_write_leaves_no_final_shard(tmp_path):
         import sys, time
         import numpy as np
         sys.path.insert(0, {str(ROOT)!r})
-        from core.data.prepare import ShardWriter
+        from core.data.writer import ShardWriter
         with ShardWriter({str(tmp_path)!r}, "train", shard_tokens=1000) as w:
             w.write(np.arange(5500) % 100)  # five complete shards and part of a sixth
             print("written", flush=True)

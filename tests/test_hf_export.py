@@ -24,7 +24,7 @@ import sample
 import train
 from core.decoding.decode import generate
 from core.weights import hf, resolver
-from core.data.prepare import write_dataset
+from core.data.writer import write_dataset
 from core.data.hf_tokenizer import hf_backend, save_hf_tokenizer
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer
 from model import GPT, GPTConfig

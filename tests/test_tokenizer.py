@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import core.data.prepare
+import core.data.corpus
+import core.data.corpus_tokenizer
 from core.data.chat import CHAT_TOKENS, ChatTemplate, with_chat_tokens
 from core.data.loader import TokenData
 from core.data.tokenizer import EOT, BPETokenizer, GPT2Tokenizer, check_extends, tokenizer_from_meta, train_bpe
@@ -26,7 +27,7 @@ MIXED = ("中文測試，日本語のテキスト。한국어 😀👍🏽👩�
 
 
 def corpus_texts() -> list[str]:
-    return [(REPO_ROOT / name).read_text(encoding="utf-8") for name in ("model.py", "core/data/prepare.py", "core/data/loader.py")]
+    return [(REPO_ROOT / name).read_text(encoding="utf-8") for name in ("model.py", "core/data/corpus.py", "core/data/loader.py")]
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +157,9 @@ def test_pieces_encode_to_the_ids_of_the_whole(kind, docs, tmp_path, monkeypatch
     hard = tmp_path / "in" / "hard.txt"  # whitespace before line ends, CRLF, blank lines, punctuation at ends
     hard.write_bytes(("x  \ny\r\nz.\nw\n\n\nv'\ns\n" * 400 + MIXED * 20).encode("utf-8"))
     args = [f"--input={tmp_path / 'in' / '*.txt'}", f"--tokenizer={kind}", "--val_fraction=0.3"]
-    monkeypatch.setattr(core.data.prepare, "CHUNK_CHARS", None)
+    monkeypatch.setattr(core.data.corpus, "CHUNK_CHARS", None)
     whole = prepare(*args, f"--out_dir={tmp_path / 'whole'}")
-    monkeypatch.setattr(core.data.prepare, "CHUNK_CHARS", 50)
+    monkeypatch.setattr(core.data.corpus, "CHUNK_CHARS", 50)
     pieces = prepare(*args, f"--out_dir={tmp_path / 'pieces'}")
     assert whole == pieces | {"source": whole["source"]}
     for split in ("train", "val"):
@@ -209,8 +210,8 @@ def test_a_prepending_tokenizer_encodes_each_document_in_one_call():
     chars = sorted(set("▁Hello world.\nNext line ab x=1def f():中文。下一行"))
     backend = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, merges=[]))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    assert not core.data.prepare.chunks_encode_whole(HFTokenizer(backend.to_str()))
-    assert core.data.prepare.chunks_encode_whole(train_bpe(iter(corpus_texts()), 300, RESERVED, progress=False))
+    assert not core.data.corpus_tokenizer.chunks_encode_whole(HFTokenizer(backend.to_str()))
+    assert core.data.corpus_tokenizer.chunks_encode_whole(train_bpe(iter(corpus_texts()), 300, RESERVED, progress=False))
 
 
 def test_a_separator_line_splits_a_file_into_documents(tmp_path):

@@ -4,21 +4,8 @@
 from pathlib import Path
 
 from core.errors import UserError, first_line
-from core.data.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, _gpt2_encoding
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from the 256 bytes to printable characters, in which byte-level BPE vocabularies
-    are written (Radford et al. 2019, encoder.py): printable Latin-1 stays, the rest shifts past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
+from core.data.tokenizer import (GPT2_EOT, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer, bytes_to_unicode,
+                                 gpt2_encoding)
 
 
 def _merge_of(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
@@ -40,7 +27,7 @@ def _gpt2_backend():
     """GPT-2's BPE as a `tokenizers` Tokenizer with the same ids, built from tiktoken's ranks."""
     from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
 
-    enc = _gpt2_encoding()
+    enc = gpt2_encoding()
     ranks = {enc.decode_single_token_bytes(i): i for i in range(GPT2_EOT)}
     byte_char = bytes_to_unicode()
     as_text = lambda b: "".join(byte_char[x] for x in b)  # noqa: E731

@@ -1,5 +1,5 @@
 """Token data on disk, read: memory-mapped token files and shards -> batches (train.py, eval.py).
-Writing it is core/data/prepare.py's (the data/<name>/prepare.py scripts).
+Writing it is core/data/writer.py's (the data/<name>/prepare.py scripts).
 
 A prepared dataset is a folder holding meta.json (tokenizer, vocab_size, dtype, token counts)
 and, per split, either one `{split}.bin` or shards `{split}_000000.bin`, `{split}_000001.bin`, ...:
@@ -31,11 +31,11 @@ import numpy as np
 from core.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where batches are made: prepare.py scripts, which read
-    # shard_paths through core/data/prepare.py, run without it (2 s faster)
+    # shard_paths through core/data/writer.py and corpus.py, run without loading it
     import torch
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-DATA_ROOT = Path(__file__).resolve().parents[1] / "data"  # data/<name>/prepare.py, one per dataset
+DATA_ROOT = Path(__file__).resolve().parents[2] / "data"  # data/<name>/prepare.py, one per dataset
 
 
 # ---------------------------------------------------------------------------------------------

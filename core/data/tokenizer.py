@@ -118,7 +118,9 @@ class CharTokenizer(_Specials):
 
 
 @functools.lru_cache(maxsize=1)
-def _gpt2_encoding():
+def gpt2_encoding():
+    """GPT-2's BPE as a tiktoken encoding, loaded once per process (GPT2Tokenizer, and its tokenizer.json
+    export in core/data/hf_tokenizer.py)."""
     try:
         import tiktoken
         return tiktoken.get_encoding(GPT2_ENCODING)
@@ -134,7 +136,7 @@ class GPT2Tokenizer(_Specials):
     ids after it (50257...), the slots a model padded to 50304 already has."""
 
     def __init__(self, special_tokens: dict[str, int] | None = None):
-        self.enc = _gpt2_encoding()
+        self.enc = gpt2_encoding()
         self._init_specials(special_tokens, self.enc.n_vocab)
         self.eot_token = self.enc.eot_token
 
@@ -347,13 +349,25 @@ def token_bytes(tok: Tokenizer) -> list[int]:
     return [0 if i in specials else n for i, n in enumerate(counts)]
 
 
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 bytes to printable characters, in which byte-level BPE vocabularies
+    are written (Radford et al. 2019, encoder.py): printable Latin-1 stays, the rest shifts past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
 def _hf_token_bytes(tok: "HFTokenizer") -> list[int]:
     """Byte-level vocabularies (GPT-2's, Llama 3's, Qwen's, ours) write each byte as one character of
     bytes_to_unicode's map; SentencePiece ones (Llama 2) write "<0xNN>" for a byte and "▁" for a space."""
     import json
     import re
-
-    from core.data.hf_tokenizer import bytes_to_unicode
 
     decoder = json.loads(tok.json).get("decoder") or {}
     byte_level = "ByteLevel" in json.dumps(decoder)

@@ -39,7 +39,8 @@ from core.config import parse_args  # noqa: E402
 from core.data.loader import read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.fileio import write_json  # noqa: E402
-from core.data.prepare import script_out_dir, write_tokens  # noqa: E402
+from core.data.sources import script_out_dir  # noqa: E402
+from core.data.writer import write_tokens  # noqa: E402
 from core.data.tokenizer import GPT2Tokenizer, tokenizer_from_meta, tokenizer_meta  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make the repo's core/ importable
 
 from core.config import parse_args  # noqa: E402
-from core.data.prepare import WebPrepareConfig, prepare_web_corpus  # noqa: E402
+from core.data.web import WebPrepareConfig, prepare_web_corpus  # noqa: E402
 from core.errors import run_cli  # noqa: E402
 
 

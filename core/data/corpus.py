@@ -1,0 +1,244 @@
+"""Any text files to token files (data/text/prepare.py, and tiny Shakespeare's two scripts): files ->
+documents -> whole-document train/val -> a tokenizer (char, GPT-2's BPE, a BPE trained on the train split,
+a folder's tokenizer.json; core/data/corpus_tokenizer.py) -> streamed encoding -> train.bin, val.bin,
+meta.json (core/data/writer.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import os
+import re
+import time
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from core.data.corpus_tokenizer import (check_tokenizer_spec, chunks_encode_whole, document_affixes, document_joiner,
+                                        make_tokenizer)
+from core.data.loader import shard_paths
+from core.data.sources import SHAKESPEARE_URL, script_out_dir, text_source
+from core.data.tokenizer import Tokenizer
+from core.data.writer import checked_ids, token_dtype, write_meta
+from core.errors import UserError
+from core.fileio import atomic_path
+
+
+@dataclasses.dataclass
+class TextPrepareConfig:
+    input: str | None = None    # a local text file; default: input.txt in out_dir, else downloaded there
+    out_dir: str | None = None  # default: the prepare.py script's own folder
+
+
+def prepare_text_corpus(cfg: TextPrepareConfig, tokenizer: str, script_file: str) -> dict:
+    """A one-file corpus (tiny Shakespeare: --input, else input.txt beside the script, else downloaded)
+    through prepare_corpus: one document, so train/val are its first 90% and last 10% of characters."""
+    out_dir = script_out_dir(cfg.out_dir, script_file)
+    path = text_source(cfg.input, out_dir, SHAKESPEARE_URL)
+    return prepare_corpus([str(path)], tokenizer, out_dir, val_fraction=0.1)
+
+
+CHUNK_CHARS = 1 << 20  # characters encoded per call: a long document streams through in pieces
+
+
+@dataclasses.dataclass
+class Document:
+    path: Path
+    start: int  # byte offsets in the file
+    end: int
+    chars: int
+
+
+@dataclasses.dataclass
+class Segment:
+    """Characters [begin, end) of one document, in one split."""
+    doc: Document
+    begin: int
+    end: int
+    split: str
+
+
+def input_files(patterns: list[str]) -> list[Path]:
+    """The files the --input values name (globs expanded, sorted), each once; a UserError for a pattern
+    that matches nothing or a path that is not a file."""
+    files: list[Path] = []
+    for pattern in patterns:
+        if not glob.has_magic(pattern) and not Path(pattern).exists():
+            raise UserError(f"--input file '{pattern}' not found")
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise UserError(f"--input '{pattern}': no file matches")
+        for m in matches:
+            if not Path(m).is_file():
+                raise UserError(f"--input '{m}' is not a file")
+            if Path(m) not in files:
+                files.append(Path(m))
+    return files
+
+
+def _lines(path: Path, start: int = 0, end: int | None = None) -> Iterator[tuple[int, str]]:
+    """(byte offset, line) of the file from byte `start` to `end`, line endings kept (a "\r\n" stays)."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read --input file '{path}': {e.strerror}") from None
+    with f:
+        f.seek(start)
+        offset = start
+        while end is None or offset < end:
+            try:
+                raw = f.readline()
+            except OSError as e:
+                raise UserError(f"cannot read --input file '{path}': {e.strerror}") from None
+            if not raw:
+                return
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path} is not UTF-8 text (byte {offset + e.start}: {e.reason}); "
+                                f"pass UTF-8 text files") from None
+            yield offset, line
+            offset += len(raw)
+
+
+def scan_documents(files: list[Path], separator: str | None, chars: set | None = None) -> list[Document]:
+    """The non-empty documents of `files`: each file, or with `separator` each run of lines between lines
+    that are exactly `separator` (the separator lines dropped). Streams; `chars` collects the characters."""
+    from tqdm import tqdm
+
+    docs = []
+    with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="reading",
+              disable=None) as bar:  # None: a bar on a terminal only, so a log or an error stays clean
+        for path in files:
+            start, n = 0, 0
+            for offset, line in _lines(path):
+                bar.update(len(line.encode("utf-8")))
+                if separator is not None and line.rstrip("\r\n") == separator:
+                    docs += [Document(path, start, offset, n)] if n else []
+                    start, n = offset + len(line.encode("utf-8")), 0
+                    continue
+                n += len(line)
+                if chars is not None:
+                    chars.update(line)
+            docs += [Document(path, start, path.stat().st_size, n)] if n else []
+    return docs
+
+
+def split_documents(docs: list[Document], val_fraction: float, seed: int) -> list[Segment]:
+    """Whole documents into train and val (val_fraction of them, at least one, chosen by seed), in corpus
+    order. A corpus of one document is cut instead: its last val_fraction of characters are val."""
+    if len(docs) == 1:
+        doc = docs[0]
+        n = int(doc.chars * (1 - val_fraction))
+        if n == 0 or n == doc.chars:
+            raise UserError(f"the input has {doc.chars} characters, too few for a train and a val split; "
+                            f"pass a longer --input")
+        return [Segment(doc, 0, n, "train"), Segment(doc, n, doc.chars, "val")]
+    n_val = min(len(docs) - 1, max(1, round(len(docs) * val_fraction)))
+    val = set(np.random.default_rng(seed).permutation(len(docs))[:n_val].tolist())
+    return [Segment(d, 0, d.chars, "val" if i in val else "train") for i, d in enumerate(docs)]
+
+
+def segment_text(seg: Segment, chunk_chars: int | None = CHUNK_CHARS) -> Iterator[str]:
+    """The segment's text in pieces of at least chunk_chars (None: one piece), each cut just after a
+    newline with a non-space character on both sides ("x\n" | "y"). No pre-tokenizer split used here
+    (GPT-2's regex, Llama 3's) makes a piece that crosses such a point, so the pieces encode to exactly
+    the ids of the whole; a document with no such point (CRLF line ends: "\r\n" splits differently at
+    the end of a piece) stays one piece."""
+    buf, size, pos, next_try = [], 0, 0, chunk_chars
+    for _, line in _lines(seg.doc.path, seg.doc.start, seg.doc.end):
+        lo, hi = max(seg.begin - pos, 0), min(seg.end - pos, len(line))
+        pos += len(line)
+        if hi > lo:
+            buf.append(line[lo:hi])
+            size += hi - lo
+        if next_try is not None and size >= next_try:
+            text = "".join(buf)
+            cut = max((m.end() for m in _CUT.finditer(text)), default=0)
+            if cut:
+                yield text[:cut]
+                text = text[cut:]
+            buf, size = [text], len(text)
+            next_try = size + chunk_chars  # no point found: look again a chunk later, not every line
+        if pos >= seg.end:
+            break
+    text = "".join(buf)
+    if text:
+        yield text
+
+
+_CUT = re.compile(r"\S\n(?=\S)")
+
+
+def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, BinaryIO], dtype) -> dict:
+    """Each segment's ids appended to its split's file; returns the token counts per split.
+
+    Documents in a split follow each other with what the tokenizer's post-processor puts around a text
+    (a folder's BOS/EOS); where it puts nothing, <|endoftext|> between them (GPT-2's BPE, a trained BPE;
+    a char vocabulary has none)."""
+    from tqdm import tqdm
+
+    prefix, suffix = document_affixes(tok)
+    joiner = document_joiner(tok)
+    whole = chunks_encode_whole(tok)
+    counts = {split: 0 for split in files}
+    with tqdm(total=sum(s.end - s.begin for s in segments), unit="char", unit_scale=True, desc="tokenizing",
+              disable=None) as bar:
+        for seg in segments:
+            f = files[seg.split]
+            head = (joiner if counts[seg.split] else []) + (prefix if seg.begin == 0 else [])
+            ids = [checked_ids(head, dtype, seg.split)] if head else []
+            for text in segment_text(seg, CHUNK_CHARS if whole else None):
+                ids.append(checked_ids(tok.encode(text), dtype, f"{seg.split}.bin"))
+                bar.update(len(text))
+            if seg.end == seg.doc.chars and suffix:
+                ids.append(checked_ids(suffix, dtype, seg.split))
+            for arr in ids:
+                arr.tofile(f)
+                counts[seg.split] += arr.size
+    return counts
+
+
+def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, val_fraction: float = 0.1,
+                   seed: int = 1337, separator: str | None = None) -> dict:
+    """Text files -> documents -> whole-document train/val -> tokenizer -> train.bin, val.bin (uint16, or
+    uint32 past 65,536 ids), tokenizer.json (for a BPE or a folder's tokenizer) and meta.json, written last.
+
+    Streams: the files are read a line at a time (once to find the documents, once to train a BPE, once
+    to encode), and ids go to disk as each piece is encoded. Every check (files, tokenizer, empty input)
+    comes before anything is written, and the files appear whole or not at all."""
+    check_tokenizer_spec(tokenizer)
+    files = input_files(inputs)
+    chars: set[str] = set()
+    docs = scan_documents(files, separator, chars if tokenizer == "char" else None)
+    if not docs:
+        raise UserError(f"the input ({', '.join(map(str, files))}) holds no text; nothing written")
+    segments = split_documents(docs, val_fraction, seed)
+    start = time.perf_counter()
+    train_texts = (text for seg in segments if seg.split == "train" for text in segment_text(seg))
+    tok = make_tokenizer(tokenizer, train_texts, chars)
+    dtype = token_dtype(tok)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        paths = {split: stack.enter_context(atomic_path(out_dir / f"{split}.bin")) for split in ("train", "val")}
+        handles = {split: stack.enter_context(open(p, "wb")) for split, p in paths.items()}
+        counts = encode_segments(tok, segments, handles, dtype)
+        for f in handles.values():
+            f.close()
+    for split in ("train", "val"):
+        for stale in shard_paths(out_dir, split):  # from an earlier sharded prepare into this folder
+            stale.unlink()
+    meta = {"train_tokens": counts["train"], "val_tokens": counts["val"],
+            "train_documents": sum(s.split == "train" for s in segments),
+            "val_documents": sum(s.split == "val" for s in segments), "source": [str(p) for p in files]}
+    if separator is not None:
+        meta["separator"] = separator
+    meta = write_meta(out_dir, tok, meta)
+    split_how = "whole documents" if len(docs) > 1 else "the last characters of its one document"
+    print(f"{tok.meta()['tokenizer']} vocab_size {tok.vocab_size}: {meta['train_tokens']:,} train and "
+          f"{meta['val_tokens']:,} val tokens ({meta['dtype']}; val: {split_how}) to {out_dir} in "
+          f"{time.perf_counter() - start:.1f}s")
+    return meta

@@ -1,0 +1,145 @@
+"""Writing token files in the format core/data/loader.py reads: `{split}.bin` whole or not at all,
+`{split}_NNNNNN.bin` shards staged and moved into place a split at a time, and meta.json last (its token
+counts vouch for the token files), with tokenizer.json beside it for a BPE or a folder's tokenizer. A token
+id that does not fit the file's dtype is an error, never wrapped.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from core.data.loader import shard_paths
+from core.data.tokenizer import HFTokenizer, Tokenizer
+from core.errors import UserError
+from core.fileio import atomic_path, fsync_dir, write_json
+
+
+def checked_ids(ids, dtype, where: str) -> np.ndarray:
+    """`ids` as an array of `dtype`; a UserError if any id would not fit (numpy would silently wrap it)."""
+    arr = np.asarray(ids)
+    info = np.iinfo(dtype)
+    if arr.size == 0:
+        return arr.astype(dtype)
+    if arr.dtype.kind not in "iu":
+        raise UserError(f"token ids for {where} must be integers, got {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < info.min or hi > info.max:
+        bad = hi if hi > info.max else lo
+        raise UserError(f"token id {bad} does not fit {np.dtype(dtype).name} ({info.min}..{info.max}) in {where}; "
+                        f"use a wider dtype (uint32) or a smaller vocabulary")
+    return arr.astype(dtype, copy=False)
+
+
+def write_tokens(path: str | os.PathLike, ids, dtype=np.uint16) -> int:
+    """Write token ids to `path` atomically (whole file or nothing); return how many were written."""
+    arr = checked_ids(ids, dtype, str(path))
+    with atomic_path(path) as tmp:
+        arr.tofile(tmp)
+    return int(arr.size)
+
+
+class ShardWriter:
+    """Stream token ids into `{split}_000000.bin`, `{split}_000001.bin`, ... of `shard_tokens` ids each.
+
+    Shards are written into a hidden staging folder and moved into place only when the whole split
+    is done (leaving the `with` block without an exception, or commit()), replacing any older
+    `{split}.bin` / shards. An interrupted prepare leaves the previous files as they were, and never
+    a partial set that looks complete.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype=np.uint16):
+        if shard_tokens < 1:
+            raise UserError(f"shard_tokens must be at least 1, got {shard_tokens}")
+        self.out_dir, self.split, self.shard_tokens, self.dtype = Path(out_dir), split, shard_tokens, dtype
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.staging = self.out_dir / f".{split}.staging-{os.getpid()}"
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir()
+        self.names: list[str] = []
+        self.num_tokens = 0
+        self._file = None
+        self._in_shard = 0
+
+    def write(self, ids) -> None:
+        arr = checked_ids(ids, self.dtype, f"{self.out_dir / self.split}_*.bin")
+        while arr.size:
+            if self._file is None:
+                self.names.append(f"{self.split}_{len(self.names):06d}.bin")
+                self._file = open(self.staging / self.names[-1], "wb")
+                self._in_shard = 0
+            take = arr[: self.shard_tokens - self._in_shard]
+            self._file.write(take.tobytes())
+            self._in_shard += take.size
+            self.num_tokens += take.size
+            arr = arr[take.size:]
+            if self._in_shard == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+
+    def commit(self) -> list[Path]:
+        if self._file is not None:
+            self._close_shard()
+        stale = shard_paths(self.out_dir, self.split) + [self.out_dir / f"{self.split}.bin"]
+        final = [self.out_dir / name for name in self.names]
+        for name, path in zip(self.names, final):
+            os.replace(self.staging / name, path)
+        for path in stale:
+            if path not in final and path.exists():
+                path.unlink()
+        fsync_dir(self.out_dir)
+        self.staging.rmdir()
+        return final
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def write_dataset(out_dir: str | os.PathLike, tokenizer_meta: dict, splits: dict[str, Iterable[int]],
+                  dtype=np.uint16, **extra) -> dict:
+    """Write `{split}.bin` for each split, then meta.json (last: its token counts vouch for the .bin files)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {**tokenizer_meta, "dtype": np.dtype(dtype).name, **extra}
+    for split, ids in splits.items():
+        meta[f"{split}_tokens"] = write_tokens(out_dir / f"{split}.bin", ids, dtype)
+        for stale in shard_paths(out_dir, split):  # from an earlier sharded prepare into this folder
+            stale.unlink()
+    write_json(out_dir / "meta.json", meta)
+    return meta
+
+
+def token_dtype(tok: Tokenizer):
+    """uint16 token files, or uint32 past 65,536 ids."""
+    return np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+
+
+def write_meta(out_dir: Path, tok: Tokenizer, meta: dict) -> dict:
+    """tokenizer.json beside meta.json for a BPE or a folder's tokenizer (the same JSON meta.json holds, for
+    the tools that read tokenizer.json), then meta.json, last: its token counts vouch for the token files."""
+    meta = {**tok.meta(), "dtype": np.dtype(token_dtype(tok)).name, **meta}
+    if isinstance(tok, HFTokenizer):
+        with atomic_path(out_dir / "tokenizer.json") as tmp:
+            tmp.write_text(tok.json, encoding="utf-8")
+    write_json(out_dir / "meta.json", meta)
+    return meta
