@@ -192,7 +192,7 @@ def test_threads_reach_the_runtime(char_out, monkeypatch):
 
 
 def test_a_busy_port_is_one_line_naming_port_before_the_model_loads(char_out, monkeypatch):
-    monkeypatch.setattr(serve.weights, "load_model", lambda *a: pytest.fail("loaded before the port check"))
+    monkeypatch.setattr(serve.resolver, "load_model", lambda *a: pytest.fail("loaded before the port check"))
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
