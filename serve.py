@@ -45,8 +45,9 @@ from core import runtime
 from core.weights import resolver
 from core.data.chat import ChatTemplate
 from core.config import parse_args
-from core.serving.engine import (MAX_LOGPROBS, BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping,
-                         TokenScore, engine_sampling)
+from core.serving.engine import (MAX_LOGPROBS, BatchEngine, EngineRequest, EngineSettings, PromptScores,
+                                 ServerStopping, TokenScore, engine_sampling)
+from core.serving.process import EngineProcess
 from core.errors import UserError, first_line, run_cli
 from core.data.tokenizer import StreamDecoder, Tokenizer
 from core.decoding.decode import check_sampling_args, inference_model, window_shift
@@ -385,8 +386,10 @@ def check_params(sv: Served, req: Common, default_max: int, allow_zero: bool = F
         check_sampling_args(req.temperature, req.top_k, None if req.top_p == 1 else req.top_p)
     except ValueError as e:  # the message starts with the setting's name
         raise APIError(400, str(e), str(e).split()[0]) from None
-    if not 1 <= req.n <= min(cfg.max_n, cfg.max_batch):
-        raise APIError(400, f"n must be in 1..{min(cfg.max_n, cfg.max_batch)} on this server, got {req.n}", "n")
+    try:
+        sv.engine.settings.check_n(req.n, cfg.max_n)
+    except ValueError as e:
+        raise APIError(400, str(e), "n") from None
     for field in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(req, field) <= 2:
             raise APIError(400, f"{field} must be in [-2, 2], got {getattr(req, field)}", field)
@@ -757,7 +760,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
                         f"use --engine=thread")
     make = EngineProcess if kind == "process" else BatchEngine
     try:
-        engine = make(model, cfg.max_batch, shift, tok.vocab_size, cfg.prefill_chunk, metrics)
+        engine = make(model, EngineSettings(cfg.max_batch, shift, tok.vocab_size, cfg.prefill_chunk), metrics)
     except RuntimeError as e:
         raise UserError(f"{first_line(e)}; try a smaller --max_batch, or --engine=thread") from None
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -1,7 +1,7 @@
 """BatchEngine: continuous batching for the server. One thread; each step runs one model forward over the
 next token of every decoding row of every request, each row at its own position in one KV cache.
 
-    engine = BatchEngine(model, max_batch=16, window_shift=128, vocab_size=tok.vocab_size)
+    engine = BatchEngine(model, EngineSettings(max_batch=16, window_shift=128, vocab_size=tok.vocab_size))
     engine.start()
     handle = engine.submit(EngineRequest(prompt=ids, n=1, max_tokens=50, sampling=Sampling(temperature=0)), loop)
     async for event in handle.events(): ...     # PromptScores once (with echo), then one list[RowStep] per step
@@ -15,8 +15,8 @@ finishes, fails or is cancelled frees its slots at once. Rows decode through mod
 per-row positions (KVCache): a free or prefilling slot rides along as a dummy row whose key is
 overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a view, never a copy.
 
-EngineProcess (at the end) runs a BatchEngine in a process of its own behind the same caller's side: serve.py's
-default on a CPU, so that the server's event loop and the engine do not take turns under one GIL.
+EngineProcess (core/serving/process.py) runs a BatchEngine in a process of its own behind the same caller's side:
+serve.py's default on a CPU, so that the server's event loop and the engine do not take turns under one GIL.
 
 The decoding math is model.py's, not a second copy: sample_next's parts draw each request's rows with the
 request's own generator (every request with one setting in one call: sampling_probs over all their rows, the
@@ -30,9 +30,7 @@ noise tensor over n rows, as generate draws its batch) and leave the batch toget
 import asyncio
 import dataclasses
 import itertools
-import multiprocessing
 import queue
-import signal
 import threading
 import time
 from typing import AsyncIterator
@@ -45,6 +43,23 @@ from core.decoding.decode import Sampling, check_sampling_args, draw, exponentia
 from model import GPT
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """How an engine is built: BatchEngine takes it, and EngineProcess hands it as it is to its process."""
+    max_batch: int  # the most rows decoded at once: the KV cache's slots, allocated once
+    window_shift: int  # past block_size a row's window slides this far at once (decode.window_shift)
+    vocab_size: int  # the tokenizer's: logprobs list no id past it
+    prefill_chunk: int = 512  # at most this many prompt tokens fed per step, over all requests
+
+    def check_n(self, n: int, max_n: int | None = None) -> None:
+        """The one check of a request's rows: each takes a KV cache slot, so n is in 1..max_batch (and in
+        1..max_n where the server allows fewer). A ValueError that names the range."""
+        most = self.max_batch if max_n is None else min(max_n, self.max_batch)
+        if not 1 <= n <= most:
+            where = "(the engine's max_batch)" if max_n is None else "on this server"
+            raise ValueError(f"n must be in 1..{most} {where}, got {n}")
 
 
 @dataclasses.dataclass
@@ -104,9 +119,9 @@ def score(logprobs: torch.Tensor, tokens: torch.Tensor, k: int, vocab_size: int)
             zip(picked, top.indices.tolist(), top.values.tolist())]
 
 
-def check_submission(req: EngineRequest, max_batch: int, stopping) -> None:
-    if not 1 <= req.n <= max_batch:
-        raise ValueError(f"n must be in 1..{max_batch} (the engine's max_batch), got {req.n}")
+def check_submission(req: EngineRequest, settings: EngineSettings, stopping) -> None:
+    """What both engines refuse at submit: more rows than the cache has slots, or any request once stopping."""
+    settings.check_n(req.n)
     if stopping.is_set():
         raise ServerStopping()
 
@@ -169,17 +184,15 @@ class Active:
 
 
 class BatchEngine:
-    """See the module docstring. metrics, if given, is told of each step (see serve.py's Metrics)."""
+    """See the module docstring. metrics, if given, is told of each step (core/serving/metrics.py's Metrics)."""
 
-    def __init__(self, model: GPT, max_batch: int, window_shift: int, vocab_size: int, prefill_chunk: int = 512,
-                 metrics=None):
-        self.model, self.max_batch, self.window_shift, self.vocab_size = model, max_batch, window_shift, vocab_size
-        self.prefill_chunk, self.metrics = prefill_chunk, metrics
+    def __init__(self, model: GPT, settings: EngineSettings, metrics=None):
+        self.model, self.settings, self.metrics = model, settings, metrics
         self.block_size = model.config.block_size
         self.device = model.transformer.wte.weight.device
-        self.cache = model.new_kv_cache(max_batch)
-        self.cache.pos = torch.zeros(max_batch, dtype=torch.long)  # each slot at its own position
-        self.free = list(range(max_batch))
+        self.cache = model.new_kv_cache(settings.max_batch)
+        self.cache.pos = torch.zeros(settings.max_batch, dtype=torch.long)  # each slot at its own position
+        self.free = list(range(settings.max_batch))
         self.active: list[Active] = []
         self.pending: queue.Queue[Handle] = queue.Queue()
         self.waiting: list[Handle] = []  # taken from pending, not yet admitted (no room)
@@ -201,7 +214,7 @@ class BatchEngine:
         self.thread.join(timeout)
 
     def submit(self, req: EngineRequest, loop: asyncio.AbstractEventLoop) -> Handle:
-        check_submission(req, self.max_batch, self.stopping)
+        check_submission(req, self.settings, self.stopping)
         handle = Handle(req, loop)
         self.pending.put(handle)
         return handle
@@ -302,7 +315,7 @@ class BatchEngine:
         window moved (each refills its own window, as generate does). Rows of about one length go through
         one forward, ragged (KVCache.take); a prompt with echo, scored at every position, goes alone.
         -> (request, logits (n, V)) for each request whose rows are now all cached."""
-        budget, feeds, ready = self.prefill_chunk, [], []
+        budget, feeds, ready = self.settings.prefill_chunk, [], []
         for a in waiting:
             if budget <= 0:
                 break
@@ -373,7 +386,7 @@ class BatchEngine:
         targets = torch.tensor(seq[first + 1 - (a.prompt_last is not None):first + T], dtype=torch.long,
                                device=lp.device)
         if len(targets):
-            a.prompt_scores += score(lp[:len(targets)], targets, a.req.logprobs or 0, self.vocab_size)
+            a.prompt_scores += score(lp[:len(targets)], targets, a.req.logprobs or 0, self.settings.vocab_size)
         a.prompt_last = lp[-1:]
 
     def _decode(self, decoding: list[Active]) -> list[tuple[Active, torch.Tensor]]:
@@ -430,7 +443,7 @@ class BatchEngine:
         if req.logprobs is not None or a.counts is not None:
             token = torch.tensor(ids, device=logits.device)[:, None]  # (n, 1)
         if req.logprobs is not None:
-            scores = score(F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.vocab_size)
+            scores = score(F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.settings.vocab_size)
         if a.counts is not None:
             a.counts.scatter_add_(1, token, torch.ones_like(token, dtype=a.counts.dtype))
         for r, t in enumerate(ids):
@@ -473,225 +486,3 @@ def engine_sampling(temperature: float, top_k: int | None, top_p: float | None, 
     generator = torch.Generator(device=device).manual_seed(seed)
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, eot_token=eot,
                     window_shift=window_shift, vocab_size=vocab_size)
-
-
-
-# --- the engine in a process of its own ------------------------------------------------------
-
-
-def ends(item) -> bool:
-    """Whether an event ends its request: None (done) or an exception (failed, stopping)."""
-    return item is None or isinstance(item, BaseException)
-
-
-class StepStats:
-    """The child's stand-in for the server's metrics: what each step told them, sent with its events."""
-
-    def __init__(self):
-        self.batches: list[int] = []  # rows in each decoding forward
-        self.tokens: list[tuple[int, int]] = []  # (request id, rows drawn) per request per step
-
-    def batch(self, rows: int) -> None:
-        self.batches.append(rows)
-
-    def token(self, handle, rows: int) -> None:
-        self.tokens.append((handle.id, rows))
-
-    def take(self) -> tuple[list[int], list[tuple[int, int]]]:
-        out, self.batches, self.tokens = (self.batches, self.tokens), [], []
-        return out
-
-
-class PipeLoop:
-    """In the child, the 'event loop' of every request: BatchEngine._flush hands it a step's events, which go
-    to the server in one message with the engine's counters and the step's metrics."""
-
-    def __init__(self, conn, engine: "BatchEngine", handles: dict[int, Handle]):
-        self.conn, self.engine, self.handles = conn, engine, handles
-
-    def call_soon_threadsafe(self, _deliver, events: list[tuple[Handle, object]]) -> None:
-        for handle, item in events:
-            if ends(item):
-                self.handles.pop(handle.id, None)
-        e = self.engine
-        try:
-            self.conn.send(("step", [(h.id, item) for h, item in events],
-                            (e.running, e.waiting_count(), e.tokens_generated), e.metrics.take()))
-        except OSError:  # the server has gone
-            e.stop()
-
-
-def packed(req: EngineRequest) -> tuple[EngineRequest, bytes | None]:
-    """req without its generator, and the generator's state as bytes: pickled as it is, the state tensor would
-    cross the pipe as shared memory, a file descriptor passed per request (~0.2 ms of the event loop's time)."""
-    g = req.sampling.generator
-    return (dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, generator=None)),
-            None if g is None else g.get_state().numpy().tobytes())
-
-
-def unpacked(req: EngineRequest, state: bytes | None) -> EngineRequest:
-    """packed's inverse, in the engine process (a CPU generator: the process engine serves CPU models)."""
-    if state is None:
-        return req
-    generator = torch.Generator()
-    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, generator=generator))
-
-
-def _child(conn, parent_end, stop, model: GPT, args: tuple, threads: int) -> None:
-    """The engine process: a BatchEngine whose events go down the pipe; a thread takes submissions from it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the server stops us
-    parent_end.close()
-    torch.set_num_threads(threads)
-    try:
-        engine = BatchEngine(model, *args, metrics=StepStats())
-    except Exception as e:  # no memory for the KV cache, say
-        conn.send(("error", first_line(e)))
-        return
-    engine.stopping = stop  # the server sets it, from its signal handler as well
-    handles: dict[int, Handle] = {}
-    loop = PipeLoop(conn, engine, handles)
-
-    def receive() -> None:
-        try:
-            while True:
-                kind, rid, *rest = conn.recv()
-                if kind == "submit":
-                    handle = handles[rid] = Handle(unpacked(*rest), loop)
-                    handle.id = rid
-                    engine.pending.put(handle)
-                elif rid in handles:  # cancel
-                    handles[rid].cancelled.set()
-        except (EOFError, OSError):  # the server has gone: nobody is left to serve
-            stop.set()
-
-    threading.Thread(target=receive, name="engine-receive", daemon=True).start()
-    conn.send(("ready",))
-    engine._run()
-
-
-class ProcessHandle(Handle):
-    """The server's side of a request that the engine process generates."""
-
-    def __init__(self, req: EngineRequest, loop, engine: "EngineProcess", rid: int):
-        super().__init__(req, loop)
-        self.engine, self.id, self.ended = engine, rid, False
-
-    def cancel(self) -> None:
-        if not self.cancelled.is_set() and not self.ended:
-            self.engine.send(("cancel", self.id))
-        self.cancelled.set()
-
-
-class EngineProcess:
-    """A BatchEngine in a process of its own, with BatchEngine's side for the caller (start, stop, submit,
-    running, waiting_count, tokens_generated).
-
-    Why a process: in the server's process the engine thread's Python (a small model's forward is mostly
-    Python dispatch) and the event loop's work for each streamed chunk take turns under one GIL, so the
-    HTTP side adds to every step's time; in a process of their own they run at once, on two cores (vLLM's
-    engine core is a process for the same reason). The process is forked from the server once the model is
-    loaded, so it starts with the model already in memory (shared with the server, never written) and
-    allocates the KV cache itself. A fork cannot carry CUDA, so it serves CPU models (serve.py's
-    --engine). One pipe each way: submissions and cancellations down; one message per engine step up, with
-    every request's events of that step, the counters and the step's metrics, turned back into a call on
-    the server's event loop by a reader thread."""
-
-    def __init__(self, model: GPT, max_batch: int, window_shift: int, vocab_size: int, prefill_chunk: int = 512,
-                 metrics=None):
-        self.max_batch, self.window_shift, self.vocab_size, self.metrics = max_batch, window_shift, vocab_size, metrics
-        self.device = model.transformer.wte.weight.device
-        ctx = multiprocessing.get_context("fork")
-        self.conn, child_end = ctx.Pipe()
-        self.stopping = ctx.Event()
-        self.process = ctx.Process(target=_child, name="engine", daemon=True, args=(
-            child_end, self.conn, self.stopping, model, (max_batch, window_shift, vocab_size, prefill_chunk),
-            torch.get_num_threads()))
-        self.process.start()
-        child_end.close()
-        reply = self._recv()
-        if reply[0] != "ready":
-            self.process.join()
-            raise RuntimeError(f"the engine process did not start: {reply[1]}")
-        self.handles: dict[int, ProcessHandle] = {}
-        self.next_id = 0
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.running = self.waiting = self.tokens_generated = 0
-        self.send_lock = threading.Lock()
-        self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
-
-    def _recv(self):
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):
-            self.process.join(5)  # its pipe closes as it dies: wait for its exit code
-            return ("error", f"the process ended (exit code {self.process.exitcode})")
-
-    def start(self) -> None:
-        self.reader.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-
-    def send(self, message: tuple) -> None:
-        with self.send_lock:
-            self.conn.send(message)
-
-    def submit(self, req: EngineRequest, loop: asyncio.AbstractEventLoop) -> Handle:
-        check_submission(req, self.max_batch, self.stopping)
-        if not self.process.is_alive():
-            raise RuntimeError(f"generation failed: the engine process has ended (exit code {self.process.exitcode})")
-        self.loop = loop  # one server, one event loop
-        self.next_id += 1
-        handle = self.handles[self.next_id] = ProcessHandle(req, loop, self, self.next_id)
-        self.send(("submit", handle.id, *packed(req)))
-        return handle
-
-    def waiting_count(self) -> int:
-        return self.waiting
-
-    def _read(self) -> None:
-        """The reader thread: each message from the engine process, handed to the event loop in one call."""
-        while (message := self._recv())[0] == "step":
-            if self.loop is not None:
-                try:
-                    self.loop.call_soon_threadsafe(self._deliver, *message[1:])
-                except RuntimeError:  # the event loop has closed (shutting down)
-                    return
-        end = ServerStopping() if self.stopping.is_set() else RuntimeError(f"generation failed: {message[1]}")
-        if self.loop is not None:
-            try:
-                self.loop.call_soon_threadsafe(self._fail_all, end)
-            except RuntimeError:
-                pass
-
-    def _deliver(self, events: list, counters: tuple, step_metrics: tuple) -> None:
-        """On the event loop: one step's events to their handles, its counters and metrics to the server's."""
-        self.running, self.waiting, self.tokens_generated = counters
-        if self.metrics is not None:
-            batches, tokens = step_metrics
-            for rows in batches:
-                self.metrics.batch(rows)
-            for rid, rows in tokens:
-                if rid in self.handles:
-                    self.metrics.token(self.handles[rid], rows)
-        for rid, item in events:
-            handle = self.handles.get(rid)
-            if handle is None:
-                continue
-            if ends(item):
-                handle.ended = True
-                del self.handles[rid]
-            handle.out.put_nowait(item)
-
-    def _fail_all(self, end: BaseException) -> None:
-        for handle in self.handles.values():
-            handle.ended = True
-            handle.out.put_nowait(end)
-        self.handles.clear()
-        self.running = self.waiting = 0
-
-    def join(self, timeout: float | None = None) -> None:
-        self.process.join(timeout)
-        if self.reader.is_alive():
-            self.reader.join(timeout)
