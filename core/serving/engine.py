@@ -232,11 +232,11 @@ class BatchEngine:
                 if self.active:
                     self.step()
             except Exception as e:  # out of memory, a broken model: these requests fail, the server goes on
-                for a in list(self.active):
-                    self._finish(a, RuntimeError(f"generation failed: {first_line(e)}"))
+                for active in list(self.active):
+                    self._finish(active, RuntimeError(f"generation failed: {first_line(e)}"))
             self._flush()
-        for a in list(self.active):
-            self._finish(a, ServerStopping())
+        for active in list(self.active):
+            self._finish(active, ServerStopping())
         for h in self.waiting + list(self.pending.queue):
             self._send(h, ServerStopping())
         self._flush()
@@ -282,15 +282,15 @@ class BatchEngine:
         self.running = len(self.active)
 
     def _drop_cancelled(self) -> None:
-        for a in list(self.active):
-            if a.handle.cancelled.is_set():
-                self._finish(a, None)
+        for active in list(self.active):
+            if active.handle.cancelled.is_set():
+                self._finish(active, None)
 
-    def _finish(self, a: Active, end) -> None:
-        self._send(a.handle, end)
-        self.active.remove(a)
-        self.cache.pos[a.slots] = 0  # a free slot rides along as a dummy at position 0
-        self.free += a.slots
+    def _finish(self, active: Active, end) -> None:
+        self._send(active.handle, end)
+        self.active.remove(active)
+        self.cache.pos[active.slots] = 0  # a free slot rides along as a dummy at position 0
+        self.free += active.slots
         self.running = len(self.active)
 
     @torch.no_grad()  # as generate: no graph (the cache's in-place writes would chain every step's into it)
@@ -300,14 +300,14 @@ class BatchEngine:
 
         Decoding first: a prefilling slot then rides along at a position its next chunk overwrites, and never
         at block_size (where a prompt that fills the context would leave it after its last chunk)."""
-        decoding = [a for a in self.active if a.generated and self._uncached(a) == 1]
+        decoding = [active for active in self.active if active.generated and self._uncached(active) == 1]
         ready = self._decode(decoding) if decoding else []
-        ready += self._prefill([a for a in self.active if a not in decoding])
+        ready += self._prefill([active for active in self.active if active not in decoding])
         self._draw(ready)
 
-    def _uncached(self, a: Active) -> int:
-        """Tokens of a's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
-        return len(a.tokens[0]) - a.start - int(self.cache.pos[a.slots[0]])
+    def _uncached(self, active: Active) -> int:
+        """Tokens of the request's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
+        return len(active.tokens[0]) - active.start - int(self.cache.pos[active.slots[0]])
 
     def _prefill(self, waiting: list[Active]) -> list[tuple[Active, torch.Tensor]]:
         """Feed up to prefill_chunk uncached tokens, first come first served, to the rows that need them: a
@@ -316,149 +316,152 @@ class BatchEngine:
         one forward, ragged (KVCache.take); a prompt with echo, scored at every position, goes alone.
         -> (request, logits (n, V)) for each request whose rows are now all cached."""
         budget, feeds, ready = self.settings.prefill_chunk, [], []
-        for a in waiting:
+        for active in waiting:
             if budget <= 0:
                 break
-            if a.generated == 0 and a.req.echo:
-                logits, used = self._prefill_echo(a, budget)
+            if active.generated == 0 and active.req.echo:
+                logits, used = self._prefill_echo(active, budget)
                 budget -= used
                 if logits is not None:
-                    ready.append((a, logits))
+                    ready.append((active, logits))
                 continue
-            for r in range(1 if a.generated == 0 else len(a.slots)):
-                chunk = a.tokens[r][a.start + int(self.cache.pos[a.slots[r]]):][:budget]
+            for r in range(1 if active.generated == 0 else len(active.slots)):
+                chunk = active.tokens[r][active.start + int(self.cache.pos[active.slots[r]]):][:budget]
                 if chunk and budget > 0:
-                    feeds.append((a, r, chunk))
+                    feeds.append((active, r, chunk))
                     budget -= len(chunk)
         for group in ragged_groups(feeds):
             self._feed_rows(group)
-        for a in dict.fromkeys(a for a, _, _ in feeds):  # each request once, in order
-            if a.generated == 0 and a.last[0] is not None:
-                ready.append((a, self._prompt_cached(a, a.last[0][None])))
-            elif a.generated and all(x is not None for x in a.last):
-                ready.append((a, torch.stack(a.last)))
+        for active in dict.fromkeys(active for active, _, _ in feeds):  # each request once, in order
+            if active.generated == 0 and active.last[0] is not None:
+                ready.append((active, self._prompt_cached(active, active.last[0][None])))
+            elif active.generated and all(x is not None for x in active.last):
+                ready.append((active, torch.stack(active.last)))
             else:
                 continue
-            a.last = [None] * len(a.slots)
+            active.last = [None] * len(active.slots)
         return ready
 
     def _feed_rows(self, feeds: list[tuple[Active, int, list[int]]]) -> None:
         """One forward over the chunks of feeds ((request, row, tokens)), padded to the longest; a row whose
         window is then all cached keeps its last token's logits in its request's last."""
-        slots, lengths = [a.slots[r] for a, r, _ in feeds], [len(chunk) for _, _, chunk in feeds]
+        slots, lengths = [active.slots[r] for active, r, _ in feeds], [len(chunk) for _, _, chunk in feeds]
         T = max(lengths)
         idx = torch.tensor([chunk + [0] * (T - len(chunk)) for _, _, chunk in feeds], device=self.device)  # (B, T)
         logits, _ = self.model(idx, kv_cache=self.cache.take(slots, lengths), last_only=True)  # (B, 1, V)
-        for (a, r, _), slot, row in zip(feeds, slots, logits[:, 0]):
-            if int(self.cache.pos[slot]) == len(a.tokens[r]) - a.start:
-                a.last[r] = row
+        for (active, r, _), slot, row in zip(feeds, slots, logits[:, 0]):
+            if int(self.cache.pos[slot]) == len(active.tokens[r]) - active.start:
+                active.last[r] = row
 
-    def _prefill_echo(self, a: Active, budget: int):
+    def _prefill_echo(self, active: Active, budget: int):
         """The next chunk of a prompt with echo through its first row, every position's logits scored ->
         (logits (n, V) once the prompt is all cached, else None; tokens fed)."""
-        slot, seq = a.slots[0], a.tokens[0][a.start:]
+        slot, seq = active.slots[0], active.tokens[0][active.start:]
         view = self.cache.rows(slot, slot + 1)
         first = int(view.pos[0])
         chunk = seq[first:first + budget]
         logits, _ = self.model(torch.tensor([chunk], device=self.device), kv_cache=view)  # (1, T, V)
-        self._score_prompt(a, seq, first, logits)
+        self._score_prompt(active, seq, first, logits)
         if first + len(chunk) < len(seq):
             return None, len(chunk)
-        self._send(a.handle, PromptScores(a.prompt_scores))
-        return self._prompt_cached(a, logits[:, -1]), len(chunk)
+        self._send(active.handle, PromptScores(active.prompt_scores))
+        return self._prompt_cached(active, logits[:, -1]), len(chunk)
 
-    def _prompt_cached(self, a: Active, logits: torch.Tensor) -> torch.Tensor:
-        """a's prompt is in its first row's cache: the other choices start from the same keys. logits (1, V)
-        of its last token -> (n, V)."""
-        slot, T = a.slots[0], int(self.cache.pos[a.slots[0]])
-        for other in a.slots[1:]:
+    def _prompt_cached(self, active: Active, logits: torch.Tensor) -> torch.Tensor:
+        """The request's prompt is in its first row's cache: the other choices start from the same keys.
+        logits (1, V) of its last token -> (n, V)."""
+        slot, T = active.slots[0], int(self.cache.pos[active.slots[0]])
+        for other in active.slots[1:]:
             self.cache.k[:, other, :, :T] = self.cache.k[:, slot, :, :T]
             self.cache.v[:, other, :, :T] = self.cache.v[:, slot, :, :T]
             self.cache.pos[other] = T
-        return logits.float().expand(len(a.slots), -1)
+        return logits.float().expand(len(active.slots), -1)
 
-    def _score_prompt(self, a: Active, seq: list[int], first: int, logits: torch.Tensor) -> None:
+    def _score_prompt(self, active: Active, seq: list[int], first: int, logits: torch.Tensor) -> None:
         """Prompt logprobs of the chunk just fed (logits (1, T, V) of positions first..first+T-1)."""
         lp = F.log_softmax(logits[0].float(), dim=-1)  # (T, V)
-        if a.prompt_last is not None:
-            lp = torch.cat([a.prompt_last, lp])
+        if active.prompt_last is not None:
+            lp = torch.cat([active.prompt_last, lp])
         T = logits.size(1)
-        targets = torch.tensor(seq[first + 1 - (a.prompt_last is not None):first + T], dtype=torch.long,
+        targets = torch.tensor(seq[first + 1 - (active.prompt_last is not None):first + T], dtype=torch.long,
                                device=lp.device)
         if len(targets):
-            a.prompt_scores += score(lp[:len(targets)], targets, a.req.logprobs or 0, self.settings.vocab_size)
-        a.prompt_last = lp[-1:]
+            active.prompt_scores += score(lp[:len(targets)], targets, active.req.logprobs or 0,
+                                          self.settings.vocab_size)
+        active.prompt_last = lp[-1:]
 
     def _decode(self, decoding: list[Active]) -> list[tuple[Active, torch.Tensor]]:
         """One forward over slots 0..hi-1: each decoding row's last token at its own position; free and
         prefilling slots ride along as dummies (token 0, their position put back, their output unused: the
         key a dummy writes at its position is overwritten by its next chunk before anything reads it)."""
-        hi = max(s for a in decoding for s in a.slots) + 1
+        hi = max(s for active in decoding for s in active.slots) + 1
         tokens, live = [0] * hi, [False] * hi  # lists, then one tensor each: a tensor's item set costs microseconds
-        for a in decoding:
-            for r, slot in enumerate(a.slots):
-                tokens[slot], live[slot] = a.tokens[r][-1], True
+        for active in decoding:
+            for r, slot in enumerate(active.slots):
+                tokens[slot], live[slot] = active.tokens[r][-1], True
         if self.metrics is not None:
             self.metrics.batch(sum(live))
         view = self.cache.rows(0, hi)
         logits, _ = self.model(torch.tensor(tokens, device=self.device)[:, None], kv_cache=view,
                                last_only=True)  # (hi, 1, V)
         self.cache.pos[:hi] -= (~torch.tensor(live)).long()  # a dummy's key there is overwritten before it is read
-        return [(a, rows_of(logits[:, 0], a.slots)) for a in decoding]
+        return [(active, rows_of(logits[:, 0], active.slots)) for active in decoding]
 
     def _draw(self, ready: list[tuple[Active, torch.Tensor]]) -> None:
         """Draw the next token of every row in ready ((request, its logits (n, V))) as generate does, all
         requests with one setting in one call (each request's rows from its own generator); send them."""
         groups: dict[tuple, list[tuple[Active, torch.Tensor, torch.Tensor]]] = {}
-        for a, logits in ready:
-            req, s = a.req, a.req.sampling
+        for active, logits in ready:
+            req, s = active.req, active.req.sampling
             if req.max_tokens == 0:  # only the prompt's scores were wanted
-                self._finish(a, None)
+                self._finish(active, None)
                 continue
-            cut = adjust_logits(logits[:, :s.vocab_size], a.counts, req.presence_penalty, req.frequency_penalty,
-                                a.bias if a.bias is None else a.bias[:s.vocab_size])  # (n, V)
-            groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((a, cut, logits))
+            cut = adjust_logits(logits[:, :s.vocab_size], active.counts, req.presence_penalty, req.frequency_penalty,
+                                active.bias if active.bias is None else active.bias[:s.vocab_size])  # (n, V)
+            groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((active, cut, logits))
         for (temperature, top_k, top_p, _), members in groups.items():
             check_sampling_args(temperature, top_k, top_p)
             cuts = torch.cat([cut for _, cut, _ in members])  # (rows, V)
-            ends = list(itertools.accumulate(len(a.slots) for a, _, _ in members))  # each request's rows end there
+            # each request's rows end there
+            ends = list(itertools.accumulate(len(active.slots) for active, _, _ in members))
             if temperature == 0:
                 tokens = cuts.argmax(dim=-1)  # (rows,)
             else:
                 probs = sampling_probs(cuts, temperature, top_k, top_p)  # (rows, V)
-                noise = torch.cat([exponential_noise(probs[j - len(a.slots):j], a.req.sampling.generator)
-                                   for (a, _, _), j in zip(members, ends)])  # each request's rows, its generator
+                noise = torch.cat([exponential_noise(probs[j - len(active.slots):j], active.req.sampling.generator)
+                                   for (active, _, _), j in zip(members, ends)])  # each request's rows, its generator
                 tokens = draw(probs, noise)[:, 0]  # (rows,)
             ids = tokens.tolist()
-            for (a, _, logits), j in zip(members, ends):
-                self._took(a, ids[j - len(a.slots):j], logits)
+            for (active, _, logits), j in zip(members, ends):
+                self._took(active, ids[j - len(active.slots):j], logits)
 
-    def _took(self, a: Active, ids: list[int], logits: torch.Tensor) -> None:
-        """a's rows drew ids (n,) from logits (n, V): pad the rows that ended, score, send; finish a if done."""
-        req, s = a.req, a.req.sampling
+    def _took(self, active: Active, ids: list[int], logits: torch.Tensor) -> None:
+        """The request's rows drew ids (n,) from logits (n, V): pad the rows that ended, score, send; finish the
+        request if it is done."""
+        req, s = active.req, active.req.sampling
         if s.eot_token is not None:
-            ids = [s.eot_token if done else t for t, done in zip(ids, a.done)]
-            a.done = [done or t == s.eot_token for t, done in zip(ids, a.done)]
-        scores = [None] * len(a.slots)
-        if req.logprobs is not None or a.counts is not None:
+            ids = [s.eot_token if done else t for t, done in zip(ids, active.done)]
+            active.done = [done or t == s.eot_token for t, done in zip(ids, active.done)]
+        scores = [None] * len(active.slots)
+        if req.logprobs is not None or active.counts is not None:
             token = torch.tensor(ids, device=logits.device)[:, None]  # (n, 1)
         if req.logprobs is not None:
             scores = score(F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.settings.vocab_size)
-        if a.counts is not None:
-            a.counts.scatter_add_(1, token, torch.ones_like(token, dtype=a.counts.dtype))
+        if active.counts is not None:
+            active.counts.scatter_add_(1, token, torch.ones_like(token, dtype=active.counts.dtype))
         for r, t in enumerate(ids):
-            a.tokens[r].append(t)
-        a.generated += 1
+            active.tokens[r].append(t)
+        active.generated += 1
         self.tokens_generated += 1
         if self.metrics is not None:
-            self.metrics.token(a.handle, len(ids))
-        self._send(a.handle, [RowStep(t, sc) for t, sc in zip(ids, scores)])
-        if a.generated == req.max_tokens or all(a.done):
-            self._finish(a, None)
+            self.metrics.token(active.handle, len(ids))
+        self._send(active.handle, [RowStep(t, sc) for t, sc in zip(ids, scores)])
+        if active.generated == req.max_tokens or all(active.done):
+            self._finish(active, None)
             return
-        if len(a.tokens[0]) - a.start > self.block_size:  # generate's window rule, and its cache refill
-            a.start = slide_window(a.start, len(a.tokens[0]), self.block_size, s.window_shift)
-            self.cache.pos[a.slots] = 0
+        if len(active.tokens[0]) - active.start > self.block_size:  # generate's window rule, and its cache refill
+            active.start = slide_window(active.start, len(active.tokens[0]), self.block_size, s.window_shift)
+            self.cache.pos[active.slots] = 0
 
 
 def ragged_groups(feeds: list) -> list[list]:
