@@ -1,7 +1,7 @@
 """OpenAI's API as serve.py speaks it: the request models, their checks and errors, the replies.
 
-Requests are pydantic models in the order OpenAI documents them (vLLM's protocol.py is the example): every
-field is implemented here or refused with a 400 that names it (extra="forbid"), never silently dropped.
+Requests are pydantic models, as vLLM's protocol.py has them: every field OpenAI documents is implemented
+here or refused with a 400 that names it (extra="forbid"), never silently dropped.
 A request's checks raise APIError, sent as OpenAI's {"error": {...}}; what passes becomes EngineRequests for
 the engine (core/serving/engine.py). A reply is OpenAI's completion or chat completion, whole or as
 server-sent events, built from the engine's steps: only whole characters, cut at a stop string, with
