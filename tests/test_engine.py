@@ -1,5 +1,6 @@
-"""core/serving/engine.py's BatchEngine: continuous batching equals model.generate row for row, one forward per step
-for every row, logprobs, penalties and logit_bias, the cap on rows in flight.
+"""core/serving/engine.py's BatchEngine (and core/serving/process.py's EngineProcess): continuous batching equals
+model.generate row for row, one forward per step for every row, logprobs, penalties and logit_bias, the cap on
+rows in flight.
 
     python -m pytest tests/test_engine.py
 """
@@ -9,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.serving.engine import (BatchEngine, EngineProcess, EngineRequest, PromptScores, ServerStopping, adjust_logits,
-                         engine_sampling, ragged_groups)
+from core.serving.engine import (BatchEngine, EngineRequest, EngineSettings, PromptScores, ServerStopping,
+                                 adjust_logits, engine_sampling, ragged_groups)
+from core.serving.process import EngineProcess
 from core.evaluate import token_losses
 from core.weights.resolver import load_model
 from core.decoding.decode import Sampling, generate
@@ -99,7 +101,8 @@ def test_every_request_gets_what_generate_gives_it_alone(variant, kind):
     """stepped: every request queued before the first step, so prompts of many lengths share prefill forwards
     (ragged, chunked at 7 tokens), and windows of many lengths refill together."""
     model = sharp_model(**VARIANTS[variant])
-    engine = ENGINES.get(kind, BatchEngine)(model, max_batch=8, window_shift=SHIFT, vocab_size=50, prefill_chunk=7)
+    settings = EngineSettings(max_batch=8, window_shift=SHIFT, vocab_size=50, prefill_chunk=7)
+    engine = ENGINES.get(kind, BatchEngine)(model, settings)
     reqs = [request(model, *r) for r in REQUESTS]  # 11 rows for 8 slots: some wait their turn
     got = stepped(engine, reqs) if kind == "stepped" else run(engine, reqs)
     for r, g in zip(REQUESTS, got):
@@ -121,7 +124,7 @@ def test_requests_with_different_cuts_drawn_in_one_step_each_get_their_own(train
     def sampling(top_k, top_p, seed):
         return engine_sampling(1.0, top_k, top_p, seed, "cpu", None, SHIFT, V)
 
-    engine = BatchEngine(model, max_batch=8, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    engine = BatchEngine(model, EngineSettings(max_batch=8, window_shift=SHIFT, vocab_size=tok.vocab_size))
     got = run(engine, [EngineRequest(prompt, 1, 40, sampling(k, p, seed)) for seed, (k, p) in enumerate(settings)])
     for seed, ((k, p), g) in enumerate(zip(settings, got)):
         expected = generate(model, torch.tensor([prompt]), 40, sampling(k, p, seed))[:, len(prompt):].tolist()
@@ -134,7 +137,7 @@ def test_a_request_on_slots_apart_gets_what_generate_gives_it_alone():
     of n=2 then takes slots 0 and 2, not side by side in the cache."""
     model = sharp_model()
     reqs = [([1, 2], 1, 5, 1.0, 1), ([3], 1, 40, 1.0, 2), ([4, 5], 1, 5, 1.0, 3), ([6, 7, 8], 2, 20, 1.0, 4)]
-    engine = BatchEngine(model, max_batch=3, window_shift=SHIFT, vocab_size=50)
+    engine = BatchEngine(model, EngineSettings(max_batch=3, window_shift=SHIFT, vocab_size=50))
     got = run(engine, [request(model, *r) for r in reqs])
     for r, g in zip(reqs, got):
         assert g["rows"] == alone(model, *r), r
@@ -154,7 +157,7 @@ def test_trained_model_text_and_eot_equal_generate(trained):
     eot = tok.encode(",")[0]  # rows stop at a comma, as at <|endoftext|>: padded with it until all stop
     prompts = [tok.encode(p) for p in ("ROMEO:", "JULIET:", "O Romeo, Romeo", "What light", "But soft")]
     reqs = [(p, n, 50, t, seed) for p, n, t, seed in zip(prompts, [1, 3, 1, 2, 1], [0, 1.0, 0.8, 1.0, 0], range(5))]
-    engine = BatchEngine(model, max_batch=16, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    engine = BatchEngine(model, EngineSettings(max_batch=16, window_shift=SHIFT, vocab_size=tok.vocab_size))
     got = run(engine, [request(model, *r, eot=eot) for r in reqs])
     for r, g in zip(reqs, got):
         assert g["rows"] == alone(model, *r, eot=eot), r
@@ -209,7 +212,7 @@ def test_one_forward_per_step_for_every_row(trained, monkeypatch):
     monkeypatch.setattr(model, "forward", spy)
     prompt = tok.encode("ROMEO:")
     reqs = [request(model, prompt, 1, 40, 1.0, seed) for seed in range(16)]  # 6 + 40 tokens pass block 32
-    engine = BatchEngine(model, max_batch=16, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    engine = BatchEngine(model, EngineSettings(max_batch=16, window_shift=SHIFT, vocab_size=tok.vocab_size))
     got = stepped(engine, reqs)
     monkeypatch.undo()
     window = 32 - SHIFT + 1  # the window after it slides, as generate's slide_window leaves it
@@ -224,7 +227,8 @@ def test_logprobs_are_the_models_log_softmax_and_echo_scores_the_prompt(trained)
     model, tok = trained
     text = "ROMEO: But soft, what light"
     ids = tok.encode(text)
-    engine = BatchEngine(model, max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size, prefill_chunk=5)
+    engine = BatchEngine(model, EngineSettings(max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size,
+                                               prefill_chunk=5))
     got = run(engine, [request(model, ids, 1, 6, 0.0, 0, logprobs=3, echo=True),
                        request(model, ids, 1, 0, 0.0, 0, logprobs=0, echo=True)])
     whole = ids + got[0]["rows"][0]
@@ -252,7 +256,7 @@ def test_logit_bias_and_penalties(trained):
     model, tok = trained
     prompt = tok.encode("ROMEO:")
     z = tok.encode("z")[0] if "z" in ROMEO_JULIET else 0
-    engine = BatchEngine(model, max_batch=8, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    engine = BatchEngine(model, EngineSettings(max_batch=8, window_shift=SHIFT, vocab_size=tok.vocab_size))
     plain, forced, banned, fpen, ppen = run(engine, [
         request(model, prompt, 1, 30, 0.0, 0), request(model, prompt, 1, 30, 0.0, 0, logit_bias={z: 100}),
         request(model, prompt, 1, 30, 0.0, 0, logit_bias={t: -100 for t in set(tok.encode("e "))}),
@@ -277,7 +281,7 @@ def test_adjust_logits_is_openais_formula():
 def test_max_batch_queues_and_cancel_frees_the_slot(trained, kind):
     """One slot: a second request waits; cancelling the first (its client left) lets the second run at once."""
     model, tok = trained
-    engine = ENGINES[kind](model, max_batch=1, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    engine = ENGINES[kind](model, EngineSettings(max_batch=1, window_shift=SHIFT, vocab_size=tok.vocab_size))
     prompt = tok.encode("ROMEO:")
     with pytest.raises(ValueError, match="max_batch"):
         engine.submit(request(model, prompt, 2, 5, 0.0, 0), None)
@@ -308,7 +312,7 @@ def test_max_batch_queues_and_cancel_frees_the_slot(trained, kind):
 
 
 class Recorder:
-    """serve.py's Metrics' two calls, recorded."""
+    """core/serving/metrics.py's Metrics' two calls, recorded."""
 
     def __init__(self):
         self.batches, self.tokens = [], []
@@ -325,7 +329,8 @@ def test_the_engine_process_reports_each_step_to_the_servers_metrics(trained):
     request's tokens, each tied to the server's own handle (its submission time gives time to first token)."""
     model, tok = trained
     metrics = Recorder()
-    engine = EngineProcess(model, max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size, metrics=metrics)
+    engine = EngineProcess(model, EngineSettings(max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size),
+                           metrics=metrics)
     prompt = tok.encode("ROMEO:")
     reqs = [request(model, prompt, n, 12, 1.0, seed) for n, seed in ((1, 0), (2, 1), (1, 2))]
     got = run(engine, reqs)
@@ -348,7 +353,7 @@ def test_the_engine_process_ending_fails_its_requests_in_one_line(trained):
     """The engine process killed mid-generation: the open request ends with 'generation failed' and the exit
     code, and the next submission is refused the same way, rather than waiting for ever."""
     model, tok = trained
-    engine = EngineProcess(model, max_batch=2, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    engine = EngineProcess(model, EngineSettings(max_batch=2, window_shift=SHIFT, vocab_size=tok.vocab_size))
     prompt = tok.encode("ROMEO:")
 
     async def killed():
@@ -370,7 +375,7 @@ def test_the_engine_process_ending_fails_its_requests_in_one_line(trained):
 
 def test_stopping_the_engine_process_ends_open_requests_and_the_process(trained):
     model, tok = trained
-    engine = EngineProcess(model, max_batch=2, window_shift=SHIFT, vocab_size=tok.vocab_size)
+    engine = EngineProcess(model, EngineSettings(max_batch=2, window_shift=SHIFT, vocab_size=tok.vocab_size))
     prompt = tok.encode("ROMEO:")
 
     async def stopped():

@@ -31,6 +31,7 @@ from core.data.chat import ChatTemplate, with_chat_tokens  # noqa: E402
 from core.data.writer import write_dataset  # noqa: E402
 from core.weights import resolver  # noqa: E402
 from core.data.tokenizer import CharTokenizer  # noqa: E402
+from core.serving.openai import ChoiceText, completion_logprobs  # noqa: E402
 from tests.helpers import (ROMEO_JULIET, assert_user_error, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)
 
@@ -192,7 +193,7 @@ def test_threads_reach_the_runtime(char_out, monkeypatch):
 
 
 def test_a_busy_port_is_one_line_naming_port_before_the_model_loads(char_out, monkeypatch):
-    monkeypatch.setattr(serve.resolver, "load_model", lambda *a: pytest.fail("loaded before the port check"))
+    monkeypatch.setattr(resolver, "load_model", lambda *a: pytest.fail("loaded before the port check"))
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -762,39 +763,39 @@ def test_model_retrieve_tokenizer_endpoints_and_metrics(base):
 # the text side, without a server
 
 
-def pushed(row: "serve.Row", ids: list[int]) -> list[str]:
-    return [row.push(i) for i in ids]
+def pushed(text: ChoiceText, ids: list[int]) -> list[str]:
+    return [text.push(i) for i in ids]
 
 
-def test_row_holds_back_a_possible_stop_string_and_cuts_at_it():
+def test_choice_text_holds_back_a_possible_stop_string_and_cuts_at_it():
     tok = CharTokenizer.from_text("abcdefgh lowrd")
-    row = serve.Row(tok, ["lo w", "zz"], set(), max_tokens=100)
-    pieces = pushed(row, tok.encode("hello world"))
-    assert "".join(pieces) == "hel" and row.text == "hel" and row.finish == "stop"
+    choice = ChoiceText(tok, ["lo w", "zz"], set(), max_tokens=100)
+    pieces = pushed(choice, tok.encode("hello world"))
+    assert "".join(pieces) == "hel" and choice.text == "hel" and choice.finish == "stop"
     # "l" could start "lo w": held back; at "ll" the first is safe; "lo", "lo " wait; "lo w" is cut off
     assert pieces[:8] == ["h", "e", "", "l", "", "", "", ""]
-    assert row.tokens == 7  # the ids taken up to the end of the stop string, "hello w"
+    assert choice.tokens == 7  # the ids taken up to the end of the stop string, "hello w"
 
 
-def test_row_finish_reasons_length_and_stop_token():
+def test_choice_text_finish_reasons_length_and_stop_token():
     tok = CharTokenizer.from_text("abc")
-    row = serve.Row(tok, [], {tok.encode("c")[0]}, max_tokens=3)
-    assert pushed(row, tok.encode("ab")) == ["a", "b"] and row.finish is None
-    assert row.push(tok.encode("c")[0]) == "" and row.finish == "stop" and row.text == "ab"
-    row = serve.Row(tok, [], set(), max_tokens=2)
-    assert pushed(row, tok.encode("aba")) == ["a", "b", ""] and row.finish == "length" and row.tokens == 2
+    choice = ChoiceText(tok, [], {tok.encode("c")[0]}, max_tokens=3)
+    assert pushed(choice, tok.encode("ab")) == ["a", "b"] and choice.finish is None
+    assert choice.push(tok.encode("c")[0]) == "" and choice.finish == "stop" and choice.text == "ab"
+    choice = ChoiceText(tok, [], set(), max_tokens=2)
+    assert pushed(choice, tok.encode("aba")) == ["a", "b", ""] and choice.finish == "length" and choice.tokens == 2
 
 
-def test_row_sends_only_whole_utf8_characters():
+def test_choice_text_sends_only_whole_utf8_characters():
     use_gpt2_bpe()
     from core.data.tokenizer import GPT2Tokenizer
     tok = GPT2Tokenizer()
     text = "naïve 🙂 日本語"
     ids = tok.encode(text)
     assert len(ids) > len(text.split())  # several ids per character somewhere
-    row = serve.Row(tok, [], set(), max_tokens=len(ids))
-    pieces = pushed(row, ids)
-    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces) and row.finish == "length"
+    choice = ChoiceText(tok, [], set(), max_tokens=len(ids))
+    pieces = pushed(choice, ids)
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces) and choice.finish == "length"
     assert "" in pieces  # some ids ended inside a character and were held back
 
 
@@ -804,6 +805,8 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
     from types import SimpleNamespace
 
     from core.serving.engine import EngineRequest, Handle, RowStep
+    from core.serving.metrics import Metrics
+    from core.serving.openai import pieces
     tok = CharTokenizer.from_text("abcde")
     ids = tok.encode("abcde")
 
@@ -813,19 +816,19 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
             return self.handle
 
     async def read(at_once: bool):
-        sv = SimpleNamespace(engine=Engine(), metrics=serve.Metrics())
+        served = SimpleNamespace(engine=Engine(), metrics=Metrics())
         req = EngineRequest(prompt=[0], n=1, max_tokens=len(ids), sampling=None)
-        got = serve.pieces(sv, [req], lambda: serve.Row(tok, [], set(), len(ids)), choices := [])
+        got = pieces(served, [req], lambda: ChoiceText(tok, [], set(), len(ids)), choices := [])
         steps = [[RowStep(t, None)] for t in ids]
         first = asyncio.ensure_future(got.__anext__())
         await asyncio.sleep(0)  # pieces has submitted its request
         for step in steps if at_once else steps[:1]:
-            sv.engine.handle.out.put_nowait(step)
+            served.engine.handle.out.put_nowait(step)
         out = [await first]
         while not at_once and len(out) < len(ids):  # a client that keeps up: each step once the last is read
-            sv.engine.handle.out.put_nowait(steps[len(out)])
+            served.engine.handle.out.put_nowait(steps[len(out)])
             out.append(await got.__anext__())
-        return out, choices[0].row.finish
+        return out, choices[0].generated.finish
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a loop of its own: Playwright's may hold this thread
         assert pool.submit(asyncio.run, read(at_once=True)).result() == ([(0, "abcde")], "length")
@@ -836,7 +839,7 @@ def test_completion_logprobs_shape_and_offsets():
     from core.serving.engine import TokenScore
     tok = CharTokenizer.from_text("abc")
     a, b = tok.encode("ab")
-    got = serve.completion_logprobs(tok, [(a, None), (b, TokenScore(-0.5, [(b, -0.5), (a, -1.5)]))])
+    got = completion_logprobs(tok, [(a, None), (b, TokenScore(-0.5, [(b, -0.5), (a, -1.5)]))])
     assert got == {"tokens": ["a", "b"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"b": -0.5, "a": -1.5}],
                    "text_offset": [0, 1]}
 

@@ -1,7 +1,7 @@
 """BatchEngine: continuous batching for the server. One thread; each step runs one model forward over the
 next token of every decoding row of every request, each row at its own position in one KV cache.
 
-    engine = BatchEngine(model, max_batch=16, window_shift=128, vocab_size=tok.vocab_size)
+    engine = BatchEngine(model, EngineSettings(max_batch=16, window_shift=128, vocab_size=tok.vocab_size))
     engine.start()
     handle = engine.submit(EngineRequest(prompt=ids, n=1, max_tokens=50, sampling=Sampling(temperature=0)), loop)
     async for event in handle.events(): ...     # PromptScores once (with echo), then one list[RowStep] per step
@@ -15,8 +15,8 @@ finishes, fails or is cancelled frees its slots at once. Rows decode through mod
 per-row positions (KVCache): a free or prefilling slot rides along as a dummy row whose key is
 overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a view, never a copy.
 
-EngineProcess (at the end) runs a BatchEngine in a process of its own behind the same caller's side: serve.py's
-default on a CPU, so that the server's event loop and the engine do not take turns under one GIL.
+EngineProcess (core/serving/process.py) runs a BatchEngine in a process of its own behind the same caller's side:
+serve.py's default on a CPU, so that the server's event loop and the engine do not take turns under one GIL.
 
 The decoding math is model.py's, not a second copy: sample_next's parts draw each request's rows with the
 request's own generator (every request with one setting in one call: sampling_probs over all their rows, the
@@ -30,9 +30,7 @@ noise tensor over n rows, as generate draws its batch) and leave the batch toget
 import asyncio
 import dataclasses
 import itertools
-import multiprocessing
 import queue
-import signal
 import threading
 import time
 from typing import AsyncIterator
@@ -45,6 +43,23 @@ from core.decoding.decode import Sampling, check_sampling_args, draw, exponentia
 from model import GPT
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """How an engine is built: BatchEngine takes it, and EngineProcess hands it as it is to its process."""
+    max_batch: int  # the most rows decoded at once: the KV cache's slots, allocated once
+    window_shift: int  # past block_size a row's window slides this far at once (decode.window_shift)
+    vocab_size: int  # the tokenizer's: logprobs list no id past it
+    prefill_chunk: int = 512  # at most this many prompt tokens fed per step, over all requests
+
+    def check_n(self, n: int, max_n: int | None = None) -> None:
+        """The one check of a request's rows: each takes a KV cache slot, so n is in 1..max_batch (and in
+        1..max_n where the server allows fewer). A ValueError that names the range."""
+        most = self.max_batch if max_n is None else min(max_n, self.max_batch)
+        if not 1 <= n <= most:
+            where = "(the engine's max_batch)" if max_n is None else "on this server"
+            raise ValueError(f"n must be in 1..{most} {where}, got {n}")
 
 
 @dataclasses.dataclass
@@ -104,9 +119,9 @@ def score(logprobs: torch.Tensor, tokens: torch.Tensor, k: int, vocab_size: int)
             zip(picked, top.indices.tolist(), top.values.tolist())]
 
 
-def check_submission(req: EngineRequest, max_batch: int, stopping) -> None:
-    if not 1 <= req.n <= max_batch:
-        raise ValueError(f"n must be in 1..{max_batch} (the engine's max_batch), got {req.n}")
+def check_submission(req: EngineRequest, settings: EngineSettings, stopping) -> None:
+    """What both engines refuse at submit: more rows than the cache has slots, or any request once stopping."""
+    settings.check_n(req.n)
     if stopping.is_set():
         raise ServerStopping()
 
@@ -169,17 +184,15 @@ class Active:
 
 
 class BatchEngine:
-    """See the module docstring. metrics, if given, is told of each step (see serve.py's Metrics)."""
+    """See the module docstring. metrics, if given, is told of each step (core/serving/metrics.py's Metrics)."""
 
-    def __init__(self, model: GPT, max_batch: int, window_shift: int, vocab_size: int, prefill_chunk: int = 512,
-                 metrics=None):
-        self.model, self.max_batch, self.window_shift, self.vocab_size = model, max_batch, window_shift, vocab_size
-        self.prefill_chunk, self.metrics = prefill_chunk, metrics
+    def __init__(self, model: GPT, settings: EngineSettings, metrics=None):
+        self.model, self.settings, self.metrics = model, settings, metrics
         self.block_size = model.config.block_size
         self.device = model.transformer.wte.weight.device
-        self.cache = model.new_kv_cache(max_batch)
-        self.cache.pos = torch.zeros(max_batch, dtype=torch.long)  # each slot at its own position
-        self.free = list(range(max_batch))
+        self.cache = model.new_kv_cache(settings.max_batch)
+        self.cache.pos = torch.zeros(settings.max_batch, dtype=torch.long)  # each slot at its own position
+        self.free = list(range(settings.max_batch))
         self.active: list[Active] = []
         self.pending: queue.Queue[Handle] = queue.Queue()
         self.waiting: list[Handle] = []  # taken from pending, not yet admitted (no room)
@@ -201,7 +214,7 @@ class BatchEngine:
         self.thread.join(timeout)
 
     def submit(self, req: EngineRequest, loop: asyncio.AbstractEventLoop) -> Handle:
-        check_submission(req, self.max_batch, self.stopping)
+        check_submission(req, self.settings, self.stopping)
         handle = Handle(req, loop)
         self.pending.put(handle)
         return handle
@@ -219,11 +232,11 @@ class BatchEngine:
                 if self.active:
                     self.step()
             except Exception as e:  # out of memory, a broken model: these requests fail, the server goes on
-                for a in list(self.active):
-                    self._finish(a, RuntimeError(f"generation failed: {first_line(e)}"))
+                for active in list(self.active):
+                    self._finish(active, RuntimeError(f"generation failed: {first_line(e)}"))
             self._flush()
-        for a in list(self.active):
-            self._finish(a, ServerStopping())
+        for active in list(self.active):
+            self._finish(active, ServerStopping())
         for h in self.waiting + list(self.pending.queue):
             self._send(h, ServerStopping())
         self._flush()
@@ -269,15 +282,15 @@ class BatchEngine:
         self.running = len(self.active)
 
     def _drop_cancelled(self) -> None:
-        for a in list(self.active):
-            if a.handle.cancelled.is_set():
-                self._finish(a, None)
+        for active in list(self.active):
+            if active.handle.cancelled.is_set():
+                self._finish(active, None)
 
-    def _finish(self, a: Active, end) -> None:
-        self._send(a.handle, end)
-        self.active.remove(a)
-        self.cache.pos[a.slots] = 0  # a free slot rides along as a dummy at position 0
-        self.free += a.slots
+    def _finish(self, active: Active, end) -> None:
+        self._send(active.handle, end)
+        self.active.remove(active)
+        self.cache.pos[active.slots] = 0  # a free slot rides along as a dummy at position 0
+        self.free += active.slots
         self.running = len(self.active)
 
     @torch.no_grad()  # as generate: no graph (the cache's in-place writes would chain every step's into it)
@@ -287,14 +300,14 @@ class BatchEngine:
 
         Decoding first: a prefilling slot then rides along at a position its next chunk overwrites, and never
         at block_size (where a prompt that fills the context would leave it after its last chunk)."""
-        decoding = [a for a in self.active if a.generated and self._uncached(a) == 1]
+        decoding = [active for active in self.active if active.generated and self._uncached(active) == 1]
         ready = self._decode(decoding) if decoding else []
-        ready += self._prefill([a for a in self.active if a not in decoding])
+        ready += self._prefill([active for active in self.active if active not in decoding])
         self._draw(ready)
 
-    def _uncached(self, a: Active) -> int:
-        """Tokens of a's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
-        return len(a.tokens[0]) - a.start - int(self.cache.pos[a.slots[0]])
+    def _uncached(self, active: Active) -> int:
+        """Tokens of the request's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
+        return len(active.tokens[0]) - active.start - int(self.cache.pos[active.slots[0]])
 
     def _prefill(self, waiting: list[Active]) -> list[tuple[Active, torch.Tensor]]:
         """Feed up to prefill_chunk uncached tokens, first come first served, to the rows that need them: a
@@ -302,150 +315,153 @@ class BatchEngine:
         window moved (each refills its own window, as generate does). Rows of about one length go through
         one forward, ragged (KVCache.take); a prompt with echo, scored at every position, goes alone.
         -> (request, logits (n, V)) for each request whose rows are now all cached."""
-        budget, feeds, ready = self.prefill_chunk, [], []
-        for a in waiting:
+        budget, feeds, ready = self.settings.prefill_chunk, [], []
+        for active in waiting:
             if budget <= 0:
                 break
-            if a.generated == 0 and a.req.echo:
-                logits, used = self._prefill_echo(a, budget)
+            if active.generated == 0 and active.req.echo:
+                logits, used = self._prefill_echo(active, budget)
                 budget -= used
                 if logits is not None:
-                    ready.append((a, logits))
+                    ready.append((active, logits))
                 continue
-            for r in range(1 if a.generated == 0 else len(a.slots)):
-                chunk = a.tokens[r][a.start + int(self.cache.pos[a.slots[r]]):][:budget]
+            for r in range(1 if active.generated == 0 else len(active.slots)):
+                chunk = active.tokens[r][active.start + int(self.cache.pos[active.slots[r]]):][:budget]
                 if chunk and budget > 0:
-                    feeds.append((a, r, chunk))
+                    feeds.append((active, r, chunk))
                     budget -= len(chunk)
         for group in ragged_groups(feeds):
             self._feed_rows(group)
-        for a in dict.fromkeys(a for a, _, _ in feeds):  # each request once, in order
-            if a.generated == 0 and a.last[0] is not None:
-                ready.append((a, self._prompt_cached(a, a.last[0][None])))
-            elif a.generated and all(x is not None for x in a.last):
-                ready.append((a, torch.stack(a.last)))
+        for active in dict.fromkeys(active for active, _, _ in feeds):  # each request once, in order
+            if active.generated == 0 and active.last[0] is not None:
+                ready.append((active, self._prompt_cached(active, active.last[0][None])))
+            elif active.generated and all(x is not None for x in active.last):
+                ready.append((active, torch.stack(active.last)))
             else:
                 continue
-            a.last = [None] * len(a.slots)
+            active.last = [None] * len(active.slots)
         return ready
 
     def _feed_rows(self, feeds: list[tuple[Active, int, list[int]]]) -> None:
         """One forward over the chunks of feeds ((request, row, tokens)), padded to the longest; a row whose
         window is then all cached keeps its last token's logits in its request's last."""
-        slots, lengths = [a.slots[r] for a, r, _ in feeds], [len(chunk) for _, _, chunk in feeds]
+        slots, lengths = [active.slots[r] for active, r, _ in feeds], [len(chunk) for _, _, chunk in feeds]
         T = max(lengths)
         idx = torch.tensor([chunk + [0] * (T - len(chunk)) for _, _, chunk in feeds], device=self.device)  # (B, T)
         logits, _ = self.model(idx, kv_cache=self.cache.take(slots, lengths), last_only=True)  # (B, 1, V)
-        for (a, r, _), slot, row in zip(feeds, slots, logits[:, 0]):
-            if int(self.cache.pos[slot]) == len(a.tokens[r]) - a.start:
-                a.last[r] = row
+        for (active, r, _), slot, row in zip(feeds, slots, logits[:, 0]):
+            if int(self.cache.pos[slot]) == len(active.tokens[r]) - active.start:
+                active.last[r] = row
 
-    def _prefill_echo(self, a: Active, budget: int):
+    def _prefill_echo(self, active: Active, budget: int):
         """The next chunk of a prompt with echo through its first row, every position's logits scored ->
         (logits (n, V) once the prompt is all cached, else None; tokens fed)."""
-        slot, seq = a.slots[0], a.tokens[0][a.start:]
+        slot, seq = active.slots[0], active.tokens[0][active.start:]
         view = self.cache.rows(slot, slot + 1)
         first = int(view.pos[0])
         chunk = seq[first:first + budget]
         logits, _ = self.model(torch.tensor([chunk], device=self.device), kv_cache=view)  # (1, T, V)
-        self._score_prompt(a, seq, first, logits)
+        self._score_prompt(active, seq, first, logits)
         if first + len(chunk) < len(seq):
             return None, len(chunk)
-        self._send(a.handle, PromptScores(a.prompt_scores))
-        return self._prompt_cached(a, logits[:, -1]), len(chunk)
+        self._send(active.handle, PromptScores(active.prompt_scores))
+        return self._prompt_cached(active, logits[:, -1]), len(chunk)
 
-    def _prompt_cached(self, a: Active, logits: torch.Tensor) -> torch.Tensor:
-        """a's prompt is in its first row's cache: the other choices start from the same keys. logits (1, V)
-        of its last token -> (n, V)."""
-        slot, T = a.slots[0], int(self.cache.pos[a.slots[0]])
-        for other in a.slots[1:]:
+    def _prompt_cached(self, active: Active, logits: torch.Tensor) -> torch.Tensor:
+        """The request's prompt is in its first row's cache: the other choices start from the same keys.
+        logits (1, V) of its last token -> (n, V)."""
+        slot, T = active.slots[0], int(self.cache.pos[active.slots[0]])
+        for other in active.slots[1:]:
             self.cache.k[:, other, :, :T] = self.cache.k[:, slot, :, :T]
             self.cache.v[:, other, :, :T] = self.cache.v[:, slot, :, :T]
             self.cache.pos[other] = T
-        return logits.float().expand(len(a.slots), -1)
+        return logits.float().expand(len(active.slots), -1)
 
-    def _score_prompt(self, a: Active, seq: list[int], first: int, logits: torch.Tensor) -> None:
+    def _score_prompt(self, active: Active, seq: list[int], first: int, logits: torch.Tensor) -> None:
         """Prompt logprobs of the chunk just fed (logits (1, T, V) of positions first..first+T-1)."""
         lp = F.log_softmax(logits[0].float(), dim=-1)  # (T, V)
-        if a.prompt_last is not None:
-            lp = torch.cat([a.prompt_last, lp])
+        if active.prompt_last is not None:
+            lp = torch.cat([active.prompt_last, lp])
         T = logits.size(1)
-        targets = torch.tensor(seq[first + 1 - (a.prompt_last is not None):first + T], dtype=torch.long,
+        targets = torch.tensor(seq[first + 1 - (active.prompt_last is not None):first + T], dtype=torch.long,
                                device=lp.device)
         if len(targets):
-            a.prompt_scores += score(lp[:len(targets)], targets, a.req.logprobs or 0, self.vocab_size)
-        a.prompt_last = lp[-1:]
+            active.prompt_scores += score(lp[:len(targets)], targets, active.req.logprobs or 0,
+                                          self.settings.vocab_size)
+        active.prompt_last = lp[-1:]
 
     def _decode(self, decoding: list[Active]) -> list[tuple[Active, torch.Tensor]]:
         """One forward over slots 0..hi-1: each decoding row's last token at its own position; free and
         prefilling slots ride along as dummies (token 0, their position put back, their output unused: the
         key a dummy writes at its position is overwritten by its next chunk before anything reads it)."""
-        hi = max(s for a in decoding for s in a.slots) + 1
+        hi = max(s for active in decoding for s in active.slots) + 1
         tokens, live = [0] * hi, [False] * hi  # lists, then one tensor each: a tensor's item set costs microseconds
-        for a in decoding:
-            for r, slot in enumerate(a.slots):
-                tokens[slot], live[slot] = a.tokens[r][-1], True
+        for active in decoding:
+            for r, slot in enumerate(active.slots):
+                tokens[slot], live[slot] = active.tokens[r][-1], True
         if self.metrics is not None:
             self.metrics.batch(sum(live))
         view = self.cache.rows(0, hi)
         logits, _ = self.model(torch.tensor(tokens, device=self.device)[:, None], kv_cache=view,
                                last_only=True)  # (hi, 1, V)
         self.cache.pos[:hi] -= (~torch.tensor(live)).long()  # a dummy's key there is overwritten before it is read
-        return [(a, rows_of(logits[:, 0], a.slots)) for a in decoding]
+        return [(active, rows_of(logits[:, 0], active.slots)) for active in decoding]
 
     def _draw(self, ready: list[tuple[Active, torch.Tensor]]) -> None:
         """Draw the next token of every row in ready ((request, its logits (n, V))) as generate does, all
         requests with one setting in one call (each request's rows from its own generator); send them."""
         groups: dict[tuple, list[tuple[Active, torch.Tensor, torch.Tensor]]] = {}
-        for a, logits in ready:
-            req, s = a.req, a.req.sampling
+        for active, logits in ready:
+            req, s = active.req, active.req.sampling
             if req.max_tokens == 0:  # only the prompt's scores were wanted
-                self._finish(a, None)
+                self._finish(active, None)
                 continue
-            cut = adjust_logits(logits[:, :s.vocab_size], a.counts, req.presence_penalty, req.frequency_penalty,
-                                a.bias if a.bias is None else a.bias[:s.vocab_size])  # (n, V)
-            groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((a, cut, logits))
+            cut = adjust_logits(logits[:, :s.vocab_size], active.counts, req.presence_penalty, req.frequency_penalty,
+                                active.bias if active.bias is None else active.bias[:s.vocab_size])  # (n, V)
+            groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((active, cut, logits))
         for (temperature, top_k, top_p, _), members in groups.items():
             check_sampling_args(temperature, top_k, top_p)
             cuts = torch.cat([cut for _, cut, _ in members])  # (rows, V)
-            ends = list(itertools.accumulate(len(a.slots) for a, _, _ in members))  # each request's rows end there
+            # each request's rows end there
+            ends = list(itertools.accumulate(len(active.slots) for active, _, _ in members))
             if temperature == 0:
                 tokens = cuts.argmax(dim=-1)  # (rows,)
             else:
                 probs = sampling_probs(cuts, temperature, top_k, top_p)  # (rows, V)
-                noise = torch.cat([exponential_noise(probs[j - len(a.slots):j], a.req.sampling.generator)
-                                   for (a, _, _), j in zip(members, ends)])  # each request's rows, its generator
+                noise = torch.cat([exponential_noise(probs[j - len(active.slots):j], active.req.sampling.generator)
+                                   for (active, _, _), j in zip(members, ends)])  # each request's rows, its generator
                 tokens = draw(probs, noise)[:, 0]  # (rows,)
             ids = tokens.tolist()
-            for (a, _, logits), j in zip(members, ends):
-                self._took(a, ids[j - len(a.slots):j], logits)
+            for (active, _, logits), j in zip(members, ends):
+                self._took(active, ids[j - len(active.slots):j], logits)
 
-    def _took(self, a: Active, ids: list[int], logits: torch.Tensor) -> None:
-        """a's rows drew ids (n,) from logits (n, V): pad the rows that ended, score, send; finish a if done."""
-        req, s = a.req, a.req.sampling
+    def _took(self, active: Active, ids: list[int], logits: torch.Tensor) -> None:
+        """The request's rows drew ids (n,) from logits (n, V): pad the rows that ended, score, send; finish the
+        request if it is done."""
+        req, s = active.req, active.req.sampling
         if s.eot_token is not None:
-            ids = [s.eot_token if done else t for t, done in zip(ids, a.done)]
-            a.done = [done or t == s.eot_token for t, done in zip(ids, a.done)]
-        scores = [None] * len(a.slots)
-        if req.logprobs is not None or a.counts is not None:
+            ids = [s.eot_token if done else t for t, done in zip(ids, active.done)]
+            active.done = [done or t == s.eot_token for t, done in zip(ids, active.done)]
+        scores = [None] * len(active.slots)
+        if req.logprobs is not None or active.counts is not None:
             token = torch.tensor(ids, device=logits.device)[:, None]  # (n, 1)
         if req.logprobs is not None:
-            scores = score(F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.vocab_size)
-        if a.counts is not None:
-            a.counts.scatter_add_(1, token, torch.ones_like(token, dtype=a.counts.dtype))
+            scores = score(F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.settings.vocab_size)
+        if active.counts is not None:
+            active.counts.scatter_add_(1, token, torch.ones_like(token, dtype=active.counts.dtype))
         for r, t in enumerate(ids):
-            a.tokens[r].append(t)
-        a.generated += 1
+            active.tokens[r].append(t)
+        active.generated += 1
         self.tokens_generated += 1
         if self.metrics is not None:
-            self.metrics.token(a.handle, len(ids))
-        self._send(a.handle, [RowStep(t, sc) for t, sc in zip(ids, scores)])
-        if a.generated == req.max_tokens or all(a.done):
-            self._finish(a, None)
+            self.metrics.token(active.handle, len(ids))
+        self._send(active.handle, [RowStep(t, sc) for t, sc in zip(ids, scores)])
+        if active.generated == req.max_tokens or all(active.done):
+            self._finish(active, None)
             return
-        if len(a.tokens[0]) - a.start > self.block_size:  # generate's window rule, and its cache refill
-            a.start = slide_window(a.start, len(a.tokens[0]), self.block_size, s.window_shift)
-            self.cache.pos[a.slots] = 0
+        if len(active.tokens[0]) - active.start > self.block_size:  # generate's window rule, and its cache refill
+            active.start = slide_window(active.start, len(active.tokens[0]), self.block_size, s.window_shift)
+            self.cache.pos[active.slots] = 0
 
 
 def ragged_groups(feeds: list) -> list[list]:
@@ -473,225 +489,3 @@ def engine_sampling(temperature: float, top_k: int | None, top_p: float | None, 
     generator = torch.Generator(device=device).manual_seed(seed)
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, eot_token=eot,
                     window_shift=window_shift, vocab_size=vocab_size)
-
-
-
-# --- the engine in a process of its own ------------------------------------------------------
-
-
-def ends(item) -> bool:
-    """Whether an event ends its request: None (done) or an exception (failed, stopping)."""
-    return item is None or isinstance(item, BaseException)
-
-
-class StepStats:
-    """The child's stand-in for the server's metrics: what each step told them, sent with its events."""
-
-    def __init__(self):
-        self.batches: list[int] = []  # rows in each decoding forward
-        self.tokens: list[tuple[int, int]] = []  # (request id, rows drawn) per request per step
-
-    def batch(self, rows: int) -> None:
-        self.batches.append(rows)
-
-    def token(self, handle, rows: int) -> None:
-        self.tokens.append((handle.id, rows))
-
-    def take(self) -> tuple[list[int], list[tuple[int, int]]]:
-        out, self.batches, self.tokens = (self.batches, self.tokens), [], []
-        return out
-
-
-class PipeLoop:
-    """In the child, the 'event loop' of every request: BatchEngine._flush hands it a step's events, which go
-    to the server in one message with the engine's counters and the step's metrics."""
-
-    def __init__(self, conn, engine: "BatchEngine", handles: dict[int, Handle]):
-        self.conn, self.engine, self.handles = conn, engine, handles
-
-    def call_soon_threadsafe(self, _deliver, events: list[tuple[Handle, object]]) -> None:
-        for handle, item in events:
-            if ends(item):
-                self.handles.pop(handle.id, None)
-        e = self.engine
-        try:
-            self.conn.send(("step", [(h.id, item) for h, item in events],
-                            (e.running, e.waiting_count(), e.tokens_generated), e.metrics.take()))
-        except OSError:  # the server has gone
-            e.stop()
-
-
-def packed(req: EngineRequest) -> tuple[EngineRequest, bytes | None]:
-    """req without its generator, and the generator's state as bytes: pickled as it is, the state tensor would
-    cross the pipe as shared memory, a file descriptor passed per request (~0.2 ms of the event loop's time)."""
-    g = req.sampling.generator
-    return (dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, generator=None)),
-            None if g is None else g.get_state().numpy().tobytes())
-
-
-def unpacked(req: EngineRequest, state: bytes | None) -> EngineRequest:
-    """packed's inverse, in the engine process (a CPU generator: the process engine serves CPU models)."""
-    if state is None:
-        return req
-    generator = torch.Generator()
-    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, generator=generator))
-
-
-def _child(conn, parent_end, stop, model: GPT, args: tuple, threads: int) -> None:
-    """The engine process: a BatchEngine whose events go down the pipe; a thread takes submissions from it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the server stops us
-    parent_end.close()
-    torch.set_num_threads(threads)
-    try:
-        engine = BatchEngine(model, *args, metrics=StepStats())
-    except Exception as e:  # no memory for the KV cache, say
-        conn.send(("error", first_line(e)))
-        return
-    engine.stopping = stop  # the server sets it, from its signal handler as well
-    handles: dict[int, Handle] = {}
-    loop = PipeLoop(conn, engine, handles)
-
-    def receive() -> None:
-        try:
-            while True:
-                kind, rid, *rest = conn.recv()
-                if kind == "submit":
-                    handle = handles[rid] = Handle(unpacked(*rest), loop)
-                    handle.id = rid
-                    engine.pending.put(handle)
-                elif rid in handles:  # cancel
-                    handles[rid].cancelled.set()
-        except (EOFError, OSError):  # the server has gone: nobody is left to serve
-            stop.set()
-
-    threading.Thread(target=receive, name="engine-receive", daemon=True).start()
-    conn.send(("ready",))
-    engine._run()
-
-
-class ProcessHandle(Handle):
-    """The server's side of a request that the engine process generates."""
-
-    def __init__(self, req: EngineRequest, loop, engine: "EngineProcess", rid: int):
-        super().__init__(req, loop)
-        self.engine, self.id, self.ended = engine, rid, False
-
-    def cancel(self) -> None:
-        if not self.cancelled.is_set() and not self.ended:
-            self.engine.send(("cancel", self.id))
-        self.cancelled.set()
-
-
-class EngineProcess:
-    """A BatchEngine in a process of its own, with BatchEngine's side for the caller (start, stop, submit,
-    running, waiting_count, tokens_generated).
-
-    Why a process: in the server's process the engine thread's Python (a small model's forward is mostly
-    Python dispatch) and the event loop's work for each streamed chunk take turns under one GIL, so the
-    HTTP side adds to every step's time; in a process of their own they run at once, on two cores (vLLM's
-    engine core is a process for the same reason). The process is forked from the server once the model is
-    loaded, so it starts with the model already in memory (shared with the server, never written) and
-    allocates the KV cache itself. A fork cannot carry CUDA, so it serves CPU models (serve.py's
-    --engine). One pipe each way: submissions and cancellations down; one message per engine step up, with
-    every request's events of that step, the counters and the step's metrics, turned back into a call on
-    the server's event loop by a reader thread."""
-
-    def __init__(self, model: GPT, max_batch: int, window_shift: int, vocab_size: int, prefill_chunk: int = 512,
-                 metrics=None):
-        self.max_batch, self.window_shift, self.vocab_size, self.metrics = max_batch, window_shift, vocab_size, metrics
-        self.device = model.transformer.wte.weight.device
-        ctx = multiprocessing.get_context("fork")
-        self.conn, child_end = ctx.Pipe()
-        self.stopping = ctx.Event()
-        self.process = ctx.Process(target=_child, name="engine", daemon=True, args=(
-            child_end, self.conn, self.stopping, model, (max_batch, window_shift, vocab_size, prefill_chunk),
-            torch.get_num_threads()))
-        self.process.start()
-        child_end.close()
-        reply = self._recv()
-        if reply[0] != "ready":
-            self.process.join()
-            raise RuntimeError(f"the engine process did not start: {reply[1]}")
-        self.handles: dict[int, ProcessHandle] = {}
-        self.next_id = 0
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.running = self.waiting = self.tokens_generated = 0
-        self.send_lock = threading.Lock()
-        self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
-
-    def _recv(self):
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):
-            self.process.join(5)  # its pipe closes as it dies: wait for its exit code
-            return ("error", f"the process ended (exit code {self.process.exitcode})")
-
-    def start(self) -> None:
-        self.reader.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-
-    def send(self, message: tuple) -> None:
-        with self.send_lock:
-            self.conn.send(message)
-
-    def submit(self, req: EngineRequest, loop: asyncio.AbstractEventLoop) -> Handle:
-        check_submission(req, self.max_batch, self.stopping)
-        if not self.process.is_alive():
-            raise RuntimeError(f"generation failed: the engine process has ended (exit code {self.process.exitcode})")
-        self.loop = loop  # one server, one event loop
-        self.next_id += 1
-        handle = self.handles[self.next_id] = ProcessHandle(req, loop, self, self.next_id)
-        self.send(("submit", handle.id, *packed(req)))
-        return handle
-
-    def waiting_count(self) -> int:
-        return self.waiting
-
-    def _read(self) -> None:
-        """The reader thread: each message from the engine process, handed to the event loop in one call."""
-        while (message := self._recv())[0] == "step":
-            if self.loop is not None:
-                try:
-                    self.loop.call_soon_threadsafe(self._deliver, *message[1:])
-                except RuntimeError:  # the event loop has closed (shutting down)
-                    return
-        end = ServerStopping() if self.stopping.is_set() else RuntimeError(f"generation failed: {message[1]}")
-        if self.loop is not None:
-            try:
-                self.loop.call_soon_threadsafe(self._fail_all, end)
-            except RuntimeError:
-                pass
-
-    def _deliver(self, events: list, counters: tuple, step_metrics: tuple) -> None:
-        """On the event loop: one step's events to their handles, its counters and metrics to the server's."""
-        self.running, self.waiting, self.tokens_generated = counters
-        if self.metrics is not None:
-            batches, tokens = step_metrics
-            for rows in batches:
-                self.metrics.batch(rows)
-            for rid, rows in tokens:
-                if rid in self.handles:
-                    self.metrics.token(self.handles[rid], rows)
-        for rid, item in events:
-            handle = self.handles.get(rid)
-            if handle is None:
-                continue
-            if ends(item):
-                handle.ended = True
-                del self.handles[rid]
-            handle.out.put_nowait(item)
-
-    def _fail_all(self, end: BaseException) -> None:
-        for handle in self.handles.values():
-            handle.ended = True
-            handle.out.put_nowait(end)
-        self.handles.clear()
-        self.running = self.waiting = 0
-
-    def join(self, timeout: float | None = None) -> None:
-        self.process.join(timeout)
-        if self.reader.is_alive():
-            self.reader.join(timeout)
