@@ -135,7 +135,7 @@ def test_out_of_memory_at_build_is_one_line(tmp_path, data_dir, monkeypatch):
     def allocate(config):
         torch.empty(2**60, dtype=torch.uint8)  # a real allocator error
 
-    monkeypatch.setattr(weights, "GPT", allocate)  # where init_from=scratch builds the model
+    monkeypatch.setattr(resolver, "GPT", allocate)  # where init_from=scratch builds the model
     result = run_main(train.main, tiny_argv(tmp_path, data_dir))
     assert_user_error(result, "out of memory on cpu", "can't allocate memory", "smaller batch_size")
     assert result.stderr.count("\n") == 1
