@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from core import config as configlib, evaluate, runtime
-from core.training import flops, memory, optim, parallel
+from core.training import checkpointing, flops, memory, optim, parallel
 from core.weights import checkpoint, resolver
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run_cli
@@ -132,7 +132,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
         meta = {"iter_num": iter_num, "best_val_loss": best_val_loss,
                 "model_args": dataclasses.asdict(raw_model.config), "config": configlib.to_dict(cfg),
                 "tokenizer": tok_meta, "world_size": rt.world_size, "loader": {"seed": cfg.seed, "next_iter": iter_num}}
-        path = checkpoint.save(out_dir, meta, raw_model, optimizer, scaler, rt, sharded=cfg.parallel == "fsdp")
+        path = checkpointing.save(out_dir, meta, raw_model, optimizer, scaler, rt, sharded=cfg.parallel == "fsdp")
         log(f"saved checkpoint at iter {iter_num} to {path} ({reason})")
 
     while True:
@@ -405,12 +405,12 @@ def restore_state(state: dict, path: Path, model: GPT, optimizer, scaler, rt: ru
     meta = state["meta"]
     if state["model"] is None:  # fsdp: every rank reads its own shards
         with optim.restoring(optimizer, meta["config"].get("optimizer", "adamw")):
-            state["rng"] = checkpoint.load_sharded(path, model, optimizer)
+            state["rng"] = checkpointing.load_sharded(path, model, optimizer)
     else:
         optim.load_state(optimizer, state["optimizer"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    checkpoint.restore_rng(state["rng"], rt, log)
+    checkpointing.restore_rng(state["rng"], rt, log)
     return meta["iter_num"], meta["best_val_loss"]
 
 

@@ -26,8 +26,7 @@ import torch
 
 import model as modellib
 import train
-from core.training import runlog
-from core.weights import checkpoint
+from core.training import checkpointing, runlog
 from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
@@ -446,15 +445,15 @@ def test_no_intact_checkpoint_is_one_clear_error(tmp_path, data_dir):
 # --- a non-finite loss -------------------------------------------------------------------------
 
 def record_saves(monkeypatch) -> list[bytes]:
-    """Make every checkpoint.save_checkpoint also append the bytes it wrote to the returned list."""
-    saved, save_checkpoint = [], checkpoint.save_checkpoint
+    """Make every checkpointing.save_checkpoint also append the bytes it wrote to the returned list."""
+    saved, save_checkpoint = [], checkpointing.save_checkpoint
 
     def recorded_save(*args, **kwargs):
         path = save_checkpoint(*args, **kwargs)
         saved.append(path.read_bytes())
         return path
 
-    monkeypatch.setattr(checkpoint, "save_checkpoint", recorded_save)
+    monkeypatch.setattr(checkpointing, "save_checkpoint", recorded_save)
     return saved
 
 

@@ -27,7 +27,7 @@ import torch
 
 from benchmarks import common
 from benchmarks import memory as bench_memory
-from core.training import parallel
+from core.training import checkpointing, parallel
 from core.weights import checkpoint
 from core.errors import UserError
 from model import GPT, GPTConfig
@@ -158,7 +158,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
     run's losses equal the uninterrupted 2-process run's bit for bit."""
     out = tmp_path / "killed"
     cfg = dict(parallel="fsdp", activation_checkpointing=True, checkpoint_interval=1)
-    temp = out / checkpoint.SHARDED_TEMP
+    temp = out / checkpointing.SHARDED_TEMP
     newest = out / checkpoint.SHARDED_NAME / checkpoint.META_NAME
 
     def launch(name: str, **extra) -> subprocess.Popen:
@@ -317,9 +317,9 @@ def test_kill_between_the_two_renames_leaves_the_previous_checkpoint(sharded_out
             raise OSError("killed")
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", dies_on_second)
+    monkeypatch.setattr(checkpointing.os, "replace", dies_on_second)
     with pytest.raises(OSError):
-        checkpoint.save_sharded(sharded_out, {"iter_num": 99}, model, optimizer)
+        checkpointing.save_sharded(sharded_out, {"iter_num": 99}, model, optimizer)
     assert not (sharded_out / checkpoint.SHARDED_NAME).exists()
     meta, used = checkpoint.load_latest_sharded(sharded_out, log=lambda *a: None)
     assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 20
@@ -332,7 +332,7 @@ def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.dcp.FileSystemWriter, "write_data", full)
+    monkeypatch.setattr(checkpointing.dcp.FileSystemWriter, "write_data", full)
     before = {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()}
     argv = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
     result = run_main(train.main, [*argv, "--parallel=fsdp", "--init_from=resume", "--max_iters=22"])

@@ -381,7 +381,7 @@ def test_sample_compile_warms_up_outside_the_timing_and_keeps_the_text(tmp_path,
     """sample.py --compile runs a short warm-up before its clock starts and says so; the warm-up draws
     from its own generator, so the sampled text equals the uncompiled run's. (torch.compile itself is
     replaced by a no-op here: compiling on the CPU takes minutes; the compiled CLI run is in test_gpu.py.)"""
-    from core.weights.checkpoint import save_checkpoint
+    from core.training.checkpointing import save_checkpoint
     from tests.helpers import run_main
     save_checkpoint(tmp_path, trained["meta"], trained["model"])
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: None)

@@ -255,15 +255,15 @@ SLOW_FIRST_SAVE = '''
 import sys, time
 sys.path.insert(0, {repo!r})
 import train
-from core.weights import checkpoint
+from core.training import checkpointing
 from core.errors import run_cli
 
-real_save, slept = checkpoint.save_checkpoint, []
+real_save, slept = checkpointing.save_checkpoint, []
 def slow_save(*args, **kwargs):
     if not slept:
         slept.append(time.sleep({sleep}))
     return real_save(*args, **kwargs)
-checkpoint.save_checkpoint = slow_save
+checkpointing.save_checkpoint = slow_save
 run_cli(train.main)
 '''
 
@@ -366,7 +366,7 @@ def test_step_time_excludes_eval_and_save(tmp_path, data_dir, monkeypatch):
     after an eval or a save counted their time in its ms, tok/s and MFU)."""
     import train
     from tests.helpers import train_tiny
-    real_eval, real_save = train.estimate_loss, train.checkpoint.save_checkpoint
+    real_eval, real_save = train.estimate_loss, train.checkpointing.save_checkpoint
 
     def slow_eval(*args):
         time.sleep(0.4)
@@ -376,7 +376,7 @@ def test_step_time_excludes_eval_and_save(tmp_path, data_dir, monkeypatch):
         time.sleep(0.4)
         return real_save(*args, **kwargs)
     monkeypatch.setattr(train, "estimate_loss", slow_eval)
-    monkeypatch.setattr(train.checkpoint, "save_checkpoint", slow_save)
+    monkeypatch.setattr(train.checkpointing, "save_checkpoint", slow_save)
     train_tiny(tmp_path, data_dir, max_iters=8, eval_interval=4, log_interval=1)
     from tests.helpers import records
     ms = {r["iter"]: r["ms"] for r in records(tmp_path) if "ms" in r}
