@@ -20,7 +20,7 @@ import eval as eval_script
 import sample
 import train
 from core import evaluate, runtime
-from core.training import memory
+from core.training import memory, run_dir
 from core.weights import checkpoint, resolver
 from core.data.loader import TokenData
 from core.data.tokenizer import CharTokenizer
@@ -158,10 +158,10 @@ def test_memory_check_counts_fsdp_shards_and_activation_checkpointing(monkeypatc
         monkeypatch.setattr(memory, "available_bytes", lambda device: free)
         cfg.parallel, cfg.activation_checkpointing = parallel, ac
         if fits:
-            train.check_memory(config, cfg, rt)
+            run_dir.check_memory(config, cfg, rt)
         else:
             with pytest.raises(memory.UserError, match="training needs about"):
-                train.check_memory(config, cfg, rt)
+                run_dir.check_memory(config, cfg, rt)
 
 
 # -----------------------------------------------------------------------------
