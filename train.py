@@ -70,10 +70,11 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     # before a model of that block_size is built.
     data = {split: TokenData(cfg.data_dir, split, cfg.block_size, loss_mask=cfg.loss_mask) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
-    model, tok_meta, resumed = build_model(cfg, data_meta, rt, log)  # resumed: None unless init_from=resume
+    model, tok_meta, resumed = build_model(cfg, data_meta, rt, log)  # resumed: the Weights of a resume, else None
+    resuming = resumed is not None  # the resolver's answer: init_from named this run's own checkpoint
     # A model from weights (a folder, the hub, a base run) has their shape, not the config's: config.json
     # records that, so `--init_from=resume --out_dir=RUN` resumes with the shape the checkpoint holds.
-    if resumed is None and (replaced := run_dir.shape_set_aside(cfg, model.config)):
+    if not resuming and (replaced := run_dir.shape_set_aside(cfg, model.config)):
         log(f"note: init_from={cfg.init_from} brings its own architecture; not applied: {', '.join(replaced)}")
     cfg = dataclasses.replace(cfg, **{k: getattr(model.config, k) for k in ARCHITECTURE_KEYS})
     stop.check(starting)
@@ -88,7 +89,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     optimizer = make_optimizer(raw_model, cfg, rt.device_type)  # after sharding: fsdp replaces the parameters
     scaler = rt.grad_scaler()
     iter_num, best_val_loss = 0, float("inf")
-    if resumed is not None:
+    if resuming:
         iter_num, best_val_loss = restore_state(resumed.state, resumed.path, raw_model, optimizer, scaler, rt, log)
         del resumed
 
@@ -100,7 +101,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
               f"warm-up)" if cfg.seq_len_warmup_iters else "")
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
         f"{rt.dtype} | {tokens_per_iter:,} tokens per iteration{warmup}")
-    runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if cfg.init_from == "resume" else None,
+    runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if resuming else None,
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
     peak, peak_source = flops.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
@@ -110,7 +111,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device,
                            seq_len=lambda it: seq_len_at(it, cfg))
     stop.message = "stopping after this batch; saving"
-    stop_requested, last_saved = False, iter_num if cfg.init_from == "resume" else -1
+    stop_requested, last_saved = False, iter_num if resuming else -1
     mfu_avg, steps_run, loop_start = -1.0, 0, time.perf_counter()
 
     # What the loop does besides the step, over its own state (iter_num, best_val_loss, steps_run).
@@ -221,7 +222,7 @@ def parse_config(argv) -> TrainConfig:
     as another n_layer, are refused when the checkpoint loads."""
     cfg = configlib.parse_args(TrainConfig, argv, validate=False)
     saved = Path(cfg.out_dir) / "config.json"
-    if cfg.init_from != "resume" or not saved.is_file():
+    if resolver.kind_of(cfg.init_from) != "resume" or not saved.is_file():
         return configlib.parse_args(TrainConfig, argv)
     try:
         run = json.loads(saved.read_text())

@@ -38,7 +38,7 @@ def check_out_dir(cfg: TrainConfig) -> Path:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         why = "Not a directory" if not existing.is_dir() else "Permission denied"
         raise UserError(f"cannot write to out_dir '{out_dir}': {why}; choose a writable --out_dir")
-    new_run = cfg.init_from != "resume" and not cfg.eval_only  # eval_only saves nothing
+    new_run = resolver.kind_of(cfg.init_from) != "resume" and not cfg.eval_only  # eval_only saves nothing
     found = checkpoint.find_checkpoint(out_dir) if new_run and not cfg.overwrite else None
     if found is not None:
         raise UserError(f"{out_dir} already holds a run's checkpoint ({describe_checkpoint(found)}); continue it "
