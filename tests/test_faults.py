@@ -30,13 +30,13 @@ from core.training import checkpointing, runlog
 from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
-                           flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
+                           cli_args, flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
 
 def train_argv(**cfg) -> list[str]:
-    return [f"--{key}={value}" for key, value in (TINY_TRAIN | cfg).items()]
+    return cli_args(TINY_TRAIN | cfg)
 
 
 def start_train(out_dir, data_dir, log_name: str, launcher=(), **cfg) -> subprocess.Popen:

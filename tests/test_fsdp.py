@@ -32,7 +32,7 @@ from core.weights import checkpoint
 from core.errors import UserError
 from model import GPT, GPTConfig
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
-                           losses, make_char_dataset, run_main, run_scripts, train_tiny)
+                           cli_args, losses, make_char_dataset, run_main, run_scripts, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -43,7 +43,7 @@ RUN = dict(n_layer=2, n_head=2, n_embd=32, gradient_accumulation_steps=4, batch_
 
 
 def argv(out_dir, data_dir, **cfg) -> list[str]:
-    return [f"--{k}={v}" for k, v in (TINY_TRAIN | RUN | {"out_dir": out_dir, "data_dir": data_dir} | cfg).items()]
+    return cli_args(TINY_TRAIN | RUN | {"out_dir": out_dir, "data_dir": data_dir} | cfg)
 
 
 def assert_close(a: dict, b: dict, iters) -> None:
@@ -334,7 +334,7 @@ def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data
 
     monkeypatch.setattr(checkpointing.dcp.FileSystemWriter, "write_data", full)
     before = {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()}
-    argv = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
+    argv = cli_args(TINY_TRAIN, out_dir=sharded_out, data_dir=data_dir)
     result = run_main(train.main, [*argv, "--parallel=fsdp", "--init_from=resume", "--max_iters=22"])
     assert_user_error(result, "could not save a checkpoint", "No space left on device", "previous checkpoint is intact")
     assert {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()} == before
@@ -344,7 +344,7 @@ def test_parallel_mistakes_are_one_line(sharded_out, data_dir):
     """An unknown parallel, float16 with fsdp, and resuming with the other parallel's checkpoint format."""
     import train
 
-    common = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
+    common = cli_args(TINY_TRAIN, out_dir=sharded_out, data_dir=data_dir)
     assert_user_error(run_main(train.main, [*common, "--parallel=zero"]), "parallel must be 'ddp' or 'fsdp'")
     assert_user_error(run_main(train.main, [*common, "--parallel=fsdp", "--dtype=float16"]), "not float16")
     # --parallel given (without it, resume takes the run's own fsdp from config.json)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from core import runtime
 from core.training import flops
 from core.errors import UserError
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu,
-                           run_scripts)
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, cli_args,
+                           fake_cpu, run_scripts)
 
 SM = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 
@@ -269,7 +269,7 @@ run_cli(train.main)
 
 
 def start_torchrun(script, tmp_path, name, **cfg) -> subprocess.Popen:
-    argv = [f"--{k}={v}" for k, v in (DDP_RUN | cfg).items()]
+    argv = cli_args(DDP_RUN | cfg)
     with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
         return subprocess.Popen([sys.executable, *TORCHRUN, str(script), *argv], cwd=REPO_ROOT, stdout=out, stderr=err,
                                 env=os.environ | ONE_THREAD_ENV)
