@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from scripts import compare_recipe
 import train
 from core import config as configlib, runtime
 from core.training import optim
@@ -19,7 +18,7 @@ from core.weights.checkpoint import load_checkpoint
 from core.weights.resolver import load_model
 from core.errors import UserError
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
-from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu, run_script, train_tiny
+from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, cli_args, fake_cpu, run_script, train_tiny
 
 ALL = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", n_kv_head=1, tie_embeddings=False,
            logit_softcap=5.0)
@@ -597,10 +596,10 @@ def test_init_from_gpt2_refuses_recipe_switches(tmp_path):
 
 @pytest.mark.slow
 def test_compare_recipe_trains_evaluates_and_reports(tmp_path, data_dir):
-    argv = [f"--{k}={v!r}" for k, v in TINY_TRAIN.items()] + [
-        f"--data_dir={data_dir}", "--max_iters=4", "--lr_decay_iters=4", f"--results_dir={tmp_path}",
-        "--variants=classic,muon,modern", "--eval_every=2", "--timing_rounds=1", "--timing_iters=1"]
-    compare_recipe.main(argv)
+    argv = cli_args(TINY_TRAIN, data_dir=data_dir, max_iters=4, lr_decay_iters=4, results_dir=tmp_path,
+                    variants="classic,muon,modern", eval_every=2, timing_rounds=1, timing_iters=1)
+    result = run_script("scripts/compare_recipe.py", *argv, timeout=600)  # as its docstring runs it
+    assert result.returncode == 0, result.stderr[-3000:]
     runs = {n: json.loads((tmp_path / "variants" / f"{n}.json").read_text()) for n in ("classic", "muon", "modern")}
     assert [it for it, _ in runs["classic"]["curve"]] == [0, 2, 4]
     assert runs["modern"]["overrides"]["optimizer"] == "muon"
