@@ -13,7 +13,7 @@ The two sides alternate at each count, each repeat, so the load drifts less betw
 Each side: aggregate tokens/s, time to first token at p50 and p95, wall seconds and CPU seconds (the
 server's from /proc, the in-process engine's from this process; the HTTP clients' CPU, also this
 process's, is reported apart), every figure the median of the repeats. The time ratio is the server's
-wall time over the in-process one (the goal is at most 1.3x); the CPU ratio, which a loaded machine
+wall time over the in-process one (the goal: docs/serving.md#throughput); the CPU ratio, which a loaded machine
 disturbs less, is the server's CPU seconds over the in-process ones.
 
     python bench.py --sections=serve                                    # quick start, 1 4 16 64 clients

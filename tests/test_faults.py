@@ -292,7 +292,7 @@ def test_sigterm_and_sigint_save_exit_zero_and_resume_exactly(tmp_path, data_dir
 
 
 # A signal during an eval: honoured between batches. The eval below asks for 2 x 10**7 batches of 8 x 32
-# tokens; even at 10 microseconds a forward (this model takes ~1 ms on a CPU core) finishing it costs over
+# tokens; even at 10 microseconds a forward (far less than this model takes on a CPU core) finishing it costs over
 # 200 CPU seconds, so a run that waits for the eval's end cannot exit within EVAL_STOP_CPU_S of its own CPU
 # time, while one batch, a save and the interpreter's exit cost a few.
 EVAL_STOP_CPU_S = 30.0

@@ -375,7 +375,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 @pytest.mark.parametrize("device, native, muon_class, ns_dtype", [
     ("cuda", True, torch.optim.Muon, None),                  # A100, H100: torch's own step, bf16 always
     ("cuda", False, optim.BatchedMuon, torch.float32),       # V100, T4: bf16 emulated
-    ("cpu", True, optim.BatchedMuon, torch.bfloat16),        # AVX512-BF16 or AMX: bf16, batched per shape
+    ("cpu", True, optim.BatchedMuon, torch.bfloat16),        # avx512_bf16 or amx_bf16: bf16, batched per shape
     ("cpu", False, optim.BatchedMuon, torch.float32),        # AVX2 laptops and desktops: bf16 emulated
 ])
 def test_muon_newton_schulz_runs_in_bf16_only_where_bf16_is_native(monkeypatch, device, native, muon_class, ns_dtype):

@@ -188,7 +188,8 @@ def test_avx2_emulation_chooses_float32_and_refuses_bf16():
 
 def test_cpu_peak_for_mfu_is_measured_in_the_runs_dtype(monkeypatch):
     """A bf16 run's MFU is against a bf16 matmul's rate: float32's (several times slower where bf16 is
-    native) would overstate it. (A small matmul here: bf16 emulated on an AVX2 CPU is ~50x slower.)"""
+    native) would overstate it. (A small matmul here: bf16 emulated on an AVX2 CPU is far slower,
+    docs/performance.md's Machines.)"""
     seen, measure = [], flops.cpu_matmul_peak_flops
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append(a.dtype) or torch.mm(a, b))
     monkeypatch.setattr(flops, "cpu_matmul_peak_flops", lambda **kw: measure(n=64, **kw))
