@@ -71,7 +71,7 @@ def run_data_dir(cfg: EvalConfig) -> str:
     if cfg.data_dir is not None:
         return cfg.data_dir
     config_path = Path(cfg.out_dir) / "config.json"
-    if cfg.init_from == "resume" and config_path.is_file():
+    if resolver.kind_of(cfg.init_from) == "resume" and config_path.is_file():
         try:
             return json.loads(config_path.read_text())["data_dir"]
         except (json.JSONDecodeError, KeyError, TypeError):

@@ -391,7 +391,7 @@ def plot_summary(values, kind: str, title: str):
 
 
 def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
-    from core.weights.resolver import load_model  # torch is imported only here: loss plots start without it
+    from core.weights.resolver import kind_of, load_model  # torch is imported only here: loss plots start without it
     from core.data.tokenizer import encode_prompt, read_prompt
 
     cfg = parse_args(AttentionConfig, argv)
@@ -407,7 +407,7 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
     att = attention_maps(model, ids)  # (L, nh, T, T)
     layer = cfg.layer % L
     labels = token_labels(tok, ids)
-    out = Path(cfg.out) if cfg.out else (Path(cfg.out_dir) if cfg.init_from == "resume" else Path()) / "attention.png"
+    out = Path(cfg.out) if cfg.out else (Path(cfg.out_dir) if kind_of(cfg.init_from) == "resume" else Path()) / "attention.png"
     save(plot_heads(att[layer], labels, f"{source}: attention of layer {layer} ({len(ids)} tokens)"), out)
     values = mean_distance(att) if cfg.summary == "distance" else entropy(att)
     summary_out = out.with_name(out.stem + "_summary.png")

@@ -357,7 +357,7 @@ def main(argv: Sequence[str]) -> None:
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
     model = inference_model(model, rt)  # as sample.py: weights cast once, float32 next-token logits
-    name = cfg.model_name or (Path(cfg.out_dir).resolve().name if cfg.init_from == "resume" else cfg.init_from)
+    name = cfg.model_name or (Path(cfg.out_dir).resolve().name if resolver.kind_of(cfg.init_from) == "resume" else cfg.init_from)
     app = build_app(model, tok, cfg, name, rt.device)
     has_key = bool(cfg.api_key or os.environ.get(API_KEY_ENV))
     print(f"serving {source} as '{name}': {model.get_num_params() / 1e6:.2f}M parameters, {rt.device} {rt.dtype}, "

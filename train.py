@@ -22,8 +22,6 @@ quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) 
 import dataclasses
 import json
 import math
-import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,13 +31,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from core import config as configlib, evaluate, runtime
-from core.training import flops, memory, optim, parallel
-from core.weights import checkpoint, hf, resolver
+from core.training import checkpointing, flops, memory, optim, parallel, run_dir
+from core.weights import resolver
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run_cli
-from core.fileio import write_json
 from core.training.runlog import RunLog, format_duration
-from core.data.tokenizer import check_extends, check_same_ids, check_same_tokenizer, tokenizer_from_meta, tokenizer_meta
+from core.data.tokenizer import check_extends, check_same_ids, tokenizer_from_meta, tokenizer_meta
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from model import GPT, GPTConfig
 
@@ -67,16 +64,17 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     stop.check(starting)
     with alike_on_every_rank():
         accum = local_accum_steps(cfg, rt.world_size)
-        out_dir = check_out_dir(cfg)
+        out_dir = run_dir.check_out_dir(cfg)
         data_meta = read_meta(cfg.data_dir)
     # The data first: a missing file or a block_size longer than the data is found in a second,
     # before a model of that block_size is built.
     data = {split: TokenData(cfg.data_dir, split, cfg.block_size, loss_mask=cfg.loss_mask) for split in ("train", "val")}
     torch.manual_seed(cfg.seed)  # the same initial weights on every process
-    model, tok_meta, resumed = build_model(cfg, data_meta, rt, log)  # resumed: None unless init_from=resume
+    model, tok_meta, resumed = build_model(cfg, data_meta, rt, log)  # resumed: the Weights of a resume, else None
+    resuming = resumed is not None  # the resolver's answer: init_from named this run's own checkpoint
     # A model from weights (a folder, the hub, a base run) has their shape, not the config's: config.json
     # records that, so `--init_from=resume --out_dir=RUN` resumes with the shape the checkpoint holds.
-    if resumed is None and (replaced := shape_set_aside(cfg, model.config)):
+    if not resuming and (replaced := run_dir.shape_set_aside(cfg, model.config)):
         log(f"note: init_from={cfg.init_from} brings its own architecture; not applied: {', '.join(replaced)}")
     cfg = dataclasses.replace(cfg, **{k: getattr(model.config, k) for k in ARCHITECTURE_KEYS})
     stop.check(starting)
@@ -91,33 +89,34 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     optimizer = make_optimizer(raw_model, cfg, rt.device_type)  # after sharding: fsdp replaces the parameters
     scaler = rt.grad_scaler()
     iter_num, best_val_loss = 0, float("inf")
-    if resumed is not None:
+    if resuming:
         iter_num, best_val_loss = restore_state(resumed.state, resumed.path, raw_model, optimizer, scaler, rt, log)
         del resumed
 
     stop.check(starting)
-    write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
+    run_dir.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
     rows = cfg.gradient_accumulation_steps * cfg.batch_size  # sequences per iteration, all processes together
     tokens_per_iter = rows * cfg.block_size
     warmup = (f" (from {rows * seq_len_at(0, cfg):,} over a {cfg.seq_len_warmup_iters}-iteration sequence-length "
               f"warm-up)" if cfg.seq_len_warmup_iters else "")
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
         f"{rt.dtype} | {tokens_per_iter:,} tokens per iteration{warmup}")
-    runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if cfg.init_from == "resume" else None,
+    runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if resuming else None,
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
     peak, peak_source = flops.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
-    note = gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
+    note = run_dir.gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
     if note:
         log(note)
     batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device,
                            seq_len=lambda it: seq_len_at(it, cfg))
     stop.message = "stopping after this batch; saving"
+    stop_requested, last_saved = False, iter_num if resuming else -1
+    mfu_avg, steps_run, loop_start = -1.0, 0, time.perf_counter()
 
+    # What the loop does besides the step, over its own state (iter_num, best_val_loss, steps_run).
     def stopped() -> bool:  # every rank calls it at the same eval batches
         return rt.any_rank(stop.requested)[0]
-    stop_requested, last_saved = False, iter_num if cfg.init_from == "resume" else -1
-    mfu_avg, steps_run, loop_start = -1.0, 0, time.perf_counter()
 
     def eta() -> str:  # the rest of the run at this launch's pace so far, evals and saves included
         per_step = (time.perf_counter() - loop_start) / max(steps_run, 1)
@@ -132,14 +131,14 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
         meta = {"iter_num": iter_num, "best_val_loss": best_val_loss,
                 "model_args": dataclasses.asdict(raw_model.config), "config": configlib.to_dict(cfg),
                 "tokenizer": tok_meta, "world_size": rt.world_size, "loader": {"seed": cfg.seed, "next_iter": iter_num}}
-        path = checkpoint.save(out_dir, meta, raw_model, optimizer, scaler, rt, sharded=cfg.parallel == "fsdp")
+        path = checkpointing.save(out_dir, meta, raw_model, optimizer, scaler, rt, sharded=cfg.parallel == "fsdp")
         log(f"saved checkpoint at iter {iter_num} to {path} ({reason})")
 
     while True:
         if stop_requested:
             save(f"stopped by {stop.signal_name or 'a signal to another process'}")
             finish("stopped")
-            log(f"stopped at iter {iter_num}; continue with: {resume_command(out_dir, rt)}")
+            log(f"stopped at iter {iter_num}; continue with: {run_dir.resume_command(out_dir, rt)}")
             return
         lr = get_lr(iter_num, cfg)
         optim.set_lr(optimizer, lr / cfg.learning_rate)
@@ -223,7 +222,7 @@ def parse_config(argv) -> TrainConfig:
     as another n_layer, are refused when the checkpoint loads."""
     cfg = configlib.parse_args(TrainConfig, argv, validate=False)
     saved = Path(cfg.out_dir) / "config.json"
-    if cfg.init_from != "resume" or not saved.is_file():
+    if resolver.kind_of(cfg.init_from) != "resume" or not saved.is_file():
         return configlib.parse_args(TrainConfig, argv)
     try:
         run = json.loads(saved.read_text())
@@ -237,58 +236,8 @@ def parse_config(argv) -> TrainConfig:
     return configlib.parse_args(TrainConfig, argv, base=configlib.from_dict(TrainConfig, run, f"in {saved}"))
 
 
-def resume_command(out_dir: Path, rt: runtime.Runtime) -> str:
-    """The command that continues this run, to paste as it is printed."""
-    args = f"train.py --init_from=resume --out_dir={shlex.quote(str(out_dir))}"
-    if not rt.distributed:
-        return f"python {args}"
-    if int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)) != rt.world_size:  # several nodes
-        return f"the same torchrun launch on each node, of {args}"
-    return f"torchrun --standalone --nproc_per_node={rt.world_size} {args}"
-
-
 # -----------------------------------------------------------------------------
 # what train() calls, in the order it calls it
-
-
-def check_out_dir(cfg: TrainConfig) -> Path:
-    """out_dir, checked before any work and without writing to it: writable (found now, not at the first
-    checkpoint), and, for a new run, not holding another run's checkpoint unless overwrite=True."""
-    out_dir = Path(cfg.out_dir)
-    existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("."))
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "Not a directory" if not existing.is_dir() else "Permission denied"
-        raise UserError(f"cannot write to out_dir '{out_dir}': {why}; choose a writable --out_dir")
-    new_run = cfg.init_from != "resume" and not cfg.eval_only  # eval_only saves nothing
-    found = checkpoint.find_checkpoint(out_dir) if new_run and not cfg.overwrite else None
-    if found is not None:
-        raise UserError(f"{out_dir} already holds a run's checkpoint ({describe_checkpoint(found)}); continue it "
-                        f"with --init_from=resume, replace it with --overwrite=True, or choose another --out_dir")
-    return out_dir
-
-
-def describe_checkpoint(path: Path) -> str:
-    """'iter N, val loss X' from a checkpoint's metadata, for the refusal to overwrite it."""
-    try:
-        meta = checkpoint.read_sharded_meta(path) if path.is_dir() else checkpoint.load_checkpoint(path)["meta"]
-    except UserError as e:
-        return f"{path.name}, unreadable: {e}"
-    loss = meta.get("best_val_loss")
-    loss_text = f"best val loss {loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "no val loss yet"
-    return f"{path.name} at iter {meta.get('iter_num')}, {loss_text}"
-
-
-def write_run_config(cfg: TrainConfig, out_dir: Path, rt: runtime.Runtime) -> None:
-    """out_dir/config.json, the resolved config, once the run is about to train: a run stopped by a
-    mistake (a missing dataset, a wrong setting) leaves no file behind."""
-    def write() -> None:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            write_json(out_dir / "config.json", configlib.to_dict(cfg) | {"world_size": rt.world_size,
-                                                                          "device": rt.device, "dtype": rt.dtype})
-        except OSError as e:
-            raise UserError(f"cannot write to out_dir '{out_dir}': {e.strerror}; choose a writable --out_dir") from None
-    rt.on_master(write)
 
 
 def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
@@ -299,15 +248,15 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
 
     def check(w: resolver.Weights) -> None:
         if w.kind == "resume":
-            check_resume(cfg, w, data_meta, rt, log)
+            run_dir.check_resume(cfg, w, data_meta, rt, log)
         elif w.kind == "run":  # a base run: its weights, a new run (e.g. a chat fine-tune)
             check_extends(w.tokenizer_meta, tokenizer_meta(data_meta), f"init_from={cfg.init_from}")
         elif w.kind == "folder":  # GPT-2, Llama, Qwen3, ...: its tokenizer must give the dataset's ids the same text
             data_tok = tokenizer_from_meta(data_meta, source=f"{cfg.data_dir}/meta.json")
             check_same_ids(w.tokenizer, data_tok, f"the tokenizer of {cfg.init_from}", f"the dataset in {cfg.data_dir}")
         elif w.kind == "hub":
-            check_gpt2(cfg, data_meta)
-        check_memory(dataclasses.replace(w.config, block_size=min(cfg.block_size, w.config.block_size)), cfg, rt)
+            run_dir.check_gpt2(cfg, data_meta)
+        run_dir.check_memory(dataclasses.replace(w.config, block_size=min(cfg.block_size, w.config.block_size)), cfg, rt)
 
     training = resolver.Training({"dropout": cfg.dropout, "attn_backend": cfg.attn_backend},
                                 lambda: scratch_config(cfg, data_meta), check, cfg.parallel == "fsdp", log)
@@ -331,71 +280,11 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
     return model, tokenizer_meta(data_meta), None
 
 
-def shape_set_aside(cfg: TrainConfig, config: GPTConfig) -> list[str]:
-    """The architecture keys a config file or --key=value set (away from TrainConfig's defaults) that the
-    model's own config overrides, as "key=mine (theirs)": the weights of a folder, the hub or a base run
-    come with their shape, and a setting that does not apply is said, not dropped in silence."""
-    default, aside = TrainConfig(), []
-    for key in ARCHITECTURE_KEYS:
-        mine, theirs = getattr(cfg, key), getattr(config, key)
-        if key == "n_kv_head":  # None and n_head are the same attention
-            mine, theirs = mine or cfg.n_head, theirs or config.n_head
-        if getattr(cfg, key) not in (None, getattr(default, key)) and mine != theirs:
-            aside.append(f"{key}={mine!r} (the weights': {theirs!r})")
-    return aside
-
-
 def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
     vocab = cfg.vocab_size or data_meta.get("vocab_size")
     if not isinstance(vocab, int):
         raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
     return GPTConfig(**(cfg.model_args() | {"vocab_size": vocab}))
-
-
-def check_resume(cfg: TrainConfig, w: resolver.Weights, data_meta: dict, rt: runtime.Runtime, log) -> None:
-    """A resumed run continues the run it resumes: the same architecture, tokenizer and a block that fits."""
-    saved = w.state["meta"]
-    log(f"resuming from {w.path} at iter {saved['iter_num']}")
-    saved_world = saved.get("world_size", rt.world_size)
-    if saved_world != rt.world_size:
-        log(f"note: the checkpoint was saved by {saved_world} process(es) and resumes on {rt.world_size}: "
-            f"the same global batch ({cfg.gradient_accumulation_steps} micro-batches) split differently, so "
-            f"losses match the uninterrupted run to float rounding, not bit for bit")
-    margs = saved["model_args"]
-    for key in ARCHITECTURE_KEYS:
-        mine, theirs = getattr(cfg, key), getattr(w.config, key)
-        if key == "n_kv_head":  # None and n_head are the same attention
-            mine, theirs = mine or cfg.n_head, theirs or w.config.n_head
-        if mine is not None and mine != theirs:
-            raise UserError(f"config {key}={mine} differs from the checkpoint's {theirs}; resume with the "
-                            "config the run started with, or use a new out_dir")
-    if cfg.block_size > margs["block_size"]:
-        raise UserError(f"block_size {cfg.block_size} is larger than the checkpoint's {margs['block_size']}; "
-                        f"resume with --block_size={margs['block_size']} or smaller")
-    check_same_tokenizer(w.tokenizer_meta, data_meta, cfg.data_dir)
-
-
-def check_gpt2(cfg: TrainConfig, data_meta: dict) -> None:
-    """GPT-2's weights fine-tune on GPT-2's BPE, in GPT-2's architecture."""
-    if data_meta.get("tokenizer") != "gpt2":
-        raise UserError(f"init_from={cfg.init_from} needs a dataset tokenized with GPT-2's BPE, but "
-                        f"{cfg.data_dir} uses {data_meta.get('tokenizer')!r}")
-    switched = hf.non_gpt2_fields(GPTConfig(**cfg.model_args()))
-    if switched:
-        raise UserError(f"init_from={cfg.init_from} loads GPT-2's architecture, which has none of "
-                        f"{', '.join(switched)}; drop those settings (or config/modern.py) to fine-tune it")
-
-
-def check_memory(config: GPTConfig, cfg: TrainConfig, rt: runtime.Runtime) -> None:
-    """One line, before any allocation, when weights, optimizer and activations plainly exceed free memory."""
-    shards = rt.world_size if cfg.parallel == "fsdp" else 1
-    est = memory.estimate_training_memory(config, cfg.batch_size, cfg.optimizer, compute_dtype=rt.ptdtype,
-                                          seq_len=cfg.block_size, shards=shards,
-                                          micro_steps=local_accum_steps(cfg, rt.world_size),
-                                          activation_checkpointing=cfg.activation_checkpointing)
-    # Processes on one machine share its RAM; each GPU has its own memory.
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.device_type == "cpu" else 1
-    memory.check_fits(est, rt.device, sharing, f" for batch_size {cfg.batch_size} x block_size {cfg.block_size}")
 
 
 def restore_state(state: dict, path: Path, model: GPT, optimizer, scaler, rt: runtime.Runtime,
@@ -405,12 +294,12 @@ def restore_state(state: dict, path: Path, model: GPT, optimizer, scaler, rt: ru
     meta = state["meta"]
     if state["model"] is None:  # fsdp: every rank reads its own shards
         with optim.restoring(optimizer, meta["config"].get("optimizer", "adamw")):
-            state["rng"] = checkpoint.load_sharded(path, model, optimizer)
+            state["rng"] = checkpointing.load_sharded(path, model, optimizer)
     else:
         optim.load_state(optimizer, state["optimizer"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    checkpoint.restore_rng(state["rng"], rt, log)
+    checkpointing.restore_rng(state["rng"], rt, log)
     return meta["iter_num"], meta["best_val_loss"]
 
 
@@ -449,27 +338,6 @@ def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runti
     bar.close()
     model.train()
     return out
-
-
-# A CPU run whose arithmetic alone, at the CPU's measured matmul peak, takes longer than this is sized for a GPU.
-GPU_SIZED_S = 3600.0
-
-
-def gpu_sized_note(model: GPT, cfg: TrainConfig, rt: runtime.Runtime, peak: float | None, iter_num: int) -> str | None:
-    """One line for a run on a CPU that is sized for a GPU (config/train_shakespeare_char.py there): the time
-    its FLOPs alone take at the CPU's peak, a lower bound of what it will take; None for a CPU-sized run."""
-    if rt.device_type != "cpu" or not peak:
-        return None
-    per_token = model.flops_per_token() / peak  # seconds of a forward and backward, per token
-    step_s = per_token * local_accum_steps(cfg, rt.world_size) * cfg.batch_size * cfg.block_size
-    eval_s = per_token / 3 * 2 * -(-cfg.eval_iters // rt.world_size) * cfg.batch_size * cfg.block_size  # forwards
-    left = cfg.max_iters - iter_num
-    total_s = step_s * left + eval_s * (left // cfg.eval_interval + 1)
-    if total_s < GPU_SIZED_S:
-        return None
-    return (f"note: this config is sized for a GPU: on this CPU each eval (2 x {cfg.eval_iters} batches of "
-            f"{cfg.batch_size} x {cfg.block_size}) takes at least {format_duration(eval_s)}, the run at least "
-            f"{format_duration(total_s)}; config/train_shakespeare_char_cpu.py is sized for a CPU")
 
 
 def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:

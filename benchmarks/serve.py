@@ -38,7 +38,7 @@ import torch
 
 from benchmarks.common import ROOT, at_least, int_list, num, section_list
 from core import markdown, runtime
-from core.weights import checkpoint
+from core.training import checkpointing
 from core.config import read_config_file
 from core.serving.engine import BatchEngine, EngineRequest, EngineSettings, engine_sampling
 from core.errors import UserError
@@ -101,8 +101,8 @@ def serve_checkpoint(cfg, out_dir: Path) -> tuple[GPT, Tokenizer]:
     mc = model_config(cfg.serve_shape)
     model = GPT(mc)
     tok = GPT2Tokenizer() if cfg.serve_shape == "gpt2" else CharTokenizer([chr(0x100 + i) for i in range(65)])
-    checkpoint.save_checkpoint(out_dir, {"model_args": dataclasses.asdict(mc), "tokenizer": tok.meta(), "iter_num": 0},
-                               model.state_dict())
+    checkpointing.save_checkpoint(out_dir, {"model_args": dataclasses.asdict(mc), "tokenizer": tok.meta(),
+                                            "iter_num": 0}, model.state_dict())
     return model, tok
 
 

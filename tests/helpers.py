@@ -1,10 +1,11 @@
 """Small helpers shared by the tests: tiny datasets, tiny training runs, running the scripts.
 
-    from tests.helpers import make_char_dataset, train_tiny, run_script, run_scripts, assert_user_error
+    from tests.helpers import make_char_dataset, train_tiny, cli_args, run_script, run_scripts, assert_user_error
 
     data = make_char_dataset(tmp / "data", "some text to learn\\n" * 50)
     ckpt = train_tiny(tmp / "out", tmp / "data", max_iters=10)     # train.main in-process, a ~20k-param model
     result = run_script("sample.py", f"--out_dir={tmp / 'out'}", "--device=cpu")
+    result = run_script("train.py", *cli_args(TINY_TRAIN, out_dir=tmp / "run", data_dir=tmp / "data"))  # --key=value
     assert_user_error(run_script("sample.py", "--top_k=0"), "top_k")
 
 GPT-2 BPE needs tiktoken's r50k_base file; offline it comes from TIKTOKEN_CACHE_DIR, which
@@ -26,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_TIKTOKEN_CACHE = REPO_ROOT.parent / "shared" / "tiktoken_cache"
 
 # Tiny models gain nothing from a second thread, and on a busy two-core machine OpenMP threads
-# spinning for each other make them far slower (docs/performance.md, "Threads: why `--threads=1` is the default").
+# spinning for each other make them many times slower (docs/performance.md#threads-why---threads1-is-the-default).
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # A model that trains in well under a second per 10 iterations on two CPU cores.
@@ -123,6 +124,12 @@ def char_data_fixture(text: str):
     return data_dir
 
 
+def cli_args(settings: dict | None = None, /, **more) -> list[str]:
+    """A command line's --key=value for each setting (a dict, then keywords over it), in order:
+    cli_args(TINY_TRAIN, out_dir=tmp, max_iters=20) -> ["--n_layer=1", ..., "--out_dir=/tmp/...", "--max_iters=20"]."""
+    return [f"--{key}={value}" for key, value in ((settings or {}) | more).items()]
+
+
 def train_tiny(out_dir, data_dir, **overrides) -> Path:
     """Run train.main in-process on a tiny model (TINY_TRAIN, then overrides); returns out_dir/ckpt.pt.
 
@@ -132,7 +139,7 @@ def train_tiny(out_dir, data_dir, **overrides) -> Path:
     import train
 
     cfg = TINY_TRAIN | {"out_dir": str(out_dir), "data_dir": str(data_dir)} | overrides
-    argv = [f"--{key}={value!r}" for key, value in cfg.items()]
+    argv = cli_args(cfg)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with one_thread():

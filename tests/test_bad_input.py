@@ -19,8 +19,8 @@ import torch
 
 from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
-from tests.helpers import (REPO_ROOT, TINY_TRAIN, assert_user_error, flip_a_weight_bit, make_char_dataset, run_main,
-                           run_many, train_tiny)
+from tests.helpers import (REPO_ROOT, TINY_TRAIN, assert_user_error, cli_args, flip_a_weight_bit, make_char_dataset,
+                           run_main, run_many, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 ALPHABET = sorted(set(TEXT))
@@ -88,7 +88,7 @@ def train(w, **overrides) -> list[str]:
     """A new run into an out_dir of its own (w["out"] holds the trained run the sample cases read, which a
     new run would refuse to replace before it saw its mistake)."""
     args = TINY_TRAIN | {"out_dir": w["out"].parent / "new_run", "data_dir": w["data"], "max_iters": 2} | overrides
-    return ["train.py", *(f"--{k}={v}" for k, v in args.items())]
+    return ["train.py", *cli_args(args)]
 
 
 def resume(w, run: str, **overrides) -> list[str]:

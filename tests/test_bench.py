@@ -22,7 +22,7 @@ from core import cpu
 from core import runtime
 from core.errors import UserError
 from model import GPT, GPTConfig
-from tests.helpers import one_thread, use_gpt2_bpe
+from tests.helpers import cli_args, one_thread, use_gpt2_bpe
 
 TINY = dict(
     device="cpu", dtype="float32", warmup=1, repeats=1,
@@ -35,8 +35,7 @@ TINY = dict(
 
 
 def tiny_argv(tmp_path, **overrides) -> list[str]:
-    cfg = TINY | {"out": str(tmp_path / "bench.json")} | overrides
-    return [f"--{key}={value}" for key, value in cfg.items()]
+    return cli_args(TINY | {"out": str(tmp_path / "bench.json")} | overrides)
 
 
 def numbers(obj):

@@ -17,8 +17,8 @@ import torch
 import train
 from core import config as configlib
 from core.weights.checkpoint import load_checkpoint
-from tests.helpers import (REPO_ROOT, make_char_dataset, make_chat_dataset, make_gpt2_dataset, needs_transformers,
-                           records, run_main, use_gpt2_bpe)
+from tests.helpers import (REPO_ROOT, cli_args, make_char_dataset, make_chat_dataset, make_gpt2_dataset,
+                           needs_transformers, records, run_main, use_gpt2_bpe)
 
 CONFIGS = sorted((REPO_ROOT / "config").glob("*.py"))
 # The tokenizer of each dataset a config may name (what its data/<name>/prepare.py writes).
@@ -67,7 +67,7 @@ def datasets(tmp_path_factory):
                 make_char_dataset(root / kind, TEXT)
             elif kind == "chat":  # conversations in a base run's character vocabulary, and that base run
                 base = root / "chat_base"
-                result = run_main(train.main, [str(OVERLAY_BASE), *(f"--{k}={v}" for k, v in TINY.items()),
+                result = run_main(train.main, [str(OVERLAY_BASE), *cli_args(TINY),
                                                f"--data_dir={get('char')}", f"--out_dir={base}"])
                 assert result.returncode == 0, result.stderr[-2000:]
                 chats = [[{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]
@@ -104,7 +104,7 @@ def test_config_runs_a_few_steps(path, tmp_path, datasets, request):
         overrides["init_from"] = str(Path(overrides["data_dir"]).parent / "chat_base")
     elif cfg.init_from != "scratch":
         overrides["init_from"] = str(request.getfixturevalue("gpt2_dir"))
-    result = run_main(train.main, [*config_files(path), *(f"--{k}={v}" for k, v in overrides.items())])
+    result = run_main(train.main, [*config_files(path), *cli_args(overrides)])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
     logged = records(tmp_path / "out")

@@ -14,7 +14,7 @@ import torch
 
 import train
 from core.weights.checkpoint import load_checkpoint
-from tests.helpers import (TINY_TRAIN, char_data_fixture, child_pids, make_chat_dataset,
+from tests.helpers import (TINY_TRAIN, char_data_fixture, child_pids, cli_args, make_chat_dataset,
                            process_env, records, run_main, train_tiny)
 from tests.test_faults import TORCHRUN, last_logged_iter, start_train, stop_job, wait_for
 
@@ -104,7 +104,7 @@ def test_two_ranks_with_dropout_killed_and_resumed_equal_the_uninterrupted_run(t
         assert torch.equal(tensor, final["model"][name]), name
 
     argv = TINY_TRAIN | DROPOUT_RUN | dict(out_dir=out, data_dir=data_dir, init_from="resume", max_iters=14)
-    result = run_main(train.main, [f"--{k}={v}" for k, v in argv.items()])
+    result = run_main(train.main, cli_args(argv))
     assert result.returncode == 0, result.stderr
     assert "note: the checkpoint was saved by 2 process(es), this run has 1" in result.stdout
     assert "1 process(es)" in result.stdout

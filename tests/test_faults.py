@@ -26,18 +26,17 @@ import torch
 
 import model as modellib
 import train
-from core.training import runlog
-from core.weights import checkpoint
+from core.training import checkpointing, runlog
 from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
-                           flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
+                           cli_args, flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
 
 def train_argv(**cfg) -> list[str]:
-    return [f"--{key}={value}" for key, value in (TINY_TRAIN | cfg).items()]
+    return cli_args(TINY_TRAIN | cfg)
 
 
 def start_train(out_dir, data_dir, log_name: str, launcher=(), **cfg) -> subprocess.Popen:
@@ -293,7 +292,7 @@ def test_sigterm_and_sigint_save_exit_zero_and_resume_exactly(tmp_path, data_dir
 
 
 # A signal during an eval: honoured between batches. The eval below asks for 2 x 10**7 batches of 8 x 32
-# tokens; even at 10 microseconds a forward (this model takes ~1 ms on a CPU core) finishing it costs over
+# tokens; even at 10 microseconds a forward (far less than this model takes on a CPU core) finishing it costs over
 # 200 CPU seconds, so a run that waits for the eval's end cannot exit within EVAL_STOP_CPU_S of its own CPU
 # time, while one batch, a save and the interpreter's exit cost a few.
 EVAL_STOP_CPU_S = 30.0
@@ -446,15 +445,15 @@ def test_no_intact_checkpoint_is_one_clear_error(tmp_path, data_dir):
 # --- a non-finite loss -------------------------------------------------------------------------
 
 def record_saves(monkeypatch) -> list[bytes]:
-    """Make every checkpoint.save_checkpoint also append the bytes it wrote to the returned list."""
-    saved, save_checkpoint = [], checkpoint.save_checkpoint
+    """Make every checkpointing.save_checkpoint also append the bytes it wrote to the returned list."""
+    saved, save_checkpoint = [], checkpointing.save_checkpoint
 
     def recorded_save(*args, **kwargs):
         path = save_checkpoint(*args, **kwargs)
         saved.append(path.read_bytes())
         return path
 
-    monkeypatch.setattr(checkpoint, "save_checkpoint", recorded_save)
+    monkeypatch.setattr(checkpointing, "save_checkpoint", recorded_save)
     return saved
 
 

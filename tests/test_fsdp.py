@@ -27,12 +27,12 @@ import torch
 
 from benchmarks import common
 from benchmarks import memory as bench_memory
-from core.training import parallel
+from core.training import checkpointing, parallel
 from core.weights import checkpoint
 from core.errors import UserError
 from model import GPT, GPTConfig
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
-                           losses, make_char_dataset, run_main, run_scripts, train_tiny)
+                           cli_args, losses, make_char_dataset, run_main, run_scripts, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -43,7 +43,7 @@ RUN = dict(n_layer=2, n_head=2, n_embd=32, gradient_accumulation_steps=4, batch_
 
 
 def argv(out_dir, data_dir, **cfg) -> list[str]:
-    return [f"--{k}={v}" for k, v in (TINY_TRAIN | RUN | {"out_dir": out_dir, "data_dir": data_dir} | cfg).items()]
+    return cli_args(TINY_TRAIN | RUN | {"out_dir": out_dir, "data_dir": data_dir} | cfg)
 
 
 def assert_close(a: dict, b: dict, iters) -> None:
@@ -158,7 +158,7 @@ def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, dat
     run's losses equal the uninterrupted 2-process run's bit for bit."""
     out = tmp_path / "killed"
     cfg = dict(parallel="fsdp", activation_checkpointing=True, checkpoint_interval=1)
-    temp = out / checkpoint.SHARDED_TEMP
+    temp = out / checkpointing.SHARDED_TEMP
     newest = out / checkpoint.SHARDED_NAME / checkpoint.META_NAME
 
     def launch(name: str, **extra) -> subprocess.Popen:
@@ -317,9 +317,9 @@ def test_kill_between_the_two_renames_leaves_the_previous_checkpoint(sharded_out
             raise OSError("killed")
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", dies_on_second)
+    monkeypatch.setattr(checkpointing.os, "replace", dies_on_second)
     with pytest.raises(OSError):
-        checkpoint.save_sharded(sharded_out, {"iter_num": 99}, model, optimizer)
+        checkpointing.save_sharded(sharded_out, {"iter_num": 99}, model, optimizer)
     assert not (sharded_out / checkpoint.SHARDED_NAME).exists()
     meta, used = checkpoint.load_latest_sharded(sharded_out, log=lambda *a: None)
     assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 20
@@ -332,9 +332,9 @@ def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.dcp.FileSystemWriter, "write_data", full)
+    monkeypatch.setattr(checkpointing.dcp.FileSystemWriter, "write_data", full)
     before = {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()}
-    argv = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
+    argv = cli_args(TINY_TRAIN, out_dir=sharded_out, data_dir=data_dir)
     result = run_main(train.main, [*argv, "--parallel=fsdp", "--init_from=resume", "--max_iters=22"])
     assert_user_error(result, "could not save a checkpoint", "No space left on device", "previous checkpoint is intact")
     assert {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()} == before
@@ -344,7 +344,7 @@ def test_parallel_mistakes_are_one_line(sharded_out, data_dir):
     """An unknown parallel, float16 with fsdp, and resuming with the other parallel's checkpoint format."""
     import train
 
-    common = [f"--{k}={v}" for k, v in (TINY_TRAIN | {"out_dir": sharded_out, "data_dir": data_dir}).items()]
+    common = cli_args(TINY_TRAIN, out_dir=sharded_out, data_dir=data_dir)
     assert_user_error(run_main(train.main, [*common, "--parallel=zero"]), "parallel must be 'ddp' or 'fsdp'")
     assert_user_error(run_main(train.main, [*common, "--parallel=fsdp", "--dtype=float16"]), "not float16")
     # --parallel given (without it, resume takes the run's own fsdp from config.json)

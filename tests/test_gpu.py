@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.weights.checkpoint import load_checkpoint
-from tests.helpers import char_data_fixture, losses, records, run_script
+from tests.helpers import char_data_fixture, cli_args, losses, records, run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ data_dir = char_data_fixture(TEXT)
 
 
 def train(out_dir, data_dir, timeout=600, **cfg):
-    args = [f"--{k}={v}" for k, v in (GPU_TRAIN | cfg | dict(out_dir=out_dir, data_dir=data_dir)).items()]
+    args = cli_args(GPU_TRAIN | cfg | dict(out_dir=out_dir, data_dir=data_dir))
     result = run_script("train.py", *args, timeout=timeout, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     assert result.returncode == 0, result.stderr[-3000:]
     return result

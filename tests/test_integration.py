@@ -20,12 +20,13 @@ import eval as eval_script
 import sample
 import train
 from core import evaluate, runtime
-from core.training import memory
+from core.training import memory, run_dir
 from core.weights import checkpoint, resolver
 from core.data.loader import TokenData
 from core.data.tokenizer import CharTokenizer
 from model import GPTConfig
-from tests.helpers import assert_user_error, char_data_fixture, losses, records, run_main, run_scripts, train_tiny
+from tests.helpers import (assert_user_error, char_data_fixture, cli_args, losses, records, run_main, run_scripts,
+                           train_tiny)
 
 TEXT = "the cat sat on the mat. the dog ate the bone. a bird sang in the tree. " * 30
 HELLASWAG = [  # 5 examples: 2 ranks score 3 + 2, one of them a spare it must not count
@@ -127,9 +128,9 @@ def test_sharded_resume_restores_both_muon_optimizers_and_keeps_new_learning_rat
 
 
 def test_resuming_a_sharded_checkpoint_with_the_other_optimizer_is_one_line(resumed, data_dir):
-    result = run_main(train.main, [f"--{k}={v}" for k, v in dict(
+    result = run_main(train.main, cli_args(
         out_dir=resumed / "fsdp", data_dir=data_dir, n_layer=1, n_head=2, n_embd=32, block_size=32, device="cpu",
-        compile=False, init_from="resume", parallel="fsdp", optimizer="adamw", max_iters=14).items()])
+        compile=False, init_from="resume", parallel="fsdp", optimizer="adamw", max_iters=14))
     assert_user_error(result, "trained with optimizer=muon", "--optimizer=muon")
 
 
@@ -158,10 +159,10 @@ def test_memory_check_counts_fsdp_shards_and_activation_checkpointing(monkeypatc
         monkeypatch.setattr(memory, "available_bytes", lambda device: free)
         cfg.parallel, cfg.activation_checkpointing = parallel, ac
         if fits:
-            train.check_memory(config, cfg, rt)
+            run_dir.check_memory(config, cfg, rt)
         else:
             with pytest.raises(memory.UserError, match="training needs about"):
-                train.check_memory(config, cfg, rt)
+                run_dir.check_memory(config, cfg, rt)
 
 
 # -----------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def runs(tmp_path_factory, data_dir):
     cfg = RUN | MODERN | {"data_dir": data_dir, "hellaswag_file": hs}
 
     def argv(name, **more):
-        return [f"--{k}={v}" for k, v in (cfg | {"out_dir": root / name} | more).items()]
+        return cli_args(cfg | {"out_dir": root / name} | more)
     results = run_scripts([*TORCHRUN, "train.py", *argv("fsdp2")], ["train.py", *argv("one")], timeout=400)
     shutil.copytree(root / "fsdp2", root / "half")  # then back to its checkpoint at 5, the one before the last
     shutil.rmtree(root / "half" / checkpoint.SHARDED_NAME)

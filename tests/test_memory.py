@@ -12,7 +12,7 @@ from benchmarks import memory as bench_memory
 from core.training import memory
 from core.weights import resolver
 from model import GPT, GPT2_SHAPES, GPTConfig
-from tests.helpers import assert_user_error, char_data_fixture, run_main, run_scripts
+from tests.helpers import assert_user_error, char_data_fixture, cli_args, run_main, run_scripts
 
 GPT2_SMALL_PARAMS = 124_439_808  # vocab 50257, bias, tied head (GPT-2's published count)
 TEXT = "To be, or not to be, that is the question.\n" * 40
@@ -119,7 +119,7 @@ def tiny_argv(tmp_path, data_dir, **overrides):
     args = dict(device="cpu", dtype="float32", compile=False, n_layer=1, n_head=2, n_embd=16, block_size=16,
                 batch_size=2, max_iters=2, eval_interval=10, eval_iters=1, gradient_accumulation_steps=1,
                 out_dir=tmp_path / "out", data_dir=data_dir) | overrides
-    return [f"--{k}={v}" for k, v in args.items()]
+    return cli_args(args)
 
 
 def test_estimate_refuses_before_building(tmp_path, data_dir, monkeypatch):

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from scripts import compare_recipe
 import train
 from core import cpu
 from core.decoding.decode import generate
@@ -22,7 +21,7 @@ from core.weights.resolver import load_model
 from core.errors import UserError
 from core.weights.hf import non_gpt2_fields, to_transformers
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
-from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu, run_script, train_tiny
+from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, cli_args, fake_cpu, run_script, train_tiny
 
 ALL = dict(pos_embedding="rope", norm="rmsnorm", qk_norm=True, mlp="relu2", n_kv_head=1, tie_embeddings=False,
            logit_softcap=5.0)
@@ -379,7 +378,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 @pytest.mark.parametrize("device, native, muon_class, ns_dtype", [
     ("cuda", True, torch.optim.Muon, None),                  # A100, H100: torch's own step, bf16 always
     ("cuda", False, optim.BatchedMuon, torch.float32),       # V100, T4: bf16 emulated
-    ("cpu", True, optim.BatchedMuon, torch.bfloat16),        # AVX512-BF16 or AMX: bf16, batched per shape
+    ("cpu", True, optim.BatchedMuon, torch.bfloat16),        # avx512_bf16 or amx_bf16: bf16, batched per shape
     ("cpu", False, optim.BatchedMuon, torch.float32),        # AVX2 laptops and desktops: bf16 emulated
 ])
 def test_muon_newton_schulz_runs_in_bf16_only_where_bf16_is_native(monkeypatch, device, native, muon_class, ns_dtype):
@@ -600,10 +599,10 @@ def test_init_from_gpt2_refuses_recipe_switches(tmp_path):
 
 @pytest.mark.slow
 def test_compare_recipe_trains_evaluates_and_reports(tmp_path, data_dir):
-    argv = [f"--{k}={v!r}" for k, v in TINY_TRAIN.items()] + [
-        f"--data_dir={data_dir}", "--max_iters=4", "--lr_decay_iters=4", f"--results_dir={tmp_path}",
-        "--variants=classic,muon,modern", "--eval_every=2", "--timing_rounds=1", "--timing_iters=1"]
-    compare_recipe.main(argv)
+    argv = cli_args(TINY_TRAIN, data_dir=data_dir, max_iters=4, lr_decay_iters=4, results_dir=tmp_path,
+                    variants="classic,muon,modern", eval_every=2, timing_rounds=1, timing_iters=1)
+    result = run_script("scripts/compare_recipe.py", *argv, timeout=600)  # as its docstring runs it
+    assert result.returncode == 0, result.stderr[-3000:]
     runs = {n: json.loads((tmp_path / "variants" / f"{n}.json").read_text()) for n in ("classic", "muon", "modern")}
     assert [it for it, _ in runs["classic"]["curve"]] == [0, 2, 4]
     assert runs["modern"]["overrides"]["optimizer"] == "muon"

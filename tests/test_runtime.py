@@ -21,8 +21,8 @@ import torch.distributed as dist
 from core import runtime
 from core.training import flops
 from core.errors import UserError
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, fake_cpu,
-                           run_scripts)
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, cli_args,
+                           fake_cpu, run_scripts)
 
 SM = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 
@@ -188,7 +188,8 @@ def test_avx2_emulation_chooses_float32_and_refuses_bf16():
 
 def test_cpu_peak_for_mfu_is_measured_in_the_runs_dtype(monkeypatch):
     """A bf16 run's MFU is against a bf16 matmul's rate: float32's (several times slower where bf16 is
-    native) would overstate it. (A small matmul here: bf16 emulated on an AVX2 CPU is ~50x slower.)"""
+    native) would overstate it. (A small matmul here: bf16 emulated on an AVX2 CPU is far slower,
+    docs/performance.md's Machines.)"""
     seen, measure = [], flops.cpu_matmul_peak_flops
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append(a.dtype) or torch.mm(a, b))
     monkeypatch.setattr(flops, "cpu_matmul_peak_flops", lambda **kw: measure(n=64, **kw))
@@ -255,21 +256,21 @@ SLOW_FIRST_SAVE = '''
 import sys, time
 sys.path.insert(0, {repo!r})
 import train
-from core.weights import checkpoint
+from core.training import checkpointing
 from core.errors import run_cli
 
-real_save, slept = checkpoint.save_checkpoint, []
+real_save, slept = checkpointing.save_checkpoint, []
 def slow_save(*args, **kwargs):
     if not slept:
         slept.append(time.sleep({sleep}))
     return real_save(*args, **kwargs)
-checkpoint.save_checkpoint = slow_save
+checkpointing.save_checkpoint = slow_save
 run_cli(train.main)
 '''
 
 
 def start_torchrun(script, tmp_path, name, **cfg) -> subprocess.Popen:
-    argv = [f"--{k}={v}" for k, v in (DDP_RUN | cfg).items()]
+    argv = cli_args(DDP_RUN | cfg)
     with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
         return subprocess.Popen([sys.executable, *TORCHRUN, str(script), *argv], cwd=REPO_ROOT, stdout=out, stderr=err,
                                 env=os.environ | ONE_THREAD_ENV)
@@ -366,7 +367,7 @@ def test_step_time_excludes_eval_and_save(tmp_path, data_dir, monkeypatch):
     after an eval or a save counted their time in its ms, tok/s and MFU)."""
     import train
     from tests.helpers import train_tiny
-    real_eval, real_save = train.estimate_loss, train.checkpoint.save_checkpoint
+    real_eval, real_save = train.estimate_loss, train.checkpointing.save_checkpoint
 
     def slow_eval(*args):
         time.sleep(0.4)
@@ -376,7 +377,7 @@ def test_step_time_excludes_eval_and_save(tmp_path, data_dir, monkeypatch):
         time.sleep(0.4)
         return real_save(*args, **kwargs)
     monkeypatch.setattr(train, "estimate_loss", slow_eval)
-    monkeypatch.setattr(train.checkpoint, "save_checkpoint", slow_save)
+    monkeypatch.setattr(train.checkpointing, "save_checkpoint", slow_save)
     train_tiny(tmp_path, data_dir, max_iters=8, eval_interval=4, log_interval=1)
     from tests.helpers import records
     ms = {r["iter"]: r["ms"] for r in records(tmp_path) if "ms" in r}

@@ -12,7 +12,7 @@ import plot
 from benchmarks import common, race, speedrun
 from core.training import optim
 from core.errors import UserError
-from tests.helpers import make_char_dataset, one_thread
+from tests.helpers import cli_args, make_char_dataset, one_thread
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
@@ -128,7 +128,7 @@ def tiny_speedrun(tmp_path, data, **extra) -> list[str]:
                 speedrun_chunk=7, speedrun_log_dir=tmp_path / "logs",
                 speedrun_shape="n_layer=2,n_head=2,n_embd=32,block_size=16,batch_size=4,max_iters=40,"
                                "lr_decay_iters=40,warmup_iters=2,learning_rate=3e-3")
-    return [f"--{k}={v}" for k, v in (args | extra).items()]
+    return cli_args(args, **extra)
 
 
 def test_nanogpt_runs_float32_on_a_cpu_and_ours_follows_the_runtime(tiny_data, monkeypatch):

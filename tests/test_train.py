@@ -7,6 +7,8 @@ import json
 import math
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,9 +17,8 @@ import train
 from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
 import model as modellib
-from tests.helpers import (TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, losses, make_char_dataset,
-                           make_chat_dataset,
-                           records, run_main, spy_optimizer_steps, train_tiny)
+from tests.helpers import (REPO_ROOT, TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, cli_args, losses,
+                           make_char_dataset, make_chat_dataset, records, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
@@ -163,9 +164,9 @@ def test_eval_only_evaluates_once_and_writes_no_checkpoint(tmp_path, data_dir):
     train_tiny(tmp_path, data_dir, max_iters=8, lr_decay_iters=8, eval_interval=8)
     trained = records(tmp_path)
     saved = (tmp_path / "ckpt.pt").read_bytes()
-    result = run_main(train.main, [f"--{k}={v}" for k, v in (TINY_TRAIN | dict(
-        out_dir=tmp_path, data_dir=data_dir, init_from="resume", eval_only=True, max_iters=8, lr_decay_iters=8,
-        eval_interval=8)).items()])
+    result = run_main(train.main, cli_args(
+        TINY_TRAIN, out_dir=tmp_path, data_dir=data_dir, init_from="resume", eval_only=True, max_iters=8,
+        lr_decay_iters=8, eval_interval=8))
     assert result.returncode == 0, result.stderr
     assert "step 8: train loss" in result.stdout and "\niter " not in result.stdout and "saved" not in result.stdout
     assert records(tmp_path, timings=False) == records_untimed(trained)  # the eval at 8 again: the same numbers
@@ -183,13 +184,13 @@ def test_always_save_checkpoint(tmp_path, data_dir, monkeypatch, always):
     vals = iter([5.0, 4.0, 4.5, 3.9, 4.2])
     monkeypatch.setattr(train, "estimate_loss", lambda *args: {"train": 1.0, "val": next(vals)})
     saved = []
-    real_save = train.checkpoint.save_checkpoint
+    real_save = train.checkpointing.save_checkpoint
 
     def recording_save(out_dir, meta, *args):
         saved.append((meta["iter_num"], meta["best_val_loss"]))
         return real_save(out_dir, meta, *args)
 
-    monkeypatch.setattr(train.checkpoint, "save_checkpoint", recording_save)
+    monkeypatch.setattr(train.checkpointing, "save_checkpoint", recording_save)
     train_tiny(tmp_path, data_dir, max_iters=9, eval_interval=2, always_save_checkpoint=always)
     expected = [(2, 4.0), (4, 4.0), (6, 3.9), (8, 3.9), (9, 3.9)] if always else [(2, 4.0), (6, 3.9), (9, 3.9)]
     assert saved == expected
@@ -241,16 +242,26 @@ def test_nonfinite_weights_are_never_saved(tmp_path, data_dir, monkeypatch):
 
     spy_optimizer_steps(monkeypatch, after=corrupt_after_the_8th)
     argv = TINY_TRAIN | dict(out_dir=tmp_path, data_dir=data_dir, max_iters=8, checkpoint_interval=4)
-    result = run_main(train.main, [f"--{k}={v}" for k, v in argv.items()])
+    result = run_main(train.main, cli_args(argv))
     assert_user_error(result, "non-finite weights at iter 8", f"not saving over the last good checkpoint in {tmp_path}")
     state = load_checkpoint(tmp_path / "ckpt.pt")
     assert state["meta"]["iter_num"] == 4 and all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+def test_reading_a_checkpoint_imports_no_training_code():
+    """sample.py, eval.py and serve.py read checkpoints through core/weights: that loads neither the
+    optimizers nor the ddp | fsdp code (saving is core/training/checkpointing.py's, train.py's side)."""
+    training = ("core.training.optim", "core.training.parallel")
+    code = f"import core.weights.checkpoint, core.weights.resolver, sys; print([m for m in {training} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"reading a checkpoint imported {result.stdout.strip()}"
+
+
 # --- a newcomer's mistakes: another run's checkpoint, resuming, the stop hint -------------------------
 
 def tiny_argv(**cfg) -> list[str]:
-    return [f"--{key}={value!r}" for key, value in (TINY_TRAIN | cfg).items()]
+    return cli_args(TINY_TRAIN | cfg)
 
 
 def test_a_new_run_never_replaces_another_runs_checkpoint(tmp_path, data_dir):

@@ -1,4 +1,5 @@
-"""Checkpoints: written atomically, loaded with weights_only=True, metadata as JSON.
+"""Checkpoints, read: loaded with weights_only=True, every byte checked first, metadata as JSON.
+Writing them (a training run's side): core/training/checkpointing.py.
 
 A checkpoint is one torch file holding only tensors and plain containers:
     {"format": FORMAT, "meta": "<JSON text>", "model": state_dict,
@@ -7,11 +8,10 @@ A checkpoint is one torch file holding only tensors and plain containers:
 iteration and the best val loss. The model saved is always the plain (uncompiled,
 unwrapped) module, so no '_orig_mod.' or 'module.' prefixes ever appear.
 
-Two files live in out_dir: ckpt.pt (the newest) and ckpt.prev.pt (the one before).
-A save first makes ckpt.prev.pt a copy of the current ckpt.pt, then replaces
-ckpt.pt atomically, so at every instant both names hold complete checkpoints.
-Loading checks every record's CRC-32 (torch.load does not), so a truncated or
-bit-flipped file is an error, never silently wrong weights.
+Two files live in out_dir: ckpt.pt (the newest) and ckpt.prev.pt (the one before), both complete
+at every instant (a save replaces them atomically). Loading checks every record's CRC-32 (torch.load
+does not), so a truncated or bit-flipped file is an error, never silently wrong weights; a resume
+falls back to ckpt.prev.pt when ckpt.pt is damaged (load_latest).
 
 Sharded checkpoints (parallel="fsdp") are directories, ckpt.dcp and ckpt.prev.dcp, written by
 torch.distributed.checkpoint (DCP): each process writes its own shards, and they load into any
@@ -20,8 +20,8 @@ number of processes (DCP re-splits them), or into one plain GPT for sample.py an
     .metadata           DCP's index of the shards: a pickle, read through an allowlist (see below)
     rng.pt              every process's RNG states (torch.save of tensors, weights_only)
     meta.json           {"format", "meta" (as above), "files": {name: CRC-32}}: written last
-The same guarantees as ckpt.pt: the save goes to a temporary directory that is renamed into place,
-ckpt.prev.dcp keeps the one before, and a load checks every file's CRC-32 before reading it.
+The same guarantees as ckpt.pt: ckpt.prev.dcp keeps the one before, and a load checks every file's
+CRC-32 before reading it.
 """
 import contextlib
 import io
@@ -29,7 +29,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import warnings
 import zipfile
 import zlib
@@ -39,45 +38,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_state_dict
 
-from core.training import optim, parallel
 from core.errors import UserError, first_line
-from core.fileio import atomic_path, fsync_dir, remove_orphaned_temps, write_json
-from core.runtime import Runtime
 from model import GPT, GPTConfig
 
 FORMAT = "nanogpt-checkpoint/1"
 CKPT_NAME = "ckpt.pt"
 PREV_NAME = "ckpt.prev.pt"
-
-
-def _keep_previous(path: Path) -> None:
-    """Make PREV_NAME a complete copy of the current checkpoint (hard link when possible)."""
-    if not path.exists():
-        return
-    prev = path.with_name(PREV_NAME)
-    with atomic_path(prev) as tmp:
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
-
-
-def save_checkpoint(out_dir: str | os.PathLike, meta: dict[str, Any], model: dict, optimizer: dict | None = None,
-                    scaler: dict | None = None, rng: dict | None = None) -> Path:
-    """Write out_dir/ckpt.pt atomically, keeping the previous one as ckpt.prev.pt.
-
-    Raises OSError (e.g. disk full) with both earlier files intact.
-    """
-    path = Path(out_dir) / CKPT_NAME
-    state = {"format": FORMAT, "meta": json.dumps(meta), "model": model,
-             "optimizer": optimizer, "scaler": scaler, "rng": rng}
-    remove_orphaned_temps(out_dir)  # left by a run killed mid-save
-    _keep_previous(path)
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-    return path
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -117,7 +85,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 def _verify_archive(path: Path) -> None:
     """Check that `path` is a complete zip archive (what torch.save writes) whose records match their
     CRC-32s. torch.load skips this check: a flipped bit in a tensor would load as a wrong weight.
-    It reads the file once more, at disk or page-cache speed (~1 s for GPT-2's 1.5 GB checkpoint)."""
+    It reads the file once more, at disk or page-cache speed."""
     try:
         with zipfile.ZipFile(path) as archive:
             for info in archive.infolist():
@@ -177,163 +145,25 @@ def model_from_checkpoint(state: dict[str, Any], **overrides) -> GPT:
 
 
 # -----------------------------------------------------------------------------
-# saving from a training run (loading a model for any script: core/weights/resolver.py)
-
-
-def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module, optimizer, scaler, rt: Runtime,
-         sharded: bool) -> Path | None:
-    """Save a training run's checkpoint; every rank calls it. Returns the path written (None on ranks other than 0).
-
-    `model` is the plain module (never the compiled or DDP-wrapped one). Non-finite weights are refused, so the
-    last good checkpoint stays. Unsharded, rank 0 writes ckpt.pt and the other ranks wait for it and fail with
-    it; sharded (fsdp), every rank writes its own shards into ckpt.dcp.
-    """
-    if not all_finite(model, rt):
-        raise UserError(f"the model has non-finite weights at iter {meta['iter_num']}; not saving over the last "
-                        f"good checkpoint in {out_dir}")
-    rng = gather_rng(rt)  # collective: every rank takes part
-    if sharded:
-        return _saving(out_dir, save_sharded, out_dir, meta, model, optimizer, rng)
-    return rt.on_master(lambda: _saving(out_dir, save_checkpoint, out_dir, meta, model.state_dict(),
-                                        optimizer.state_dict(), scaler.state_dict(), rng))
-
-
-def _saving(out_dir, write, *args) -> Path:
-    try:
-        return write(*args)
-    except OSError as e:
-        raise UserError(f"could not save a checkpoint in {out_dir}: {e.strerror or e}; "
-                        f"the previous checkpoint is intact") from None
-
-
-def all_finite(module: torch.nn.Module, rt: Runtime) -> bool:
-    """Whether every weight is finite, on every rank (fsdp: each holds a shard, so all must agree)."""
-    finite = all(bool(torch.isfinite(parallel.local(p)).all()) for p in module.parameters())
-    if not parallel.is_sharded(module):
-        return finite
-    flag = torch.tensor(float(finite), device=rt.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def gather_rng(rt: Runtime) -> dict:
-    """Every rank's RNG states (dropout draws from them), collected on each rank."""
-    states = {"cpu": torch.get_rng_state()}
-    if rt.device_type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(rt.device)
-    if not rt.distributed:
-        return {k: [v] for k, v in states.items()}
-    comm_device = rt.device if rt.device_type == "cuda" else "cpu"
-    gathered = {}
-    for key, state in states.items():
-        parts = [torch.empty_like(state, device=comm_device) for _ in range(rt.world_size)]
-        dist.all_gather(parts, state.to(comm_device))
-        gathered[key] = [p.cpu() for p in parts]
-    return gathered
-
-
-def restore_rng(rng: dict | None, rt: Runtime, log) -> None:
-    saved = len(rng["cpu"]) if rng else 0
-    if saved != rt.world_size:
-        log(f"note: the checkpoint was saved by {saved or 'an unknown number of'} process(es), this run has "
-            f"{rt.world_size}: each iteration reads the same global batch (from seed and iteration), but dropout "
-            f"draws are re-seeded, so losses will not repeat the first run's bit for bit")
-        return
-    torch.set_rng_state(rng["cpu"][rt.rank])
-    if rt.device_type == "cuda" and "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
-
-
-# -----------------------------------------------------------------------------
 # sharded checkpoints (parallel="fsdp"): torch.distributed.checkpoint
 
 SHARDED_FORMAT = "nanogpt-sharded-checkpoint/1"
 SHARDED_NAME = "ckpt.dcp"
 PREV_SHARDED_NAME = "ckpt.prev.dcp"
-SHARDED_TEMP = ".ckpt.dcp.tmp"  # one name for every process; a run killed mid-save leaves it, the next save clears it
 META_NAME = "meta.json"
 RNG_NAME = "rng.pt"
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 @contextlib.contextmanager
-def _one_process_quietly():
+def one_process_quietly():
     """DCP warns on every save and load without a process group; one process is a case we mean."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def _agree(ok: bool, error: str) -> None:
-    """Rank 0's outcome, on every rank: all raise together, none waits for a peer that gave up."""
-    if dist.is_initialized():
-        flag = [ok]
-        dist.broadcast_object_list(flag, src=0)
-        ok = flag[0]
-    if not ok:
-        raise OSError(error)
-
-
-def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, rng: dict | None = None) -> Path:
-    """Write out_dir/ckpt.dcp, keeping the previous one as ckpt.prev.dcp. Every process calls it.
-
-    Each process writes its own shards of `model` and `optimizer` (as get_state_dict returns them:
-    DTensor shards under fully_shard, full tensors on one process) into SHARDED_TEMP; rank 0 then adds
-    rng.pt and meta.json and renames the directory into place. Raises OSError with both earlier
-    checkpoints intact.
-    """
-    out_dir = Path(out_dir)
-    tmp = out_dir / SHARDED_TEMP
-    ok = True
-    if _rank() == 0:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        except OSError:
-            ok = False
-    _agree(ok, f"could not create {tmp}")
-    model_state, optim_state = get_state_dict(model, optim.torch_optimizers(optimizer))
-    try:  # DCP gathers a failure on any rank (e.g. a full disk) into one CheckpointException on every rank
-        with _one_process_quietly():
-            dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
-                     no_dist=not dist.is_initialized())
-    except dcp.api.CheckpointException as e:
-        raise OSError(f"writing the shards failed ({_first_failure(e)})") from None
-    ok, error = True, ""
-    if _rank() == 0:
-        try:
-            if rng is not None:
-                torch.save(rng, tmp / RNG_NAME)
-            files = {p.name: _crc32(p) for p in sorted(tmp.iterdir())}
-            write_json(tmp / META_NAME, {"format": SHARDED_FORMAT, "meta": meta, "files": files})
-            fsync_dir(tmp)
-            _replace_dir(tmp, out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME)
-        except OSError as e:
-            ok, error = False, f"{e.strerror or e}"
-    _agree(ok, error)
-    return out_dir / SHARDED_NAME
-
-
-def _first_failure(e: "dcp.api.CheckpointException") -> str:
-    failures = list(getattr(e, "failures", {}).values())
-    return first_line(failures[0]) if failures else first_line(e)
-
-
-def _replace_dir(new: Path, path: Path, prev: Path) -> None:
-    """Rename `new` to `path`, the current `path` becoming `prev`. A kill at any moment leaves a complete
-    checkpoint at `path` or, between the two renames, at `prev` (load_latest_sharded falls back to it)."""
-    if path.exists():
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(path, prev)
-    os.replace(new, path)
-    fsync_dir(path.parent)
-
-
-def _crc32(path: Path) -> int:
+def crc32(path: Path) -> int:
+    """The CRC-32 of a file, read in chunks, as meta.json records it for each file of a sharded checkpoint."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -356,7 +186,7 @@ def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise UserError(f"{path} is not a sharded checkpoint written by this project's train.py") from None
     for name, crc in files.items():
         try:
-            if _crc32(path / name) != crc:
+            if crc32(path / name) != crc:
                 raise UserError(f"checkpoint {path} is corrupt ({name} does not match its CRC-32); it cannot be loaded")
         except OSError as e:
             raise UserError(f"checkpoint {path} is incomplete ({name}: {e.strerror}); it cannot be loaded") from None
@@ -386,20 +216,14 @@ def load_latest_sharded(out_dir: str | os.PathLike, log=print) -> tuple[dict[str
     return _newest_intact(path, prev, read_sharded_meta, lambda meta: meta.get("iter_num"), log)
 
 
-def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
-    """Load a sharded checkpoint into `model` (and `optimizer`), sharded or not, at any number of
-    processes; every process calls it. Returns the saved RNG states (rng.pt), or None."""
-    optimizers = optim.torch_optimizers(optimizer) if optimizer else ()
-    model_state, optim_state = get_state_dict(model, optimizers) if optimizers else (get_model_state_dict(model), None)
-    state = {"model": model_state} | ({"optimizer": optim_state} if optimizer else {})
+def read_shards(path: Path, state: dict[str, Any]) -> None:
+    """Fill `state` ({"model": ..., "optimizer": ...} as get_state_dict returns them) from the sharded
+    checkpoint `path`, in place, through the allowlist below; every process calls it."""
     try:
-        with _one_process_quietly():
+        with one_process_quietly():
             dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner(), no_dist=not dist.is_initialized())
     except (pickle.UnpicklingError, dcp.api.CheckpointException, RuntimeError) as e:
         raise UserError(f"checkpoint {path} cannot be loaded into this model ({first_line(e)})") from None
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
-    rng = path / RNG_NAME
-    return torch.load(rng, map_location="cpu", weights_only=True) if rng.exists() else None
 
 
 def load_sharded_full(path: str | os.PathLike) -> dict[str, Any]:
@@ -408,7 +232,9 @@ def load_sharded_full(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     meta = read_sharded_meta(path)
     model = GPT(GPTConfig(**meta["model_args"]))
-    load_sharded(path, model, None)
+    state = {"model": get_model_state_dict(model)}
+    read_shards(path, state)
+    set_state_dict(model, (), model_state_dict=state["model"], optim_state_dict={})
     return {"format": FORMAT, "meta": meta, "model": model.state_dict(), "optimizer": None, "scaler": None, "rng": None}
 
 

@@ -1,0 +1,211 @@
+"""Checkpoints, saved: a training run's side (the format, and reading it for every script:
+core/weights/checkpoint.py).
+
+save() is train.py's one call: it refuses non-finite weights, so the last good checkpoint stays, and
+gathers every rank's RNG states. Unsharded, rank 0 writes ckpt.pt: first ckpt.prev.pt becomes a copy
+of the current ckpt.pt, then ckpt.pt is replaced atomically, so at every instant both names hold
+complete checkpoints. Sharded (fsdp), every process writes its own shards into a temporary directory
+that rank 0 completes (rng.pt, then meta.json last) and renames into place, the current ckpt.dcp
+becoming ckpt.prev.dcp. A resume reads the optimizer and RNG states back (load_sharded, restore_rng).
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from core.errors import UserError, first_line
+from core.fileio import atomic_path, fsync_dir, remove_orphaned_temps, write_json
+from core.runtime import Runtime
+from core.training import optim, parallel
+from core.weights.checkpoint import (CKPT_NAME, FORMAT, META_NAME, PREV_NAME, PREV_SHARDED_NAME, RNG_NAME,
+                                     SHARDED_FORMAT, SHARDED_NAME, crc32, one_process_quietly, read_shards)
+
+
+def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module, optimizer, scaler, rt: Runtime,
+         sharded: bool) -> Path | None:
+    """Save a training run's checkpoint; every rank calls it. Returns the path written (None on ranks other than 0).
+
+    `model` is the plain module (never the compiled or DDP-wrapped one). Non-finite weights are refused, so the
+    last good checkpoint stays. Unsharded, rank 0 writes ckpt.pt and the other ranks wait for it and fail with
+    it; sharded (fsdp), every rank writes its own shards into ckpt.dcp.
+    """
+    if not all_finite(model, rt):
+        raise UserError(f"the model has non-finite weights at iter {meta['iter_num']}; not saving over the last "
+                        f"good checkpoint in {out_dir}")
+    rng = gather_rng(rt)  # collective: every rank takes part
+    if sharded:
+        return _saving(out_dir, save_sharded, out_dir, meta, model, optimizer, rng)
+    return rt.on_master(lambda: _saving(out_dir, save_checkpoint, out_dir, meta, model.state_dict(),
+                                        optimizer.state_dict(), scaler.state_dict(), rng))
+
+
+def _saving(out_dir, write, *args) -> Path:
+    try:
+        return write(*args)
+    except OSError as e:
+        raise UserError(f"could not save a checkpoint in {out_dir}: {e.strerror or e}; "
+                        f"the previous checkpoint is intact") from None
+
+
+def all_finite(module: torch.nn.Module, rt: Runtime) -> bool:
+    """Whether every weight is finite, on every rank (fsdp: each holds a shard, so all must agree)."""
+    finite = all(bool(torch.isfinite(parallel.local(p)).all()) for p in module.parameters())
+    if not parallel.is_sharded(module):
+        return finite
+    flag = torch.tensor(float(finite), device=rt.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def gather_rng(rt: Runtime) -> dict:
+    """Every rank's RNG states (dropout draws from them), collected on each rank."""
+    states = {"cpu": torch.get_rng_state()}
+    if rt.device_type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(rt.device)
+    if not rt.distributed:
+        return {k: [v] for k, v in states.items()}
+    comm_device = rt.device if rt.device_type == "cuda" else "cpu"
+    gathered = {}
+    for key, state in states.items():
+        parts = [torch.empty_like(state, device=comm_device) for _ in range(rt.world_size)]
+        dist.all_gather(parts, state.to(comm_device))
+        gathered[key] = [p.cpu() for p in parts]
+    return gathered
+
+
+def restore_rng(rng: dict | None, rt: Runtime, log) -> None:
+    saved = len(rng["cpu"]) if rng else 0
+    if saved != rt.world_size:
+        log(f"note: the checkpoint was saved by {saved or 'an unknown number of'} process(es), this run has "
+            f"{rt.world_size}: each iteration reads the same global batch (from seed and iteration), but dropout "
+            f"draws are re-seeded, so losses will not repeat the first run's bit for bit")
+        return
+    torch.set_rng_state(rng["cpu"][rt.rank])
+    if rt.device_type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
+
+
+# -----------------------------------------------------------------------------
+# ckpt.pt
+
+
+def save_checkpoint(out_dir: str | os.PathLike, meta: dict[str, Any], model: dict, optimizer: dict | None = None,
+                    scaler: dict | None = None, rng: dict | None = None) -> Path:
+    """Write out_dir/ckpt.pt atomically, keeping the previous one as ckpt.prev.pt.
+
+    Raises OSError (e.g. disk full) with both earlier files intact.
+    """
+    path = Path(out_dir) / CKPT_NAME
+    state = {"format": FORMAT, "meta": json.dumps(meta), "model": model,
+             "optimizer": optimizer, "scaler": scaler, "rng": rng}
+    remove_orphaned_temps(out_dir)  # left by a run killed mid-save
+    _keep_previous(path)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return path
+
+
+def _keep_previous(path: Path) -> None:
+    """Make PREV_NAME a complete copy of the current checkpoint (hard link when possible)."""
+    if not path.exists():
+        return
+    prev = path.with_name(PREV_NAME)
+    with atomic_path(prev) as tmp:
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+
+
+# -----------------------------------------------------------------------------
+# sharded checkpoints (parallel="fsdp"): torch.distributed.checkpoint
+
+SHARDED_TEMP = ".ckpt.dcp.tmp"  # one name for every process; a run killed mid-save leaves it, the next save clears it
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree(ok: bool, error: str) -> None:
+    """Rank 0's outcome, on every rank: all raise together, none waits for a peer that gave up."""
+    if dist.is_initialized():
+        flag = [ok]
+        dist.broadcast_object_list(flag, src=0)
+        ok = flag[0]
+    if not ok:
+        raise OSError(error)
+
+
+def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, rng: dict | None = None) -> Path:
+    """Write out_dir/ckpt.dcp, keeping the previous one as ckpt.prev.dcp. Every process calls it.
+
+    Each process writes its own shards of `model` and `optimizer` (as get_state_dict returns them:
+    DTensor shards under fully_shard, full tensors on one process) into SHARDED_TEMP; rank 0 then adds
+    rng.pt and meta.json and renames the directory into place. Raises OSError with both earlier
+    checkpoints intact.
+    """
+    out_dir = Path(out_dir)
+    tmp = out_dir / SHARDED_TEMP
+    ok = True
+    if _rank() == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError:
+            ok = False
+    _agree(ok, f"could not create {tmp}")
+    model_state, optim_state = get_state_dict(model, optim.torch_optimizers(optimizer))
+    try:  # DCP gathers a failure on any rank (e.g. a full disk) into one CheckpointException on every rank
+        with one_process_quietly():
+            dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
+                     no_dist=not dist.is_initialized())
+    except dcp.api.CheckpointException as e:
+        raise OSError(f"writing the shards failed ({_first_failure(e)})") from None
+    ok, error = True, ""
+    if _rank() == 0:
+        try:
+            if rng is not None:
+                torch.save(rng, tmp / RNG_NAME)
+            files = {p.name: crc32(p) for p in sorted(tmp.iterdir())}
+            write_json(tmp / META_NAME, {"format": SHARDED_FORMAT, "meta": meta, "files": files})
+            fsync_dir(tmp)
+            _replace_dir(tmp, out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME)
+        except OSError as e:
+            ok, error = False, f"{e.strerror or e}"
+    _agree(ok, error)
+    return out_dir / SHARDED_NAME
+
+
+def _first_failure(e: "dcp.api.CheckpointException") -> str:
+    failures = list(getattr(e, "failures", {}).values())
+    return first_line(failures[0]) if failures else first_line(e)
+
+
+def _replace_dir(new: Path, path: Path, prev: Path) -> None:
+    """Rename `new` to `path`, the current `path` becoming `prev`. A kill at any moment leaves a complete
+    checkpoint at `path` or, between the two renames, at `prev` (load_latest_sharded falls back to it)."""
+    if path.exists():
+        shutil.rmtree(prev, ignore_errors=True)
+        os.replace(path, prev)
+    os.replace(new, path)
+    fsync_dir(path.parent)
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> dict | None:
+    """Load a sharded checkpoint into `model` and `optimizer`, sharded or not, at any number of
+    processes; every process calls it. Returns the saved RNG states (rng.pt), or None."""
+    optimizers = optim.torch_optimizers(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizers)
+    state = {"model": model_state, "optimizer": optim_state}
+    read_shards(path, state)
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    rng = path / RNG_NAME
+    return torch.load(rng, map_location="cpu", weights_only=True) if rng.exists() else None
