@@ -27,12 +27,12 @@ import torch
 from tqdm import tqdm
 
 from core import evaluate, runtime
-from core.weights import resolver
-from core.data.chat import ChatTemplate
 from core.config import parse_args
+from core.data.chat import ChatTemplate
 from core.data.loader import TokenData, read_meta
-from core.errors import Stopped, UserError, run_cli
 from core.data.tokenizer import check_same_tokenizer, token_bytes
+from core.errors import Stopped, UserError, run_cli
+from core.weights import resolver
 
 TASKS = ("perplexity", "hellaswag", "chat")
 

@@ -28,13 +28,13 @@ from typing import Sequence
 
 import torch
 
-from core.weights import hf, resolver
-from core.data.chat import JINJA_TEMPLATE, ChatTemplate
 from core.config import parse_args
-from core.runtime import DTYPES
-from core.errors import UserError, run_cli
+from core.data.chat import JINJA_TEMPLATE, ChatTemplate
 from core.data.hf_tokenizer import save_hf_tokenizer
 from core.data.tokenizer import END_OF_TEXT, CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_meta
+from core.errors import UserError, run_cli
+from core.runtime import DTYPES
+from core.weights import hf, resolver
 from model import GPT
 
 CHECK_TOKENS = 1024  # the longest sequence check_logits compares

@@ -29,12 +29,12 @@ from typing import Sequence
 import torch
 
 from core import runtime
-from core.weights import resolver
-from core.data.chat import ChatTemplate, stream_reply
 from core.config import parse_args
-from core.errors import UserError, run_cli
+from core.data.chat import ChatTemplate, stream_reply
 from core.data.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
 from core.decoding.decode import check_sampling_args, generate, generate_stream, inference_model, window_shift
+from core.errors import UserError, run_cli
+from core.weights import resolver
 from model import GPT
 
 SEPARATOR = "---------------"

@@ -31,13 +31,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from core import config as configlib, evaluate, runtime
-from core.training import checkpointing, flops, memory, optim, parallel, run_dir
-from core.weights import resolver
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
-from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run_cli
-from core.training.runlog import RunLog, format_duration
 from core.data.tokenizer import check_extends, check_same_ids, tokenizer_from_meta, tokenizer_meta
+from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run_cli
+from core.training import checkpointing, flops, memory, optim, parallel, run_dir
+from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
+from core.weights import resolver
 from model import GPT, GPTConfig
 
 

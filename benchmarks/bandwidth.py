@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from core.decoding.decode import inference_model
 from core import markdown, runtime
 from core.cpu import PackedLinear
+from core.decoding.decode import inference_model
 from model import GPT, GPTConfig
 
 

@@ -17,8 +17,8 @@ import torch
 from benchmarks import train
 from benchmarks.common import cpu_peak_extra_bytes, cuda_peak_extra_bytes, median_time, mib, model_text, num
 from core import cpu, markdown, runtime
-from core.training import optim, parallel
 from core.fileio import write_json
+from core.training import optim, parallel
 from core.training.memory import MemoryEstimate, estimate_training_memory, parameter_count
 from model import GPT, GPT2_SHAPES, GPTConfig
 

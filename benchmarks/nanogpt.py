@@ -14,9 +14,9 @@ import torch
 
 from benchmarks import common
 from core import runtime
-from core.training import optim
-from core.data.writer import write_dataset
 from core.data.tokenizer import CharTokenizer
+from core.data.writer import write_dataset
+from core.training import optim
 from core.training.train_config import TrainConfig, get_lr
 from model import GPT
 

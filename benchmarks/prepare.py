@@ -13,9 +13,9 @@ from pathlib import Path
 from benchmarks import common
 from benchmarks.common import median_time, num
 from core import markdown, runtime
-from core.errors import UserError
 from core.data.corpus import TextPrepareConfig, prepare_text_corpus
 from core.data.tokenizer import GPT2Tokenizer
+from core.errors import UserError
 
 
 @dataclasses.dataclass

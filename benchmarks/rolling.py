@@ -13,8 +13,8 @@ import torch
 
 from benchmarks import decode
 from benchmarks.common import at_least, median_time, model_text, num
-from core.decoding.decode import generate_stream
 from core import markdown, runtime
+from core.decoding.decode import generate_stream
 from model import GPT
 
 

@@ -38,12 +38,12 @@ import torch
 
 from benchmarks.common import ROOT, at_least, int_list, num, section_list
 from core import markdown, runtime
-from core.training import checkpointing
 from core.config import read_config_file
-from core.serving.engine import BatchEngine, EngineRequest, EngineSettings, engine_sampling
-from core.errors import UserError
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
 from core.decoding.decode import inference_model, window_shift
+from core.errors import UserError
+from core.serving.engine import BatchEngine, EngineRequest, EngineSettings, engine_sampling
+from core.training import checkpointing
 from model import GPT, GPTConfig
 
 QUICKSTART = "config/train_shakespeare_char_cpu.py"

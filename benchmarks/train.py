@@ -12,8 +12,8 @@ import torch
 
 from benchmarks.common import OOM, median_time, mib, model_text, num, or_oom
 from core import cpu, markdown, runtime
-from core.training import flops, optim
 from core.errors import UserError, first_line
+from core.training import flops, optim
 from model import GPT, GPTConfig
 
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from core.data.loader import TokenData
-from core.errors import UserError
 from core.data.tokenizer import Tokenizer
+from core.errors import UserError
 
 
 def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

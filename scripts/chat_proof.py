@@ -17,10 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repo importable
 
 from core import evaluate  # noqa: E402
-from core.weights import checkpoint
 from core.data.chat import ChatTemplate  # noqa: E402
 from core.data.loader import read_meta  # noqa: E402
 from core.data.tokenizer import tokenizer_from_meta  # noqa: E402
+from core.weights import checkpoint
 
 BASE = "out-shakespeare-char-cpu"
 HELDOUT = "data/chat/tasks_heldout.jsonl"

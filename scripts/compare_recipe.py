@@ -36,10 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
 from core import config as configlib, cpu, evaluate, markdown, runtime  # noqa: E402
-from core.training import optim
 from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.fileio import write_json  # noqa: E402
+from core.training import optim
 from core.training.train_config import RECIPE_KEYS, TrainConfig, get_lr, make_optimizer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 

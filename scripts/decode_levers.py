@@ -30,10 +30,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
 from benchmarks import bandwidth  # noqa: E402
-from core import cpu  # noqa: E402
-from core.decoding.decode import inference_model, keep_float32_head  # noqa: E402
-from core import runtime  # noqa: E402
+from core import cpu, runtime  # noqa: E402
 from core.config import parse_args  # noqa: E402
+from core.decoding.decode import inference_model, keep_float32_head  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from model import GPT  # noqa: E402
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
+from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (REPO_ROOT, TINY_TRAIN, assert_user_error, cli_args, flip_a_weight_bit, make_char_dataset,
                            run_main, run_many, train_tiny)
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from benchmarks import bandwidth
-from core import cpu
-from core.decoding.decode import inference_model
-from core import runtime
+from core import cpu, runtime
 from core.cpu import PackedLinear
+from core.decoding.decode import inference_model
 from model import GPT, GPTConfig
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=40, dropout=0.0)

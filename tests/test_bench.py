@@ -18,8 +18,7 @@ import torch
 
 import bench
 from benchmarks import attention, common, decode, train
-from core import cpu
-from core import runtime
+from core import cpu, runtime
 from core.errors import UserError
 from model import GPT, GPTConfig
 from tests.helpers import cli_args, one_thread, use_gpt2_bpe

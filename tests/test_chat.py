@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from core import evaluate
-from core.weights import checkpoint
 from core.data.chat import ChatTemplate, with_chat_tokens
 from core.data.loader import TokenData, apply_loss_mask, batch_generator, read_meta
-from core.errors import UserError
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, check_special_tokens, tokenizer_from_meta
+from core.errors import UserError
+from core.weights import checkpoint
 from model import GPT, GPTConfig
 from tests.helpers import (REPO_ROOT, assert_user_error, make_char_dataset, make_chat_dataset, run_main, run_script,
                            train_tiny, use_gpt2_bpe)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-import core.fileio
 from core.data.loader import TokenData, batch_generator, read_meta
 from core.data.writer import ShardWriter, write_dataset, write_tokens
 from core.errors import UserError
+import core.fileio
 
 ROOT = Path(__file__).resolve().parents[1]
 

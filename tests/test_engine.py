@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from core.serving.engine import (BatchEngine, EngineRequest, EngineSettings, PromptScores, ServerStopping,
                                  adjust_logits, engine_sampling, ragged_groups)
-from core.serving.process import EngineProcess
-from core.evaluate import token_losses
-from core.weights.resolver import load_model
 from core.decoding.decode import Sampling, generate
+from core.evaluate import token_losses
+from core.serving.process import EngineProcess
+from core.weights.resolver import load_model
 from model import GPT, GPTConfig
 from tests.helpers import ROMEO_JULIET, make_char_dataset, one_thread, train_tiny
 

@@ -17,8 +17,8 @@ from torch.nn import functional as F
 import eval as eval_script
 from core import evaluate
 from core.data.loader import TokenData
-from core.errors import UserError
 from core.data.tokenizer import CharTokenizer
+from core.errors import UserError
 from tests.helpers import (assert_user_error, make_char_dataset, make_gpt2_dataset, needs_transformers, records,
                            run_main, run_script, train_tiny, use_gpt2_bpe)
 

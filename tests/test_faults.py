@@ -26,9 +26,9 @@ import torch
 
 import model as modellib
 import train
+from core.errors import UserError
 from core.training import checkpointing, runlog
 from core.weights.checkpoint import load_checkpoint
-from core.errors import UserError
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
                            cli_args, flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
 

@@ -25,11 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import common
-from benchmarks import memory as bench_memory
+from benchmarks import common, memory as bench_memory
+from core.errors import UserError
 from core.training import checkpointing, parallel
 from core.weights import checkpoint
-from core.errors import UserError
 from model import GPT, GPTConfig
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
                            cli_args, losses, make_char_dataset, run_main, run_scripts, train_tiny)

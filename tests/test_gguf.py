@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import export
-from core.errors import UserError
 from core.data.tokenizer import GPT2Tokenizer, HFTokenizer
+from core.errors import UserError
 from model import GPT, GPTConfig, llama3_frequencies
 from tests.helpers import REPO_ROOT, needs_transformers, use_gpt2_bpe
 

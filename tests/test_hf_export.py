@@ -22,11 +22,11 @@ import eval as eval_script
 import export
 import sample
 import train
-from core.decoding.decode import generate
-from core.weights import hf, resolver
-from core.data.writer import write_dataset
 from core.data.hf_tokenizer import hf_backend, save_hf_tokenizer
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer
+from core.data.writer import write_dataset
+from core.decoding.decode import generate
+from core.weights import hf, resolver
 from model import GPT, GPTConfig
 from tests.helpers import (REPO_ROOT, assert_user_error, make_char_dataset, needs_transformers, run_main,
                            train_tiny, use_gpt2_bpe)

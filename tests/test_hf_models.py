@@ -18,9 +18,9 @@ import torch
 
 import export
 import sample
-from core.weights import hf
 from core.data.hf_tokenizer import load_hf_tokenizer
 from core.data.tokenizer import CharTokenizer
+from core.weights import hf
 from tests.helpers import needs_transformers, run_main
 from tests.test_hf_export import PROMPTS, attention_peak
 

@@ -20,10 +20,10 @@ import eval as eval_script
 import sample
 import train
 from core import evaluate, runtime
-from core.training import memory, run_dir
-from core.weights import checkpoint, resolver
 from core.data.loader import TokenData
 from core.data.tokenizer import CharTokenizer
+from core.training import memory, run_dir
+from core.weights import checkpoint, resolver
 from model import GPTConfig
 from tests.helpers import (assert_user_error, char_data_fixture, cli_args, losses, records, run_main, run_scripts,
                            train_tiny)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import export
-from core.decoding.decode import generate
 from core.data.tokenizer import GPT2_VOCAB, CharTokenizer, GPT2Tokenizer
+from core.decoding.decode import generate
 from model import GPT, GPTConfig
 from tests.helpers import REPO_ROOT, needs_transformers, use_gpt2_bpe
 

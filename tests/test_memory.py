@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import train
-from benchmarks import common
-from benchmarks import memory as bench_memory
+from benchmarks import common, memory as bench_memory
 from core.training import memory
 from core.weights import resolver
 from model import GPT, GPT2_SHAPES, GPTConfig

@@ -19,11 +19,10 @@ import eval as eval_script
 import sample
 import train
 from benchmarks import common
-from core import cpu
-from core.decoding.decode import generate, inference_model, keep_float32_head
-from core import runtime
-from core.weights.checkpoint import load_checkpoint
+from core import cpu, runtime
 from core.cpu import PackedLinear
+from core.decoding.decode import generate, inference_model, keep_float32_head
+from core.weights.checkpoint import load_checkpoint
 from model import GPT, CausalSelfAttention, GPTConfig
 from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, run_main, train_tiny
 

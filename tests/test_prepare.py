@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import core.data.corpus_tokenizer
-import core.data.sources
 from core.data.loader import TokenData
-from core.errors import UserError
+import core.data.sources
 from core.data.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
+from core.errors import UserError
 from tests.helpers import assert_user_error, run_scripts, use_gpt2_bpe
 
 ROOT = Path(__file__).resolve().parents[1]

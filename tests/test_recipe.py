@@ -12,14 +12,13 @@ import torch
 import torch.nn as nn
 
 import train
-from core import cpu
+from core import config as configlib, cpu, runtime
 from core.decoding.decode import generate
-from core import config as configlib, runtime
+from core.errors import UserError
 from core.training import optim
 from core.weights.checkpoint import load_checkpoint
-from core.weights.resolver import load_model
-from core.errors import UserError
 from core.weights.hf import non_gpt2_fields, to_transformers
+from core.weights.resolver import load_model
 from model import GPT, GPTConfig, CausalSelfAttention, apply_rope, rope_angles, swiglu_hidden
 from tests.helpers import TINY_TRAIN, assert_user_error, char_data_fixture, cli_args, fake_cpu, run_script, train_tiny
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from core import runtime
-from core.training import flops
 from core.errors import UserError
+from core.training import flops
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, cli_args,
                            fake_cpu, run_scripts)
 
@@ -256,8 +256,8 @@ SLOW_FIRST_SAVE = '''
 import sys, time
 sys.path.insert(0, {repo!r})
 import train
-from core.training import checkpointing
 from core.errors import run_cli
+from core.training import checkpointing
 
 real_save, slept = checkpointing.save_checkpoint, []
 def slow_save(*args, **kwargs):

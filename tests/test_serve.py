@@ -28,10 +28,10 @@ openai = pytest.importorskip("openai")
 
 import serve  # noqa: E402
 from core.data.chat import ChatTemplate, with_chat_tokens  # noqa: E402
-from core.data.writer import write_dataset  # noqa: E402
-from core.weights import resolver  # noqa: E402
 from core.data.tokenizer import CharTokenizer  # noqa: E402
+from core.data.writer import write_dataset  # noqa: E402
 from core.serving.openai import ChoiceText, completion_logprobs  # noqa: E402
+from core.weights import resolver  # noqa: E402
 from tests.helpers import (ROMEO_JULIET, assert_user_error, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)
 

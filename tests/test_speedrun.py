@@ -10,8 +10,8 @@ import pytest
 import bench
 import plot
 from benchmarks import common, race, speedrun
-from core.training import optim
 from core.errors import UserError
+from core.training import optim
 from tests.helpers import cli_args, make_char_dataset, one_thread
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60

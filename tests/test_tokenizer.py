@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.data.chat import CHAT_TOKENS, ChatTemplate, with_chat_tokens
 import core.data.corpus
 import core.data.corpus_tokenizer
-from core.data.chat import CHAT_TOKENS, ChatTemplate, with_chat_tokens
 from core.data.loader import TokenData
 from core.data.tokenizer import EOT, BPETokenizer, GPT2Tokenizer, check_extends, tokenizer_from_meta, train_bpe
 from tests.helpers import REPO_ROOT, assert_user_error, needs_transformers, run_main, train_tiny, use_gpt2_bpe

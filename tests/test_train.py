@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import train
-from core.weights.checkpoint import load_checkpoint
 from core.errors import UserError
+from core.weights.checkpoint import load_checkpoint
 import model as modellib
 from tests.helpers import (REPO_ROOT, TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, cli_args, losses,
                            make_char_dataset, make_chat_dataset, records, run_main, spy_optimizer_steps, train_tiny)

@@ -24,9 +24,9 @@ their ids when it was trained.
 """
 from __future__ import annotations
 
+from core.data.tokenizer import GPT2_VOCAB, Tokenizer, reserved_tokens
 from core.decoding.decode import generate_stream
 from core.errors import UserError
-from core.data.tokenizer import GPT2_VOCAB, Tokenizer, reserved_tokens
 
 TEMPLATE_NAME = "role-tokens-v1"
 SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"

@@ -38,8 +38,8 @@ from typing import AsyncIterator
 import torch
 from torch.nn import functional as F
 
-from core.errors import first_line
 from core.decoding.decode import Sampling, check_sampling_args, draw, exponential_noise, sampling_probs, slide_window
+from core.errors import first_line
 from model import GPT
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs

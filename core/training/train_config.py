@@ -5,10 +5,10 @@ read the same config files, so it lives here rather than in train.py.
 import dataclasses
 import math
 
-from core.training import optim, parallel
-from core.weights import resolver
 from core.config import field_help
 from core.errors import UserError
+from core.training import optim, parallel
+from core.weights import resolver
 from model import CHOICES, RECIPE_SWITCHES, GPTConfig
 
 # The model keys are GPTConfig's fields, each with GPTConfig's default, except vocab_size: None there

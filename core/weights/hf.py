@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from core.errors import UserError, first_line
 from core.data.hf_tokenizer import load_hf_tokenizer
 from core.data.tokenizer import GPT2Tokenizer, Tokenizer
+from core.errors import UserError, first_line
 from model import CHOICES, GPT, GPT2_HUB_NAMES, RECIPE_SWITCHES, GPTConfig, swiglu_hidden
 
 # GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from core.weights import checkpoint, hf  # hf imports transformers only inside its functions
-from core.errors import UserError, first_line
 from core.data.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
+from core.errors import UserError, first_line
 from model import GPT, GPT2_HUB_NAMES, GPT2_SHAPES, GPTConfig
 
 
