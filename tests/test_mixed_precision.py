@@ -22,8 +22,9 @@ from benchmarks import common
 from core import cpu, runtime
 from core.cpu import PackedLinear
 from core.decoding.decode import generate, inference_model, keep_float32_head
+from core.training import parallel
 from core.weights.checkpoint import load_checkpoint
-from model import GPT, CausalSelfAttention, GPTConfig
+from model import GPT, CausalSelfAttention, GPTConfig, Kernels
 from tests.helpers import TINY_TRAIN, char_data_fixture, one_thread, records, run_main, train_tiny
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -263,6 +264,20 @@ def test_bf16_decoding_packs_nothing_where_bf16_is_not_native(trained, monkeypat
     monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert not packed_any(inference_model(model_from_checkpoint(trained), BF16))
+
+
+def test_every_training_and_decoding_model_carries_the_cpus_kernel_choices():
+    """The CPU's kernel choices (core/cpu.py's CPUKernels: the short-attention math backend below, the one-row
+    GEMV) act only where they are set from outside: parallelize sets them for every training run, inference_model
+    for every decoding one, on the model and each attention; a bare GPT keeps torch's own choice."""
+    def kernels(model):
+        return {type(m.kernels) for m in model.modules() if isinstance(m, (GPT, CausalSelfAttention))}
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40)
+    assert kernels(GPT(config)) == {Kernels}
+    fp32 = runtime.Runtime("cpu", "cpu", "float32")
+    assert kernels(parallel.parallelize(GPT(config), fp32, "ddp", activation_checkpointing=False, compile=False)) == \
+        {cpu.CPUKernels}
+    assert kernels(inference_model(GPT(config), fp32)) == {cpu.CPUKernels}
 
 
 def test_short_bf16_training_attention_takes_the_math_backend(monkeypatch):
