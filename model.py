@@ -518,7 +518,7 @@ class GPT(nn.Module):
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run every forward with kernels' choices (core/cpu.py's CPUKernels): this model and its attention."""
-        for module in (self, *self.modules()):
+        for module in self.modules():  # this model among them
             if isinstance(module, (GPT, CausalSelfAttention)):
                 module.kernels = kernels
 

@@ -54,7 +54,7 @@ class SampleConfig:
     stop_at_eot: bool = False        # end a sample at <|endoftext|> (GPT-2 BPE; char vocabularies have none)
     truncate_prompt: bool = False    # a prompt longer than the context keeps its last block_size tokens
     use_cache: bool = True           # False recomputes the whole context for every token (slow; for checks)
-    window_shift: int | None = None  # past block_size the window slides this many tokens at once (model.generate);
+    window_shift: int | None = None  # past block_size the window slides this many tokens at once (decode.generate);
                                      # None: block_size // 2, so the cache stays fast; 1: nanoGPT's exact sliding
     stream: bool | None = None       # print tokens as they are produced; None: only when num_samples == 1
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps

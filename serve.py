@@ -12,7 +12,7 @@ its out_dir's folder name (or init_from), unless --model_name says otherwise.
 
 Requests are batched continuously by core/serving/engine.py's BatchEngine (on a CPU in a process of its own,
 core/serving/process.py's EngineProcess): one forward per step decodes the next token of every running
-request, each with its own seeded generator, so a request's text is what model.generate gives it alone.
+request, each with its own seeded generator, so a request's text is what decode.generate gives it alone.
 Every request field is implemented or refused with a 400 that names it: the request models, their checks
 and errors, and the replies' shapes are core/serving/openai.py's; the metrics core/serving/metrics.py's.
 Here: ServeConfig, the routes at module level over app.state.served (an openai.ServedModel), build_app, and

@@ -49,8 +49,8 @@ def get_batch(path: Path, block_size: int, batch_size: int, device: str, generat
 
 
 def adamw(model: GPT, recipe: TrainConfig, device_type: str) -> torch.optim.AdamW:
-    """nanoGPT's optimizer: AdamW over nanoGPT's configure_optimizers groups (core.training.optim's AdamW), fused only on CUDA (the per-tensor
-    loop elsewhere); each group's base_lr is the peak rate, for optim.set_lr."""
+    """nanoGPT's optimizer: AdamW over the groups of nanoGPT's configure_optimizers (core.training.optim's AdamW),
+    fused only on CUDA (the per-tensor loop elsewhere); each group's base_lr is the peak rate, for optim.set_lr."""
     betas = (recipe.beta1, recipe.beta2)
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
               for g in optim.build_optimizer(model, "adamw", recipe.learning_rate, recipe.weight_decay, betas,

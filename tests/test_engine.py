@@ -1,5 +1,5 @@
 """core/serving/engine.py's BatchEngine (and core/serving/process.py's EngineProcess): continuous batching equals
-model.generate row for row, one forward per step for every row, logprobs, penalties and logit_bias, the cap on
+decode.generate row for row, one forward per step for every row, logprobs, penalties and logit_bias, the cap on
 rows in flight.
 
     python -m pytest tests/test_engine.py
@@ -47,7 +47,7 @@ def trained(tmp_path_factory):
 
 
 def alone(model, prompt, n, max_tokens, temperature, seed, eot=None):
-    """What model.generate gives this request by itself, as lists of new ids per row."""
+    """What decode.generate gives this request by itself, as lists of new ids per row."""
     s = Sampling(temperature=temperature, generator=torch.Generator().manual_seed(seed), window_shift=SHIFT,
                  vocab_size=model.config.vocab_size, eot_token=eot)
     return generate(model, torch.tensor([prompt] * n), max_tokens, s)[:, len(prompt):].tolist()

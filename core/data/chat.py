@@ -173,7 +173,7 @@ def _short(value, limit: int = 60) -> str:
 
 def stream_reply(model, template: ChatTemplate, prompt: list[int], max_new_tokens: int, **sampling):
     """Yield the reply's token ids to `prompt` (render_prompt's ids) as they are sampled, stopping
-    before <|end|> (or any role token) or after max_new_tokens. `sampling`: model.generate_stream's
+    before <|end|> (or any role token) or after max_new_tokens. `sampling`: decode.generate_stream's
     temperature, top_k, top_p, generator, use_cache. Ids past the tokenizer's (a padded vocabulary's
     unused rows) are never drawn."""
     import torch

@@ -22,7 +22,7 @@ The decoding math is model.py's, not a second copy: sample_next's parts draw eac
 request's own generator (every request with one setting in one call: sampling_probs over all their rows, the
 noise from each request's generator, one draw), slide_window moves a row's context window past block_size as
 generate does (refilling the row's cache, as generate refills its own), and tokens not yet in the cache are
-fed as generate's _next_logits feeds them. So a request's text is what model.generate gives for it alone
+fed as generate's _next_logits feeds them. So a request's text is what decode.generate gives for it alone
 (tests/test_engine.py), whatever runs beside it, up to the rounding of batched matmuls (which has not
 changed a token in the tests). A request's n choices share its generator, so they are sampled together (one
 noise tensor over n rows, as generate draws its batch) and leave the batch together.
