@@ -5,6 +5,8 @@
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py
     torchrun --nnodes=2 --node_rank=0 --rdzv_endpoint=HOST:29500 --nproc_per_node=8 train.py config/gpt2_small.py
     python train.py --init_from=resume --out_dir=out-shakespeare-char   # continue a run: its config.json, ckpt.pt
+    torchrun --standalone --nproc_per_node=8 --max-restarts=3 train.py config/gpt2_small.py --init_from=auto
+                                        # start, or continue after a restart, requeue or preemption (docs/training.md)
     python train.py config/train_shakespeare_char_cpu.py config/sft_tasks_char.py   # chat fine-tune of that base
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/training/parallel.py
 
@@ -63,6 +65,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     starting = "before training started; nothing was written"  # what a signal during start-up leaves
     stop.check(starting)
     with alike_on_every_rank():
+        run_dir.check_ranks_agree(cfg, rt)  # init_from=auto: each decided alone
         accum = local_accum_steps(cfg, rt.world_size)
         out_dir = run_dir.check_out_dir(cfg)
         data_meta = read_meta(cfg.data_dir)
@@ -218,11 +221,16 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
 def parse_config(argv) -> TrainConfig:
     """The TrainConfig defaults, then config files, then --key=value; with init_from=resume, the run's own
     out_dir/config.json in place of the defaults, so `--init_from=resume --out_dir=RUN` is the whole command.
+    init_from=auto becomes resume when out_dir holds a checkpoint, else scratch (run_dir.auto_init_from).
     Keys given still apply on top of it (max_iters, eval_interval, ...); those a checkpoint cannot take, such
     as another n_layer, are refused when the checkpoint loads."""
     cfg = configlib.parse_args(TrainConfig, argv, validate=False)
+    init_from = cfg.init_from
+    if init_from == "auto":  # decided here, once: resume or scratch from now on
+        init_from = run_dir.auto_init_from(cfg.out_dir)
+        argv = [*argv, f"--init_from={init_from}"]
     saved = Path(cfg.out_dir) / "config.json"
-    if resolver.kind_of(cfg.init_from) != "resume" or not saved.is_file():
+    if resolver.kind_of(init_from) != "resume" or not saved.is_file():
         return configlib.parse_args(TrainConfig, argv)
     try:
         run = json.loads(saved.read_text())

@@ -27,7 +27,7 @@ import torch
 import model as modellib
 import train
 from core.errors import UserError
-from core.training import checkpointing, runlog
+from core.training import checkpointing, run_dir, runlog
 from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
                            cli_args, flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
@@ -442,6 +442,43 @@ def test_no_intact_checkpoint_is_one_clear_error(tmp_path, data_dir):
     assert_user_error(run_main(train.main, argv), "ckpt.pt is truncated or corrupt")
 
 
+# --- init_from=auto: one command starts a run and continues it -----------------------------------
+
+def test_init_from_auto_starts_then_resumes_exactly_and_refuses_another_model(tmp_path, data_dir, reference_10):
+    """The same command twice: the first starts from scratch in an empty out_dir, the second (after a
+    stop at iteration 6) resumes it as --init_from=resume would, to losses equal to an uninterrupted run's.
+    A command whose model differs from the checkpoint's is refused in one line, as resume refuses it."""
+    auto = SHORT_RUN | dict(init_from="auto")
+    first = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, **auto))
+    assert first.returncode == 0 and "resuming" not in first.stdout, first.stderr
+    second = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, **(auto | dict(max_iters=10))))
+    assert second.returncode == 0, second.stderr
+    assert f"resuming from {tmp_path / 'ckpt.pt'} at iter 6" in second.stdout
+    assert losses(tmp_path) == reference_10
+    assert_user_error(run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, **auto, n_layer=2)),
+                      "config n_layer=2 differs from the checkpoint's 1")
+
+
+def test_init_from_auto_continues_from_the_previous_checkpoint_alone(tmp_path, data_dir):
+    """A kill between a save's two renames can leave only the previous checkpoint: auto resumes it, never
+    starts afresh over it."""
+    assert run_dir.auto_init_from(tmp_path) == "scratch"
+    (tmp_path / "ckpt.prev.dcp").mkdir()
+    assert run_dir.auto_init_from(tmp_path) == "resume"
+
+
+class TwoRanks:
+    """A Runtime's any_rank as two ranks that answer differently: one resumes, one starts afresh."""
+    def any_rank(self, *flags):
+        return [True for _ in flags]
+
+
+def test_ranks_that_decide_auto_differently_are_refused():
+    cfg = train.configlib.parse_args(train.TrainConfig, ["--init_from=resume", "--out_dir=shared"])
+    with pytest.raises(UserError, match="holds a checkpoint on some ranks and not on others"):
+        run_dir.check_ranks_agree(cfg, TwoRanks())
+
+
 # --- a non-finite loss -------------------------------------------------------------------------
 
 def record_saves(monkeypatch) -> list[bytes]:
@@ -562,15 +599,31 @@ DDP_RUN = dict(gradient_accumulation_steps=2, max_iters=30, lr_decay_iters=30, l
                checkpoint_interval=1, dist_timeout_s=30.0)
 
 
-def kill_rank(proc: subprocess.Popen, rank: int, out_dir: Path, after_iter: int) -> None:
-    """SIGKILL torchrun's worker of `rank` once out_dir/log.jsonl reaches iteration `after_iter`."""
+def kill_rank(proc: subprocess.Popen, rank: int, out_dir: Path, after_iter: int, mid_save: bool = False) -> None:
+    """SIGKILL torchrun's worker of `rank` once out_dir/log.jsonl reaches iteration `after_iter` (mid-step), or
+    (mid_save, rank 0) at its next checkpoint write after that, frozen while its temporary file exists."""
     def reached() -> bool:
         """the job to reach the iteration"""
         return last_logged_iter(out_dir) >= after_iter
 
     assert wait_for(reached, proc, timeout=120, poll=0.02), "the job ended before the kill"
     workers = {int(process_env(pid).get("RANK", -1)): pid for pid in child_pids(proc.pid)}
-    os.kill(workers[rank], signal.SIGKILL)
+    pid = workers[rank]
+    if mid_save:
+        def saving() -> bool:
+            """rank 0 writing a checkpoint"""
+            return bool(temp_files(out_dir, pid, prefix=".ckpt"))
+
+        for _ in range(100):  # as kill_at_a_random_moment: stop it, and kill it only if still mid-write
+            assert wait_for(saving, proc, timeout=60, poll=0.0005), "the job ended before the kill"
+            os.kill(pid, signal.SIGSTOP)
+            wait_stopped(pid)
+            if saving():
+                break
+            os.kill(pid, signal.SIGCONT)
+        else:
+            raise AssertionError("100 checkpoint writes each finished before the process could be stopped")
+    os.kill(pid, signal.SIGKILL)
 
 
 def stop_job(proc: subprocess.Popen) -> None:
@@ -588,13 +641,15 @@ def stop_job(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_torchrun_rank_killed_ends_the_job_or_restarts_it_from_the_checkpoint(tmp_path, data_dir):
-    """torchrun with 2 gloo processes, one SIGKILLed. With --max-restarts=0 the job ends within seconds,
-    non-zero, naming the dead rank. Relaunched with --init_from=resume --max-restarts=1 and killed
-    again, torchrun restarts both workers, which resume from the newest checkpoint and complete the
-    run: its losses match one process accumulating both micro-batches. Nothing hangs: every wait here
-    is bounded, and dist_timeout_s bounds any collective a dead peer would block."""
-    out = tmp_path / "ddp"
-    job = start_train(out, data_dir, "no_restart", launcher=(*TORCHRUN, "--max-restarts=0"), **DDP_RUN)
+    """torchrun with 2 gloo processes and --init_from=auto, one worker SIGKILLed. With --max-restarts=0
+    the job ends within seconds, non-zero, naming the dead rank. The same command with --max-restarts=1,
+    its rank 0 killed inside a checkpoint write: torchrun restarts both workers, auto resumes them from the
+    newest complete checkpoint, and the run completes with per-iteration losses equal to an uninterrupted
+    2-process run's bit for bit. Nothing hangs: every wait here is bounded, and dist_timeout_s bounds any
+    collective a dead peer would block."""
+    out, auto = tmp_path / "ddp", DDP_RUN | dict(init_from="auto")
+    reference = start_train(tmp_path / "reference", data_dir, "reference", launcher=TORCHRUN, **auto)
+    job = start_train(out, data_dir, "no_restart", launcher=(*TORCHRUN, "--max-restarts=0"), **auto)
     try:
         kill_rank(job, rank=1, out_dir=out, after_iter=4)
         killed = time.monotonic()
@@ -607,22 +662,21 @@ def test_torchrun_rank_killed_ends_the_job_or_restarts_it_from_the_checkpoint(tm
     assert "Root Cause" in stderr and "rank      : 1" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
     first_stop = load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"]
 
-    job = start_train(out, data_dir, "restart", launcher=(*TORCHRUN, "--max-restarts=1"), **DDP_RUN,
-                      init_from="resume")
+    job = start_train(out, data_dir, "restart", launcher=(*TORCHRUN, "--max-restarts=1"), **auto)
     try:
-        kill_rank(job, rank=0, out_dir=out, after_iter=first_stop + 3)
+        kill_rank(job, rank=0, out_dir=out, after_iter=first_stop + 3, mid_save=True)
         job.wait(timeout=180)
+        reference.wait(timeout=180)
     finally:
         stop_job(job)
+        stop_job(reference)
     stdout = (tmp_path / "restart.out").read_text()
     assert job.returncode == 0, (tmp_path / "restart.err").read_text()[-3000:]
+    assert reference.returncode == 0, (tmp_path / "reference.err").read_text()[-3000:]
     resumed = [int(line.rsplit(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("resuming from")]
     assert len(resumed) == 2 and first_stop <= resumed[0] < resumed[1], stdout  # the restart used a newer save
+    assert "resuming" not in (tmp_path / "reference.out").read_text()  # auto in an empty out_dir: scratch
     assert load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"] == DDP_RUN["max_iters"]
     assert temp_files(out) == []
-
-    train_tiny(tmp_path / "single", data_dir, **DDP_RUN)
-    ddp, single = losses(out), losses(tmp_path / "single")
-    assert [it for it, _ in ddp] == [it for it, _ in single] == list(range(DDP_RUN["max_iters"]))
-    for (it, d), (_, s) in zip(ddp, single):  # two processes all-reduce in another order than one: rounding
-        assert d == pytest.approx(s, rel=1e-4, abs=1e-5), it
+    assert losses(out) == losses(tmp_path / "reference")
+    assert [it for it, _ in losses(out)] == list(range(DDP_RUN["max_iters"]))

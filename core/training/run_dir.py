@@ -1,6 +1,8 @@
 """The run directory's guards: what train.py checks about out_dir and the weights a run starts from,
 before it trains (each a one-line UserError), and the lines it prints about them.
 
+    auto_init_from(out_dir)                   init_from=auto decided: resume when out_dir holds a checkpoint
+    check_ranks_agree(cfg, rt)                every rank decided init_from alike
     check_out_dir(cfg)                        before any work: out_dir is writable, and a new run never
                                               replaces another run's checkpoint (describe_checkpoint)
     write_run_config(cfg, out_dir, rt)        out_dir/config.json, once the run is about to train
@@ -28,6 +30,26 @@ from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 # out_dir, before the run and as it starts
+
+
+def auto_init_from(out_dir: str | os.PathLike) -> str:
+    """init_from=auto: 'resume' when out_dir holds a checkpoint, else 'scratch'. One command then starts a run
+    and continues it after torchrun restarts its workers, SLURM requeues it or a spot machine comes back.
+    The previous checkpoints count too: a kill between a sharded save's two renames leaves only ckpt.prev.dcp
+    (resume falls back to it), and that run must continue, not start again over it."""
+    names = (checkpoint.CKPT_NAME, checkpoint.PREV_NAME, checkpoint.SHARDED_NAME, checkpoint.PREV_SHARDED_NAME)
+    return "resume" if any((Path(out_dir) / name).exists() for name in names) else "scratch"
+
+
+def check_ranks_agree(cfg: TrainConfig, rt: Runtime) -> None:
+    """Every rank read out_dir on its own (train.parse_config) before the process group existed: one that
+    resumes beside one that starts afresh would train different iterations and hang or diverge. They agree
+    when out_dir is one shared directory, as a resume needs; nothing writes a checkpoint before this check."""
+    resuming = resolver.kind_of(cfg.init_from) == "resume"
+    some, not_all = rt.any_rank(resuming, not resuming)
+    if some and not_all:
+        raise UserError(f"out_dir '{cfg.out_dir}' holds a checkpoint on some ranks and not on others; every "
+                        f"process must see the same out_dir (a directory all nodes share)")
 
 
 def check_out_dir(cfg: TrainConfig) -> Path:

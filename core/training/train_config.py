@@ -47,7 +47,8 @@ class TrainConfig(ModelKeys):
     hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
-    init_from: str = "scratch"            # 'scratch', 'resume', a base run's out_dir (its weights, a new run),
+    init_from: str = "scratch"            # 'scratch', 'resume', 'auto' (resume if out_dir holds a checkpoint, else
+                                          # scratch), a base run's out_dir (its weights, a new run),
                                           # a GPT-2 name, or a transformers folder (docs/interop.md)
     overwrite: bool = False               # a new run may replace the checkpoint out_dir already holds
     # logging
