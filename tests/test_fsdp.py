@@ -30,7 +30,7 @@ from core.errors import UserError
 from core.training import checkpointing, parallel
 from core.weights import checkpoint
 from model import GPT, GPTConfig
-from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
+from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids, process_env,
                            cli_args, losses, make_char_dataset, run_main, run_scripts, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -150,49 +150,47 @@ def wait_until(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.002)
 
 
+def kill_worker(proc: subprocess.Popen, rank: int) -> None:
+    """SIGKILL one of torchrun's workers; torchrun (--max-restarts) stops the other and restarts both."""
+    workers = {int(process_env(pid).get("RANK", -1)): pid for pid in child_pids(proc.pid)}
+    os.kill(workers[rank], signal.SIGKILL)
+
+
+def attempt_started(proc: subprocess.Popen, started: int) -> bool:
+    """Whether torchrun has started a worker group other than those of the pids in `started`."""
+    return bool(set(child_pids(proc.pid)) - started) and len(child_pids(proc.pid)) == 2
+
+
 @pytest.mark.slow
-def test_sigkill_mid_run_and_mid_save_then_resume_equals_uninterrupted(runs, data_dir, tmp_path):
-    """2-process fsdp saving every iteration, SIGKILLed (all processes) once inside a save (its temporary
-    directory exists) and once between saves; each resume loads a complete checkpoint, and the finished
-    run's losses equal the uninterrupted 2-process run's bit for bit."""
+def test_elastic_restarts_mid_save_and_mid_run_equal_uninterrupted(runs, data_dir, tmp_path):
+    """One command, `torchrun --max-restarts=2 ... --init_from=auto`, in an empty out_dir: 2-process fsdp
+    saving every iteration. Its rank 1 is SIGKILLed inside a save (the temporary directory exists), then,
+    after the restart, its rank 0 between saves. torchrun restarts the workers each time, auto resumes them
+    from the newest complete sharded checkpoint, and the finished run's losses equal the uninterrupted
+    2-process run's bit for bit."""
     out = tmp_path / "killed"
-    cfg = dict(parallel="fsdp", activation_checkpointing=True, checkpoint_interval=1)
+    cfg = dict(parallel="fsdp", activation_checkpointing=True, checkpoint_interval=1, init_from="auto")
     temp = out / checkpointing.SHARDED_TEMP
     newest = out / checkpoint.SHARDED_NAME / checkpoint.META_NAME
-
-    def launch(name: str, **extra) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.out", "w") as o, open(tmp_path / f"{name}.err", "w") as e:
-            return subprocess.Popen([sys.executable, *TORCHRUN, "train.py", *argv(out, data_dir, **cfg, **extra)],
-                                    cwd=REPO_ROOT, stdout=o, stderr=e,
-                                    env=os.environ | ONE_THREAD_ENV | {"PYTHONUNBUFFERED": "1"})
-
-    job = launch("first")
+    with open(tmp_path / "job.out", "w") as o, open(tmp_path / "job.err", "w") as e:
+        job = subprocess.Popen([sys.executable, *TORCHRUN, "--max-restarts=2", "--monitor-interval=0.1", "train.py",
+                                *argv(out, data_dir, **cfg)], cwd=REPO_ROOT, stdout=o, stderr=e,
+                               env=os.environ | ONE_THREAD_ENV | {"PYTHONUNBUFFERED": "1"})
     try:
         wait_until(lambda: saved_iter(newest.parent) >= 3, job)
         wait_until(temp.exists, job)  # the next save has begun: the processes are writing their shards
-        kill_job(job)
-    finally:
-        if job.poll() is None:
-            kill_job(job)
-    assert temp.exists()  # killed mid-save
-    saved = checkpoint.read_sharded_meta(out / checkpoint.SHARDED_NAME)["iter_num"]  # intact
-    job = launch("second", init_from="resume")
-    try:
-        wait_until(lambda: saved_iter(newest.parent) >= saved + 3, job)
+        first = set(child_pids(job.pid))
+        kill_worker(job, rank=1)
+        wait_until(lambda: attempt_started(job, first), job)
+        wait_until(lambda: saved_iter(newest.parent) >= 8, job)
         time.sleep(0.05)
-        kill_job(job)
+        kill_worker(job, rank=0)
+        assert job.wait(timeout=240) == 0, (tmp_path / "job.err").read_text()[-3000:]
     finally:
         if job.poll() is None:
             kill_job(job)
-    job = launch("third", init_from="resume")
-    try:
-        assert job.wait(timeout=180) == 0, (tmp_path / "third.err").read_text()[-3000:]
-    finally:
-        if job.poll() is None:
-            kill_job(job)
-    for name in ("second", "third"):
-        text = (tmp_path / f"{name}.out").read_text()
-        assert "resuming from" in text and "warning" not in text, text
+    text = (tmp_path / "job.out").read_text()
+    assert text.count("resuming from") == 2 and "warning" not in text, text
     assert not temp.exists()
     assert dict(losses(out)) == dict(losses(runs["fsdp2"]))
 
