@@ -21,6 +21,7 @@ the command (check_port, serve, main).
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
+import asyncio
 import dataclasses
 import hmac
 import ipaddress
@@ -45,11 +46,12 @@ from core.data.chat import ChatTemplate
 from core.data.tokenizer import Tokenizer
 from core.decoding.decode import inference_model, window_shift
 from core.errors import UserError, first_line, run_cli
-from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineSettings
+from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineDied, EngineSettings
 from core.serving.metrics import Metrics
 from core.serving.openai import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, ServedModel,
                                  TokenizeRequest, api_error, check_length, check_model, check_params, crash,
-                                 engine_request, error_body, http_error, invalid, messages_of, prompts_of, reply)
+                                 engine_dead_body, engine_died, engine_request, error_body, http_error, invalid,
+                                 messages_of, prompts_of, reply)
 from core.serving.process import EngineProcess
 from core.weights import resolver
 from model import GPT
@@ -125,6 +127,8 @@ async def page():
 @router.get("/health")
 async def health(request: Request):
     served = served_model(request)
+    if served.engine.failure is not None:  # a load balancer stops sending here; the server is about to exit
+        return JSONResponse(engine_dead_body(served.engine.failure), status_code=503)
     return {"status": "ok", "model": served.name, "chat": served.template is not None,
             "auth": served.api_key is not None, "context_length": served.block_size,
             "running": served.engine.running, "waiting": served.engine.waiting_count(),
@@ -271,10 +275,29 @@ def replay(body: bytes, receive):
     return again
 
 
+# How long a server whose engine died goes on answering 503 (to /health and to requests) before it exits
+# non-zero: long enough for a probe to see why, short enough that its supervisor restarts it soon.
+ENGINE_DEATH_EXIT_S = 5.0
+
+
+async def exit_when_the_engine_dies(app) -> None:
+    """As vLLM's API server does: once the engine is dead, say so in one line, then stop uvicorn (main exits 1)."""
+    engine = app.state.engine
+    while engine.failure is None:
+        await asyncio.sleep(0.2)
+    print(f"error: {engine.failure}; /health answers 503, and the server exits in {ENGINE_DEATH_EXIT_S:.0f} s "
+          f"so that its supervisor restarts it", file=sys.stderr, flush=True)
+    await asyncio.sleep(ENGINE_DEATH_EXIT_S)
+    if (server := getattr(app.state, "server", None)) is not None:
+        server.should_exit = True
+
+
 @asynccontextmanager
 async def lifespan(app):
     app.state.served.engine.start()
+    watch = asyncio.create_task(exit_when_the_engine_dies(app))
     yield
+    watch.cancel()
     app.state.served.engine.stop()
 
 
@@ -301,7 +324,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
                                    int(time.time()), metrics)
     app.state.engine = engine
     for kind, handler in ((APIError, api_error), (RequestValidationError, invalid), (HTTPException, http_error),
-                          (Exception, crash)):
+                          (EngineDied, engine_died), (Exception, crash)):
         app.add_exception_handler(kind, handler)
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
     app.include_router(router)
@@ -340,7 +363,8 @@ def serve(app, host: str, port: int) -> None:
                 self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
             self.should_exit = True
 
-    Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")).run()
+    app.state.server = Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info"))
+    app.state.server.run()
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -367,6 +391,8 @@ def main(argv: Sequence[str]) -> None:
         print(f"warning: serving on {cfg.host} without an API key: anyone who can reach it can use the model; "
               f"pass --api_key=... or set {API_KEY_ENV}", file=sys.stderr)
     serve(app, cfg.host, cfg.port)
+    if app.state.engine.failure is not None:  # said in one line when it died (exit_when_the_engine_dies)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -518,6 +518,43 @@ def test_the_engine_is_a_process_of_its_own_on_a_cpu_and_ends_with_the_server(ch
         assert gone(kid)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from /proc (Linux)")
+@pytest.mark.parametrize("when", ["streaming", "idle"])
+def test_a_dead_engine_is_503_then_the_server_exits_for_its_supervisor(char_out, tmp_path, when):
+    """kill -9 of the engine process, during a stream or on an idle server: the stream ends with an error event,
+    /health and new requests answer 503 in OpenAI's shape naming the cause, and the server then exits 1 with
+    one line (as vLLM's API server exits when its engine dies), for its supervisor to restart it."""
+    server = Server(tmp_path, f"--out_dir={char_out}", "--model_name=romeo", "--max_tokens_limit=100000")
+    try:
+        (kid,) = children(server.proc.pid)
+        if when == "streaming":
+            stream = iter(server.client().completions.create(model="romeo", prompt="ROMEO:", max_tokens=100000,
+                                                             stream=True))
+            next(stream)  # generating
+            os.kill(kid, signal.SIGKILL)
+            with pytest.raises(openai.APIError, match=r"the engine process has ended \(exit code -9\)"):
+                list(stream)
+        else:
+            os.kill(kid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while (health := httpx.get(server.url + "/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "/health still answers 200"
+            time.sleep(0.05)
+        assert health.status_code == 503
+        assert health.json()["error"]["code"] == "engine_dead"
+        assert "the engine process has ended (exit code -9)" in health.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError) as refused:
+            complete(server, prompt="ROMEO:", max_tokens=5)
+        assert refused.value.status_code == 503 and "exit code -9" in refused.value.message
+        assert server.proc.wait(60) == 1
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    lines = [line for line in server.output().splitlines() if line.startswith("error:")]
+    assert "Traceback" not in server.output() and len(lines) == 1, server.output()
+    assert "the engine process has ended (exit code -9)" in lines[0] and "supervisor restarts it" in lines[0]
+
+
 def test_engine_choice_is_checked(char_out):
     model, tok, _ = resolver.load_model("resume", str(char_out))
     cfg = serve.ServeConfig(engine="process")

@@ -99,6 +99,10 @@ class ServerStopping(Exception):
     pass
 
 
+class EngineDied(Exception):
+    """The engine's process ended on its own (killed, out of memory): nothing can be generated any more."""
+
+
 def adjust_logits(logits: torch.Tensor, counts: torch.Tensor | None, presence: float, frequency: float,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """OpenAI's penalties and logit_bias on logits (n, V): minus frequency * (times the row has generated the
@@ -198,6 +202,7 @@ class BatchEngine:
         self.waiting: list[Handle] = []  # taken from pending, not yet admitted (no room)
         self.outbox: list[tuple[Handle, object]] = []  # this step's events, sent together by _flush
         self.stopping = threading.Event()
+        self.failure: str | None = None  # never set: a failing step fails its requests, the thread goes on
         self.running = 0  # requests in the batch (for /health and /metrics)
         self.tokens_generated = 0  # steps taken, one per request per step (for /health)
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)

@@ -23,7 +23,8 @@ from core.data.chat import ChatTemplate
 from core.data.tokenizer import StreamDecoder, Tokenizer
 from core.decoding.decode import check_sampling_args
 from core.errors import UserError, first_line
-from core.serving.engine import BatchEngine, EngineRequest, PromptScores, ServerStopping, TokenScore, engine_sampling
+from core.serving.engine import (BatchEngine, EngineDied, EngineRequest, PromptScores, ServerStopping, TokenScore,
+                                 engine_sampling)
 from core.serving.metrics import Metrics
 from core.serving.process import EngineProcess
 
@@ -125,6 +126,17 @@ async def invalid(request, e: RequestValidationError):
 
 async def http_error(request, e: HTTPException):
     return JSONResponse(error_body(str(e.detail), code=str(e.status_code)), status_code=e.status_code)
+
+
+def engine_dead_body(failure: str) -> dict:
+    """What /health and every request answer (503) once the engine process has died: serve.py then exits
+    non-zero so that its supervisor restarts it (docs/serving.md, "When the engine dies")."""
+    return error_body(f"{failure}; the server cannot generate and is exiting, to be restarted by its supervisor",
+                      "server_error", code="engine_dead")
+
+
+async def engine_died(request, e: EngineDied):
+    return JSONResponse(engine_dead_body(str(e)), status_code=503)
 
 
 async def crash(request, e: Exception):
@@ -463,6 +475,8 @@ async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest]
             yield "data: [DONE]\n\n"
         except ServerStopping:
             yield sse(error_body("the server is shutting down; the reply is incomplete", "server_error"))
+        except EngineDied as e:
+            yield sse(engine_dead_body(str(e)))
         except Exception as e:  # the headers are sent: the error goes in the stream, as OpenAI's does
             yield sse(error_body(first_line(e), "server_error"))
     return StreamingResponse(events(), media_type="text/event-stream",

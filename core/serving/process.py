@@ -18,7 +18,8 @@ import threading
 import torch
 
 from core.errors import first_line
-from core.serving.engine import BatchEngine, EngineRequest, EngineSettings, Handle, ServerStopping, check_submission
+from core.serving.engine import (BatchEngine, EngineDied, EngineRequest, EngineSettings, Handle, ServerStopping,
+                                 check_submission)
 from model import GPT
 
 
@@ -159,6 +160,7 @@ class EngineProcess:
         self.next_id = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.running = self.waiting = self.tokens_generated = 0
+        self.failure: str | None = None  # why the process ended, once it has ended on its own (serve.py's /health)
         self.send_lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
 
@@ -181,8 +183,8 @@ class EngineProcess:
 
     def submit(self, req: EngineRequest, loop: asyncio.AbstractEventLoop) -> Handle:
         check_submission(req, self.settings, self.stopping)
-        if not self.process.is_alive():
-            raise RuntimeError(f"generation failed: the engine process has ended (exit code {self.process.exitcode})")
+        if self.failure is not None or not self.process.is_alive():
+            raise EngineDied(self.failure or f"the engine process has ended (exit code {self.process.exitcode})")
         self.loop = loop  # one server, one event loop
         self.next_id += 1
         handle = self.handles[self.next_id] = ProcessHandle(req, loop, self, self.next_id)
@@ -200,7 +202,11 @@ class EngineProcess:
                     self.loop.call_soon_threadsafe(self._deliver, *message[1:])
                 except RuntimeError:  # the event loop has closed (shutting down)
                     return
-        end = ServerStopping() if self.stopping.is_set() else RuntimeError(f"generation failed: {message[1]}")
+        if self.stopping.is_set():
+            end = ServerStopping()
+        else:
+            self.failure = f"the engine process has ended (exit code {self.process.exitcode})"
+            end = EngineDied(self.failure)
         if self.loop is not None:
             try:
                 self.loop.call_soon_threadsafe(self._fail_all, end)
