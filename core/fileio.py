@@ -1,9 +1,72 @@
-"""Atomic file writes: a reader sees the old file or the complete new one, never a part."""
+"""Atomic file writes: a reader sees the old file or the complete new one, never a part. And a full disk
+(ENOSPC, EDQUOT) as one line, wherever it strikes: a checkpoint, log.jsonl, a dataset, an exported folder.
+
+    with space_for(path, needed=nbytes, then="the previous checkpoint ckpt.pt (iter 40) is intact"):
+        ...  # a write that may fill the disk: a UserError naming path, the space needed and free, and `then`
+"""
 import contextlib
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Iterator
+
+from core.errors import UserError
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How libraries that write outside Python report it: safetensors (Rust's io::Error), torch's C++ writer.
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether e, or an exception it was raised from or during, is a full disk or an exceeded quota."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL or any(t in str(e) for t in DISK_FULL_TEXT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def format_bytes(n: int) -> str:
+    """'651.2 kB', '1.4 GB': a size as a person reads it."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free space on the filesystem that holds path (or its nearest existing parent), or None."""
+    existing = next((p for p in (Path(path), *Path(path).parents) if p.exists()), Path("."))
+    try:
+        return shutil.disk_usage(existing).free
+    except OSError:
+        return None
+
+
+def disk_full_error(path: str | os.PathLike, needed: int | None, then: str) -> UserError:
+    """The one line for a write to path that ran out of space."""
+    free = free_bytes(path)
+    size = " and ".join(([f"it needs about {format_bytes(needed)}"] if needed else [])
+                        + ([f"{format_bytes(free)} is free"] if free is not None else []))
+    return UserError(f"no space left to write {path} (No space left on device, or over quota){': ' if size else ''}"
+                     f"{size}; {then}")
+
+
+@contextlib.contextmanager
+def space_for(path: str | os.PathLike, needed: int | None = None, then: str = "") -> Iterator[None]:
+    """A full disk inside (an OSError, or a library's own error for one) becomes disk_full_error; `then` says
+    what is intact and what to do. Any other error passes as it is."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise disk_full_error(path, needed, then) from None
 
 
 def fsync_dir(path: Path) -> None:

@@ -541,8 +541,8 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, data_dir, reference_1
             return real_save(obj, f, *args, **kwargs)
         buffer = io.BytesIO()
         real_save(obj, buffer, *args, **kwargs)
-        Path(f).write_bytes(buffer.getvalue()[: buffer.tell() // 3])  # part of it fits, then the disk is full
-        raise no_space(f)
+        f.write(buffer.getvalue()[: buffer.tell() // 3])  # part of it fits, then the disk is full
+        raise no_space(f.name)
 
     def link_unsupported(src, dst, *args, **kwargs):
         raise OSError(errno.EPERM, os.strerror(errno.EPERM), str(dst))
@@ -564,9 +564,9 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, data_dir, reference_1
     else:
         monkeypatch.setattr(runlog, "open", open_log_fills_disk, raising=False)  # the log's one home
     result = run_main(train.main, train_argv(out_dir=tmp_path, data_dir=data_dir, **SHORT_RUN))
-    assert_user_error(result, "No space left on device")
-    if where != "log":
-        assert "the previous checkpoint is intact" in result.stderr
+    written = tmp_path / ("log.jsonl" if where == "log" else "ckpt.pt")
+    assert_user_error(result, f"no space left to write {written} (No space left on device", "it needs about",
+                      f"the last intact checkpoint, {tmp_path / 'ckpt.pt'} (iter 2), is untouched")
     assert len(saved) == 1 and (tmp_path / "ckpt.pt").read_bytes() == saved[0]
     assert load_checkpoint(tmp_path / "ckpt.pt")["meta"]["iter_num"] == 2
     assert temp_files(tmp_path) == []
@@ -574,6 +574,39 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, data_dir, reference_1
     monkeypatch.undo()  # space again
     train_tiny(tmp_path, data_dir, **(SHORT_RUN | dict(max_iters=10, init_from="resume")))
     assert losses(tmp_path) == reference_10
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 320 kB filesystem (tmpfs): one SHORT_RUN checkpoint (~205 kB) fits, a second beside it does not."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320k", "tmpfs", str(mount)], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_really_full_disk_is_one_line_and_resume_is_exact(tmp_path, small_disk, data_dir, reference_10):
+    """Training into a 320 kB tmpfs: the second save cannot fit. The run ends with one line naming the file,
+    the space it needed and the checkpoint that is intact; no temporary file is left; moved to a disk with
+    space, the run resumes from that checkpoint exactly."""
+    out = small_disk / "out"
+    result = run_main(train.main, train_argv(out_dir=out, data_dir=data_dir, **SHORT_RUN))
+    assert_user_error(result, f"no space left to write {out / 'ckpt.pt'} (No space left on device", "it needs about",
+                      "kB is free",
+                      f"the last intact checkpoint, {out / 'ckpt.pt'} (iter 2), is untouched")
+    assert temp_files(out) == []
+    assert load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"] == 2
+    moved = shutil.copytree(out, tmp_path / "moved")
+    train_tiny(moved, data_dir, **(SHORT_RUN | dict(max_iters=10, init_from="auto")))
+    assert losses(moved) == reference_10
 
 
 # --- an unwritable out_dir ---------------------------------------------------------------------

@@ -333,8 +333,11 @@ def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data
     before = {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()}
     argv = cli_args(TINY_TRAIN, out_dir=sharded_out, data_dir=data_dir)
     result = run_main(train.main, [*argv, "--parallel=fsdp", "--init_from=resume", "--max_iters=22"])
-    assert_user_error(result, "could not save a checkpoint", "No space left on device", "previous checkpoint is intact")
+    assert_user_error(result, f"no space left to write {sharded_out / checkpoint.SHARDED_NAME} (No space left on "
+                      f"device", "it needs about", f"the last intact checkpoint, {sharded_out / checkpoint.SHARDED_NAME} "
+                      f"(iter 20), is untouched")
     assert {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()} == before
+    assert not (sharded_out / checkpointing.SHARDED_TEMP).exists()  # the partial shards removed
 
 
 def test_parallel_mistakes_are_one_line(sharded_out, data_dir):

@@ -20,11 +20,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from core.errors import UserError, first_line
-from core.fileio import atomic_path, fsync_dir, remove_orphaned_temps, write_json
+from core.fileio import atomic_path, disk_full_error, fsync_dir, is_disk_full, remove_orphaned_temps, write_json
 from core.runtime import Runtime
 from core.training import optim, parallel
 from core.weights.checkpoint import (CKPT_NAME, FORMAT, META_NAME, PREV_NAME, PREV_SHARDED_NAME, RNG_NAME,
-                                     SHARDED_FORMAT, SHARDED_NAME, crc32, one_process_quietly, read_shards)
+                                     SHARDED_FORMAT, SHARDED_NAME, crc32, find_checkpoint, load_checkpoint,
+                                     one_process_quietly, read_shards, read_sharded_meta)
 
 
 def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module, optimizer, scaler, rt: Runtime,
@@ -39,18 +40,50 @@ def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Modul
         raise UserError(f"the model has non-finite weights at iter {meta['iter_num']}; not saving over the last "
                         f"good checkpoint in {out_dir}")
     rng = gather_rng(rt)  # collective: every rank takes part
+    # The space a save takes, said only when the disk is full: every rank's shards, or the whole state.
+    needed = lambda: state_bytes([model.state_dict(), optimizer.state_dict()]) * (rt.world_size if sharded else 1)  # noqa: E731
     if sharded:
-        return _saving(out_dir, save_sharded, out_dir, meta, model, optimizer, rng)
-    return rt.on_master(lambda: _saving(out_dir, save_checkpoint, out_dir, meta, model.state_dict(),
-                                        optimizer.state_dict(), scaler.state_dict(), rng))
+        return _saving(Path(out_dir) / SHARDED_NAME, needed, save_sharded, out_dir, meta, model, optimizer, rng)
+    return rt.on_master(lambda: _saving(Path(out_dir) / CKPT_NAME, needed, save_checkpoint, out_dir, meta,
+                                        model.state_dict(), optimizer.state_dict(), scaler.state_dict(), rng))
 
 
-def _saving(out_dir, write, *args) -> Path:
+def _saving(path: Path, needed, write, *args) -> Path:
+    """write(*args), a failure one line naming path and the last intact checkpoint (a full disk: the space)."""
     try:
         return write(*args)
-    except OSError as e:
-        raise UserError(f"could not save a checkpoint in {out_dir}: {e.strerror or e}; "
-                        f"the previous checkpoint is intact") from None
+    except Exception as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, needed(), last_intact(path.parent)) from None
+        if not isinstance(e, OSError):
+            raise
+        raise UserError(f"could not save a checkpoint in {path.parent}: {e.strerror or e}; "
+                        f"{last_intact(path.parent)}") from None
+
+
+def last_intact(out_dir: Path) -> str:
+    """What a failed write leaves to go on from, for its one line: the newest intact checkpoint and its iteration."""
+    path = find_checkpoint(out_dir) or next((p for p in (out_dir / PREV_NAME, out_dir / PREV_SHARDED_NAME)
+                                             if p.exists()), None)
+    if path is None:
+        return "no checkpoint was saved yet"
+    try:
+        meta = read_sharded_meta(path) if path.is_dir() else load_checkpoint(path)["meta"]
+    except UserError:
+        return f"{path} is not intact: see its error at the next resume"
+    return (f"the last intact checkpoint, {path} (iter {meta.get('iter_num')}), is untouched: free space, then "
+            f"continue with --init_from=resume (or auto)")
+
+
+def state_bytes(obj) -> int:
+    """The bytes of the tensors in nested dicts and lists (a DTensor: this process's shard)."""
+    if isinstance(obj, torch.Tensor):
+        return parallel.local(obj).nbytes
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 def all_finite(module: torch.nn.Module, rt: Runtime) -> bool:
@@ -106,8 +139,8 @@ def save_checkpoint(out_dir: str | os.PathLike, meta: dict[str, Any], model: dic
              "optimizer": optimizer, "scaler": scaler, "rng": rng}
     remove_orphaned_temps(out_dir)  # left by a run killed mid-save
     _keep_previous(path)
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)  # through a Python file: a full disk is then an OSError (ENOSPC), not C++'s own error
     return path
 
 
@@ -167,7 +200,9 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
         with one_process_quietly():
             dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
                      no_dist=not dist.is_initialized())
-    except dcp.api.CheckpointException as e:
+    except dcp.api.CheckpointException as e:  # every rank is past its writes: rank 0 may remove them
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise OSError(f"writing the shards failed ({_first_failure(e)})") from None
     ok, error = True, ""
     if _rank() == 0:
@@ -180,6 +215,7 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
             _replace_dir(tmp, out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME)
         except OSError as e:
             ok, error = False, f"{e.strerror or e}"
+            shutil.rmtree(tmp, ignore_errors=True)
     _agree(ok, error)
     return out_dir / SHARDED_NAME
 

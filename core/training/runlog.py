@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from core.errors import UserError
-from core.fileio import atomic_path
+from core.fileio import atomic_path, disk_full_error, is_disk_full
 from core.runtime import Runtime
+from core.training.checkpointing import last_intact
 
 # log.jsonl's keys and wandb's names for them; hellaswag_acc becomes hellaswag/acc, and so on.
 WANDB_NAMES = {"iter": "iter", "train_loss": "train/loss", "val_loss": "val/loss", "loss": "train/loss_step",
@@ -48,25 +49,29 @@ class RunLog:
             # the log then reads as one run. A line cut short by a kill is dropped with them.
             kept = [line for line in path.read_text().splitlines() if _record_iter(line) < resume_iter]
             self.elapsed_before = max((_record_elapsed(line) for line in kept), default=0.0)
+            text = "".join(line + "\n" for line in kept)
             try:
                 with atomic_path(path) as tmp:
-                    tmp.write_text("".join(line + "\n" for line in kept))
+                    tmp.write_text(text)
             except OSError as e:
-                raise self._error(e) from None
+                raise self._error(e, len(text.encode())) from None
         self.wandb = _start_wandb(wandb_config) if wandb_config is not None else None
 
     def _append(self, record: dict) -> None:
+        line = json.dumps(record) + "\n"
         try:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(line)
         except OSError as e:  # disk full: stop with one line, the last checkpoint is intact
-            raise self._error(e) from None
+            raise self._error(e, len(line.encode())) from None
         if self.wandb:
             self.wandb.log({WANDB_NAMES[k] if k in WANDB_NAMES else k.replace("_", "/", 1): v
                             for k, v in record.items() if k in WANDB_NAMES or k.startswith("hellaswag_")})
 
-    def _error(self, e: OSError) -> UserError:
-        return UserError(f"could not write {self.path}: {e.strerror or e}; the last checkpoint is intact")
+    def _error(self, e: OSError, needed: int | None = None) -> UserError:
+        if is_disk_full(e):
+            return disk_full_error(self.path, needed, last_intact(self.path.parent))
+        return UserError(f"could not write {self.path}: {e.strerror or e}; {last_intact(self.path.parent)}")
 
 
 def _record_elapsed(line: str) -> float:
