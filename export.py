@@ -33,6 +33,7 @@ from core.data.chat import JINJA_TEMPLATE, ChatTemplate
 from core.data.hf_tokenizer import save_hf_tokenizer
 from core.data.tokenizer import END_OF_TEXT, CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_meta
 from core.errors import UserError, run_cli
+from core.fileio import atomic_dir, space_for
 from core.runtime import DTYPES
 from core.weights import hf, resolver
 from model import GPT
@@ -118,12 +119,16 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
     hf_model = hf.to_transformers(model.float(), tok.eot_token, gen["bos_token_id"])
     if check:
         check_logits(model, hf_model)
-    directory = Path(directory)
-    hf_model.to(DTYPES[dtype]).save_pretrained(directory)
-    GenerationConfig(**gen).save_pretrained(directory)
-    chat = ChatTemplate.for_tokenizer(tok) is not None  # apply_chat_template then renders our ids
-    save_hf_tokenizer(tok, directory, model.config.block_size, extra_special_tokens,
-                      chat_template=JINJA_TEMPLATE if chat else None)
+    hf_model.to(DTYPES[dtype])
+    needed = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    # Written whole or not at all: a full disk leaves no half folder that looks like a model.
+    with space_for(directory, needed, "nothing was written there: free space and export again"), \
+            atomic_dir(directory) as tmp:
+        hf_model.save_pretrained(tmp)
+        GenerationConfig(**gen).save_pretrained(tmp)
+        chat = ChatTemplate.for_tokenizer(tok) is not None  # apply_chat_template then renders our ids
+        save_hf_tokenizer(tok, tmp, model.config.block_size, extra_special_tokens,
+                          chat_template=JINJA_TEMPLATE if chat else None)
     return arch
 
 

@@ -1,5 +1,6 @@
 """User-facing failures: one clear line and a non-zero exit, never a traceback."""
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -32,6 +33,22 @@ class Stopped(Exception):
         self.signal_name = signal_name
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How libraries that write outside Python report it: safetensors (Rust's io::Error), a DCP shard's failure.
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    """Whether e, or an exception it was raised from or during, is a full disk or an exceeded quota."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL or any(t in str(e) for t in DISK_FULL_TEXT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def first_line(e: BaseException, limit: int = 200) -> str:
     """The first line of an exception's message (its type's name when it has none), for a one-line error."""
     text = str(e).strip()
@@ -52,7 +69,7 @@ def quiet_start(module_name: str) -> None:
 
 
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
-    """Run a script's main(argv); turn a UserError into `error: ...` on stderr and exit 2."""
+    """Run a script's main(argv); turn a UserError (or a full disk) into `error: ...` on stderr and exit 2."""
     argv = sys.argv[1:] if argv is None else argv
     if signal.getsignal(signal.SIGINT) is _interrupted_at_start:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # main's own stop flags take it from here
@@ -71,4 +88,10 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
     except BrokenPipeError:  # stdout closed early, e.g. `| head`: not an error worth a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+    except Exception as e:
+        if not is_disk_full(e):  # a full disk anywhere no write of ours expected it (core/fileio.space_for)
+            raise
+        where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"error: no space left on device{where} ({first_line(e)}); free space and run it again", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
     sys.exit(0)

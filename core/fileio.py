@@ -5,29 +5,13 @@
         ...  # a write that may fill the disk: a UserError naming path, the space needed and free, and `then`
 """
 import contextlib
-import errno
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
-from core.errors import UserError
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# How libraries that write outside Python report it: safetensors (Rust's io::Error), torch's C++ writer.
-DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """Whether e, or an exception it was raised from or during, is a full disk or an exceeded quota."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in DISK_FULL or any(t in str(e) for t in DISK_FULL_TEXT):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+from core.errors import UserError, is_disk_full
 
 
 def format_bytes(n: int) -> str:
@@ -97,6 +81,24 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """atomic_path for a folder: yield a temporary directory beside `path` (which is absent or an empty folder);
+    once the block ends, rename it to `path`. On any exception the temporary directory is removed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if path.is_dir():
+            path.rmdir()  # empty: a folder with files in it is an error here, never replaced
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def remove_orphaned_temps(directory: str | os.PathLike) -> list[Path]:

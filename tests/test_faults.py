@@ -30,7 +30,8 @@ from core.errors import UserError
 from core.training import checkpointing, run_dir, runlog
 from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
-                           cli_args, flip_a_weight_bit, losses, process_env, run_main, spy_optimizer_steps, train_tiny)
+                           cli_args, flip_a_weight_bit, losses, needs_transformers, process_env, run_main, run_script,
+                           spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
@@ -607,6 +608,63 @@ def test_a_really_full_disk_is_one_line_and_resume_is_exact(tmp_path, small_disk
     moved = shutil.copytree(out, tmp_path / "moved")
     train_tiny(moved, data_dir, **(SHORT_RUN | dict(max_iters=10, init_from="auto")))
     assert losses(moved) == reference_10
+
+
+def fill(mount: Path, leave: int) -> None:
+    """Take all but `leave` bytes of the filesystem at mount."""
+    (mount / "filler").write_bytes(b"\0" * (shutil.disk_usage(mount).free - leave))
+
+
+@pytest.mark.parametrize("what", ["prepare", "export"])
+def test_a_really_full_disk_while_preparing_or_exporting_is_one_line(tmp_path, small_disk, data_dir, what):
+    """data/text/prepare.py and export.py into a tmpfs with 16 kB left: one line naming the path and what is
+    free, exit 2, and nothing left behind (no temporary file, no half folder)."""
+    fill(small_disk, 16_000)
+    if what == "prepare":
+        (tmp_path / "book.txt").write_text(TEXT * 10)  # 50,000 characters: 100 kB of uint16 ids
+        result = run_script("data/text/prepare.py", f"--input={tmp_path / 'book.txt'}", "--tokenizer=char",
+                            f"--out_dir={small_disk / 'data'}")
+        assert_user_error(result, f"no space left to write {small_disk / 'data'}", "kB is free",
+                          "the dataset's earlier files are as they were")
+        assert sorted(os.listdir(small_disk / "data")) == []
+    else:
+        needs_transformers()
+        import export
+        train_tiny(tmp_path / "run", data_dir, max_iters=2, n_embd=64, n_head=2)  # ~0.1 MB of weights
+        result = run_main(export.main, [f"--out_dir={tmp_path / 'run'}", f"--hf_dir={small_disk / 'hf'}"])
+        assert_user_error(result, f"no space left to write {small_disk / 'hf'}", "it needs about", "kB is free",
+                          "nothing was written there")
+    assert sorted(os.listdir(small_disk)) == (["data", "filler"] if what == "prepare" else ["filler"])
+
+
+def test_a_full_disk_in_a_library_writer_is_one_line(tmp_path, data_dir, monkeypatch):
+    """Where no tmpfs can be mounted: ENOSPC as a token file's write and safetensors' own error for it (its
+    Rust writer's text) each become the one line, with the partial file or folder removed."""
+    from core.data import writer
+
+    class FullFile(io.FileIO):
+        def write(self, data):
+            super().write(bytes(data)[:100])
+            raise no_space(self.name)
+
+    monkeypatch.setattr(writer, "open", lambda path, mode: FullFile(path, mode), raising=False)
+    with pytest.raises(UserError, match=r"no space left to write .*train.bin .*it needs about 2.0 kB"):
+        writer.write_tokens(tmp_path / "train.bin", list(range(1000)))
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+
+    transformers = needs_transformers()
+    import export
+
+    def safetensors_full(self, directory, *args, **kwargs):
+        (Path(directory) / "model.safetensors").write_bytes(b"part")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", safetensors_full)
+    train_tiny(tmp_path / "run", data_dir, max_iters=2)
+    result = run_main(export.main, [f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
+    assert_user_error(result, f"no space left to write {tmp_path / 'hf'}", "nothing was written there")
+    assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
 # --- an unwritable out_dir ---------------------------------------------------------------------

@@ -21,9 +21,9 @@ from core.data.corpus_tokenizer import (check_tokenizer_spec, chunks_encode_whol
 from core.data.loader import shard_paths
 from core.data.sources import SHAKESPEARE_URL, script_out_dir, text_source
 from core.data.tokenizer import Tokenizer
-from core.data.writer import checked_ids, token_dtype, write_meta
+from core.data.writer import NOTHING_REPLACED, checked_ids, token_dtype, write_array, write_meta
 from core.errors import UserError
-from core.fileio import atomic_path
+from core.fileio import atomic_path, space_for
 
 
 @dataclasses.dataclass
@@ -196,7 +196,7 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
             if seg.end == seg.doc.chars and suffix:
                 ids.append(checked_ids(suffix, dtype, seg.split))
             for arr in ids:
-                arr.tofile(f)
+                write_array(f, arr)
                 counts[seg.split] += arr.size
     return counts
 
@@ -222,7 +222,7 @@ def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike
     dtype = token_dtype(tok)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:
+    with space_for(out_dir, None, NOTHING_REPLACED), contextlib.ExitStack() as stack:
         paths = {split: stack.enter_context(atomic_path(out_dir / f"{split}.bin")) for split in ("train", "val")}
         handles = {split: stack.enter_context(open(p, "wb")) for split, p in paths.items()}
         counts = encode_segments(tok, segments, handles, dtype)

@@ -15,7 +15,7 @@ import numpy as np
 from core.data.loader import shard_paths
 from core.data.tokenizer import HFTokenizer, Tokenizer
 from core.errors import UserError
-from core.fileio import atomic_path, fsync_dir, write_json
+from core.fileio import atomic_path, fsync_dir, space_for, write_json
 
 
 def checked_ids(ids, dtype, where: str) -> np.ndarray:
@@ -34,12 +34,22 @@ def checked_ids(ids, dtype, where: str) -> np.ndarray:
     return arr.astype(dtype, copy=False)
 
 
+# What a write of a dataset that ran out of space leaves (core/fileio.space_for's line ends with it).
+NOTHING_REPLACED = "the dataset's earlier files are as they were: free space and run prepare.py again"
+
+
 def write_tokens(path: str | os.PathLike, ids, dtype=np.uint16) -> int:
     """Write token ids to `path` atomically (whole file or nothing); return how many were written."""
     arr = checked_ids(ids, dtype, str(path))
-    with atomic_path(path) as tmp:
-        arr.tofile(tmp)
+    with space_for(path, arr.nbytes, NOTHING_REPLACED), atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write_array(f, arr)
     return int(arr.size)
+
+
+def write_array(f, arr: np.ndarray) -> None:
+    """arr's bytes to the open file f through Python's write, so that a full disk is an OSError with ENOSPC
+    (numpy's tofile reports only '43200 requested and 6144 written')."""
+    f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
 
 
 class ShardWriter:
@@ -72,7 +82,8 @@ class ShardWriter:
                 self._file = open(self.staging / self.names[-1], "wb")
                 self._in_shard = 0
             take = arr[: self.shard_tokens - self._in_shard]
-            self._file.write(take.tobytes())
+            with space_for(self.staging / self.names[-1], None, NOTHING_REPLACED):
+                write_array(self._file, take)
             self._in_shard += take.size
             self.num_tokens += take.size
             arr = arr[take.size:]
@@ -125,7 +136,8 @@ def write_dataset(out_dir: str | os.PathLike, tokenizer_meta: dict, splits: dict
         meta[f"{split}_tokens"] = write_tokens(out_dir / f"{split}.bin", ids, dtype)
         for stale in shard_paths(out_dir, split):  # from an earlier sharded prepare into this folder
             stale.unlink()
-    write_json(out_dir / "meta.json", meta)
+    with space_for(out_dir / "meta.json", None, NOTHING_REPLACED):
+        write_json(out_dir / "meta.json", meta)
     return meta
 
 
@@ -139,7 +151,9 @@ def write_meta(out_dir: Path, tok: Tokenizer, meta: dict) -> dict:
     the tools that read tokenizer.json), then meta.json, last: its token counts vouch for the token files."""
     meta = {**tok.meta(), "dtype": np.dtype(token_dtype(tok)).name, **meta}
     if isinstance(tok, HFTokenizer):
-        with atomic_path(out_dir / "tokenizer.json") as tmp:
+        with space_for(out_dir / "tokenizer.json", len(tok.json.encode()), NOTHING_REPLACED), \
+                atomic_path(out_dir / "tokenizer.json") as tmp:
             tmp.write_text(tok.json, encoding="utf-8")
-    write_json(out_dir / "meta.json", meta)
+    with space_for(out_dir / "meta.json", None, NOTHING_REPLACED):
+        write_json(out_dir / "meta.json", meta)
     return meta

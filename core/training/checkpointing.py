@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from core.errors import UserError, first_line
-from core.fileio import atomic_path, disk_full_error, fsync_dir, is_disk_full, remove_orphaned_temps, write_json
+from core.errors import UserError, first_line, is_disk_full
+from core.fileio import atomic_path, disk_full_error, fsync_dir, remove_orphaned_temps, write_json
 from core.runtime import Runtime
 from core.training import optim, parallel
 from core.weights.checkpoint import (CKPT_NAME, FORMAT, META_NAME, PREV_NAME, PREV_SHARDED_NAME, RNG_NAME,

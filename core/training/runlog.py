@@ -14,8 +14,8 @@ import math
 import time
 from pathlib import Path
 
-from core.errors import UserError
-from core.fileio import atomic_path, disk_full_error, is_disk_full
+from core.errors import UserError, is_disk_full
+from core.fileio import atomic_path, disk_full_error
 from core.runtime import Runtime
 from core.training.checkpointing import last_intact
 
