@@ -294,7 +294,7 @@ def teardown(rt: Runtime) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT. The work checks it at its next boundary (a training step, an eval batch,
+    """Set by SIGTERM/SIGINT, and SIGHUP (the terminal closed) unless it is ignored (nohup). The work checks it at its next boundary (a training step, an eval batch,
     a start-up phase) and stops there: train.py saves and exits 0. The first signal prints `message` at
     once (when `announce`), so a long step or batch is not mistaken for a lost Ctrl-C; a second SIGINT
     interrupts at once."""
@@ -305,6 +305,9 @@ class StopFlag:
     def install(self) -> "StopFlag":
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        hangup = getattr(signal, "SIGHUP", None)  # POSIX only
+        if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:  # nohup asked to keep going
+            signal.signal(hangup, self._handle)
         return self
 
     @property

@@ -31,6 +31,9 @@ SHARED_TIKTOKEN_CACHE = REPO_ROOT.parent / "shared" / "tiktoken_cache"
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # A model that trains in well under a second per 10 iterations on two CPU cores.
+# The signals train.py's stop flag takes (core/runtime.StopFlag): restored after a run in this process.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
 TINY_TRAIN = dict(
     n_layer=1, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=True,
     batch_size=8, gradient_accumulation_steps=1, max_iters=20,
@@ -134,13 +137,13 @@ def train_tiny(out_dir, data_dir, **overrides) -> Path:
     """Run train.main in-process on a tiny model (TINY_TRAIN, then overrides); returns out_dir/ckpt.pt.
 
     Any TrainConfig key can be overridden, e.g. vocab_size=80, max_iters=50, init_from="resume".
-    train.py installs SIGINT/SIGTERM handlers; they are restored afterwards so Ctrl-C still stops pytest.
+    train.py installs SIGINT/SIGTERM/SIGHUP handlers; they are restored afterwards so Ctrl-C still stops pytest.
     """
     import train
 
     cfg = TINY_TRAIN | {"out_dir": str(out_dir), "data_dir": str(data_dir)} | overrides
     argv = cli_args(cfg)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
         with one_thread():
             train.main(argv)
@@ -206,7 +209,7 @@ def run_main(main, argv: list[str]) -> subprocess.CompletedProcess:
     from core.errors import run_cli
 
     out, err = io.StringIO(), io.StringIO()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     code = None
     try:
         with one_thread(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

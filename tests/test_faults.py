@@ -248,12 +248,12 @@ def test_sigkill_at_random_moments_and_mid_save_then_resume_is_exact(tmp_path, d
 # --- SIGTERM / SIGINT --------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_sigterm_and_sigint_save_exit_zero_and_resume_exactly(tmp_path, data_dir):
-    """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) finish the current step, save, and exit 0
-    within seconds; resuming continues exactly as the uninterrupted run."""
+def test_sigterm_sigint_and_sighup_save_exit_zero_and_resume_exactly(tmp_path, data_dir):
+    """SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C) and SIGHUP (the terminal closed) finish the current
+    step, save, and exit 0 within seconds; resuming continues exactly as the uninterrupted run."""
     endless = dict(max_iters=10**6, lr_decay_iters=100, log_interval=1, dropout=0.1)
     procs = {sig: start_train(tmp_path / sig.name, data_dir, sig.name, **endless)
-             for sig in (signal.SIGTERM, signal.SIGINT)}
+             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     sent, stopped, at_signal = {}, {}, {}
     try:
         budget = Budget(120, *(proc.pid for proc in procs.values()))
