@@ -15,8 +15,9 @@ files that assign names), overridden by --key=value; a resumed run starts from i
 instead of the defaults. The resolved config is written
 to out_dir/config.json, and every logged iteration and eval to out_dir/log.jsonl.
 
-SIGTERM or SIGINT (Ctrl-C) finishes the current step or eval batch, saves a checkpoint of the last completed
-step and exits 0; during start-up it stops before training, writing nothing (exit 128 + the signal).
+SIGTERM, SIGINT (Ctrl-C) or SIGHUP (the terminal closed; ignored under nohup) finishes the current step or eval
+batch, saves a checkpoint of the last completed step and exits 0; during start-up it stops before training,
+writing nothing (exit 128 + the signal).
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line

@@ -30,7 +30,7 @@ from core.errors import UserError
 from core.training import checkpointing, run_dir, runlog
 from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
-                           cli_args, flip_a_weight_bit, losses, needs_transformers, process_env, run_main, run_script,
+                           cli_args, flip_a_weight_bit, losses, make_char_dataset, needs_transformers, process_env, run_main, run_script,
                            spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -667,6 +667,33 @@ def test_a_full_disk_in_a_library_writer_is_one_line(tmp_path, data_dir, monkeyp
     assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
+# --- a dataset changed under a run ---------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["truncated", "replaced"])
+def test_a_dataset_file_changed_while_training_reads_it_is_one_line(tmp_path, monkeypatch, how):
+    """train.bin cut short (reading past its new end through the memory map would be a bus error) or replaced
+    by another prepare.py (other tokens, in silence) after the save at iteration 2: the run stops with one
+    line naming the file, and the checkpoint it saved is intact."""
+    data = tmp_path / "data"
+    make_char_dataset(data, TEXT)
+
+    def change(optimizer, steps):
+        if steps == 3:
+            path = data / "train.bin"
+            if how == "truncated":
+                os.truncate(path, path.stat().st_size // 2)
+            else:
+                replacement = tmp_path / "train.bin.new"
+                shutil.copy(path, replacement)
+                os.replace(replacement, path)
+
+    spy_optimizer_steps(monkeypatch, after=change)
+    result = run_main(train.main, train_argv(out_dir=tmp_path / "out", data_dir=data, **SHORT_RUN))
+    assert_user_error(result, f"{data / 'train.bin'} {'changed size (' if how == 'truncated' else 'was replaced'}",
+                      "while training reads it", "the last checkpoint is intact")
+    assert load_checkpoint(tmp_path / "out" / "ckpt.pt")["meta"]["iter_num"] == 2
+
+
 # --- an unwritable out_dir ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("where", ["under_a_file", "is_a_file"])
@@ -681,6 +708,18 @@ def test_unwritable_out_dir_fails_before_any_training(tmp_path, data_dir, monkey
     assert_user_error(result, f"cannot write to out_dir '{out_dir}'", "choose a writable --out_dir")
     assert built == [] and result.stdout == ""
     assert blocker.read_text() == "not a directory\n"
+
+
+def test_a_read_only_out_dir_fails_before_any_training(tmp_path, small_disk, data_dir):
+    """A run on a filesystem mounted read-only (root is not stopped by chmod, but is by this): one line
+    before any training, for a new run and for a resume alike; the checkpoint there still samples."""
+    train_tiny(small_disk / "out", data_dir, **(SHORT_RUN | dict(max_iters=2)))  # one checkpoint fits
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    for init_from in ("scratch", "resume", "auto"):
+        result = run_main(train.main, train_argv(out_dir=small_disk / "new" if init_from == "scratch" else
+                                                 small_disk / "out", data_dir=data_dir, init_from=init_from))
+        assert_user_error(result, "cannot write to out_dir", "Read-only file system", "choose a writable --out_dir")
+    assert load_checkpoint(small_disk / "out" / "ckpt.pt")["meta"]["iter_num"] == 2
 
 
 # --- torchrun: a rank dies ---------------------------------------------------------------------

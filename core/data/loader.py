@@ -113,6 +113,7 @@ class TokenData:
                                 f"{vocab_size}; token ids would index past the embedding table")
         self.paths = self._find_files()
         self.sizes = [self._count_tokens(p) for p in self.paths]
+        self.identity = [self._identity(p) for p in self.paths]  # each batch checks its files are still these
         self.num_tokens = sum(self.sizes)
         expected = meta.get(f"{split}_tokens")
         if expected is not None and expected != self.num_tokens:
@@ -162,6 +163,27 @@ class TokenData:
             raise UserError(f"{single} not found; run the dataset's prepare.py (python {self.data_dir / 'prepare.py'})")
         return [single]
 
+    @staticmethod
+    def _identity(path: Path) -> tuple[int, int]:
+        st = path.stat()
+        return st.st_ino, st.st_size
+
+    def _map(self, f: int) -> np.memmap:
+        """File f, memory-mapped for one batch, once it is checked to be the file the run started with: one cut
+        short while mapped would end the process with a bus error, and one replaced by another prepare.py would
+        give other tokens in silence."""
+        path = self.paths[f]
+        try:
+            now = self._identity(path)
+        except OSError:
+            now = None
+        if now != self.identity[f]:
+            what = "was removed" if now is None else "was replaced" if now[0] != self.identity[f][0] else \
+                f"changed size ({self.identity[f][1]} bytes at the start, {now[1]} now)"
+            raise UserError(f"{path} {what} while training reads it; stopped before this step, the last checkpoint "
+                            f"is intact. Prepare into another folder while a run reads one, then resume")
+        return np.memmap(path, dtype=self.dtype, mode="r")
+
     def _count_tokens(self, path: Path) -> int:
         nbytes = path.stat().st_size
         if nbytes == 0:
@@ -191,7 +213,7 @@ class TokenData:
         for f in np.unique(file_idx):
             # A fresh memmap per batch: one kept open holds every page it ever touched as resident
             # memory, which grows toward the file size (nanoGPT's note on the memmap leak).
-            mm = np.memmap(self.paths[f], dtype=self.dtype, mode="r")
+            mm = self._map(f)
             for row in np.flatnonzero(file_idx == f):
                 buf[row] = mm[starts[row]: starts[row] + T + 1]
             del mm
@@ -207,7 +229,7 @@ class TokenData:
         picks = self.starts[torch.randint(len(self.starts), (batch_size,), generator=generator).numpy()]
         buf = np.zeros((batch_size, T + 1), dtype=np.int64)
         learned = np.zeros((batch_size, T + 1), dtype=bool)
-        mm = np.memmap(self.paths[0], dtype=self.dtype, mode="r")
+        mm = self._map(0)
         mask = None if self.mask_path is None else np.memmap(self.mask_path, dtype=np.uint8, mode="r")
         for row, s in enumerate(picks):
             e = min(s + T + 1, n)  # past the split's end: padding, never learned

@@ -58,7 +58,8 @@ def check_out_dir(cfg: TrainConfig) -> Path:
     out_dir = Path(cfg.out_dir)
     existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("."))
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "Not a directory" if not existing.is_dir() else "Permission denied"
+        why = ("Not a directory" if not existing.is_dir() else
+               "Read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "Permission denied")
         raise UserError(f"cannot write to out_dir '{out_dir}': {why}; choose a writable --out_dir")
     new_run = resolver.kind_of(cfg.init_from) != "resume" and not cfg.eval_only  # eval_only saves nothing
     found = checkpoint.find_checkpoint(out_dir) if new_run and not cfg.overwrite else None
