@@ -16,7 +16,7 @@ request, each with its own seeded generator, so a request's text is what decode.
 Every request field is implemented or refused with a 400 that names it: the request models, their checks
 and errors, and the replies' shapes are core/serving/openai.py's; the metrics core/serving/metrics.py's.
 Here: ServeConfig, the routes at module level over app.state.served (an openai.ServedModel), build_app, and
-the command (check_port, serve, main).
+the command (check_port, bind_port, serve, main).
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -336,18 +336,25 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
 
 
 def check_port(host: str, port: int) -> None:
-    """One line, before the model loads, when another program holds host:port (uvicorn would print its
-    own traceback-like report after the start-up line and exit 3)."""
-    if port == 0:
-        return
+    """One line, before the model loads, when another program holds host:port."""
+    if port != 0:
+        bind_port(host, port).close()
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, for uvicorn to serve on (serve), or one line when another program holds it:
+    uvicorn's own bind would print its log's report and exit 1, also when the port is taken while the model
+    loads, after check_port found it free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); another program may hold it: "
-                            f"choose another with --port=N") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); another program may hold it: "
+                        f"choose another with --port=N") from None
+    return sock
 
 
 def serve(app, host: str, port: int) -> None:
@@ -363,8 +370,10 @@ def serve(app, host: str, port: int) -> None:
                 self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
             self.should_exit = True
 
+    sock = bind_port(host, port)  # here, after the engine's fork: its process must not hold the port too
     app.state.server = Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info"))
-    app.state.server.run()
+    app.state.server.run(sockets=[sock])
+
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":

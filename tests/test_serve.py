@@ -203,6 +203,24 @@ def test_a_busy_port_is_one_line_naming_port_before_the_model_loads(char_out, mo
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_port_taken_while_the_model_loads_is_one_line(char_out, monkeypatch):
+    """The port is free at the check and taken before uvicorn would bind it: serve.py binds it itself and says so
+    in one line (uvicorn's bind would log its own report and exit 1)."""
+    load, port, holder = resolver.load_model, free_port(), socket.socket()
+
+    def load_then_take_the_port(*args):
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        return load(*args)
+
+    monkeypatch.setattr(resolver, "load_model", load_then_take_the_port)
+    with holder:
+        result = run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", f"--port={port}", "--engine=thread"])
+    assert_user_error(result, f"cannot listen on 127.0.0.1:{port}", "--port=N")
+    assert [line for line in result.stderr.splitlines() if line.startswith("error")] == [
+        result.stderr.strip().splitlines()[-1]]
+
+
 # -----------------------------------------------------------------------------
 # completions
 
