@@ -203,6 +203,24 @@ def test_a_busy_port_is_one_line_naming_port_before_the_model_loads(char_out, mo
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_client_that_sends_its_body_slowly_holds_only_its_own_connection(base):
+    """Slow clients (a body trickling in, or stalled half-way) each hold one connection and nothing else:
+    uvicorn reads bodies as they arrive, on the event loop, so other requests are served meanwhile; the body
+    limit (--max_body_bytes) bounds what one can send (docs/serving.md, "Slow clients")."""
+    slow = []
+    for _ in range(8):
+        s = socket.create_connection(("127.0.0.1", base.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\": \"romeo\", ")  # then nothing more
+        slow.append(s)
+    try:
+        assert base.health()["status"] == "ok"
+        assert complete(base, prompt="ROMEO:", max_tokens=5, temperature=0).choices[0].text
+    finally:
+        for s in slow:
+            s.close()
+
+
 def test_a_port_taken_while_the_model_loads_is_one_line(char_out, monkeypatch):
     """The port is free at the check and taken before uvicorn would bind it: serve.py binds it itself and says so
     in one line (uvicorn's bind would log its own report and exit 1)."""
