@@ -74,8 +74,8 @@ def test_char_prepare_round_trips(tmp_path):
 
 def test_char_prepare_full_shakespeare(tmp_path, corpus):
     meta = load_script("shakespeare_char").main([f"--input={corpus}", f"--out_dir={tmp_path}"])
-    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (65, 1_003_854, 111_540)
-    assert TokenData(tmp_path, "val", block_size=256, vocab_size=65).num_tokens == 111_540
+    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (66, 1_003_854, 111_540)  # 65 + eot
+    assert TokenData(tmp_path, "val", block_size=256, vocab_size=66).num_tokens == 111_540
 
 
 def test_bpe_prepare_matches_tiktoken(tmp_path, corpus, gpt2):

@@ -219,7 +219,6 @@ BAD_OPTIONS = [
     ([f"--start={'a' * (BLOCK_SIZE + 1)}"], [f"{BLOCK_SIZE + 1} tokens, longer than the model's context of "
                                              f"{BLOCK_SIZE}", "--truncate_prompt=True"]),
     (["--start=FILE:/nonexistent/prompt.txt"], ["cannot read prompt file '/nonexistent/prompt.txt'"]),
-    (["--start="], ["prompt is empty"]),
     (["--temperature=-0.5"], ["temperature must be >= 0"]),
     (["--top_k=0"], ["top_k must be at least 1"]),
     (["--top_p=0"], ["top_p must be in (0, 1]"]),
@@ -229,7 +228,6 @@ BAD_OPTIONS = [
     (["--window_shift=0"], ["window_shift must be at least 1"]),
     (["--window_shift=999"], ["window_shift 999 is larger than the model's block_size"]),
     (["--stream=True", "--num_samples=2"], ["stream=True prints one sample"]),
-    (["--stop_at_eot=True"], ["stop_at_eot=True needs an end-of-text token"]),
     (["--init_from=nowhere"], ["unknown init_from 'nowhere'"]),
     (["--tempreature=1"], ["unknown config key 'tempreature'", "did you mean 'temperature'"]),
     (["--top_k=many"], ["config key 'top_k' expects int"]),

@@ -20,8 +20,9 @@ import serve
 from core.data.hf_tokenizer import load_hf_tokenizer
 from core.data.tokenizer import END_OF_TEXT, CharTokenizer, GPT2Tokenizer, encode_prompt, train_bpe
 from core.data.corpus_tokenizer import bpe_reserved
+from core.weights import resolver
 from model import GPT, GPTConfig
-from tests.helpers import ROMEO_JULIET, needs_transformers, use_gpt2_bpe
+from tests.helpers import REPO_ROOT, ROMEO_JULIET, assert_user_error, needs_transformers, run_main, train_tiny, use_gpt2_bpe
 
 transformers = needs_transformers()
 TestClient = pytest.importorskip("fastapi.testclient").TestClient
@@ -77,3 +78,49 @@ def test_run_server_and_export_give_the_same_ids(kind, tmp_path):
     else:
         assert encode_prompt(tok, TEXT, BLOCK) == exported and info["eos_token_id"] == tok.eot_token
         assert exported_rows == model.config.vocab_size  # the export adds no head row
+
+
+def test_char_prepare_writes_end_of_text_after_the_characters(tmp_path):
+    import json as json_
+
+    from core.data.corpus import prepare_corpus
+
+    (tmp_path / "a.txt").write_text(ROMEO_JULIET)
+    (tmp_path / "b.txt").write_text(ROMEO_JULIET[:100])
+    meta = prepare_corpus([str(tmp_path / "*.txt")], "char", tmp_path / "data", val_fraction=0.5)
+    chars = sorted(set(ROMEO_JULIET))
+    assert meta["itos"] == chars and meta["special_tokens"] == {END_OF_TEXT: len(chars)}
+    assert meta["vocab_size"] == len(chars) + 1 == json_.loads((tmp_path / "data" / "meta.json").read_text())["vocab_size"]
+
+
+OLD_META = REPO_ROOT / "tests" / "fixtures" / "char_meta_before_eot.json"  # as prepare.py wrote it before
+
+
+def test_a_char_run_prepared_before_end_of_text_still_trains_samples_resumes_and_exports(tmp_path):
+    """The old meta.json (65-style: characters only) trains a checkpoint without the token, which samples and
+    resumes as before; export.py appends <|endoftext|> and grows the head by the one row it lacks."""
+    import sample
+    from core.data.writer import write_tokens
+
+    meta = json.loads(OLD_META.read_text())
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps(meta))
+    tok = CharTokenizer(meta["itos"])
+    n = meta["train_tokens"]
+    write_tokens(data / "train.bin", tok.encode(ROMEO_JULIET[:n]))
+    write_tokens(data / "val.bin", tok.encode(ROMEO_JULIET[n:]))
+    assert (tok.eot_token, tok.vocab_size, meta["val_tokens"]) == (None, len(meta["itos"]), len(ROMEO_JULIET) - n)
+    train_tiny(tmp_path / "out", data, max_iters=10)
+    train_tiny(tmp_path / "out", data, max_iters=20, init_from="resume")
+    sampled = run_main(sample.main, [f"--out_dir={tmp_path / 'out'}", "--start=ROMEO:", "--max_new_tokens=20",
+                                     "--temperature=0", "--num_samples=1"])
+    assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
+    for args, line in ((["--start="], "the prompt is empty and this vocabulary has no <|endoftext|>"),
+                       (["--stop_at_eot=True"], "stop_at_eot=True needs an end-of-text token")):
+        assert_user_error(run_main(sample.main, [f"--out_dir={tmp_path / 'out'}", *args]), line)
+    model, run_tok, _ = resolver.load_model("resume", str(tmp_path / "out"))
+    assert model.config.vocab_size == tok.vocab_size and run_tok.eot_token is None
+    assert run_main(export.main, [f"--out_dir={tmp_path / 'out'}", f"--hf_dir={tmp_path / 'hf'}"]).returncode == 0
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["vocab_size"] == tok.vocab_size + 1 and exported["eos_token_id"] == tok.vocab_size
