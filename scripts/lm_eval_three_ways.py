@@ -15,6 +15,7 @@ The task is tests/lm_eval_tasks/shakespeare_rolling.yaml (loglikelihood_rolling 
 Shakespeare's val split); lm_eval's max_length is the context that /v1/models reports, as docs/serving.md
 says to pass it. Runs from the repo root, one thread for the server and one for lm_eval.
 """
+import argparse
 import json
 import socket
 import subprocess
@@ -56,8 +57,12 @@ def lm_eval(task: str, model: str, model_args: dict) -> float:
 
 
 def main(argv: list[str]) -> str:
-    args = dict(a[2:].split("=", 1) for a in argv)
-    out_dir, name, task = args["out_dir"], args.get("name", args["out_dir"]), args.get("task", "shakespeare_rolling")
+    parser = argparse.ArgumentParser(description="lm-eval's perplexity task three ways on one run")
+    parser.add_argument("--out_dir", required=True, help="the run (its ckpt.pt)")
+    parser.add_argument("--name", help="the table row's name (default: out_dir)")
+    parser.add_argument("--task", default="shakespeare_rolling", help="a task of tests/lm_eval_tasks")
+    args = parser.parse_args(argv)
+    out_dir, name, task = args.out_dir, args.name or args.out_dir, args.task
     hf_dir = Path(tempfile.mkdtemp()) / "hf"
     subprocess.run([sys.executable, "export.py", f"--out_dir={out_dir}", f"--hf_dir={hf_dir}"], cwd=ROOT, check=True)
     port = free_port()
