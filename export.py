@@ -12,15 +12,15 @@ The folder loads without trust_remote_code:
 
 The class is the one that computes exactly the run's recipe (core/weights/hf.py: GPT2LMHeadModel, LlamaForCausalLM,
 Qwen3ForCausalLM, ArceeForCausalLM, NemotronForCausalLM); a recipe no class holds stops with one line naming
-the switches and the nearest recipe that exports. A character vocabulary gets <|endoftext|> appended, the
-end-of-text token lm_eval and generate need (with_end_of_text). Before writing, the exported model's logits are checked
+the switches and the nearest recipe that exports. A character vocabulary holds <|endoftext|>, the end-of-text
+token lm_eval and generate need; one prepared without it gets it appended (resolver.with_end_of_text, as serve.py
+serves it), the head grown by a row. Before writing, the exported model's logits are checked
 against ours on a test sequence. A chat run's tokenizer carries the chat template (core/data/chat.py), so
 tok.apply_chat_template(messages) gives the ids the model was fine-tuned on (docs/chat.md).
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
-import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -31,7 +31,7 @@ import torch
 from core.config import parse_args
 from core.data.chat import JINJA_TEMPLATE, ChatTemplate
 from core.data.hf_tokenizer import save_hf_tokenizer
-from core.data.tokenizer import END_OF_TEXT, CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_meta
+from core.data.tokenizer import HFTokenizer, Tokenizer
 from core.errors import UserError, run_cli
 from core.fileio import atomic_dir, space_for
 from core.runtime import DTYPES
@@ -56,27 +56,6 @@ class ExportConfig:
         path = Path(self.hf_dir)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise UserError(f"{path} exists and is not an empty folder; pass a new --hf_dir")
-
-
-def with_end_of_text(model: GPT, tok: Tokenizer) -> tuple[GPT, Tokenizer]:
-    """(model, tok), with <|endoftext|> appended as a special token to a character vocabulary, which has
-    no end-of-text id of its own.
-
-    Evaluation harnesses and generate need one: lm_eval pads with it, stops generation at it and
-    starts an empty context from it. It takes the next id, as a chat run's turn markers do; a model
-    without a row for it gets a copy grown by one (GPT.grow_vocab: the mean row, so its logit is the
-    mean logit, never the largest, and greedy text is unchanged). A transformers folder's own
-    tokenizer is written back as it came.
-    """
-    if tok.eot_token is not None or not isinstance(tok, CharTokenizer):
-        return model, tok
-    meta = tok.meta()
-    special = dict(meta.get("special_tokens") or {}) | {END_OF_TEXT: tok.vocab_size}
-    tok = tokenizer_from_meta(meta | {"special_tokens": special, "vocab_size": tok.vocab_size + 1})
-    if tok.vocab_size > model.config.vocab_size:
-        model = copy.deepcopy(model)
-        model.grow_vocab(tok.vocab_size)
-    return model, tok
 
 
 def generation_config(model: GPT, tok: Tokenizer) -> dict:
@@ -114,7 +93,7 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
         raise UserError("a Qwen2ForCausalLM folder's tokenizer is read by transformers as Qwen2's own, which "
                         "splits text differently from this run's; train with qkv_bias=None (exports as "
                         "LlamaForCausalLM), or export a model imported from a Qwen2 folder")
-    model, tok = with_end_of_text(model, tok)
+    model, tok = resolver.with_end_of_text(model, tok)
     gen = generation_config(model, tok)
     hf_model = hf.to_transformers(model.float(), tok.eot_token, gen["bos_token_id"])
     if check:

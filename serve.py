@@ -165,10 +165,10 @@ async def model_info(model_id: str, request: Request):
 async def tokenizer_info(request: Request):
     """vLLM's: what a client (lm-eval's remote tokenizer) needs to tokenize as the server does."""
     served = served_model(request)
-    eot = served.tok.eot_token
-    return {"tokenizer_class": type(served.tok).__name__,
-            "eos_token": None if eot is None else served.tok.decode([eot]), "eos_token_id": eot,
-            "bos_token": None, "pad_token": None, "vocab_size": served.tok.vocab_size,
+    name = lambda i: None if i is None else served.tok.decode([i])  # noqa: E731
+    eot, bos = served.tok.eot_token, served.tok.bos_token
+    return {"tokenizer_class": type(served.tok).__name__, "eos_token": name(eot), "eos_token_id": eot,
+            "bos_token": name(bos), "bos_token_id": bos, "pad_token": None, "vocab_size": served.tok.vocab_size,
             "model_max_length": served.block_size}
 
 
@@ -177,7 +177,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
     served = served_model(request)
     check_model(served, req.model)
     try:
-        ids = served.tok.encode(req.prompt)
+        ids = served.tok.encode_with_specials(req.prompt)  # as vLLM: lm_eval reads eos_token_id from this
     except UserError as e:
         raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
     return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size}
@@ -303,7 +303,9 @@ async def lifespan(app):
 
 def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: str) -> FastAPI:
     """The ASGI app over one engine (a BatchEngine in a thread, or in a process of its own: --engine): the routes
-    above, errors in OpenAI's shape, the key, the body limit."""
+    above, errors in OpenAI's shape, the key, the body limit. A character vocabulary prepared without
+    <|endoftext|> is served with it appended, as export.py writes it (lm_eval needs an end-of-text id)."""
+    model, tok = resolver.with_end_of_text(model, tok)
     try:
         shift = window_shift(cfg.window_shift, model.config.block_size)
     except ValueError as e:

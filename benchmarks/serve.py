@@ -44,6 +44,7 @@ from core.decoding.decode import inference_model, window_shift
 from core.errors import UserError
 from core.serving.engine import BatchEngine, EngineRequest, EngineSettings, engine_sampling
 from core.training import checkpointing
+from core.weights import resolver
 from model import GPT, GPTConfig
 
 QUICKSTART = "config/train_shakespeare_char_cpu.py"
@@ -199,9 +200,10 @@ async def lean_stream(url: str, path: str, body: dict) -> AsyncIterator[tuple[in
 
 
 def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
-              client: str = "lean") -> tuple[float, list[float]]:
+              client: str = "lean", eot: int | None = None) -> tuple[float, list[float]]:
     """clients concurrent streaming /v1/completions requests, read by lean_stream or by httpx; each one's
-    usage is checked."""
+    usage is checked. The served end-of-text id gets logit_bias -100, so that no request stops early (the
+    in-process engine is given no stop id)."""
     import httpx
 
     async def lines(c, body):
@@ -216,6 +218,8 @@ def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
     async def one(c, seed, t0):
         body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
                 "stream": True, "stream_options": {"include_usage": True}}
+        if eot is not None:
+            body["logit_bias"] = {str(eot): -100}
         first, usage, status = None, None, None
         async for status, line in lines(c, body):
             if line.startswith("data: {"):
@@ -241,7 +245,7 @@ def side(runs: list[dict], tokens: int) -> dict:
 
 
 def clients_rows(cfg, engine: BatchEngine, servers: dict[str, tuple[subprocess.Popen, str]],
-                 prompt: list[int]) -> list[dict]:
+                 prompt: list[int], eot: int | None) -> list[dict]:
     """One row per server engine and client count; the sides alternate at each count, each repeat."""
     counts = int_list(cfg.serve_clients, "serve_clients")
     runs: dict[tuple[int, str], list[dict]] = {}
@@ -253,7 +257,7 @@ def clients_rows(cfg, engine: BatchEngine, servers: dict[str, tuple[subprocess.P
             runs.setdefault((c, "in_process"), []).append(run | ttft(ttfts))
             for name, (server, url) in servers.items():
                 cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
-                s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens, cfg.serve_client)
+                s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens, cfg.serve_client, eot)
                 run = {"s": s, "client_cpu_s": time.process_time() - cpu0}
                 if server0 is not None:
                     run["cpu_s"] = process_cpu_s(server.pid) - server0
@@ -291,7 +295,8 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         try:
             for name in engines(cfg):
                 servers[name] = start_server(cfg, rt, Path(tmp), name)
-            rows = clients_rows(cfg, engine, servers, prompt)
+            served_eot = resolver.with_end_of_text(model, tok)[1].eot_token  # a char vocabulary's, as serve.py appends it
+            rows = clients_rows(cfg, engine, servers, prompt, served_eot)
         finally:
             for server, _ in servers.values():
                 server.terminate()

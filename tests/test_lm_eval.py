@@ -4,9 +4,9 @@
 
 A character-vocabulary export and a GPT-2 BPE export each run a multiple-choice task and a generate_until
 task from tests/lm_eval_tasks/ (local lines of tiny Shakespeare, no downloads). A character vocabulary
-has no end-of-text token of its own; lm_eval pads with one, starts an empty context from it and stops
-generation at it, and crashed on a folder without one (TypeError: 'None' is not an instance of
-'Sequence'). Every log-likelihood lm_eval reports equals ours for the same ids, and every generation
+holds <|endoftext|> (after its characters), as GPT-2's does: lm_eval pads with it, starts an empty context
+from it and stops generation at it, and crashed on a folder without one (TypeError: 'None' is not an
+instance of 'Sequence'). Every log-likelihood lm_eval reports equals ours for the same ids, and every generation
 equals our greedy text up to its stop string.
 """
 import json
@@ -89,7 +89,7 @@ def folder(request, tmp_path_factory):
         model = random_model()
     path = tmp_path_factory.mktemp(f"hf-{request.param}")
     export.export(model, tok, path)
-    return *export.with_end_of_text(model, tok), path  # what the folder holds: a char vocabulary's eot appended
+    return model, tok, path  # the folder holds exactly these: no id appended, no head row grown
 
 
 def run_lm_eval(path, out):

@@ -64,7 +64,8 @@ def test_char_prepare_round_trips(tmp_path):
     meta = load_script("shakespeare_char").main([f"--input={tmp_path / 'in.txt'}", f"--out_dir={tmp_path / 'out'}"])
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
     assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16"
-    assert meta["itos"] == sorted(set(text)) and meta["vocab_size"] == len(set(text))
+    assert meta["itos"] == sorted(set(text)) and meta["vocab_size"] == len(set(text)) + 1  # then <|endoftext|>
+    assert meta["special_tokens"] == {"<|endoftext|>": len(set(text))}
     tok = CharTokenizer(meta["itos"])
     train, val = read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "val")
     n = int(len(text) * 0.9)
@@ -74,8 +75,8 @@ def test_char_prepare_round_trips(tmp_path):
 
 def test_char_prepare_full_shakespeare(tmp_path, corpus):
     meta = load_script("shakespeare_char").main([f"--input={corpus}", f"--out_dir={tmp_path}"])
-    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (65, 1_003_854, 111_540)
-    assert TokenData(tmp_path, "val", block_size=256, vocab_size=65).num_tokens == 111_540
+    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (66, 1_003_854, 111_540)  # 65 + eot
+    assert TokenData(tmp_path, "val", block_size=256, vocab_size=66).num_tokens == 111_540
 
 
 def test_bpe_prepare_matches_tiktoken(tmp_path, corpus, gpt2):
@@ -113,7 +114,7 @@ def test_download_is_saved_beside_the_output(tmp_path, monkeypatch):
     monkeypatch.setattr(core.data.sources.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"downloaded text"))
     meta = load_script("shakespeare_char").main([f"--out_dir={tmp_path}"])
     assert (tmp_path / "input.txt").read_text() == "downloaded text"
-    assert meta["vocab_size"] == len(set("downloaded text"))
+    assert meta["vocab_size"] == len(set("downloaded text")) + 1  # the characters, then <|endoftext|>
 
 
 def test_no_network_says_how_to_pass_a_local_file(tmp_path, monkeypatch):

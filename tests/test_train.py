@@ -14,11 +14,13 @@ import pytest
 import torch
 
 import train
+from core.data.tokenizer import CharTokenizer
+from core.data.writer import write_dataset
 from core.errors import UserError
 from core.weights.checkpoint import load_checkpoint
 import model as modellib
 from tests.helpers import (REPO_ROOT, TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, cli_args, losses,
-                           make_char_dataset, make_chat_dataset, records, run_main, spy_optimizer_steps, train_tiny)
+                           make_chat_dataset, records, run_main, spy_optimizer_steps, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
@@ -53,7 +55,10 @@ def context_data_dir(tmp_path_factory):
     predict the next exactly."""
     d = tmp_path_factory.mktemp("context")
     assert de_bruijn("abcd", 2) == "aabacadbbcbdccdd"
-    make_char_dataset(d, de_bruijn("abcd", 2) * 200)
+    text = de_bruijn("abcd", 2) * 200
+    tok = CharTokenizer(list("abcd"))  # the four letters only: no <|endoftext|> class to learn away in 60 steps
+    n = int(len(text) * 0.9)
+    write_dataset(d, tok.meta(), {"train": tok.encode(text[:n]), "val": tok.encode(text[n:])})
     return d
 
 

@@ -176,8 +176,8 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
     """Each segment's ids appended to its split's file; returns the token counts per split.
 
     Documents in a split follow each other with what the tokenizer's post-processor puts around a text
-    (a folder's BOS/EOS); where it puts nothing, <|endoftext|> between them (GPT-2's BPE, a trained BPE;
-    a char vocabulary has none)."""
+    (a folder's BOS/EOS); where it puts nothing, <|endoftext|> between them (GPT-2's BPE, a trained BPE,
+    a char vocabulary)."""
     from tqdm import tqdm
 
     prefix, suffix = document_affixes(tok)

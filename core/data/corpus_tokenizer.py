@@ -54,7 +54,7 @@ def make_tokenizer(spec: str, train_texts: Iterable[str] = (), chars: set[str] |
     """The tokenizer `spec` names; a BPE is trained here on `train_texts` (the train split, streamed: a
     lazy iterable, read only for bpe:VOCAB); a char vocabulary is `chars`."""
     if spec == "char":
-        return CharTokenizer(sorted(chars or ()))
+        return CharTokenizer.from_text("".join(chars or ()))
     if spec == "gpt2":
         return GPT2Tokenizer()
     if spec.startswith("bpe:"):
@@ -84,6 +84,6 @@ def document_affixes(tok: Tokenizer) -> tuple[list[int], list[int]]:
 
 def document_joiner(tok: Tokenizer) -> list[int]:
     """What marks where a document ends when the post-processor marks nothing: <|endoftext|>, as in GPT-2's
-    own training data (GPT-2's BPE, a trained BPE); [] for a char vocabulary (it has none) or a folder's
-    tokenizer whose post-processor adds its BOS/EOS."""
+    own training data (GPT-2's BPE, a trained BPE, a char vocabulary); [] for a folder's tokenizer whose
+    post-processor adds its BOS/EOS."""
     return [tok.eot_token] if document_affixes(tok) == ([], []) and tok.eot_token is not None else []

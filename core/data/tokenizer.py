@@ -8,8 +8,12 @@ Special tokens (the chat turn markers of core/data/chat.py) are ids beyond the o
 metadata's "special_tokens" ({"<|user|>": 50258, ...}). encode() never produces them: text that spells
 "<|user|>" is encoded as those characters, so user text cannot forge a turn. Only code that means a
 special token puts its id in (core/data/chat.py). decode() writes a special id as its name.
+encode_with_specials() reads a special token's name as its id, as transformers' tokenizers and vLLM's
+/tokenize do: for text the model's own user writes (sample.py's prompt, serve.py's /tokenize and completions
+prompt), so that the run, its server and its export give the same ids (tests/test_vocab_agreement.py).
 """
 import functools
+import re
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -18,7 +22,7 @@ from core.errors import UserError
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE (50257 ids)
 GPT2_EOT = 50256
 GPT2_VOCAB = 50257  # ordinary ids 0..50256; a model's 50304 rows leave 50257..50303 free for special tokens
-END_OF_TEXT = "<|endoftext|>"  # GPT-2's name; a character vocabulary's exports append it as a special token
+END_OF_TEXT = "<|endoftext|>"  # GPT-2's name; a character vocabulary holds it as a special token after the characters
 
 
 class Tokenizer(Protocol):
@@ -27,8 +31,21 @@ class Tokenizer(Protocol):
     special_tokens: dict[str, int]
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_with_specials(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def meta(self) -> dict: ...
+
+
+def split_specials(text: str, names: dict[str, int], encode) -> list[int]:
+    """`text`'s ids: each special token name in `names` ({name: id}, the longest first where two overlap)
+    as its id, the text between through `encode`: what transformers does before its pre-tokenizer."""
+    if not names:
+        return encode(text)
+    pattern = "(" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + ")"
+    ids: list[int] = []
+    for i, piece in enumerate(re.split(pattern, text)):  # odd pieces are the names matched
+        ids += [names[piece]] if i % 2 else encode(piece) if piece else []
+    return ids
 
 
 def check_special_tokens(special: dict, n_ordinary: int, source: str = "metadata") -> dict[str, int]:
@@ -68,6 +85,10 @@ class _Specials:
                 run.append(i)
         return "".join(out) + self._decode_ordinary(run)
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        names = self.special_tokens | ({} if self.eot_token is None else {END_OF_TEXT: self.eot_token})
+        return split_specials(text, names, self.encode)
+
     def _meta_specials(self) -> dict:
         return {"special_tokens": self.special_tokens} if self.special_tokens else {}
 
@@ -80,7 +101,11 @@ class _Specials:
 
 class CharTokenizer(_Specials):
     """Character-level vocabulary, built from the characters of a text; special tokens are appended
-    after the characters (ids len(chars), len(chars) + 1, ...)."""
+    after the characters (ids len(chars), len(chars) + 1, ...), <|endoftext|> first (from_text).
+
+    A vocabulary prepared before <|endoftext|> was added has none (eot_token None): it still loads, trains
+    and samples as it did; export.py appends one (with_end_of_text), and serve.py names what is missing.
+    """
 
     def __init__(self, chars: list[str], special_tokens: dict[str, int] | None = None):
         self.itos = list(chars)
@@ -89,11 +114,14 @@ class CharTokenizer(_Specials):
             raise UserError("a character vocabulary must list each single character once; re-run the dataset's "
                             "prepare.py")
         self._init_specials(special_tokens, len(self.itos))
-        self.eot_token = self.special_tokens.get(END_OF_TEXT)  # None unless appended (export.py does)
+        self.eot_token = self.special_tokens.get(END_OF_TEXT)  # None in a vocabulary prepared without it
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
-        return cls(sorted(set(text)))
+        """The characters of `text` (ids in sorted order), then <|endoftext|>, as every other tokenizer has:
+        lm_eval starts a rolling window from it, pads with it and stops generation at it."""
+        chars = sorted(set(text))
+        return cls(chars, {END_OF_TEXT: len(chars)})
 
     def encode(self, text: str) -> list[int]:
         unknown = sorted(set(text) - self.stoi.keys())
@@ -207,6 +235,16 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids  # no post-processor BOS
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Every added token of the tokenizer.json read as its id, as transformers' AutoTokenizer reads it."""
+        return self._reading_specials.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _reading_specials(self):
+        from tokenizers import Tokenizer as Backend
+
+        return Backend.from_str(self.json)  # encode_special_tokens stays False: an added token's text is its id
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
@@ -436,7 +474,7 @@ def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = F
     unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens.
     """
     try:
-        ids = tok.encode(text)
+        ids = tok.encode_with_specials(text)  # the user's own prompt: "<|endoftext|>" there is the token
     except UserError as e:  # a char vocabulary names the characters it lacks
         raise UserError(f"the prompt cannot be encoded: {e}") from None
     if not ids:

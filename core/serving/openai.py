@@ -231,7 +231,7 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
 
 def encode(tok: Tokenizer, text: str, param: str) -> list[int]:
     try:
-        ids = tok.encode(text)
+        ids = tok.encode_with_specials(text)  # as /tokenize and vLLM: "<|endoftext|>" in a prompt is the token
     except UserError as e:  # a char vocabulary names the characters it lacks
         raise APIError(400, f"the {param} cannot be encoded: {e}", param) from None
     if not ids:

@@ -14,12 +14,13 @@ train.py passes a Training: resume then reads the newest intact checkpoint (ckpt
 is damaged) and, under fsdp, only its metadata; and Training.check sees the architecture and the
 tokenizer before any weight is read or allocated. Every problem is a UserError, in one line.
 """
+import copy
 import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
 from core.weights import checkpoint, hf  # hf imports transformers only inside its functions
-from core.data.tokenizer import GPT2Tokenizer, Tokenizer, tokenizer_from_meta
+from core.data.tokenizer import END_OF_TEXT, CharTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_meta
 from core.errors import UserError, first_line
 from model import GPT, GPT2_HUB_NAMES, GPT2_SHAPES, GPTConfig
 
@@ -87,6 +88,28 @@ def load_model(init_from: str, out_dir) -> tuple[GPT, Tokenizer, str]:
     """resolve() as the scripts use it: (model, tokenizer, one line naming the source)."""
     w = resolve(init_from, out_dir)
     return w.model, w.tokenizer, w.source
+
+
+def with_end_of_text(model: GPT, tok: Tokenizer) -> tuple[GPT, Tokenizer]:
+    """(model, tok), with <|endoftext|> appended to a character vocabulary prepared before every vocabulary
+    held one; any other pair as it came (a vocabulary that holds it is never grown).
+
+    Evaluation harnesses and generate need one: lm_eval starts a rolling window from it, pads with it and
+    stops generation at it. export.py writes this pair and serve.py serves it, so an old run's server and
+    export agree with each other (sample.py and train.py keep the run's own vocabulary). It takes the next
+    id, as a chat run's turn markers do; a model without a row for it gets a copy grown by one
+    (GPT.grow_vocab: the mean row, so its logit is the mean logit, never the largest, and greedy text is
+    unchanged).
+    """
+    if tok.eot_token is not None or not isinstance(tok, CharTokenizer):
+        return model, tok
+    meta = tok.meta()
+    special = dict(meta.get("special_tokens") or {}) | {END_OF_TEXT: tok.vocab_size}
+    tok = tokenizer_from_meta(meta | {"special_tokens": special, "vocab_size": tok.vocab_size + 1})
+    if tok.vocab_size > model.config.vocab_size:
+        model = copy.deepcopy(model)
+        model.grow_vocab(tok.vocab_size)
+    return model, tok
 
 
 def _locate(kind: str, init_from: str, out_dir: Path, training: Training | None) -> Weights:

@@ -4,7 +4,8 @@
     python data/shakespeare_char/prepare.py --input=path/to/input.txt
     python data/shakespeare_char/prepare.py --out_dir=/tmp/shakespeare_char
 
-The full text gives 65 characters, 1,003,854 train and 111,540 val tokens (a 90/10 split).
+The full text gives 65 characters, then <|endoftext|> (id 65, vocab_size 66: the end-of-text token every
+vocabulary holds), and 1,003,854 train and 111,540 val tokens (a 90/10 split).
 """
 import sys
 from pathlib import Path
