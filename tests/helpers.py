@@ -150,6 +150,19 @@ def train_tiny(out_dir, data_dir, **overrides) -> Path:
     return Path(out_dir) / "ckpt.pt"
 
 
+def sharpen(ckpt: Path, factor: float = 3.0) -> None:
+    """Scale q and k up in place in a checkpoint: scores factor^2 larger, attention far from uniform.
+    With qk_norm, q and k are normalised after the projection, so their gains are scaled instead."""
+    state = torch.load(ckpt, weights_only=True)
+    for name, w in state["model"].items():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            w.mul_(factor)
+        if name.endswith("attn.c_attn.weight"):
+            C = w.size(1)
+            w[:C + (w.size(0) - C) // 2].mul_(factor)  # q rows, then k rows; v unchanged
+    torch.save(state, ckpt)
+
+
 def run_script(script: str, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python script args...` from the repo root, as a user would; text stdout/stderr captured.
 

@@ -3,17 +3,18 @@
 // benchmarks/peers.py reads its tokens/s.
 //
 //     node tools/llama-cpp/run.mjs --model=m.gguf --prompt=464,2068,7586 --tokens=32 [--threads=1]
-//         [--parallel=16] [--logprobs]
+//         [--parallel=16] [--logprobs] [--kv_cache=F32]
 //
 // Prints {"ids": [[...] per sequence], "decode_s", "tokens_per_s", and with --logprobs "logprobs": [[...]
 // per generated token, log-probability of every vocabulary id]}. The ids come from llama.cpp's greedy
 // sampler (temperature 0). tokens_per_s counts every sequence's tokens after its first (the prefill's)
 // over the time from the first token to the last. --parallel=K decodes K copies of the prompt at once in
 // one context, and llama.cpp batches their steps. --threads=0 leaves llama.cpp its own choice.
+// --kv_cache: the cache's ggml type, llama.cpp's default F16 (F32 for a comparison in float32).
 import {getLlama, LlamaLogLevel} from "node-llama-cpp";
 
 function options(argv) {
-    const opts = {model: "", prompt: "", tokens: 32, threads: 0, parallel: 1, logprobs: false};
+    const opts = {model: "", prompt: "", tokens: 32, threads: 0, parallel: 1, logprobs: false, kv_cache: "F16"};
     for (const arg of argv) {
         const [key, value] = arg.replace(/^--/, "").split("=", 2);
         if (!(key in opts)) throw new Error(`unknown option --${key}; known: ${Object.keys(opts).join(", ")}`);
@@ -57,7 +58,8 @@ const vocab = model.fileInfo.metadata.tokenizer.ggml.tokens.length;
 const prompt = opts.prompt.split(",").map(Number);
 const context = await model.createContext({
     sequences: opts.parallel, contextSize: opts.parallel * (prompt.length + opts.tokens + 8),
-    batchSize: Math.max(512, opts.parallel * prompt.length), ...(opts.threads > 0 ? {threads: opts.threads} : {})});
+    batchSize: Math.max(512, opts.parallel * prompt.length), ...(opts.threads > 0 ? {threads: opts.threads} : {}),
+    experimentalKvCacheKeyType: opts.kv_cache, experimentalKvCacheValueType: opts.kv_cache});
 const sequences = Array.from({length: opts.parallel}, () => context.getSequence());
 const runs = await Promise.all(sequences.map(s => greedy(s, prompt, opts.tokens)));
 const first = Math.min(...runs.map(r => r.stamps[0])), last = Math.max(...runs.map(r => r.stamps.at(-1)));
