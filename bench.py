@@ -2,7 +2,7 @@
 
     python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
-    python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
+    python bench.py --threads=1                        # one thread (the default 0: torch's, one per core); see THREADS
     python bench.py --sections=attention,decode        # only some of the SECTIONS below (speedrun is not in the
                                                        # default list: it trains for minutes)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
@@ -49,9 +49,9 @@ class General:
     preset: str = "cpu"        # "cpu": the defaults; "gpt2": GPT-2 small sizes for a GPU (PRESETS)
     device: str = "auto"
     dtype: str = "auto"
-    # THREADS: on a shared machine two OpenMP threads spin-wait for each other whenever another process holds
-    # a core, which makes the figures slower and erratic. On a machine of your own, --threads=0 (one per core).
-    threads: int = 1
+    # THREADS: 0 is torch's default, one per core. On a shared machine two OpenMP threads spin-wait for each
+    # other whenever another process holds a core, which makes the figures slower and erratic: --threads=1.
+    threads: int = 0
     seed: int = 1337
     sections: str = ",".join(name for name, m in SECTIONS.items() if getattr(m, "IN_DEFAULT_RUN", True))
     out: str = "bench.json"

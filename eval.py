@@ -52,7 +52,7 @@ class EvalConfig:
     chat_file: str = "data/chat/tasks_heldout.jsonl"  # chat: conversations whose last turn is the expected answer
     device: str = "auto"
     dtype: str = "auto"
-    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
+    threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
 
     def validate(self) -> None:
         if self.task not in TASKS:

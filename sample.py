@@ -59,7 +59,7 @@ class SampleConfig:
     stream: bool | None = None       # print tokens as they are produced; None: only when num_samples == 1
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
-    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
+    threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
     compile: bool = False            # torch.compile the model (recompiles for each new input shape at first)
     chat: bool = False               # a conversation with a chat fine-tune (core/data/chat.py's template)
     system: str | None = None        # chat: the system message

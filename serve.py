@@ -74,7 +74,7 @@ class ServeConfig:
     prefill_chunk: int = 512         # at most this many prompt tokens fed per step (all requests), between decodes
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
-    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
+    threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
     engine: str = "auto"             # process: the engine in a process of its own (CPU); thread: in this one; auto: process on a CPU
 
     def validate(self) -> None:

@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_TIKTOKEN_CACHE = REPO_ROOT.parent / "shared" / "tiktoken_cache"
 
 # Tiny models gain nothing from a second thread, and on a busy two-core machine OpenMP threads
-# spinning for each other make them many times slower (docs/performance.md#threads-why---threads1-is-the-default).
+# spinning for each other make them many times slower (docs/performance.md#threads-torchs-default-and-when---threads1-wins).
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # A model that trains in well under a second per 10 iterations on two CPU cores.
