@@ -47,11 +47,12 @@ TRAINING = {"gpt2": dict(vocab_size=50257, n_embd=32, block_size=64, batch_size=
             "bpe": dict(vocab_size=512, n_embd=64, block_size=64, batch_size=8, max_iters=200)}
 PROMPT = "ROMEO:\nBut, soft! what light"
 NEW_TOKENS = 32
-# The largest |log p| difference over the 32 steps, all in float32: CTranslate2 8e-6 (Qwen3; 3e-6 the others),
-# llama.cpp 3.2e-3 (Llama and Qwen3, the rotary ones; GPT-2 2.9e-4), measured on a 2-core Xeon (AVX-512).
-# A 0.05 change to one weight of one matrix moves them by more than 1e-2 (the break this was tried with).
+# The largest |log p| difference over the 32 steps, all in float32, on a 2-core Xeon (AVX-512): CTranslate2
+# 8e-6 (Qwen3; 3e-6 the others); llama.cpp 1.5e-4 for GPT-2 (its GELU comes from a float16 table) and
+# 7e-6 for Llama and Qwen3, with its flash attention off (run.mjs; on, its float16 sums give 3e-3). Adding
+# 0.5 to one weight of one matrix moves them by 4.5e-4 to 5e-3.
 CT2_TOL = 1e-4
-LLAMA_CPP_TOL = 1e-2
+LLAMA_CPP_TOL = 4e-4
 
 
 @pytest.fixture(scope="module")
