@@ -10,7 +10,8 @@ text; then its q and k sharpened (attention far from uniform, so a wrong head or
 shows) and exported with export.py as a user would. CTranslate2's TransformersConverter converts the
 folder as it is, and ctranslate2.Generator's greedy ids equal ours over 32 tokens, its log-probabilities
 ours within CT2_TOL; its int8 conversion loads and decodes. convert_to_gguf.py writes an F32 GGUF and
-tools/llama-cpp/run.mjs decodes it in llama.cpp (a float32 cache): the same two checks, within LLAMA_CPP_TOL. Without ctranslate2, node, the
+tools/llama-cpp/run.mjs decodes it in llama.cpp (a float32 cache): llama.cpp's tokenizer reads the prompt
+into our ids, and the same two checks, within LLAMA_CPP_TOL. Without ctranslate2, node, the
 converter or the runtime, those tests skip, saying which.
 """
 import json
@@ -159,9 +160,8 @@ def llama_cpp_ready() -> None:
         pytest.skip("llama.cpp's converter is not fetched: run bash scripts/fetch_llama_converter.sh")
 
 
-def llama_cpp_run(gguf: Path, prompt: list[int], *args: str) -> dict:
-    result = subprocess.run(["node", str(RUN_MJS), f"--model={gguf}", f"--prompt={','.join(map(str, prompt))}",
-                             f"--tokens={NEW_TOKENS}", "--threads=1", *args],
+def llama_cpp_run(gguf: Path, *args: str) -> dict:
+    result = subprocess.run(["node", str(RUN_MJS), f"--model={gguf}", f"--tokens={NEW_TOKENS}", "--threads=1", *args],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -173,7 +173,8 @@ def test_llama_cpp_runs_each_export_and_decodes_our_greedy_text(exported, tmp_pa
     gguf = tmp_path / "model-f32.gguf"
     result = run_script("scripts/convert_to_gguf.py", f"--hf_dir={hf_dir}", f"--gguf={gguf}", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    out = llama_cpp_run(gguf, prompt, "--logprobs", "--kv_cache=F32")
+    out = llama_cpp_run(gguf, f"--text={PROMPT}", "--logprobs", "--kv_cache=F32")
+    assert out["prompt"] == prompt  # llama.cpp's tokenizer reads the text into our ids (no start token added)
     assert out["ids"] == [ours]
     logprobs = torch.tensor([[float("-inf") if v is None else v for v in row] for row in out["logprobs"]])
     assert_logprobs_close(our_logits, logprobs, LLAMA_CPP_TOL)

@@ -4,8 +4,9 @@
 //
 //     node tools/llama-cpp/run.mjs --model=m.gguf --prompt=464,2068,7586 --tokens=32 [--threads=1]
 //         [--parallel=16] [--logprobs] [--kv_cache=F32]
+//     node tools/llama-cpp/run.mjs --model=m.gguf --text="ROMEO:" --tokens=32    # read by llama.cpp's tokenizer
 //
-// Prints {"ids": [[...] per sequence], "decode_s", "tokens_per_s", and with --logprobs "logprobs": [[...]
+// Prints {"prompt": [the prompt's ids], "ids": [[...] per sequence], "decode_s", "tokens_per_s", and with --logprobs "logprobs": [[...]
 // per generated token, log-probability of every vocabulary id]}. The ids come from llama.cpp's greedy
 // sampler (temperature 0). tokens_per_s counts every sequence's tokens after its first (the prefill's)
 // over the time from the first token to the last. --parallel=K decodes K copies of the prompt at once in
@@ -15,13 +16,13 @@
 import {getLlama, LlamaLogLevel} from "node-llama-cpp";
 
 function options(argv) {
-    const opts = {model: "", prompt: "", tokens: 32, threads: 0, parallel: 1, logprobs: false, kv_cache: "F16"};
+    const opts = {model: "", prompt: "", text: "", tokens: 32, threads: 0, parallel: 1, logprobs: false, kv_cache: "F16"};
     for (const arg of argv) {
         const [key, value] = arg.replace(/^--/, "").split("=", 2);
         if (!(key in opts)) throw new Error(`unknown option --${key}; known: ${Object.keys(opts).join(", ")}`);
         opts[key] = typeof opts[key] === "number" ? Number(value) : typeof opts[key] === "boolean" ? true : value;
     }
-    if (!opts.model || !opts.prompt) throw new Error("pass --model=FILE.gguf and --prompt=ID,ID,...");
+    if (!opts.model || !(opts.prompt || opts.text)) throw new Error("pass --model=FILE.gguf and --prompt=ID,ID,... or --text=TEXT");
     return opts;
 }
 
@@ -56,7 +57,7 @@ const threads = opts.threads > 0 ? {maxThreads: opts.threads} : {};
 const llama = await getLlama({gpu: false, build: "never", logLevel: LlamaLogLevel.error, ...threads});
 const model = await llama.loadModel({modelPath: opts.model});
 const vocab = model.fileInfo.metadata.tokenizer.ggml.tokens.length;
-const prompt = opts.prompt.split(",").map(Number);
+const prompt = opts.text ? model.tokenize(opts.text) : opts.prompt.split(",").map(Number);
 const context = await model.createContext({
     sequences: opts.parallel, contextSize: opts.parallel * (prompt.length + opts.tokens + 8),
     batchSize: Math.max(512, opts.parallel * prompt.length), ...(opts.threads > 0 ? {threads: opts.threads} : {}),
@@ -65,7 +66,7 @@ const sequences = Array.from({length: opts.parallel}, () => context.getSequence(
 const runs = await Promise.all(sequences.map(s => greedy(s, prompt, opts.tokens)));
 const first = Math.min(...runs.map(r => r.stamps[0])), last = Math.max(...runs.map(r => r.stamps.at(-1)));
 const decoded = runs.reduce((n, r) => n + r.ids.length - 1, 0);
-const result = {ids: runs.map(r => r.ids), decode_s: (last - first) / 1000,
+const result = {prompt, ids: runs.map(r => r.ids), decode_s: (last - first) / 1000,
                 tokens_per_s: decoded / ((last - first) / 1000)};
 if (opts.logprobs) {
     await sequences[0].clearHistory();
