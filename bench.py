@@ -2,13 +2,14 @@
 
     python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
-    python bench.py --threads=0                        # all cores (torch's default); the default is 1, see THREADS
+    python bench.py --threads=1                        # one thread (the default 0: torch's, one per core); see THREADS
     python bench.py --sections=attention,decode        # only some of the SECTIONS below (speedrun is not in the
                                                        # default list: it trains for minutes)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
     python bench.py --sections=muon --threads=0        # Muon's step alone: torch's against BatchedMuon, bf16 and float32
     python bench.py --sections=serve                   # serve.py streaming to 1, 4, 16, 64 clients vs in-process
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
+    python bench.py --sections=peers                   # ours, CTranslate2, llama.cpp: tokens/s per precision (docs/performance.md)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
@@ -33,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from benchmarks import attention, decode, loop, memory, muon, prepare, rolling, serve, speedrun, train
+from benchmarks import attention, decode, loop, memory, muon, peers, prepare, rolling, serve, speedrun, train
 from benchmarks.common import at_least, merged_config, merged_presets, section_list, with_preset
 from core import runtime
 from core.config import parse_args, to_dict
@@ -41,7 +42,8 @@ from core.errors import UserError, run_cli
 from core.fileio import write_json
 
 SECTIONS = {"train": train, "loop": loop, "muon": muon, "attention": attention, "decode": decode,  # in run order
-            "prepare": prepare, "rolling": rolling, "memory": memory, "serve": serve, "speedrun": speedrun}
+            "prepare": prepare, "rolling": rolling, "memory": memory, "serve": serve, "speedrun": speedrun,
+            "peers": peers}
 
 
 @dataclasses.dataclass
@@ -49,9 +51,9 @@ class General:
     preset: str = "cpu"        # "cpu": the defaults; "gpt2": GPT-2 small sizes for a GPU (PRESETS)
     device: str = "auto"
     dtype: str = "auto"
-    # THREADS: on a shared machine two OpenMP threads spin-wait for each other whenever another process holds
-    # a core, which makes the figures slower and erratic. On a machine of your own, --threads=0 (one per core).
-    threads: int = 1
+    # THREADS: 0 is torch's default, one per core. On a shared machine two OpenMP threads spin-wait for each
+    # other whenever another process holds a core, which makes the figures slower and erratic: --threads=1.
+    threads: int = 0
     seed: int = 1337
     sections: str = ",".join(name for name, m in SECTIONS.items() if getattr(m, "IN_DEFAULT_RUN", True))
     out: str = "bench.json"

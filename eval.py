@@ -31,6 +31,8 @@ from core.config import parse_args
 from core.data.chat import ChatTemplate
 from core.data.loader import TokenData, read_meta
 from core.data.tokenizer import check_same_tokenizer, token_bytes
+from core.decoding.decode import inference_model
+from core.decoding.quantize import check_quantize
 from core.errors import Stopped, UserError, run_cli
 from core.weights import resolver
 
@@ -52,7 +54,8 @@ class EvalConfig:
     chat_file: str = "data/chat/tasks_heldout.jsonl"  # chat: conversations whose last turn is the expected answer
     device: str = "auto"
     dtype: str = "auto"
-    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
+    threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
+    quantize: str = "none"           # int8 | int4: the weights quantized once, CPU only (core/decoding/quantize.py)
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -153,6 +156,7 @@ def main(argv: Sequence[str]) -> str:
     stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping; no result").install()
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     try:
+        check_quantize(cfg.quantize, device=rt.device)  # before the model loads
         # A missing or malformed file is found before the model is loaded.
         examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
         if cfg.task == "chat":
@@ -162,7 +166,8 @@ def main(argv: Sequence[str]) -> str:
         stop.check("before the evaluation; no result")
         if rt.is_master:
             print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
-        model.to(rt.device)
+        # --quantize: the weights cast and quantized as sample.py decodes them; else float weights under autocast
+        model = inference_model(model, rt, quantize=cfg.quantize) if cfg.quantize != "none" else model.to(rt.device)
         stop.message = "stopping after this batch; no result"
         if cfg.task == "perplexity":
             line = perplexity(cfg, model, tok, rt, stop)

@@ -586,6 +586,8 @@ class GPT(nn.Module):
         h = self.transformer.ln_f(x[:, -1:, :])  # (B, 1, C)
         head_t = getattr(self, "head_float32", None)  # decode.keep_float32_head's (C, vocab), if weights were cast
         with torch.autocast(h.device.type, enabled=False):
+            if not isinstance(self.lm_head, nn.Linear):  # a head of quantized weights (core/decoding/quantize.py)
+                return self._softcap(self.lm_head(h.float()))  # (B, 1, vocab)
             if head_t is None:
                 return self._softcap(F.linear(h.float(), self.lm_head.weight.float()))  # (B, 1, vocab)
             return self._softcap(h.float() @ head_t)  # (B, 1, vocab)

@@ -33,6 +33,7 @@ from core.config import parse_args
 from core.data.chat import ChatTemplate, stream_reply
 from core.data.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
 from core.decoding.decode import check_sampling_args, generate, generate_stream, inference_model, window_shift
+from core.decoding.quantize import check_quantize, quantized_note
 from core.errors import UserError, run_cli
 from core.weights import resolver
 from model import GPT
@@ -59,13 +60,15 @@ class SampleConfig:
     stream: bool | None = None       # print tokens as they are produced; None: only when num_samples == 1
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
-    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
+    threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
+    quantize: str = "none"           # int8 | int4: the weights quantized once, CPU only (core/decoding/quantize.py)
     compile: bool = False            # torch.compile the model (recompiles for each new input shape at first)
     chat: bool = False               # a conversation with a chat fine-tune (core/data/chat.py's template)
     system: str | None = None        # chat: the system message
     prompt: str | None = None        # chat: answer this one user message (or FILE:path) and exit
 
     def validate(self) -> None:
+        check_quantize(self.quantize)
         try:
             check_sampling_args(self.temperature, self.top_k, self.top_p)
         except ValueError as e:
@@ -127,7 +130,7 @@ def run_chat(cfg: SampleConfig, model: GPT, tok: Tokenizer, source: str, rt: run
     if template is None:
         raise UserError(f"{source} has no chat tokens: it is a base model. Fine-tune it on a chat set first "
                         f"(data/chat/prepare.py, then train.py --init_from=its out_dir; see docs/chat.md)")
-    model = inference_model(model, rt, cfg.compile)
+    model = inference_model(model, rt, cfg.compile, cfg.quantize)
     sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, use_cache=cfg.use_cache,
                     generator=torch.Generator(device=rt.device).manual_seed(cfg.seed))
     messages = [{"role": "system", "content": cfg.system}] if cfg.system is not None else []
@@ -195,9 +198,9 @@ def main(argv: Sequence[str]) -> None:
         print(f"note: kept the prompt's last {len(context)} tokens (--truncate_prompt=True)", file=sys.stderr)
     shown_prompt = tok.decode(context) if text else ""  # not the <|endoftext|> an empty prompt starts from
 
-    model = inference_model(model, rt, cfg.compile)
+    model = inference_model(model, rt, cfg.compile, cfg.quantize)
     print(f"sampling from {source}: {model.get_num_params() / 1e6:.2f}M parameters, "
-          f"{tok.meta()['tokenizer']} tokenizer, {rt.device} {rt.dtype}", file=sys.stderr)
+          f"{tok.meta()['tokenizer']} tokenizer, {rt.device} {rt.dtype}{quantized_note(cfg.quantize)}", file=sys.stderr)
 
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device=rt.device).manual_seed(cfg.seed)

@@ -45,6 +45,7 @@ from core.config import parse_args
 from core.data.chat import ChatTemplate
 from core.data.tokenizer import Tokenizer
 from core.decoding.decode import inference_model, window_shift
+from core.decoding.quantize import check_quantize, quantized_note
 from core.errors import UserError, first_line, run_cli
 from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineDied, EngineSettings
 from core.serving.metrics import Metrics
@@ -76,7 +77,8 @@ class ServeConfig:
     prefill_chunk: int = 512         # at most this many prompt tokens fed per step (all requests), between decodes
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
-    threads: int = 1                 # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
+    threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
+    quantize: str = "none"           # int8 | int4: the weights quantized once, CPU only (core/decoding/quantize.py)
     engine: str = "auto"             # process: the engine in a process of its own (CPU); thread: in this one; auto: process on a CPU
 
     def validate(self) -> None:
@@ -88,6 +90,7 @@ class ServeConfig:
         if self.api_key == "":
             raise UserError("--api_key is empty; pass a secret, or leave it out to serve without one")
         resolver.check_init_from(self.init_from)
+        check_quantize(self.quantize)
         if self.engine not in ("auto", "process", "thread"):
             raise UserError(f"--engine must be auto, process or thread, got {self.engine!r}")
 
@@ -391,11 +394,11 @@ def main(argv: Sequence[str]) -> None:
     check_port(cfg.host, cfg.port)
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
-    model = inference_model(model, rt)  # as sample.py: weights cast once, float32 next-token logits
+    model = inference_model(model, rt, quantize=cfg.quantize)  # as sample.py: weights cast once (and quantized)
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if resolver.kind_of(cfg.init_from) == "resume" else cfg.init_from)
     app = build_app(model, tok, cfg, name, rt.device)
     has_key = bool(cfg.api_key or os.environ.get(API_KEY_ENV))
-    print(f"serving {source} as '{name}': {model.get_num_params() / 1e6:.2f}M parameters, {rt.device} {rt.dtype}, "
+    print(f"serving {source} as '{name}': {model.get_num_params() / 1e6:.2f}M parameters, {rt.device} {rt.dtype}{quantized_note(cfg.quantize)}, "
           f"{'chat and completions' if ChatTemplate.for_tokenizer(tok) else 'completions only (no chat template)'}, "
           f"page at http://{cfg.host}:{cfg.port}/", file=sys.stderr)
     if not is_loopback(cfg.host) and not has_key:

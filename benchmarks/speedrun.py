@@ -36,11 +36,9 @@ from model import GPT, GPTConfig
 @dataclasses.dataclass
 class Settings:
     speedrun_base: str = "config/train_shakespeare_char_cpu.py"  # nanoGPT's run; ours starts from it too
-    # ours: config files and key=value pairs, comma-separated, after the base: the modern recipe with its
-    # schedule sized to the race, a 20-iteration warm-up, AdamW (embeddings, head, gains) at 4x the base
-    # rate, value embeddings in the first and last Block, and a SwiGLU 256 wide, not 341 (docs/speedrun.md)
-    speedrun_ours: str = ("config/modern.py,max_iters=400,lr_decay_iters=400,warmup_iters=20,learning_rate=4e-3,"
-                          "value_embeds=1,mlp_hidden=256")
+    # ours: config files and key=value pairs, comma-separated, after the base: the modern recipe, then the
+    # race's own settings (config/speedrun_char.py: its schedule, learning rate, value embeddings, MLP width)
+    speedrun_ours: str = "config/modern.py,config/speedrun_char.py"
     speedrun_shape: str = ""   # key=value pairs applied to every run last (the gpt2 preset: GPT-2 small's shape)
     speedrun_runs: str = "nanogpt,ours"  # which runs race; ratios are to the first
     speedrun_seeds: str = "1337"         # one race per seed, each run seeded alike (weights and batches)

@@ -2,6 +2,8 @@
 
 The markers themselves (`slow`, `gpu`) are declared in pytest.ini.
 """
+import os
+
 import pytest
 import torch
 
@@ -18,7 +20,11 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     # The tests use tiny models: a second thread gains nothing, and on a busy two-core machine
     # OpenMP threads waiting for each other make them many times slower. Timing is never tested.
+    # The scripts default to torch's own count (one per core), so every script a test launches
+    # inherits one thread from the environment, whichever way it is started.
     torch.set_num_threads(1)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
 
 
 # torch's backend flags as (read, write) through torch's own accessors. They are not plain attributes:

@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_TIKTOKEN_CACHE = REPO_ROOT.parent / "shared" / "tiktoken_cache"
 
 # Tiny models gain nothing from a second thread, and on a busy two-core machine OpenMP threads
-# spinning for each other make them many times slower (docs/performance.md#threads-why---threads1-is-the-default).
+# spinning for each other make them many times slower (docs/performance.md#threads-torchs-default-and-when---threads1-wins).
 ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # A model that trains in well under a second per 10 iterations on two CPU cores.
@@ -151,6 +151,19 @@ def train_tiny(out_dir, data_dir, **overrides) -> Path:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return Path(out_dir) / "ckpt.pt"
+
+
+def sharpen(ckpt: Path, factor: float = 3.0) -> None:
+    """Scale q and k up in place in a checkpoint: scores factor^2 larger, attention far from uniform.
+    With qk_norm, q and k are normalised after the projection, so their gains are scaled instead."""
+    state = torch.load(ckpt, weights_only=True)
+    for name, w in state["model"].items():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            w.mul_(factor)
+        if name.endswith("attn.c_attn.weight"):
+            C = w.size(1)
+            w[:C + (w.size(0) - C) // 2].mul_(factor)  # q rows, then k rows; v unchanged
+    torch.save(state, ckpt)
 
 
 def run_script(script: str, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -29,7 +29,7 @@ from core.decoding.decode import generate
 from core.weights import hf, resolver
 from model import GPT, GPTConfig
 from tests.helpers import (REPO_ROOT, assert_user_error, make_char_dataset, needs_transformers, run_main,
-                           train_tiny, use_gpt2_bpe)
+                           sharpen, train_tiny, use_gpt2_bpe)
 
 transformers = needs_transformers()
 TOL = dict(atol=1e-5, rtol=0)
@@ -77,19 +77,6 @@ def shakespeare_data(char_data):
     if not SHAKESPEARE.is_file():
         pytest.skip(f"needs tiny Shakespeare at {SHAKESPEARE} (the compared models are trained on it)")
     return char_data
-
-
-def sharpen(ckpt: Path, factor: float = 3.0) -> None:
-    """Scale q and k up in place in a checkpoint: scores factor^2 larger, attention far from uniform.
-    With qk_norm, q and k are normalised after the projection, so their gains are scaled instead."""
-    state = torch.load(ckpt, weights_only=True)
-    for name, w in state["model"].items():
-        if name.endswith(("q_norm.weight", "k_norm.weight")):
-            w.mul_(factor)
-        if name.endswith("attn.c_attn.weight"):
-            C = w.size(1)
-            w[:C + (w.size(0) - C) // 2].mul_(factor)  # q rows, then k rows; v unchanged
-    torch.save(state, ckpt)
 
 
 def attention_peak(model: GPT, idx) -> float:

@@ -720,6 +720,23 @@ def test_sixteen_concurrent_streams_greedy_and_seeded_get_their_lone_text(base):
     assert total > le8  # some decoding steps held more than 8 rows: the requests were batched
 
 
+def test_quantized_server_batches_the_int8_model_sample_py_decodes(base, char_out, tmp_path):
+    """serve.py --quantize=int8: requests decoded at once (several rows a step) get sample.py --quantize=int8's
+    greedy text, and their logprobs are not the float model's (an engine that kept the float weights)."""
+    prompts = ["ROMEO:", "JULIET:", "O Romeo", "What"]
+    with running(tmp_path, f"--out_dir={char_out}", "--model_name=romeo", "--quantize=int8") as server:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: complete(server, prompt=p, max_tokens=80, temperature=0, n=2, logprobs=1),
+                                prompts))
+        assert "int8 weights" in server.output()
+    want = sample_py(char_out, *[[f"--start={p}", "--max_new_tokens=80", "--temperature=0", "--quantize=int8"]
+                                 for p in prompts])
+    for p, g, w in zip(prompts, got, want):
+        assert [p + c.text for c in g.choices] == [w, w]
+    floats = complete(base, prompt="ROMEO:", max_tokens=80, temperature=0, logprobs=1).choices[0].logprobs
+    assert got[0].choices[0].logprobs.token_logprobs != floats.token_logprobs
+
+
 def test_echo_logprobs_are_lm_evals_request(base, char_out):
     """lm-eval's loglikelihood request: token ids, echo, max_tokens 1, logprobs 1."""
     tok = CharTokenizer.from_text(TEXT)

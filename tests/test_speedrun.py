@@ -12,7 +12,7 @@ import plot
 from benchmarks import common, race, speedrun
 from core.errors import UserError
 from core.training import optim
-from tests.helpers import cli_args, make_char_dataset, one_thread
+from tests.helpers import REPO_ROOT, cli_args, make_char_dataset, one_thread
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 
@@ -115,6 +115,28 @@ def test_recipe_reads_config_files_then_key_values_as_train_py_does():
     assert speedrun.tokens_per_iter(r) == 768
     with pytest.raises(UserError, match="--speedrun_ours: unknown config key 'n_layr'"):
         common.read_recipe(["n_layr=2"], "--speedrun_ours")
+
+def test_the_race_trains_what_its_config_file_says(monkeypatch, tmp_path):
+    """The speedrun's recipe is config/speedrun_char.py, the file a user runs with train.py: the default
+    speedrun_ours names it and reads to the same TrainConfig as docs/speedrun.md's command; and an edit to
+    the file is what the race then trains (a copy of the settings kept in benchmarks/speedrun.py would not be)."""
+    import shutil
+
+    import train
+
+    settings = speedrun.Settings()
+    specs = [settings.speedrun_base, *common.spec_list(settings.speedrun_ours)]
+    raced = common.read_recipe(specs, "--speedrun_ours")
+    assert raced == train.parse_config(["config/train_shakespeare_char_cpu.py", "config/modern.py",
+                                        "config/speedrun_char.py"])
+    assert (raced.max_iters, raced.learning_rate, raced.value_embeds, raced.mlp_hidden) == (400, 4e-3, 1, 256)
+    shutil.copytree(REPO_ROOT / "config", tmp_path / "config")
+    with open(tmp_path / "config" / "speedrun_char.py", "a") as f:
+        f.write("learning_rate = 3e-3\nmax_iters = 350\n")
+    monkeypatch.chdir(tmp_path)
+    edited = common.read_recipe(specs, "--speedrun_ours")
+    assert (edited.learning_rate, edited.max_iters) == (3e-3, 350)
+
 
 @pytest.fixture
 def tiny_data(tmp_path):

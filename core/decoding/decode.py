@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from core import cpu
+from core.decoding import quantize as quantization
 from core.runtime import Runtime
 from model import GPT
 
@@ -191,7 +192,7 @@ def _next_logits(model: GPT, idx, start, origin, cache):
     return model(idx[:, origin + cache.pos:], kv_cache=cache, last_only=True)[0][:, -1, :]
 
 
-def inference_model(model: GPT, rt: Runtime, compile: bool = False) -> GPT:
+def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: str = "none") -> GPT:
     """The model as it decodes: on the device, in eval mode, its weights cast once to the run's dtype.
 
     Not autocast: it keeps float32 weights and casts each one again at every token (with --compile
@@ -203,9 +204,16 @@ def inference_model(model: GPT, rt: Runtime, compile: bool = False) -> GPT:
     so that a product at one row reads each weight once; not under --compile, which traces the plain
     model, and not on ARM, where it was never measured. The CPU's kernel choices per call come with it
     (cpu.choose_kernels).
+
+    quantize ("int8", "int4"; quantize.KINDS) swaps the Blocks' matrices and the head for quantized ones, from
+    the weights as cast to the run's dtype (core/decoding/quantize.py); those are never packed, and the head
+    then needs neither a float32 copy nor its columns laid out. CPU only, refused in one line elsewhere.
     """
+    quantization.check_quantize(quantize, device=rt.device)
     model = cpu.choose_kernels(model.eval().to(rt.device, rt.ptdtype))
-    if rt.ptdtype != torch.float32:
+    if quantize != "none":
+        quantization.quantize(model, quantize)
+    elif rt.ptdtype != torch.float32:
         keep_float32_head(model)
         if rt.device_type == "cpu" and rt.ptdtype == torch.bfloat16 and not compile and cpu.cpu_packs_bf16():
             cpu.pack_linears(model)

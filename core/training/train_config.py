@@ -87,7 +87,7 @@ class TrainConfig(ModelKeys):
     # system
     device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"                    # auto, float32, bfloat16, float16
-    threads: int = 1                       # torch's CPU threads (docs/performance.md); 0: torch's default, one per core
+    threads: int = 0                       # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
     compile: bool | None = None            # None: on for CUDA, off elsewhere
     seed: int = 1337                       # weights, dropout and batches all follow from it
     dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang

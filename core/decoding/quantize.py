@@ -1,0 +1,131 @@
+"""Weight-only quantized decoding on a CPU: the Blocks' matrices and the head read as int8 or int4.
+
+    model = inference_model(model, rt, quantize="int8")   # sample.py, eval.py, serve.py: --quantize=int8
+
+Decoding at a few rows is bound by reading the weights, so weights stored in fewer bytes decode faster:
+int8 reads a quarter of float32's bytes, int4 an eighth. Only the weights are quantized; each product
+runs in bfloat16 against them and gives back the run's dtype.
+
+    int8   per output channel, symmetric: w[n, k] ~ q[n, k] * scale[n], scale[n] = max_k |w[n, k]| / 127
+           (torch._weight_int8pack_mm)
+    int4   in groups of INT4_GROUP_SIZE along the input, asymmetric: w[n, k] ~ (q[n, k] - 8) * scale + zero
+           with q in 0..15 and scale, zero for the group (torch._weight_int4pack_mm_for_cpu, the layout
+           llama.cpp's Q4_1 and torchao's int4 weight-only use)
+
+What stays as it was: the token and position embeddings (a tied head gets its own quantized copy, the
+table stays float), the norms, the biases and attention itself. torchao's weight-only configs call these
+same two torch ops on a CPU; the kernels measured against each other are in docs/performance.md
+("Weight-only int8 and int4"), the quality in docs/evaluation.md ("Quantized weights").
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from core.errors import UserError
+from model import GPT
+
+KINDS = ("none", "int8", "int4")
+INT4_GROUP_SIZE = 32  # input columns per int4 scale and zero: llama.cpp's Q4 block (docs/evaluation.md)
+ACTIVATIONS = torch.bfloat16  # torch's CPU kernels for these are fast only in bf16: float32 is 10-100x slower
+INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads 16 input columns at a time (it crashes on other widths)
+INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output rows by 16: the head is padded to it
+
+
+def check_quantize(kind: str, training: bool = False, device: str = "cpu") -> None:
+    """The one check of --quantize: a UserError of one line if kind is unknown, the model trains, or the
+    device is not the CPU (the kernels used are torch's CPU ones)."""
+    if kind not in KINDS:
+        raise UserError(f"--quantize must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "none":
+        return
+    if training:
+        raise UserError(f"--quantize={kind} is for decoding only: a model that trains keeps its float weights; "
+                        "quantize when sampling, evaluating or serving")
+    if torch.device(device).type != "cpu":
+        raise UserError(f"--quantize={kind} runs on the CPU only (torch's CPU kernels), not on {device}: "
+                        "pass --device=cpu, or --quantize=none")
+
+
+def quantized_note(kind: str) -> str:
+    """What a script's first line adds for kind: ", int8 weights", or nothing."""
+    return "" if kind == "none" else f", {kind} weights"
+
+
+def quantize(model: GPT, kind: str) -> GPT:
+    """Swap, in place, every nn.Linear in model's Blocks and its head for a QuantizedLinear of `kind`, once,
+    for a model that only decodes (eval mode, on the CPU); the embeddings and norms stay. Returns model."""
+    check_quantize(kind, model.training, model.transformer.wte.weight.device)
+    if kind == "none":
+        return model
+    for block in model.transformer.h:
+        for name, module in list(block.named_modules()):
+            if isinstance(module, nn.Linear):
+                parent, _, attr = name.rpartition(".")
+                setattr(block.get_submodule(parent), attr, QuantizedLinear(module, kind, f"h.{name}"))
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    model.lm_head = QuantizedLinear(model.lm_head, kind, "lm_head", counted=not tied)  # the table stays float
+    return model
+
+
+class QuantizedLinear(nn.Module):
+    """An nn.Linear whose weight lives only as int8 or int4 values with their scales (quantize). forward takes
+    and gives back x's dtype, computing in ACTIVATIONS. counted: the weight counts in GPT.get_num_params (a
+    tied head's is counted once already, as the token table)."""
+
+    def __init__(self, linear: nn.Linear, kind: str, name: str = "linear", counted: bool = True):
+        super().__init__()
+        self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
+        self.weight_numel = linear.weight.numel() if counted else 0
+        w = linear.weight.detach().float()  # (out, in)
+        if kind == "int8":
+            check_width(name, self.in_features, INT8_K_MULTIPLE, kind)
+            q, scales = int8_per_channel(w)
+            self.register_buffer("q", q)  # (out, in) int8
+            self.register_buffer("scales", scales.to(ACTIVATIONS))  # (out,)
+        else:
+            check_width(name, self.in_features, INT4_GROUP_SIZE, kind)
+            w = F.pad(w, (0, 0, 0, -w.size(0) % INT4_N_MULTIPLE))  # zero rows to a multiple of 16, sliced off
+            q, scales_and_zeros = int4_groupwise(w, INT4_GROUP_SIZE)
+            self.register_buffer("q", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # (out16, in / 2) uint8
+            self.register_buffer("scales", scales_and_zeros.to(ACTIVATIONS))  # (in / group, out16, 2)
+        self.bias = linear.bias
+
+    def forward(self, x):  # (..., in) -> (..., out)
+        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)  # (M, in)
+        if self.kind == "int8":
+            y = torch._weight_int8pack_mm(x2, self.q, self.scales)  # (M, out)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.q, INT4_GROUP_SIZE, self.scales)[:, :self.out_features]
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (out, in) float -> q (out, in) int8 in -127..127 and scales (out,) float32 with w ~ q * scales[:, None].
+    The scale is rounded to ACTIVATIONS first and q computed from the rounded one, so the kernel's scale is the
+    one q was made for."""
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACTIVATIONS).float()  # (out,)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (out, in) float -> q (out, in) int32 in 0..15 and scales_and_zeros (in / group, out, 2) float32, the layout
+    torch's int4pack kernels take: w[n, k] ~ (q[n, k] - 8) * scale + zero for k's group, scale = (max - min) / 15
+    and zero = min + 8 * scale over the group's `group` weights of row n."""
+    N, K = w.shape
+    wg = w.view(N, K // group, group)  # (out, groups, group)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # (out, groups)
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(ACTIVATIONS).float()
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(N, K)
+    zero = (lo + 8 * scale).to(ACTIVATIONS).float()
+    return q, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # (groups, out, 2)
+
+
+def check_width(name: str, in_features: int, multiple: int, kind: str) -> None:
+    if in_features % multiple:
+        raise UserError(f"--quantize={kind} needs each matrix's input width to be a multiple of {multiple}; "
+                        f"{name} takes {in_features}: use --quantize=none for this model")
