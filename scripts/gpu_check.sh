@@ -52,7 +52,7 @@ fi
 } > "$out/environment.txt" 2>&1
 cat "$out/environment.txt" | tail -n 2
 
-step pytest_gpu 270 python -m pytest -m gpu -v -rA -p no:cacheprovider
+step pytest_gpu 270 python -m pytest -m gpu -v -rA -p no:cacheprovider --continue-on-collection-errors
 # muon: torch.optim.Muon (what CUDA gets) against BatchedMuon on GPT-2 small's 48 hidden matrices
 step bench_gpt2 210 python bench.py --preset=gpt2 "${device[@]}" --sections=train,loop,muon,attention,decode \
     --muon_shape=n_layer=12,n_head=12,n_embd=768 --gen_repeats=1 --out="$out/bench_gpt2.json" "${tiny[@]}"

@@ -190,6 +190,7 @@ def test_train_help_describes_every_commented_key_with_its_values():
         comment = re.search(rf"^\s+{name}: [^#]*# (.*)$", source, re.M).group(1)
         assert f"(str: {' | '.join(values)})  {comment}" in text, name
     assert "--max_iters=600000  (int)  iterations in all" in text
-    assert "--init_from='scratch'  (str)  'scratch', 'resume', a base run's out_dir (its weights, a new run), a GPT-2" in text
+    assert ("--init_from='scratch'  (str)  'scratch', 'resume', 'auto' (resume if out_dir holds a checkpoint, else "
+            "scratch), a base run's out_dir (its weights, a new run), a GPT-2 name") in text
     described = [line for line in text.splitlines()[1:] if re.match(r"  --\w+=\S+  \([^)]*\)  \S", line)]
     assert len(described) >= len(dataclasses.fields(TrainConfig)) - 6, text  # n_layer, n_head, n_embd, dropout, ...

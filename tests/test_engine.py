@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.serving.engine import (BatchEngine, EngineRequest, EngineSettings, PromptScores, ServerStopping,
+from core.serving.engine import (BatchEngine, EngineDied, EngineRequest, EngineSettings, PromptScores, ServerStopping,
                                  adjust_logits, engine_sampling, ragged_groups)
 from core.decoding.decode import Sampling, generate
 from core.evaluate import token_losses
@@ -353,8 +353,8 @@ async def streaming(engine, model, prompt):
 
 
 def test_the_engine_process_ending_fails_its_requests_in_one_line(trained):
-    """The engine process killed mid-generation: the open request ends with 'generation failed' and the exit
-    code, and the next submission is refused the same way, rather than waiting for ever."""
+    """The engine process killed mid-generation: the open request ends with EngineDied naming the exit code (the
+    server's 503, engine_dead), and the next submission is refused the same way, rather than waiting for ever."""
     model, tok = trained
     engine = EngineProcess(model, EngineSettings(max_batch=2, window_shift=SHIFT, vocab_size=tok.vocab_size))
     prompt = tok.encode("ROMEO:")
@@ -362,14 +362,14 @@ def test_the_engine_process_ending_fails_its_requests_in_one_line(trained):
     async def killed():
         events = await streaming(engine, model, prompt)
         engine.process.kill()
-        with pytest.raises(RuntimeError, match=r"generation failed: the process ended \(exit code -9\)"):
+        with pytest.raises(EngineDied, match=r"^the engine process has ended \(exit code -9\)$"):
             async for _ in events:
                 pass
 
     engine.start()
     try:
         asyncio.run(asyncio.wait_for(killed(), 60))  # a request left waiting for ever fails here
-        with pytest.raises(RuntimeError, match="engine process has ended"):
+        with pytest.raises(EngineDied, match=r"^the engine process has ended \(exit code -9\)$"):
             engine.submit(request(model, prompt, 1, 5, 0.0, 0), None)
     finally:
         engine.stop()

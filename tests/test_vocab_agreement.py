@@ -15,17 +15,18 @@ import json
 import pytest
 import torch
 
-import export
-import serve
-from core.data.hf_tokenizer import load_hf_tokenizer
-from core.data.tokenizer import END_OF_TEXT, CharTokenizer, GPT2Tokenizer, encode_prompt, train_bpe
-from core.data.corpus_tokenizer import bpe_reserved
-from core.weights import resolver
-from model import GPT, GPTConfig
-from tests.helpers import REPO_ROOT, ROMEO_JULIET, assert_user_error, needs_transformers, run_main, train_tiny, use_gpt2_bpe
+TestClient = pytest.importorskip("fastapi.testclient").TestClient  # before serve.py, which imports fastapi
+
+import export  # noqa: E402
+import serve  # noqa: E402
+from core.data.hf_tokenizer import load_hf_tokenizer  # noqa: E402
+from core.data.tokenizer import END_OF_TEXT, CharTokenizer, GPT2Tokenizer, encode_prompt, train_bpe  # noqa: E402
+from core.data.corpus_tokenizer import bpe_reserved  # noqa: E402
+from core.weights import resolver  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from tests.helpers import REPO_ROOT, ROMEO_JULIET, assert_user_error, needs_transformers, run_main, train_tiny, use_gpt2_bpe  # noqa: E402
 
 transformers = needs_transformers()
-TestClient = pytest.importorskip("fastapi.testclient").TestClient
 
 BLOCK = 64
 TEXT = "ROMEO:\nBut, soft!" + END_OF_TEXT + "JULIET:\nO Romeo"  # a document boundary spelled out
