@@ -23,7 +23,6 @@ from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -36,7 +35,7 @@ from tqdm import tqdm
 from core import config as configlib, evaluate, runtime
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.data.tokenizer import check_extends, check_same_ids, tokenizer_from_meta, tokenizer_meta
-from core.errors import Stopped, UserError, alike_on_every_rank, first_line, run_cli
+from core.errors import Stopped, UserError, alike_on_every_rank, run_cli
 from core.training import checkpointing, flops, memory, optim, parallel, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
@@ -230,19 +229,9 @@ def parse_config(argv) -> TrainConfig:
     if init_from == "auto":  # decided here, once: resume or scratch from now on
         init_from = run_dir.auto_init_from(cfg.out_dir)
         argv = [*argv, f"--init_from={init_from}"]
-    saved = Path(cfg.out_dir) / "config.json"
-    if resolver.kind_of(init_from) != "resume" or not saved.is_file():
+    if resolver.kind_of(init_from) != "resume":
         return configlib.parse_args(TrainConfig, argv)
-    try:
-        run = json.loads(saved.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {saved} ({first_line(e)}); pass the run's config files again") from None
-    if not isinstance(run, dict):
-        raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
-    # The device and process count the run resolved for its own machine ("auto" became cuda:0) are resolved
-    # again here. Its dtype is kept: a resume continues in the precision it trained in (--dtype changes it).
-    run = {k: v for k, v in run.items() if k not in ("world_size", "device")}
-    return configlib.parse_args(TrainConfig, argv, base=configlib.from_dict(TrainConfig, run, f"in {saved}"))
+    return run_dir.resumed_config(TrainConfig, argv, cfg.out_dir)
 
 
 # -----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 before it trains (each a one-line UserError), and the lines it prints about them.
 
     auto_init_from(out_dir)                   init_from=auto decided: resume when out_dir holds a checkpoint
+    resumed_config(cls, argv, out_dir)        a resumed run's config: its own config.json, then the command line
     check_ranks_agree(cfg, rt)                every rank decided init_from alike
     check_out_dir(cfg)                        before any work: out_dir is writable, and a new run never
                                               replaces another run's checkpoint (describe_checkpoint)
@@ -11,6 +12,7 @@ before it trains (each a one-line UserError), and the lines it prints about them
     gpu_sized_note(model, cfg, rt, ...)       a CPU run sized for a GPU, said before it starts
     resume_command(out_dir, rt)               the command that continues a stopped run
 """
+import json
 import math
 import os
 import shlex
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from core import config as configlib
 from core.data.tokenizer import check_same_tokenizer
-from core.errors import UserError
+from core.errors import UserError, first_line
 from core.fileio import write_json
 from core.runtime import Runtime
 from core.training import memory
@@ -41,6 +43,24 @@ def auto_init_from(out_dir: str | os.PathLike) -> str:
     return "resume" if any((Path(out_dir) / name).exists() for name in names) else "scratch"
 
 
+def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
+    """The config of a run that resumes: cls's defaults replaced by out_dir/config.json (the run's own), then
+    argv over them, so `--init_from=resume --out_dir=RUN` is the whole command. The device and process count
+    the run resolved for its own machine ("auto" became cuda:0) are resolved again; its dtype is kept, so a
+    resume continues in the precision it trained in (--dtype changes it). No config.json: cls's defaults."""
+    saved = Path(out_dir) / "config.json"
+    if not saved.is_file():
+        return configlib.parse_args(cls, argv)
+    try:
+        run = json.loads(saved.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {saved} ({first_line(e)}); pass the run's config files again") from None
+    if not isinstance(run, dict):
+        raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
+    run = {k: v for k, v in run.items() if k not in ("world_size", "device")}
+    return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {saved}"))
+
+
 def check_ranks_agree(cfg: TrainConfig, rt: Runtime) -> None:
     """Every rank read out_dir on its own (train.parse_config) before the process group existed: one that
     resumes beside one that starts afresh would train different iterations and hang or diverge. They agree
@@ -52,16 +72,17 @@ def check_ranks_agree(cfg: TrainConfig, rt: Runtime) -> None:
                         f"process must see the same out_dir (a directory all nodes share)")
 
 
-def check_out_dir(cfg: TrainConfig) -> Path:
+def check_out_dir(cfg) -> Path:
     """out_dir, checked before any work and without writing to it: writable (found now, not at the first
-    checkpoint), and, for a new run, not holding another run's checkpoint unless overwrite=True."""
+    checkpoint), and, for a new run, not holding another run's checkpoint unless overwrite=True. cfg: a run's
+    config with out_dir, init_from and overwrite (train.py's or rl.py's)."""
     out_dir = Path(cfg.out_dir)
     existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("."))
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         why = ("Not a directory" if not existing.is_dir() else
                "Read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "Permission denied")
         raise UserError(f"cannot write to out_dir '{out_dir}': {why}; choose a writable --out_dir")
-    new_run = resolver.kind_of(cfg.init_from) != "resume" and not cfg.eval_only  # eval_only saves nothing
+    new_run = resolver.kind_of(cfg.init_from) != "resume" and not getattr(cfg, "eval_only", False)  # saves nothing
     found = checkpoint.find_checkpoint(out_dir) if new_run and not cfg.overwrite else None
     if found is not None:
         raise UserError(f"{out_dir} already holds a run's checkpoint ({describe_checkpoint(found)}); continue it "
@@ -80,7 +101,7 @@ def describe_checkpoint(path: Path) -> str:
     return f"{path.name} at iter {meta.get('iter_num')}, {loss_text}"
 
 
-def write_run_config(cfg: TrainConfig, out_dir: Path, rt: Runtime) -> None:
+def write_run_config(cfg, out_dir: Path, rt: Runtime) -> None:
     """out_dir/config.json, the resolved config, once the run is about to train: a run stopped by a
     mistake (a missing dataset, a wrong setting) leaves no file behind."""
     def write() -> None:
@@ -182,9 +203,9 @@ def gpu_sized_note(model: GPT, cfg: TrainConfig, rt: Runtime, peak: float | None
             f"{format_duration(total_s)}; config/train_shakespeare_char_cpu.py is sized for a CPU")
 
 
-def resume_command(out_dir: Path, rt: Runtime) -> str:
+def resume_command(out_dir: Path, rt: Runtime, script: str = "train.py") -> str:
     """The command that continues this run, to paste as it is printed."""
-    args = f"train.py --init_from=resume --out_dir={shlex.quote(str(out_dir))}"
+    args = f"{script} --init_from=resume --out_dir={shlex.quote(str(out_dir))}"
     if not rt.distributed:
         return f"python {args}"
     if int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)) != rt.world_size:  # several nodes
