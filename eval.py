@@ -5,14 +5,18 @@
     python eval.py --init_from=gpt2 --data_dir=data/fineweb --split=val     # GPT-2 weights (from the hub)
     python eval.py --init_from=gpt2 --task=hellaswag                        # after data/hellaswag/prepare.py
     python eval.py --out_dir=out-sft-tasks-char --task=chat --chat_file=data/chat/tasks_heldout.jsonl  # exact answers
+    python eval.py --out_dir=out-rl-tasks-char --task=reverse               # a task's 200 held-out problems, greedy
+    python eval.py --out_dir=out-rl-tasks-char --task=reverse --samples=8 --temperature=1   # pass@1 and pass@8
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
 Perplexity scores each token once, in a fixed order (core/evaluate.py explains the windows), so
 two runs evaluated on the same split and block_size compare directly. Bits per byte (the loss in bits
 over the UTF-8 bytes of the scored text) also compares models whose tokenizers differ, on the same text. On a chat dataset
 (data/chat/prepare.py) it scores the assistant's tokens only, each conversation read from its start.
---task=chat replies greedily to each conversation of a JSONL file and counts exact answers. The result is one line on
-stdout; what was loaded goes to stderr.
+--task=chat replies greedily to each conversation of a JSONL file and counts exact answers. --task=NAME, a task of
+core/data/tasks.py (reverse, upper, add), replies to its held-out problems and scores each reply with the task's
+checker, as rl.py does: greedily, or --samples replies per problem at --temperature (the mean reward, pass@1 for an
+exact-match task, and pass@samples). The result is one line on stdout; what was loaded goes to stderr.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -28,6 +32,7 @@ from tqdm import tqdm
 
 from core import evaluate, runtime
 from core.config import parse_args
+from core.data import tasks as tasklib
 from core.data.chat import ChatTemplate
 from core.data.loader import TokenData, read_meta
 from core.data.tokenizer import check_same_tokenizer, token_bytes
@@ -36,14 +41,14 @@ from core.decoding.quantize import check_quantize
 from core.errors import Stopped, UserError, run_cli
 from core.weights import resolver
 
-TASKS = ("perplexity", "hellaswag", "chat")
+EVALUATIONS = ("perplexity", "hellaswag", "chat")  # and each task with a checker (core/data/tasks.py TASKS)
 
 
 @dataclasses.dataclass
 class EvalConfig:
     init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a transformers folder
     out_dir: str = "out"             # where init_from=resume finds ckpt.pt and config.json
-    task: str = "perplexity"         # perplexity | hellaswag | chat
+    task: str = "perplexity"         # perplexity | hellaswag | chat | a task with a checker: reverse, upper, add
     data_dir: str | None = None      # perplexity: a prepared dataset; None: the run's own (out_dir/config.json)
     split: str = "val"
     block_size: int | None = None    # window length; None: the model's block_size
@@ -52,20 +57,31 @@ class EvalConfig:
     hellaswag_file: str = "data/hellaswag/hellaswag_val.jsonl"
     max_examples: int = 0            # hellaswag, chat: the first N examples only; 0: all
     chat_file: str = "data/chat/tasks_heldout.jsonl"  # chat: conversations whose last turn is the expected answer
+    task_examples: int = 200         # a checked task: its first N held-out problems (core/data/tasks.py)
+    samples: int = 1                 # a checked task: replies per problem (pass@samples); more than 1 needs temperature
+    temperature: float = 0.0         # a checked task: 0 is greedy
+    max_new_tokens: int = 32         # a checked task: the longest reply
+    seed: int = 0                    # a checked task: the replies' generators follow from it
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
     quantize: str = "none"           # int8 | int4: the weights quantized once, CPU only (core/decoding/quantize.py)
 
     def validate(self) -> None:
-        if self.task not in TASKS:
-            raise UserError(f"task must be one of {', '.join(TASKS)}, got '{self.task}'")
+        if self.task not in EVALUATIONS and self.task not in tasklib.TASKS:
+            raise UserError(f"task must be one of {', '.join((*EVALUATIONS, *tasklib.TASKS))}, got '{self.task}'")
         for key in ("block_size", "stride", "batch_size"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise UserError(f"{key} must be at least 1, got {value}")
         if self.max_examples < 0:
             raise UserError(f"max_examples must be >= 0 (0: all), got {self.max_examples}")
+        for key in ("task_examples", "samples", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if not 0 <= self.temperature < float("inf") or (self.samples > 1 and self.temperature == 0):
+            raise UserError(f"temperature must be >= 0, and > 0 for more than one sample (greedy replies are all "
+                            f"alike), got {self.temperature} with samples={self.samples}")
         resolver.check_init_from(self.init_from)
 
 
@@ -150,6 +166,26 @@ def chat(cfg: EvalConfig, model, tok, conversations, stop: runtime.StopFlag) -> 
     return f"chat {cfg.chat_file}: exact-answer accuracy {r['accuracy']:.4f} ({r['correct']}/{r['examples']})"
 
 
+def checked_task(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime.StopFlag) -> str:
+    template = ChatTemplate.for_tokenizer(tok)
+    if template is None:
+        raise UserError(f"this model's tokenizer has no chat tokens (a base model): --task={cfg.task} needs a chat "
+                        f"fine-tune (docs/chat.md)")
+    tasklib.check_vocabulary([cfg.task], tok.encode, "this model's vocabulary")
+    problems = tasklib.heldout_problems(cfg.task, cfg.task_examples)
+    progress = Progress("problems", rt.is_master)
+    r = evaluate.task_scores(model, template, cfg.task, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens,
+                             cfg.seed, rt.device, rt.autocast, rt.rank, rt.world_size, progress,
+                             stopped=lambda: rt.any_rank(stop.requested)[0])
+    progress.close()
+    r = result_or_stop(r, stop)
+    if cfg.samples == 1 and cfg.temperature == 0:
+        return (f"{cfg.task} held-out: exact match {r['mean']:.4f} ({round(r['mean'] * r['examples'])}/"
+                f"{r['examples']}), greedy")
+    return (f"{cfg.task} held-out: mean reward {r['mean']:.4f} (pass@1), pass@{cfg.samples} {r['pass@k']:.4f}, "
+            f"{r['examples']} problems x {cfg.samples} replies at temperature {cfg.temperature}")
+
+
 def main(argv: Sequence[str]) -> str:
     cfg = parse_args(EvalConfig, argv)
     # From the start: loading a large model takes a while, and a signal then must not be lost.
@@ -173,6 +209,8 @@ def main(argv: Sequence[str]) -> str:
             line = perplexity(cfg, model, tok, rt, stop)
         elif cfg.task == "chat":
             line = chat(cfg, model, tok, examples, stop)
+        elif cfg.task in tasklib.TASKS:
+            line = checked_task(cfg, model, tok, rt, stop)
         else:
             line = hellaswag(cfg, model, tok, rt, examples, stop)
         if rt.is_master:

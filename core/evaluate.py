@@ -337,3 +337,65 @@ def chat_accuracy(model, template, conversations: list[list[dict]], max_new_toke
         correct += reply(model, template, conv[:-1], n, temperature=0.0) == answer
     model.train(was_training)
     return {"accuracy": correct / len(conversations), "correct": correct, "examples": len(conversations)}
+
+
+# -----------------------------------------------------------------------------
+# tasks with checkers (core/data/tasks.py): exact-match and pass@k on held-out problems
+
+
+def sample_seed(seed: int, *path: int) -> int:
+    """The seed of one batch of replies, from the run's seed and where the batch is (an iteration, a problem's
+    index): the same replies on any number of processes and after any resume, with nothing to save. A seed the
+    server takes too (its `seed` field), so one reply can be asked of it and compared."""
+    mixed = seed
+    for part in path:
+        mixed = (mixed * 1_000_003 + part) % (1 << 62)
+    return mixed
+
+
+def sampler(seed: int, *path: int, device="cpu") -> torch.Generator:
+    """A generator seeded with sample_seed(seed, *path)."""
+    return torch.Generator(device=device).manual_seed(sample_seed(seed, *path))
+
+
+@torch.no_grad()
+def task_scores(model, template, name: str, problems: list, samples: int = 1, temperature: float = 0.0,
+                max_new_tokens: int = 32, seed: int = 0, device="cpu", autocast=None, rank: int = 0,
+                world_size: int = 1, progress=None, stopped=None) -> dict | None:
+    """Each problem's replies scored by task `name`'s checker: one greedy reply (temperature 0), or `samples`
+    replies at a temperature, drawn in one batched generate per problem (chat.sample_replies, as rl.py samples).
+
+    Returns {"mean": the mean reward over every reply (exact-match accuracy, or pass@1, for a 0/1 checker),
+    "pass@k": the fraction of problems with an accepted reply (reward 1) among their k = samples replies,
+    "examples", "samples"}; None if stopped(), called before each problem, says so. With world_size > 1 each
+    rank replies to every world_size-th problem and the sums are all-reduced. progress(done, total) as in
+    evaluate_split."""
+    from core.data.chat import reply_text, sample_replies
+    from core.data.tasks import TASKS, messages
+
+    check = TASKS[name].check
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # (reward, problems with an accepted reply, problems)
+    for step in range(math.ceil(len(problems) / world_size)):  # as many stopped() calls on every rank
+        if stopped is not None and stopped():
+            model.train(was_training)
+            return None
+        i = step * world_size + rank
+        if progress:
+            progress(min(i + 1, len(problems)), len(problems))
+        if i >= len(problems):
+            continue
+        prompt = template.render_prompt(messages(problems[i]))
+        budget = min(max_new_tokens, model.config.block_size - len(prompt))
+        with autocast() if autocast else contextlib.nullcontext():
+            replies = sample_replies(model, template, prompt, samples, budget, temperature=temperature,
+                                     generator=sampler(seed, i, device=device))
+        rewards = [check(problems[i], reply_text(template, r)) for r in replies]
+        sums += torch.tensor([sum(rewards) / samples, float(max(rewards) == 1.0), 1.0], dtype=torch.float64)
+    if world_size > 1:
+        sums = sums.to(device)
+        dist.all_reduce(sums)
+    model.train(was_training)
+    reward, solved, n = sums.tolist()
+    return {"mean": reward / n, "pass@k": solved / n, "examples": int(n), "samples": samples}

@@ -1,17 +1,19 @@
-"""A synthetic conversation set whose answers must be computed from the prompt, split into train and held-out.
+"""Synthetic conversations whose answers must be computed from the prompt, split into train and held-out.
 
     python data/chat/tasks.py                                   # tasks_train.jsonl, tasks_heldout.jsonl here
     python data/chat/tasks.py --out_dir=/tmp/tasks --n_train=4000 --n_heldout=200
+    python data/chat/tasks.py --tasks=reverse,upper,add         # add's digits need a BPE base (not characters)
 
-Two tasks on random lowercase words: "reverse: abcde" -> "edcba", "upper: ab cd" -> "AB CD". No
-string of the held-out set occurs in the train set, so a model scores on it only by doing the task.
-A quarter of the conversations carry a system message. The letters are all in tiny Shakespeare's
-character vocabulary, so a character model trained on it can be fine-tuned on these.
+The tasks and their checkers live in core/data/tasks.py: "reverse: abcde" -> "edcba", "upper: ab cd" ->
+"AB CD", "add: 874+62" -> "936". Train conversations come from each task's train side and the held-out
+ones are core/data/tasks.py's held-out set (n_heldout per task, the prompts eval.py --task=NAME scores), so
+a model scores on them only by doing the task. A quarter of the train conversations carry a system message.
+reverse and upper use only letters, all in tiny Shakespeare's character vocabulary, so a character model
+trained on it can be fine-tuned on them.
 """
 import dataclasses
 import json
 import random
-import string
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -19,62 +21,41 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make the repo's core/ importable
 
 from core.config import parse_args  # noqa: E402
+from core.data import tasks as tasklib  # noqa: E402
 from core.data.sources import script_out_dir  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.fileio import atomic_path  # noqa: E402
 
-TASKS = {
-    "reverse": lambda s: s[::-1],
-    "upper": lambda s: s.upper(),
-}
 SYSTEM = "Do exactly what the user asks."
 
 
 @dataclasses.dataclass
 class TasksConfig:
     out_dir: str | None = None  # default: this script's folder
-    n_train: int = 4000
-    n_heldout: int = 200
-    min_len: int = 3            # letters in a prompt's string
-    max_len: int = 6
+    tasks: str = "reverse,upper"  # comma-separated, from core/data/tasks.py: reverse, upper, add
+    n_train: int = 4000         # train conversations, the tasks drawn at random
+    n_heldout: int = 200        # held-out conversations per task
     seed: int = 1337
 
     def validate(self) -> None:
-        if self.n_train < 2 or self.n_heldout < 1 or not 1 <= self.min_len <= self.max_len:
-            raise UserError("need n_train >= 2, n_heldout >= 1 and 1 <= min_len <= max_len")
+        if self.n_train < 2 or self.n_heldout < 1:
+            raise UserError("need n_train >= 2 and n_heldout >= 1")
+        tasklib.task_names(self.tasks)
 
 
-def random_text(rng: random.Random, min_len: int, max_len: int) -> str:
-    """Lowercase letters, with a space now and then (never first or last)."""
-    n = rng.randint(min_len, max_len)
-    chars = [rng.choice(string.ascii_lowercase) for _ in range(n)]
-    for i in range(1, n - 1):
-        if rng.random() < 0.15 and chars[i - 1] != " ":
-            chars[i] = " "
-    return "".join(chars)
-
-
-def conversation(task: str, text: str, system: bool) -> dict:
-    messages = [{"role": "system", "content": SYSTEM}] if system else []
-    messages += [{"role": "user", "content": f"{task}: {text}"},
-                 {"role": "assistant", "content": TASKS[task](text)}]
-    return {"messages": messages}
+def conversation(problem: tasklib.Problem, system: bool) -> dict:
+    return {"messages": tasklib.messages(problem, SYSTEM if system else None)
+            + [{"role": "assistant", "content": problem.answer}]}
 
 
 def make_sets(cfg: TasksConfig) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) conversations; the held-out strings are distinct from every train string."""
+    """(train, held-out) conversations: train keys distinct per task, none on the held-out side."""
+    names = tasklib.task_names(cfg.tasks)
+    heldout = [conversation(p, False) for name in names for p in tasklib.heldout_problems(name, cfg.n_heldout)]
     rng = random.Random(cfg.seed)
-    seen, sets = set(), []
-    for n in (cfg.n_heldout, cfg.n_train):
-        convs = []
-        while len(convs) < n:
-            text = random_text(rng, cfg.min_len, cfg.max_len)
-            if text in seen:
-                continue
-            seen.add(text)
-            convs.append(conversation(rng.choice(sorted(TASKS)), text, rng.random() < 0.25))
-        sets.append(convs)
-    heldout, train = sets
+    picks = [rng.choice(names) for _ in range(cfg.n_train)]
+    drawn = {name: tasklib.distinct_problems(name, "train", picks.count(name), f"{cfg.seed}:{name}") for name in names}
+    train = [conversation(drawn[name].pop(), rng.random() < 0.25) for name in picks]
     return train, heldout
 
 

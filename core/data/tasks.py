@@ -1,0 +1,154 @@
+"""Tasks whose answers a program can check: a prompt generator and a checker, one pair per task.
+
+    task = TASKS["add"]
+    problem = task.make(random.Random(0))      # Problem(prompt='add: 874+62', answer='936', key='874+62')
+    task.check(problem, "936")                 # 1.0: a reward in [0, 1]
+    heldout_problems("add", 200)               # the held-out prompts eval.py --task=add and rl.py score
+
+data/chat/tasks.py writes SFT conversations from a task's train side, rl.py samples its prompts from the
+same side, and eval.py --task=NAME (and the server, through the chat endpoint) scores the held-out side
+with the same checker.
+
+The split is a property of the problem, not of the draw: a hash of the problem's key (the string it is
+made from: the letters to reverse, the two numbers to add) puts one key in ten on the held-out side, so no
+train prompt is ever a held-out one, whatever seed or count drew them. reverse and upper share their key
+(the letters), so a held-out string is held out from both.
+
+Add a task: write make(rng) -> Problem and check(problem, reply) -> reward, and register Task(make, check) in
+TASKS. The tests register one that rewards a fixed letter (tests/test_rl.py).
+"""
+import dataclasses
+import random
+import string
+import zlib
+from typing import Callable
+
+from core.errors import UserError
+
+HELDOUT_EVERY = 10   # one key in ten is held out
+HELDOUT_SEED = 0     # the held-out set everyone scores: the first N distinct held-out problems of this seed
+SPLITS = ("train", "heldout")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    prompt: str   # the user's message
+    answer: str   # a reference answer: what SFT learns, and what exact_match compares a reply with
+    key: str      # what the problem is made from; it decides the split
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    make: Callable[[random.Random], Problem]     # one problem, drawn with rng
+    check: Callable[[Problem, str], float]       # (problem, the model's reply) -> reward in [0, 1]; 1: accepted
+
+
+def split_of(key: str) -> str:
+    """'heldout' for one key in HELDOUT_EVERY, else 'train': a fixed hash (crc32), the same on every machine."""
+    return "heldout" if zlib.crc32(key.encode()) % HELDOUT_EVERY == 0 else "train"
+
+
+def exact_match(problem: Problem, reply: str) -> float:
+    return float(reply == problem.answer)
+
+
+# -----------------------------------------------------------------------------
+# the tasks
+
+
+def random_letters(rng: random.Random, min_len: int = 3, max_len: int = 6) -> str:
+    """Lowercase letters, with a space now and then (never first or last, never two together)."""
+    n = rng.randint(min_len, max_len)
+    chars = [rng.choice(string.ascii_lowercase) for _ in range(n)]
+    for i in range(1, n - 1):
+        if rng.random() < 0.15 and chars[i - 1] != " ":
+            chars[i] = " "
+    return "".join(chars)
+
+
+def make_reverse(rng: random.Random) -> Problem:
+    text = random_letters(rng)
+    return Problem(f"reverse: {text}", text[::-1], text)
+
+
+def make_upper(rng: random.Random) -> Problem:
+    text = random_letters(rng)
+    return Problem(f"upper: {text}", text.upper(), text)
+
+
+def make_add(rng: random.Random) -> Problem:
+    """Two- and three-digit addition, the answer in digits alone: 'add: 874+62' -> '936'."""
+    a, b = (rng.randint(10, 999) for _ in range(2))
+    return Problem(f"add: {a}+{b}", str(a + b), f"{a}+{b}")
+
+
+TASKS: dict[str, Task] = {
+    "reverse": Task(make_reverse, exact_match),
+    "upper": Task(make_upper, exact_match),
+    "add": Task(make_add, exact_match),
+}
+
+
+# -----------------------------------------------------------------------------
+# drawing problems
+
+
+def task_names(names: str) -> list[str]:
+    """'reverse,upper' -> ['reverse', 'upper'], each a registered task: the one check of a tasks setting."""
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in TASKS]
+    if unknown or not chosen:
+        raise UserError(f"unknown task {', '.join(map(repr, unknown)) or repr(names)}; tasks are "
+                        f"{', '.join(TASKS)} (core/data/tasks.py), comma-separated")
+    if len(set(chosen)) != len(chosen):
+        raise UserError(f"tasks {names!r} names a task twice")
+    return chosen
+
+
+def draw(name: str, split: str, rng: random.Random) -> Problem:
+    """One problem of task `name` from `split`: drawn with rng until its key falls on that side."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    for _ in range(100 * HELDOUT_EVERY):
+        problem = TASKS[name].make(rng)
+        if split_of(problem.key) == split:
+            return problem
+    raise UserError(f"task {name!r} drew no {split} problem in {100 * HELDOUT_EVERY} tries; its keys are too few")
+
+
+def distinct_problems(name: str, split: str, n: int, seed: int | str) -> list[Problem]:
+    """n problems of one split with n distinct keys, drawn from seed."""
+    rng, seen, out = random.Random(seed), set(), []
+    for _ in range(1000 * n):
+        if len(out) == n:
+            break
+        problem = draw(name, split, rng)
+        if problem.key not in seen:
+            seen.add(problem.key)
+            out.append(problem)
+    if len(out) < n:
+        raise UserError(f"task {name!r} has fewer than {n} distinct {split} problems")
+    return out
+
+
+def heldout_problems(name: str, n: int) -> list[Problem]:
+    """The held-out set: the same n problems for every run, script and machine."""
+    return distinct_problems(name, "heldout", n, HELDOUT_SEED)
+
+
+def messages(problem: Problem, system: str | None = None) -> list[dict]:
+    """The conversation that asks the problem: an optional system message, then the user's prompt."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": problem.prompt}]
+
+
+def check_vocabulary(names: list[str], encode, what: str) -> None:
+    """One line when a task's prompts or answers use characters the model cannot read or write (a character
+    vocabulary made from Shakespeare has no digits): encode is the tokenizer's, raising UserError."""
+    for name in names:
+        rng = random.Random(0)
+        for _ in range(20):  # several problems: the characters vary
+            problem = TASKS[name].make(rng)
+            try:
+                encode(problem.prompt + problem.answer)
+            except UserError as e:
+                raise UserError(f"task {name!r} does not fit {what}: {e}") from None

@@ -1,0 +1,382 @@
+"""Reinforcement learning from a chat run, on tasks whose answers a program checks (core/data/tasks.py).
+
+    python rl.py config/rl_tasks_char.py                                  # after docs/chat.md's SFT
+    python rl.py config/rl_tasks_char.py --tasks=reverse --samples_per_prompt=16 --out_dir=out-rl-reverse
+    python rl.py --init_from=resume --out_dir=out-rl-tasks-char           # continue a stopped run
+    torchrun --standalone --nproc_per_node=2 rl.py config/rl_tasks_char.py   # each process its own prompts
+    python eval.py --out_dir=out-rl-tasks-char --task=reverse              # held-out exact match
+
+On-policy REINFORCE with the group's mean reward as baseline, as nanochat's chat_rl.py (GRPO without its
+ratio, clipping or KL). Each iteration draws prompts_per_iter problems from the tasks' train side, samples
+samples_per_prompt replies to each in one batched generate with the KV cache, and scores every reply with its
+task's checker. A reply's advantage is its reward minus the mean reward of its group (the replies to the same
+prompt): only what differs between replies is reinforced, and a group all right or all wrong teaches nothing.
+The loss is -advantage x log-probability on every reply token (its end token too: when to stop is learned),
+summed over the iteration's reply tokens and divided by their number (token-level, as nanochat and Dr. GRPO),
+never on the prompt's tokens. std_advantage divides by the group's standard deviation (GRPO); kl_coef adds a
+KL penalty to the starting model on the reply tokens; both off by default (docs/chat.md says why).
+
+Configuration: the RLConfig defaults, then config files, then --key=value, as train.py's; a resumed run starts
+from its own config.json. The resolved config goes to out_dir/config.json and every logged iteration and eval
+to out_dir/log.jsonl: reward mean and max, the exact rate (replies with reward 1), the mean reply length in
+tokens, and at each eval the held-out exact match per task. Checkpoints are train.py's (ckpt.pt: weights,
+optimizer, RNG states), so sample.py, eval.py, serve.py and export.py read an RL run as any other. A resume
+continues bit for bit: the prompts are drawn from (seed, iteration, prompt index) and each prompt's replies from
+a generator seeded by the same, on any number of processes. SIGTERM, SIGINT or SIGHUP finishes the iteration,
+saves and exits 0.
+"""
+from core.errors import quiet_start
+quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
+
+import copy
+import dataclasses
+import math
+import random
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from core import config as configlib, evaluate, runtime
+from core.data import tasks as tasklib
+from core.data.chat import ChatTemplate, reply_text, sample_replies
+from core.data.tokenizer import tokenizer_from_meta
+from core.errors import UserError, alike_on_every_rank, run_cli
+from core.training import checkpointing, memory, optim, parallel, run_dir
+from core.training.runlog import RunLog, format_duration
+from core.weights import resolver
+
+
+@dataclasses.dataclass
+class RLConfig:
+    # I/O
+    init_from: str = "out-sft-tasks-char"  # a chat run's out_dir (its weights, a new run), or 'resume' (out_dir's)
+    out_dir: str = "out-rl"                # checkpoints, config.json and log.jsonl
+    overwrite: bool = False                # a new run may replace the checkpoint out_dir already holds
+    eval_interval: int = 25                # held-out exact match, then a checkpoint, every N iterations
+    eval_examples: int = 100               # held-out problems per task at each eval, greedy
+    log_interval: int = 1                  # print and log every N iterations
+    # the tasks and the replies
+    tasks: str = "reverse,upper"           # comma-separated tasks of core/data/tasks.py: reverse, upper, add
+    prompts_per_iter: int = 16             # problems per iteration, all processes together; the tasks take turns
+    samples_per_prompt: int = 8            # replies per problem: the group whose mean reward is the baseline
+    temperature: float = 1.0               # > 0: the replies to one prompt must differ to be compared
+    top_k: int | None = None               # sample from the k most likely tokens only; None: all
+    max_new_tokens: int = 16               # the longest reply; one cut here has no end token
+    batch_size: int = 0                    # reply rows per forward and backward; 0: all of a process's at once
+    # the objective
+    std_advantage: bool = False            # also divide each advantage by its group's reward std (GRPO)
+    kl_coef: float = 0.0                   # weight of a KL penalty to the starting model on reply tokens; 0: none
+    # AdamW, with a cosine schedule from learning_rate to min_lr at max_iters
+    learning_rate: float = 1e-4            # the peak learning rate
+    min_lr: float = 1e-5                   # the learning rate at max_iters
+    warmup_iters: int = 0                  # linear warmup from 0 over N iterations
+    max_iters: int = 200                   # iterations in all; a resumed run stops here too
+    weight_decay: float = 0.0              # AdamW's, on matrices and embeddings only
+    beta1: float = 0.9                     # AdamW's first-moment decay
+    beta2: float = 0.95                    # AdamW's second-moment decay
+    grad_clip: float = 1.0                 # 0 disables clipping
+    # system
+    device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
+    dtype: str = "auto"                    # auto, float32, bfloat16, float16
+    threads: int = 0                       # torch's CPU threads; 0: torch's default, one per core
+    seed: int = 1337                       # the prompts and every reply follow from it
+    dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
+
+    def validate(self) -> None:
+        for key in ("eval_interval", "eval_examples", "log_interval", "prompts_per_iter", "max_new_tokens",
+                    "max_iters"):
+            if getattr(self, key) < 1:
+                raise UserError(f"config key '{key}' must be at least 1, got {getattr(self, key)}")
+        if self.samples_per_prompt < 2:
+            raise UserError(f"samples_per_prompt must be at least 2: the baseline is the group's mean, so one reply "
+                            f"has advantage 0 and teaches nothing; got {self.samples_per_prompt}")
+        if not 0 < self.temperature < math.inf:
+            raise UserError(f"temperature must be > 0: greedy replies to one prompt are all the same, and the same "
+                            f"rewards teach nothing; got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"top_k must be at least 1 (or None: no limit), got {self.top_k}")
+        if self.batch_size < 0 or self.warmup_iters < 0 or self.kl_coef < 0 or self.weight_decay < 0:
+            raise UserError("batch_size, warmup_iters, kl_coef and weight_decay must not be negative")
+        if not (0 < self.learning_rate < math.inf and 0 <= self.min_lr <= self.learning_rate):
+            raise UserError(f"need 0 < learning_rate and 0 <= min_lr <= learning_rate, got {self.learning_rate}, "
+                            f"{self.min_lr}")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.grad_clip < 0:
+            raise UserError(f"need 0 <= beta1, beta2 < 1 and grad_clip >= 0, got {self.beta1}, {self.beta2}, "
+                            f"{self.grad_clip}")
+        if not self.dist_timeout_s > 0:
+            raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
+        tasklib.task_names(self.tasks)
+        resolver.check_init_from(self.init_from)
+
+
+def main(argv: Sequence[str]) -> None:
+    stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
+    with alike_on_every_rank():
+        cfg = parse_config(argv)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s, cfg.threads)
+    try:
+        train(cfg, rt, stop)
+    except RuntimeError as e:  # torch.OutOfMemoryError included
+        if not memory.is_out_of_memory(e):
+            raise
+        raise memory.out_of_memory_error(e, rt.device, f"(checkpoints already in {cfg.out_dir} are intact)") from None
+    finally:
+        runtime.teardown(rt)
+
+
+def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
+    log = print if rt.is_master else (lambda *a, **k: None)
+    starting = "before training started; nothing was written"
+    stop.check(starting)
+    with alike_on_every_rank():
+        if cfg.prompts_per_iter % rt.world_size:
+            raise UserError(f"prompts_per_iter ({cfg.prompts_per_iter}) must be divisible by the number of "
+                            f"processes ({rt.world_size}); it counts prompts across all processes")
+        out_dir = run_dir.check_out_dir(cfg)
+        w, template, started_from = load_policy(cfg, log)
+        names = tasklib.task_names(cfg.tasks)
+        tasklib.check_vocabulary(names, template.tok.encode, f"the vocabulary of {w.source}")
+    resuming = w.kind == "resume"
+    raw_model = w.model.to(rt.device)
+    # The KL term's reference: the starting model, fixed (a resume reloads it from the run it started from).
+    reference = None if cfg.kl_coef == 0 else starting_model(started_from, w, rt)
+    model = parallel.parallelize(raw_model, rt, "ddp", activation_checkpointing=False, compile=False)
+    optimizer = optim.build_optimizer(raw_model, "adamw", cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+                                      rt.device_type)
+    scaler = rt.grad_scaler()
+    iter_num = 0
+    if resuming:
+        optim.load_state(optimizer, w.state["optimizer"])
+        if w.state.get("scaler"):
+            scaler.load_state_dict(w.state["scaler"])
+        checkpointing.restore_rng(w.state["rng"], rt, log)
+        iter_num = w.state["meta"]["iter_num"]
+    tok_meta = w.tokenizer_meta
+    del w
+    stop.check(starting)
+    run_dir.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
+    log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
+        f"{rt.dtype} | tasks {', '.join(names)} | {cfg.prompts_per_iter} prompts x {cfg.samples_per_prompt} "
+        f"replies per iteration")
+    runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if resuming else None)
+    heldout = {name: tasklib.heldout_problems(name, cfg.eval_examples) for name in names}
+    stop.message = "stopping after this iteration; saving"
+    stop_requested, last_saved, steps_run, loop_start = False, iter_num if resuming else -1, 0, time.perf_counter()
+
+    def stopped() -> bool:  # every rank calls it at the same points
+        return rt.any_rank(stop.requested)[0]
+
+    def save(reason: str) -> None:  # every rank calls it
+        meta = {"iter_num": iter_num, "best_val_loss": float("inf"), "model_args": dataclasses.asdict(raw_model.config),
+                "config": configlib.to_dict(cfg), "tokenizer": tok_meta, "world_size": rt.world_size,
+                "started_from": started_from}
+        path = checkpointing.save(out_dir, meta, raw_model, optimizer, scaler, rt, sharded=False)
+        log(f"saved checkpoint at iter {iter_num} to {path} ({reason})")
+
+    def finish(how: str) -> None:
+        log(f"{how} at iter {iter_num}/{cfg.max_iters} after {format_duration(runlog.elapsed())} (this launch: "
+            f"{steps_run} iterations in {format_duration(time.perf_counter() - loop_start)})")
+
+    while True:
+        if stop_requested:
+            save(f"stopped by {stop.signal_name or 'a signal to another process'}")
+            finish("stopped")
+            log(f"stopped at iter {iter_num}; continue with: {run_dir.resume_command(out_dir, rt, 'rl.py')}")
+            return
+        if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters:  # held-out exact match, greedy
+            scores = {}
+            for name in names:
+                r = evaluate.task_scores(raw_model, template, name, heldout[name], max_new_tokens=cfg.max_new_tokens,
+                                         device=rt.device, autocast=rt.autocast, rank=rt.rank,
+                                         world_size=rt.world_size, stopped=stopped)
+                if r is None:
+                    break
+                scores[f"heldout_{name}"] = r["mean"]
+            else:
+                log(f"step {iter_num}: held-out exact match " + ", ".join(f"{k[8:]} {v:.4f}" for k, v in scores.items()))
+                runlog.write({"iter": iter_num} | scores)
+                if iter_num > max(last_saved, 0):
+                    save("end of training" if iter_num >= cfg.max_iters else "scheduled")
+                    last_saved = iter_num
+            if len(scores) < len(names):  # a signal during the eval: save the last completed step, unevaluated
+                stop_requested = True
+                continue
+        if iter_num >= cfg.max_iters:
+            finish("done")
+            return
+        lr = optim.lr_at(iter_num, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.max_iters)
+        optim.set_lr(optimizer, lr / cfg.learning_rate)
+        t0 = time.perf_counter()
+
+        # 1. replies: this process's prompts, samples_per_prompt replies to each, scored by their task's checker
+        raw_model.eval()
+        rows, rewards = [], []
+        for j in range(rt.rank, cfg.prompts_per_iter, rt.world_size):
+            name, problem = problem_at(cfg.seed, iter_num, j, names)
+            prompt = template.render_prompt(tasklib.messages(problem))
+            with rt.autocast():
+                replies = sample_replies(raw_model, template, prompt, cfg.samples_per_prompt,
+                                         min(cfg.max_new_tokens, raw_model.config.block_size - len(prompt)),
+                                         temperature=cfg.temperature, top_k=cfg.top_k,
+                                         generator=evaluate.sampler(cfg.seed, iter_num, j, device=rt.device))
+            rows += [(prompt, reply) for reply in replies]
+            rewards.append([tasklib.TASKS[name].check(problem, reply_text(template, r)) for r in replies])
+        rewards = torch.tensor(rewards, device=rt.device)  # (prompts, samples)
+        # 2. advantages: each reward against its group's
+        advantages = group_advantages(rewards, cfg.std_advantage).flatten()  # (rows,)
+        x, y = pack(rows, rt.device)  # (rows, T): prompt and reply in, the reply's ids as targets, -1 elsewhere
+        n_tokens = global_sum(float((y >= 0).sum()), rt)  # every process's reply tokens: each weighs the same
+
+        # 3. the step: the policy gradient over every reply token, in chunks of batch_size rows
+        raw_model.train()
+        chunk = cfg.batch_size or x.size(0)
+        loss_sum, kl_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
+        for start in range(0, x.size(0), chunk):
+            xs, ys, adv = x[start:start + chunk], y[start:start + chunk], advantages[start:start + chunk]
+            with parallel.micro_step(model, rt, "ddp", last=start + chunk >= x.size(0)):
+                with rt.autocast():
+                    logits = model(xs)[0]  # (rows, T, vocab)
+                logp = token_logprobs(logits, ys)  # (rows, T), 0 off the reply
+                # The sum over processes' reply tokens / n_tokens; DDP averages gradients, hence x world_size.
+                loss = -(adv[:, None] * logp).sum() / n_tokens * rt.world_size
+                if reference is not None:  # k3 estimator of KL(policy || reference) per reply token (Schulman)
+                    with torch.no_grad(), rt.autocast():
+                        ref_logp = token_logprobs(reference(xs)[0], ys)
+                    delta = (ref_logp - logp) * (ys >= 0)
+                    kl = (delta.exp() - delta - 1).sum() / n_tokens * rt.world_size
+                    loss = loss + cfg.kl_coef * kl
+                    kl_sum += kl.detach()
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        stop_requested, any_bad = rt.any_rank(stop.requested, not math.isfinite(loss_sum.item()))
+        if any_bad:
+            raise UserError(f"loss is not finite at iter {iter_num}; stopped before the optimizer step, the last "
+                            f"checkpoint in {cfg.out_dir} is untouched. Lower learning_rate")
+        if cfg.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        iter_num += 1
+        steps_run += 1
+
+        if (iter_num - 1) % cfg.log_interval == 0:
+            lengths = torch.tensor([len(reply) for _, reply in rows], dtype=torch.float64)
+            stats = sample_stats(rewards, lengths, loss_sum, kl_sum, rt)
+            log(f"iter {iter_num - 1}/{cfg.max_iters}: reward {stats['reward']:.4f} (max {stats['reward_max']:.2f}), "
+                f"exact {stats['exact']:.4f}, reply {stats['reply_tokens']:.1f} tokens, loss {stats['loss']:.4f}"
+                + (f", kl {stats['kl']:.5f}" if reference is not None else "")
+                + f", lr {lr:.2e}, time {dt * 1000:.0f}ms")
+            runlog.write({"iter": iter_num - 1, "lr": lr, "ms": dt * 1000}
+                         | {k: v for k, v in stats.items() if k != "kl" or reference is not None})
+
+
+def parse_config(argv) -> RLConfig:
+    """The RLConfig defaults, then config files, then --key=value; init_from=resume starts from out_dir's own
+    config.json instead of the defaults (run_dir.resumed_config)."""
+    cfg = configlib.parse_args(RLConfig, argv, validate=False)
+    if resolver.kind_of(cfg.init_from) != "resume":
+        return configlib.parse_args(RLConfig, argv)
+    return run_dir.resumed_config(RLConfig, argv, cfg.out_dir)
+
+
+# -----------------------------------------------------------------------------
+# what train() calls, in the order it calls it
+
+
+def load_policy(cfg: RLConfig, log) -> tuple[resolver.Weights, ChatTemplate, str]:
+    """The model init_from names (a chat run, or this run's checkpoint to resume), its chat template, and the run
+    the policy started from (the KL term's reference). Dropout off: the log-probabilities the step raises are
+    those the replies were sampled with."""
+    def no_scratch():
+        raise UserError("rl.py starts from a chat run: pass --init_from=OUT_DIR of a chat fine-tune (docs/chat.md)")
+
+    w = resolver.resolve(cfg.init_from, cfg.out_dir, resolver.Training({"dropout": 0.0}, no_scratch, lambda w: None,
+                                                                       log=log))
+    if w.kind == "resume":
+        log(f"resuming from {w.path} at iter {w.state['meta']['iter_num']}")
+    meta = w.tokenizer_meta or w.tokenizer.meta()
+    template = ChatTemplate.for_tokenizer(tokenizer_from_meta(meta, source=w.source))
+    if template is None:
+        raise UserError(f"{w.source} has no chat tokens (a base model): fine-tune it on conversations first "
+                        f"(docs/chat.md), then start rl.py from that run")
+    w.tokenizer_meta = meta
+    started_from = w.state["meta"].get("started_from", cfg.init_from) if w.kind == "resume" else cfg.init_from
+    return w, template, started_from
+
+
+def starting_model(started_from: str, w: resolver.Weights, rt: runtime.Runtime):
+    """The policy as the run started, frozen: a new run's own weights, or for a resume the run it started from."""
+    model = w.model if w.kind != "resume" else resolver.load_model(started_from, started_from)[0]
+    return copy.deepcopy(model).to(rt.device).eval().requires_grad_(False)
+
+
+def problem_at(seed: int, it: int, index: int, names: list[str]) -> tuple[str, tasklib.Problem]:
+    """Prompt `index` of iteration `it`: the tasks take turns, each problem drawn from its train side with a
+    generator of its own, so the same on any number of processes and after a resume."""
+    name = names[index % len(names)]
+    return name, tasklib.draw(name, "train", random.Random(f"{seed}:{it}:{index}"))
+
+
+def group_advantages(rewards: torch.Tensor, by_std: bool) -> torch.Tensor:
+    """rewards (prompts, samples) -> advantages (prompts, samples): each reward minus its group's mean, and with
+    by_std divided by the group's standard deviation (a group of equal rewards stays 0)."""
+    advantages = rewards - rewards.mean(dim=1, keepdim=True)
+    if by_std:
+        advantages = advantages / (rewards.std(dim=1, keepdim=True) + 1e-6)
+    return advantages
+
+
+def pack(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt ids, reply ids) pairs -> inputs x (N, T) and targets y (N, T), T the longest pair minus one: x is
+    prompt + reply without its last id, y the id after each position where that id is the reply's, else -1
+    (the prompt's ids and the right padding are never targets)."""
+    T = max(len(prompt) + len(reply) for prompt, reply in rows) - 1
+    x = torch.zeros(len(rows), T, dtype=torch.long)
+    y = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, (prompt, reply) in enumerate(rows):
+        seq = prompt + reply
+        x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
+        y[i, len(prompt) - 1:len(seq) - 1] = torch.tensor(reply)
+    return x.to(device), y.to(device)
+
+
+def token_logprobs(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """logits (N, T, vocab), targets y (N, T) -> log p(y) (N, T) in float32, 0 where y is -1."""
+    return -F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1,
+                            reduction="none").view_as(y)
+
+
+def global_sum(value: float, rt: runtime.Runtime) -> float:
+    if not rt.distributed:
+        return value
+    t = torch.tensor(value, dtype=torch.float64, device=rt.device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def sample_stats(rewards: torch.Tensor, lengths: torch.Tensor, loss: torch.Tensor, kl: torch.Tensor,
+                 rt: runtime.Runtime) -> dict[str, float]:
+    """The iteration's record over every process's replies: reward mean and max, the exact rate (reward 1), the
+    mean reply length in tokens (its end token included), the loss and the KL term."""
+    r = rewards.double().cpu().flatten()
+    sums = torch.tensor([r.sum(), (r == 1.0).sum(), lengths.sum(), r.numel(), loss.item(), kl.item()],
+                        dtype=torch.float64)
+    top = r.max().reshape(1)
+    if rt.distributed:
+        sums, top = sums.to(rt.device), top.to(rt.device)
+        dist.all_reduce(sums)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    total, exact, tokens, n, loss_total, kl_total = sums.tolist()
+    # Each process's loss is its share times world_size (DDP averages): their sum is world_size x the loss.
+    return {"reward": total / n, "reward_max": top.item(), "exact": exact / n, "reply_tokens": tokens / n,
+            "loss": loss_total / rt.world_size, "kl": kl_total / rt.world_size}
+
+
+if __name__ == "__main__":
+    run_cli(main)
