@@ -213,14 +213,14 @@ def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
 
 class Kernels:
     """Which of torch's kernels a forward runs, picked per call; the function is the same whatever they pick.
-    This base leaves every call to torch; core/cpu.py's CPUKernels pick for a CPU, set from outside
-    (GPT.use_kernels), as sharding and compile are."""
+    This base leaves every call to torch; core/kernels.py's DeviceKernels pick for a CPU or a CUDA device, set
+    from outside (GPT.use_kernels), as sharding and compile are."""
 
     def blocks(self, x: torch.Tensor) -> contextlib.AbstractContextManager:  # around the Blocks of x (B, T, C)
         return contextlib.nullcontext()
 
     def attention(self, q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # around one causal attention of q (B, nh, T, hs) over Tk keys
+        return contextlib.nullcontext()  # around one attention of q (B, nh, T, hs) over Tk keys
 
 
 class CausalSelfAttention(nn.Module):
@@ -311,16 +311,15 @@ class CausalSelfAttention(nn.Module):
         Tq, Tk = q.size(2), k.size(2)
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.n_kv_head != self.n_head  # torch repeats each k/v head for its group of query heads
-        if mask is not None:  # rows at their own positions: each row's own causal mask
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
-        if Tq == Tk:
-            with self.kernels.attention(q, Tk, self.training):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
-        # One new token is the last position and sees every key: no mask, which keeps decoding
-        # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
-        mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              enable_gqa=gqa)  # (B, nh, T, hs)
+        causal = mask is None and Tq == Tk
+        if mask is None and not causal:
+            # One new token is the last position and sees every key: no mask, which keeps decoding
+            # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
+            mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
+        # (mask given: rows at their own positions, each row's own causal mask)
+        with self.kernels.attention(q, Tk, self.training):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                                                  enable_gqa=gqa)  # (B, nh, T, hs)
 
     def _naive(self, q, k, v, attn_out, mask=None):
         group = self.n_head // self.n_kv_head
@@ -517,7 +516,7 @@ class GPT(nn.Module):
             nn.init.ones_(self.skip_weights)
 
     def use_kernels(self, kernels: Kernels) -> None:
-        """Run every forward with kernels' choices (core/cpu.py's CPUKernels): this model and its attention."""
+        """Run every forward with kernels' choices (core/kernels.py's DeviceKernels): this model and its attention."""
         for module in self.modules():  # this model among them
             if isinstance(module, (GPT, CausalSelfAttention)):
                 module.kernels = kernels

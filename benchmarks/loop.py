@@ -22,7 +22,7 @@ import torch
 
 from benchmarks import nanogpt
 from benchmarks.common import ROOT, at_least, model_text, num
-from core import cpu, markdown, runtime
+from core import kernels, markdown, runtime
 from core.config import apply_overrides, read_config_file
 from core.errors import UserError
 from core.training.train_config import TrainConfig, local_accum_steps
@@ -72,7 +72,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
                                                              out_dir=str(Path(tmp) / "out"), vocab_size=vocab)
         tcfg = apply_overrides(TrainConfig(), overrides, cfg.loop_config)
         torch.manual_seed(cfg.seed)
-        model = cpu.choose_kernels(GPT(GPTConfig(**tcfg.model_args(), vocab_size=vocab)).to(rt.device).train())
+        model = kernels.choose_kernels(GPT(GPTConfig(**tcfg.model_args(), vocab_size=vocab)).to(rt.device).train())
         optimizer = nanogpt.adamw(model, tcfg, rt.device_type)
         accum, state = local_accum_steps(tcfg, 1), {"it": 0, "timed": []}
         warm = max(1, cfg.warmup) * 2

@@ -16,7 +16,7 @@ import torch
 
 from benchmarks import train
 from benchmarks.common import cpu_peak_extra_bytes, cuda_peak_extra_bytes, median_time, mib, model_text, num
-from core import cpu, markdown, runtime
+from core import kernels, markdown, runtime
 from core.fileio import write_json
 from core.training import optim, parallel
 from core.training.memory import MemoryEstimate, estimate_training_memory, parameter_count
@@ -89,7 +89,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
 def activation_checkpointing_rows(cfg, rt: runtime.Runtime, mc: GPTConfig) -> list[dict]:
     """Peak memory above the weights and step time of forward + backward, without and with checkpointing."""
     torch.manual_seed(cfg.seed)
-    models = {"off": cpu.choose_kernels(GPT(mc).to(rt.device)), "on": cpu.choose_kernels(GPT(mc).to(rt.device))}
+    models = {"off": kernels.choose_kernels(GPT(mc).to(rt.device)), "on": kernels.choose_kernels(GPT(mc).to(rt.device))}
     models["on"].load_state_dict(models["off"].state_dict())
     parallel.apply_activation_checkpointing(models["on"])
     gen = torch.Generator().manual_seed(cfg.seed)

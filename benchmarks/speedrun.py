@@ -23,7 +23,7 @@ import torch
 from benchmarks import nanogpt
 from benchmarks.common import at_least, int_list, model_text, num, read_recipe, spec_list
 from benchmarks.race import Racer, race
-from core import cpu, markdown, runtime
+from core import kernels, markdown, runtime
 from core.config import to_dict
 from core.data.loader import TokenData, read_meta
 from core.errors import UserError
@@ -93,7 +93,7 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
     if name == "nanogpt" and rt.device_type == "cpu":
         rt = dataclasses.replace(rt, dtype="float32")  # nanoGPT's train.py uses no autocast on a CPU
     torch.manual_seed(seed)
-    model = cpu.choose_kernels(GPT(GPTConfig(**(recipe.model_args() | {"vocab_size": vocab}))).to(rt.device).train())
+    model = kernels.choose_kernels(GPT(GPTConfig(**(recipe.model_args() | {"vocab_size": vocab}))).to(rt.device).train())
     if name == "nanogpt":
         optimizer = nanogpt.adamw(model, recipe, rt.device_type)
     else:

@@ -11,7 +11,7 @@ import time
 import torch
 
 from benchmarks.common import OOM, median_time, mib, model_text, num, or_oom
-from core import cpu, markdown, runtime
+from core import kernels, markdown, runtime
 from core.errors import UserError, first_line
 from core.training import flops, optim
 from model import GPT, GPTConfig
@@ -47,7 +47,7 @@ def model_config(cfg) -> GPTConfig:
 def measure(cfg, rt: runtime.Runtime) -> dict:
     torch.manual_seed(cfg.seed)
     mc = model_config(cfg)
-    model = cpu.choose_kernels(GPT(mc).to(rt.device))
+    model = kernels.choose_kernels(GPT(mc).to(rt.device))
     optimizer = optim.build_optimizer(model, "adamw", 6e-4, 0.1, (0.9, 0.95), rt.device_type)
     scaler = rt.grad_scaler()
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -4,9 +4,8 @@ The network (model.py) computes the same function whatever is chosen here; this 
 
     native bfloat16    cpu_native_bf16, cpu_packs_bf16: does this CPU compute bf16 in hardware (runtime's
                        --dtype=auto asks), and is it one where decoding packs its matrices
-    kernels per call   CPUKernels (one_row_kernels, short_training_attention), set on a model from outside
-                       with choose_kernels, as sharding and compile are (core/training/parallel.py,
-                       core/decoding/decode.py's inference_model)
+    kernels per call   one_row_kernels, short_training_attention: the CPU's side of core/kernels.py's
+                       DeviceKernels, set on a model from outside as sharding and compile are
     weights laid out   PackedLinear and pack_linears (bf16 matrices reordered once for oneDNN),
                        lay_head_by_columns (a float32 head read one row at a time)
 
@@ -20,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import GPT, Kernels
+from model import GPT
 
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow bf16 instructions: AVX512_CORE_BF16 and above.
 _ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "BF16", "AMX", "FP16", "AVX10")
@@ -68,23 +67,6 @@ def cpu_packs_bf16() -> bool:
 
 # -----------------------------------------------------------------------------
 # kernels picked per call
-
-
-class CPUKernels(Kernels):
-    """model.Kernels for a CPU: each method picks for the call in hand and leaves every other call (a GPU, float32,
-    many rows, long attention) to torch's own choice, so a model may carry it wherever it runs."""
-
-    def blocks(self, x: torch.Tensor) -> contextlib.AbstractContextManager:
-        return one_row_kernels(x)
-
-    def attention(self, q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
-        return short_training_attention(q, Tk, training)
-
-
-def choose_kernels(model: GPT) -> GPT:
-    """The CPU's kernel choices on model (GPT.use_kernels), applied from outside as sharding and compile are."""
-    model.use_kernels(CPUKernels())
-    return model
 
 
 def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
-from core import config as configlib, cpu, evaluate, markdown, runtime  # noqa: E402
+from core import config as configlib, evaluate, kernels, markdown, runtime  # noqa: E402
 from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.fileio import write_json  # noqa: E402
@@ -121,7 +121,7 @@ def build(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[GPT, object, TrainBatc
     """The variant's model (seeded as train.py seeds a new run), optimizer and training batches, on rt.device."""
     vocab = cfg.vocab_size or read_meta(cfg.data_dir)["vocab_size"]
     torch.manual_seed(cfg.seed)
-    model = cpu.choose_kernels(GPT(GPTConfig(**cfg.model_args(), vocab_size=vocab)).to(rt.device))
+    model = kernels.choose_kernels(GPT(GPTConfig(**cfg.model_args(), vocab_size=vocab)).to(rt.device))
     batches = TrainBatches(TokenData(cfg.data_dir, "train", cfg.block_size, vocab), cfg.seed, cfg.batch_size,
                            cfg.gradient_accumulation_steps, device=rt.device)
     return model, make_optimizer(model, cfg, rt.device_type), batches

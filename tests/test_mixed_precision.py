@@ -11,6 +11,7 @@ the scripts fakes the CPU's answer both ways.
 """
 import contextlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import eval as eval_script
 import sample
 import train
 from benchmarks import common
-from core import cpu, runtime
+from core import cpu, kernels, runtime
 from core.cpu import PackedLinear
 from core.decoding.decode import generate, inference_model, keep_float32_head
 from core.training import parallel
@@ -267,17 +268,17 @@ def test_bf16_decoding_packs_nothing_where_bf16_is_not_native(trained, monkeypat
 
 
 def test_every_training_and_decoding_model_carries_the_cpus_kernel_choices():
-    """The CPU's kernel choices (core/cpu.py's CPUKernels: the short-attention math backend below, the one-row
+    """The kernel choices (core/kernels.py's DeviceKernels: the short-attention math backend below, the one-row
     GEMV) act only where they are set from outside: parallelize sets them for every training run, inference_model
     for every decoding one, on the model and each attention; a bare GPT keeps torch's own choice."""
-    def kernels(model):
+    def chosen(model):
         return {type(m.kernels) for m in model.modules() if isinstance(m, (GPT, CausalSelfAttention))}
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40)
-    assert kernels(GPT(config)) == {Kernels}
+    assert chosen(GPT(config)) == {Kernels}
     fp32 = runtime.Runtime("cpu", "cpu", "float32")
-    assert kernels(parallel.parallelize(GPT(config), fp32, "ddp", activation_checkpointing=False, compile=False)) == \
-        {cpu.CPUKernels}
-    assert kernels(inference_model(GPT(config), fp32)) == {cpu.CPUKernels}
+    assert chosen(parallel.parallelize(GPT(config), fp32, "ddp", activation_checkpointing=False, compile=False)) == \
+        {kernels.DeviceKernels}
+    assert chosen(inference_model(GPT(config), fp32)) == {kernels.DeviceKernels}
 
 
 def test_short_bf16_training_attention_takes_the_math_backend(monkeypatch):
@@ -294,7 +295,7 @@ def test_short_bf16_training_attention_takes_the_math_backend(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     c = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=256, vocab_size=40)
     attn = CausalSelfAttention(c).train()
-    attn.kernels = cpu.CPUKernels()  # as cpu.choose_kernels sets it on a model that trains
+    attn.kernels = kernels.DeviceKernels()  # as kernels.choose_kernels sets it on a model that trains
     gen = torch.Generator().manual_seed(0)
     short, long = cpu.SHORT_TRAINING_MATH_KEYS, cpu.SHORT_TRAINING_MATH_KEYS + 1
     q, k, v = (3 * torch.randn(2, 2, long, 16, generator=gen) for _ in range(3))  # scores far from uniform
@@ -405,3 +406,49 @@ def test_sample_compile_warms_up_outside_the_timing_and_keeps_the_text(tmp_path,
     assert "compiling took" in compiled.stderr and "not counted" in compiled.stderr
     assert "compiling" not in plain.stderr
     assert compiled.stdout == plain.stdout and "First" in plain.stdout
+
+
+def test_attention_outside_training_on_cuda_runs_without_cudnn():
+    """On a CUDA device (faked: only q's device is read) attention that autograd does not record runs with every
+    SDPA backend but cuDNN's, whose per-shape plans cost decoding a build at every new key length
+    (kernels.inference_attention); a recorded training forward, and any CPU call, keep torch's own choice."""
+    cuda = torch.device("cuda")
+    chosen = kernels.DeviceKernels()
+
+    def backends(q, training):
+        with chosen.attention(q, 10, training):
+            return (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                    torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+
+    everything = (True, True, True, True)
+    assert backends(SimpleNamespace(device=cuda, requires_grad=False), training=False) == (False, True, True, True)
+    assert backends(SimpleNamespace(device=cuda, requires_grad=True), training=False) == (False, True, True, True)
+    with torch.no_grad():
+        assert backends(SimpleNamespace(device=cuda, requires_grad=True), training=True) == (False, True, True, True)
+    assert backends(SimpleNamespace(device=cuda, requires_grad=True), training=True) == everything
+    assert backends(torch.zeros(1, 1, 1, 8), training=False) == everything
+
+
+def test_every_attention_call_goes_through_the_kernels_hook(monkeypatch):
+    """Prefill (causal), a chunk after cached tokens (the end-aligned mask) and one new token each reach SDPA inside
+    Kernels.attention, so a choice made there (CUDA's decoding above) covers every decoding call."""
+    inside, calls, real_sdpa = [False], [], torch.nn.functional.scaled_dot_product_attention
+
+    class Spy(Kernels):
+        @contextlib.contextmanager
+        def attention(self, q, Tk, training):
+            inside[0] = True
+            yield
+            inside[0] = False
+
+    def sdpa(q, k, v, **kwargs):
+        calls.append((q.size(2), k.size(2), inside[0]))
+        return real_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40)).eval()
+    model.use_kernels(Spy())
+    cache = model.new_kv_cache(1, 16)
+    for T in (5, 3, 1):
+        model(torch.zeros(1, T, dtype=torch.long), kv_cache=cache)
+    assert calls == [(T, Tk, True) for T, Tk in ((5, 5), (3, 8), (1, 9)) for _ in range(2)]

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from core import cpu
+from core import cpu, kernels
 from core.decoding import quantize as quantization
 from core.runtime import Runtime
 from model import GPT
@@ -203,14 +203,14 @@ def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: st
     x86 CPU that computes it natively hands its Blocks' large matrices to oneDNN once (cpu.pack_linears),
     so that a product at one row reads each weight once; not under --compile, which traces the plain
     model, and not on ARM, where it was never measured. The CPU's kernel choices per call come with it
-    (cpu.choose_kernels).
+    (kernels.choose_kernels).
 
     quantize ("int8", "int4"; quantize.KINDS) swaps the Blocks' matrices and the head for quantized ones, from
     the weights as cast to the run's dtype (core/decoding/quantize.py); those are never packed, and the head
     then needs neither a float32 copy nor its columns laid out. CPU only, refused in one line elsewhere.
     """
     quantization.check_quantize(quantize, device=rt.device)
-    model = cpu.choose_kernels(model.eval().to(rt.device, rt.ptdtype))
+    model = kernels.choose_kernels(model.eval().to(rt.device, rt.ptdtype))
     if quantize != "none":
         quantization.quantize(model, quantize)
     elif rt.ptdtype != torch.float32:

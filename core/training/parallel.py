@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from core import cpu, runtime
+from core import kernels, runtime
 from core.errors import UserError
 
 PARALLELS = ("ddp", "fsdp")
@@ -53,7 +53,7 @@ def parallelize(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, acti
     """The module to call for training. `model` itself stays the one to save and to build the optimizer
     from: with fsdp it is sharded in place (its parameters become DTensor shards)."""
     check_parallel(parallel, rt.dtype)  # the resolved dtype: --dtype=auto is float16 on GPUs without bf16
-    cpu.choose_kernels(model)  # the CPU's kernel choices per call; every other device keeps torch's own
+    kernels.choose_kernels(model)  # the CPU's and CUDA's kernel choices per call (core/kernels.py)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if parallel == "fsdp" and rt.distributed:
