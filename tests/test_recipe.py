@@ -375,14 +375,14 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 
 
 @pytest.mark.parametrize("device, native, muon_class, ns_dtype", [
-    ("cuda", True, torch.optim.Muon, None),                  # A100, H100: torch's own step, bf16 always
+    ("cuda", True, optim.BatchedMuon, torch.bfloat16),       # A100, H100: bf16, batched per shape
     ("cuda", False, optim.BatchedMuon, torch.float32),       # V100, T4: bf16 emulated
     ("cpu", True, optim.BatchedMuon, torch.bfloat16),        # avx512_bf16 or amx_bf16: bf16, batched per shape
     ("cpu", False, optim.BatchedMuon, torch.float32),        # AVX2 laptops and desktops: bf16 emulated
 ])
 def test_muon_newton_schulz_runs_in_bf16_only_where_bf16_is_native(monkeypatch, device, native, muon_class, ns_dtype):
-    """torch.optim.Muon itself on CUDA with native bf16; elsewhere BatchedMuon, in bf16 where the CPU
-    computes it natively and in float32 where bf16 matmuls are emulated."""
+    """BatchedMuon everywhere: Newton-Schulz in bf16 where the device computes it natively (CUDA from sm80, CPUs
+    with AVX512-BF16 or AMX) and in float32 where bf16 matmuls are emulated."""
     monkeypatch.setattr(optim, "native_bf16", lambda device: native)
     opt = optim.build_optimizer(GPT(config()), "muon", 1e-3, 0.1, (0.9, 0.95), device)
     muon = opt.optimizers["muon"]

@@ -12,8 +12,8 @@ head's rows are read one per token too, and gains and biases are vectors. Those 
 
 Newton-Schulz runs in bfloat16 only where the device computes bf16 natively (runtime.native_bf16:
 CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM BF16), in float32 elsewhere, most laptop and desktop
-CPUs among them. CUDA keeps torch.optim.Muon as torch ships it (bf16 always); every other device gets
-BatchedMuon, torch's step with each shape's updates orthogonalised as one batch, in the dtype chosen.
+CPUs among them. Every device gets BatchedMuon: torch's step with each shape's updates orthogonalised as one
+batch, in the dtype chosen.
 """
 import contextlib
 import math
@@ -110,8 +110,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     offsets rather than store features. Every group records its own peak learning rate as
     "base_lr"; set_lr scales them all by the schedule. muon_ns_steps: Newton-Schulz iterations per
     Muon update (torch's default 5), each three matmuls per matrix: a cost per step, whatever the batch.
-    muon_ns_coefficients: NS_COEFFICIENTS; "polar_express" takes BatchedMuon on every device (torch's
-    step holds one polynomial for all steps).
+    muon_ns_coefficients: NS_COEFFICIENTS (torch's own step holds one polynomial for all steps; BatchedMuon
+    takes one per step).
     """
     if optimizer not in OPTIMIZERS:
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -129,18 +129,16 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     if optimizer == "adamw":
         return adamw
     check_muon_params(groups["hidden"])
-    bf16 = native_bf16(device_type)
-    # On a CPU with native bf16 torch's own step, one matrix at a time, is the slower: its small
-    # matmuls leave the other cores idle (docs/performance.md, Muon's step alone). CUDA keeps torch's:
-    # bench.py --sections=muon compares.
-    quintic = muon_ns_coefficients == "quintic"
-    muon_class = torch.optim.Muon if bf16 and device_type == "cuda" and quintic else BatchedMuon
-    extra = {} if muon_class is torch.optim.Muon else {"ns_dtype": torch.bfloat16 if bf16 else torch.float32}
-    if not quintic:
+    # torch's own step takes one matrix at a time, small matmuls that leave a CPU's other cores and most of a
+    # GPU idle; BatchedMuon takes one batched matmul per shape, the same update in bf16 (tests/test_recipe.py),
+    # and is the faster on a native-bf16 CPU and on an H200 (docs/performance.md, Muon's step alone).
+    # Newton-Schulz in bf16 where it is native, float32 where bf16 would be emulated.
+    extra = {"ns_dtype": torch.bfloat16 if native_bf16(device_type) else torch.float32}
+    if muon_ns_coefficients != "quintic":
         extra["ns_coefficients"] = ns_schedule(muon_ns_coefficients, muon_ns_steps)
     # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr
     # is the rate of a square matrix whatever the layer's aspect ratio.
-    muon = muon_class([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
+    muon = BatchedMuon([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
                       momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original",
                       ns_steps=muon_ns_steps, **extra)
     return MultiOptimizer({"muon": muon, "adamw": adamw})
