@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The whole GPU check, one command: the gpu-marked tests, then bench.py's GPT-2 preset on CUDA.
 #
-#     bash scripts/gpu_check.sh OUT_DIR                 # on a CUDA machine: expected ~5 min on one H200;
-#                                                       # each step has a hard cap (270 + 210 + 90 s < 10 min)
+#     bash scripts/gpu_check.sh OUT_DIR                 # on a CUDA machine: about 8 min on one H200;
+#                                                       # each step has a hard cap (250 + 150 + 110 + 60 s < 10 min)
 #     bash scripts/gpu_check.sh OUT_DIR --cpu-dry-run   # the same steps on the CPU at tiny sizes (~3 min):
 #                                                       # checks the plumbing; the gpu tests skip
 #
 # Everything goes to OUT_DIR: environment.txt (GPU, driver, torch), pytest_gpu.txt, bench_gpt2.txt/.json
-# (training tokens/s and MFU eager and compiled, train.py's iteration against a plain loop, attention
-# memory up to T = 16384, GPT-2-small decoding at batch 1 with and without the KV cache) and
-# bench_gpt2_decode_b8.txt/.json (decoding at batch 8), and summary.txt (each step's exit status and time).
+# (training tokens/s and MFU eager and compiled, Muon's step, attention memory up to T = 16384, GPT-2-small
+# decoding at batch 1 with and without the KV cache), bench_loop.txt/.json (train.py's iteration against a
+# plain loop), bench_gpt2_decode_b8.txt/.json (decoding at batch 8), and summary.txt (each step's exit status
+# and time): 8 files.
 # Offline: no network and no ../shared needed. GPT-2's BPE (only bench's prepare section uses it, and it
 # is not run here) is read from .cache/tiktoken when that folder exists (git-ignored; copy it with
 # `mkdir -p .cache && cp -r ../shared/tiktoken_cache .cache/tiktoken`).
@@ -52,10 +53,13 @@ fi
 } > "$out/environment.txt" 2>&1
 cat "$out/environment.txt" | tail -n 2
 
-step pytest_gpu 270 python -m pytest -m gpu -v -rA -p no:cacheprovider --continue-on-collection-errors
-# muon: torch.optim.Muon (what CUDA gets) against BatchedMuon on GPT-2 small's 48 hidden matrices
-step bench_gpt2 210 python bench.py --preset=gpt2 "${device[@]}" --sections=train,loop,muon,attention,decode \
+step pytest_gpu 250 python -m pytest -m gpu -v -rA -p no:cacheprovider --continue-on-collection-errors
+# muon: torch.optim.Muon against BatchedMuon (what every device gets) on GPT-2 small's 48 hidden matrices
+step bench_gpt2 150 python bench.py --preset=gpt2 "${device[@]}" --sections=train,muon,attention,decode \
     --muon_shape=n_layer=12,n_head=12,n_embd=768 --gen_repeats=1 --out="$out/bench_gpt2.json" "${tiny[@]}"
-step bench_gpt2_decode_b8 90 python bench.py --preset=gpt2 "${device[@]}" --sections=decode --decode_batch_size=8 \
+# loop: a train.py process per timed chunk (CUDA's start-up each time), so a step of its own, two chunks each
+step bench_loop 110 python bench.py --preset=gpt2 "${device[@]}" --sections=loop --repeats=2 \
+    --out="$out/bench_loop.json" "${tiny[@]}"
+step bench_gpt2_decode_b8 60 python bench.py --preset=gpt2 "${device[@]}" --sections=decode --decode_batch_size=8 \
     --gen_repeats=1 --out="$out/bench_gpt2_decode_b8.json" "${tiny[@]}"
 echo "results in $out"
