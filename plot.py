@@ -5,6 +5,7 @@
     python plot.py out-a out-b --x=tokens                        # against tokens seen (runs of different batch)
     python plot.py out-a --x=elapsed                             # against wall time (log.jsonl's elapsed_s)
     python plot.py speedrun/1337/nanogpt speedrun/1337/ours --x=seconds --target=1.88   # bench.py's speedrun logs
+    python plot.py out-rl-tasks-char                             # an rl.py run -> out-rl-tasks-char/rewards.png
     python plot.py attention --out_dir=out-shakespeare-char-cpu --prompt="ROMEO: But soft" --layer=1
     python plot.py attention --init_from=gpt2 --prompt="The cat sat on the mat because it" --summary=entropy
 
@@ -14,6 +15,10 @@ each run's config.json; shorter windows under sequence-length warm-up) on the to
 --x=tokens (the top axis is left out where warm-up makes tokens not linear in iterations). A run still
 going or resumed is read as written: a last line cut short is skipped, and where an iteration appears
 twice the later record wins.
+
+Rewards (rl.py's runs, whose records hold a reward): the mean reward of each iteration's replies (faint) and
+its moving mean over the last 10 logged iterations, the held-out exact match of each task at each eval, the mean reply length,
+and the learning rate, against iterations.
 
 Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
 key columns), from the naive attention backend (the fused kernel never forms them); and beside
@@ -134,7 +139,8 @@ def read_log(out_dir: str | Path) -> RunHistory:
             if number == len(lines):
                 continue  # cut short while being written
             raise UserError(f"{path} line {number} is not a log record: {line[:60]!r}") from None
-        (evals if "val_loss" in record else steps)[it] = record  # a later record of an iteration wins
+        evaluated = "val_loss" in record or any(k.startswith("heldout_") for k in record)  # train.py's, rl.py's
+        (evals if evaluated else steps)[it] = record  # a later record of an iteration wins
     if not steps and not evals:
         raise UserError(f"{path} has no logged iterations yet; wait for the first log_interval or eval")
     config_path = out_dir / "config.json"
@@ -270,14 +276,65 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     return fig
 
 
+def plot_rewards(runs: list[RunHistory], title: str | None = None):
+    """rl.py's runs: reward (top: each logged iteration faint, the mean of the last 10 logged solid) with each task's held-out
+    exact match at the evals (dashed, one marker per task), the mean reply length, and the learning rate."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, (ax, ax_len, ax_lr) = plt.subplots(3, 1, sharex=True, figsize=(9, 7), height_ratios=[3, 1, 1],
+                                            layout="constrained")
+    tasks = sorted({k.removeprefix("heldout_") for run in runs for e in run.evals.values() for k in e
+                    if k.startswith("heldout_")})
+    markers = dict(zip(tasks, "osD^v<>"))
+    for i, (run, label) in enumerate(zip(runs, run_labels(runs))):
+        color, its = f"C{i}", list(run.steps)
+        rewards = [run.steps[s]["reward"] for s in its]
+        ax.plot(its, rewards, color=color, lw=0.8, alpha=0.3)
+        window = [sum(rewards[max(0, j - 9):j + 1]) / len(rewards[max(0, j - 9):j + 1]) for j in range(len(rewards))]
+        ax.plot(its, window, color=color, lw=1.8, label=label)
+        for task in tasks:
+            at = [s for s in run.evals if f"heldout_{task}" in run.evals[s]]
+            ax.plot(at, [run.evals[s][f"heldout_{task}"] for s in at], color=color, lw=1.2, ls="--",
+                    marker=markers[task], ms=4)
+        ax_len.plot(its, [run.steps[s]["reply_tokens"] for s in its], color=color, lw=1.2)
+        ax_lr.plot(its, [run.steps[s]["lr"] for s in its], color=color, lw=1.2)
+    ax.set_ylabel("reward; held-out exact match")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], color="gray", lw=0.8, alpha=0.4)]
+    labels += ["mean reward of the iteration's replies (solid: over the last 10)"]
+    handles += [Line2D([], [], color="gray", lw=1.2, ls="--", marker=markers[t], ms=4) for t in tasks]
+    labels += [f"held-out exact match, {t} (eval, greedy)" for t in tasks]
+    ax.legend(handles, labels, loc="lower right", fontsize=8)
+    ax_len.set_ylabel("reply tokens")
+    ax_len.grid(alpha=0.3)
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    ax_lr.grid(alpha=0.3)
+    ax_lr.set_xlabel("iteration")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
 def loss_main(argv: Sequence[str]) -> Path:
     dirs = [a for a in argv if not a.startswith("-")]
     cfg = parse_args(LossPlotConfig, [a for a in argv if a.startswith("-")])
     if not dirs:
         raise UserError("pass one or more out_dirs: python plot.py out-a [out-b ...] [--out=loss.png]")
     runs = [read_log(d) for d in dirs]
-    fig = plot_losses(runs, cfg.x, cfg.title, cfg.ymax, cfg.target)
-    out = Path(cfg.out) if cfg.out else Path(dirs[0]) / "loss.png"
+    rl = [any("reward" in r for r in run.steps.values()) for run in runs]
+    if any(rl) and not all(rl):
+        raise UserError(f"{runs[rl.index(True)].out_dir} is an rl.py run and {runs[rl.index(False)].out_dir} is "
+                        f"not; plot rewards and losses separately")
+    if all(rl) and cfg.x != "iter":
+        raise UserError(f"rl.py runs are drawn against iterations; drop --x={cfg.x}")
+    fig = plot_rewards(runs, cfg.title) if all(rl) else plot_losses(runs, cfg.x, cfg.title, cfg.ymax, cfg.target)
+    out = Path(cfg.out) if cfg.out else Path(dirs[0]) / ("rewards.png" if all(rl) else "loss.png")
     save(fig, out)
     return out
 
@@ -416,6 +473,7 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
 
 
 USAGE = """usage: python plot.py OUT_DIR [OUT_DIR ...] [--key=value ...]   loss curves of one or more runs
+                                                                (rl.py's runs: rewards and held-out exact match)
        python plot.py attention [--key=value ...]              attention maps (python plot.py attention --help)
 loss curves' """
 

@@ -214,3 +214,35 @@ def test_heads_figure_draws_each_head_with_tokens_on_both_axes():
         assert image.mask[0, 1] and not image.mask[1, 0]  # rows are queries: keys after them are masked
         assert [t.get_text() for t in ax.get_xticklabels()] == list("abcde")
         assert [t.get_text() for t in ax.get_yticklabels()] == list("abcde")
+
+
+def write_rl_run(out_dir, evals=(0, 10, 20)):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps({"out_dir": str(out_dir), "tasks": "reverse,upper"}))
+    lines = []
+    for it in range(21):
+        if it in evals:  # rl.py writes an eval's record before the iteration's
+            lines.append({"iter": it, "heldout_reverse": 0.3 + it / 100, "heldout_upper": 0.5 + it / 200})
+        if it < 20:
+            lines.append({"iter": it, "lr": 1e-3, "reward": it / 40, "reward_max": 1.0, "exact": it / 40,
+                          "reply_tokens": 5.0 + it / 20, "loss": -0.01})
+    (out_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return out_dir
+
+
+def test_an_rl_run_draws_rewards_and_each_tasks_heldout_exact_match(tmp_path):
+    run = plot.read_log(write_rl_run(tmp_path / "rl"))
+    assert list(run.evals) == [0, 10, 20] and list(run.steps) == list(range(20))  # an eval is not an iteration's
+    fig = plot.plot_rewards([run])
+    ax, ax_len, ax_lr = fig.axes
+    lines = [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines() if len(line.get_xdata())]
+    assert (list(range(20)), [it / 40 for it in range(20)]) in lines  # each iteration's mean reward
+    assert ([0, 10, 20], [0.3, 0.4, 0.5]) in lines and ([0, 10, 20], [0.5, 0.55, 0.6]) in lines  # held-out
+    moving = next(y for x, y in lines if len(x) == 20 and y != [it / 40 for it in range(20)])
+    assert moving[15] == sum(it / 40 for it in range(6, 16)) / 10  # the mean over the last 10 iterations
+    assert list(ax_len.get_lines()[0].get_ydata()) == [5.0 + it / 20 for it in range(20)]
+    result = run_main(plot.main, [str(tmp_path / "rl")])
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "rl" / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_user_error(run_main(plot.main, [str(tmp_path / "rl"), str(write_run(tmp_path / "lm"))]),
+                      "is an rl.py run and", "is not; plot rewards and losses separately")
