@@ -669,13 +669,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def grow_vocab(self, vocab_size):
-        """Add rows to the embedding (and an untied head) for new token ids, e.g. a chat fine-tune's turn markers
-        appended to a character vocabulary. Each new row is the mean of the others (as transformers'
-        resize_token_embeddings does): an average token and an average logit, not a random row that can
-        dominate or vanish from the softmax before it is learned."""
+        """Add rows to the embedding (and an untied head) for new token ids (a chat fine-tune's turn markers), each
+        the mean of the others as transformers' resize_token_embeddings does: an average token and an average
+        logit, not a random row that can dominate or vanish from the softmax before it is learned."""
         old = self.config.vocab_size
         if vocab_size < old:
             raise ValueError(f"grow_vocab cannot shrink the vocabulary from {old} to {vocab_size}")
+        if not isinstance(self.lm_head, nn.Linear):  # a quantized head holds no float rows to grow
+            raise ValueError("grow_vocab needs the float head: grow the vocabulary before quantizing")
 
         def grown(weight):  # (old, C) -> (vocab_size, C)
             return nn.Parameter(torch.cat([weight, weight.mean(0, keepdim=True).expand(vocab_size - old, -1)]))

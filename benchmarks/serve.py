@@ -19,6 +19,7 @@ machine disturbs less, is the server's CPU seconds over the in-process ones.
     python bench.py --sections=serve                                    # quick start, 1 4 16 64 clients
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py --sections=serve --serve_shape=gpt2 \\
         --serve_max_tokens=16 --serve_max_batch=16 --repeats=1          # GPT-2 small's shape
+    python bench.py --sections=serve --serve_shape=gpt2 --serve_quantize=int8 ...   # int8 weights on both sides
 """
 import asyncio
 import contextlib
@@ -41,6 +42,7 @@ from core import markdown, runtime
 from core.config import read_config_file
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
 from core.decoding.decode import inference_model, window_shift
+from core.decoding.quantize import check_quantize
 from core.errors import UserError
 from core.serving.engine import BatchEngine, EngineRequest, EngineSettings, engine_sampling
 from core.training import checkpointing
@@ -60,6 +62,7 @@ class Settings:
     serve_max_batch: int = 64        # serve.py's --max_batch and the in-process engine's: rows decoded at once
     serve_engines: str = "process,thread"  # serve.py's --engine for each server measured, side by side
     serve_client: str = "lean"       # the HTTP clients: lean (lean_stream, asyncio's streams) or httpx
+    serve_quantize: str = "none"     # int8 | int4: serve.py --quantize and the in-process engine's model alike
 
 
 PRESETS = {"gpt2": dict(serve_shape="gpt2")}
@@ -73,6 +76,7 @@ def check(cfg) -> None:
             raise UserError(f"serve_engines: each must be auto, process or thread, got '{engine}'")
     if cfg.serve_client not in ("lean", "httpx"):
         raise UserError(f"serve_client must be lean or httpx, got '{cfg.serve_client}'")
+    check_quantize(cfg.serve_quantize)
     if cfg.serve_shape not in SHAPES:
         raise UserError(f"serve_shape must be one of {', '.join(SHAPES)}, got '{cfg.serve_shape}'")
     if "serve" in section_list(cfg) and cfg.serve_prompt_len > model_config(cfg.serve_shape).block_size:
@@ -129,7 +133,8 @@ def start_server(cfg, rt: runtime.Runtime, out_dir: Path, engine: str) -> tuple[
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"--out_dir={out_dir}", "--model_name=bench",
                              f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
                              f"--threads={cfg.threads}", f"--max_batch={cfg.serve_max_batch}",
-                             f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1", f"--engine={engine}"],
+                             f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1", f"--engine={engine}",
+                             f"--quantize={cfg.serve_quantize}"],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -286,7 +291,8 @@ def ttft(ttfts: list[float]) -> dict:
 def measure(cfg, rt: runtime.Runtime) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = serve_checkpoint(cfg, Path(tmp))
-        model = inference_model(model, rt)
+        served_eot = resolver.with_end_of_text(model, tok)[1].eot_token  # a char vocabulary's, as serve.py appends it
+        model = inference_model(model, rt, quantize=cfg.serve_quantize)
         prompt = [i % tok.vocab_size for i in range(1, cfg.serve_prompt_len + 1)]
         settings = EngineSettings(cfg.serve_max_batch, window_shift(None, model.config.block_size), tok.vocab_size)
         engine = BatchEngine(model, settings)
@@ -295,7 +301,6 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         try:
             for name in engines(cfg):
                 servers[name] = start_server(cfg, rt, Path(tmp), name)
-            served_eot = resolver.with_end_of_text(model, tok)[1].eot_token  # a char vocabulary's, as serve.py appends it
             rows = clients_rows(cfg, engine, servers, prompt, served_eot)
         finally:
             for server, _ in servers.values():
@@ -304,7 +309,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
             engine.stop()
             engine.thread.join()
     mc = model.config
-    return {"shape": cfg.serve_shape, "params": model.get_num_params(),
+    return {"shape": cfg.serve_shape, "quantize": cfg.serve_quantize, "params": model.get_num_params(),
             "model": f"{mc.n_layer} layers x {mc.n_embd} wide, {mc.n_head} heads, block_size {mc.block_size}, "
                      f"vocab {mc.vocab_size}",
             "prompt_tokens": cfg.serve_prompt_len, "max_tokens": cfg.serve_max_tokens,
@@ -320,7 +325,8 @@ def table(r: dict) -> str:
                      f"{num(ip['ttft_p50_ms'])} / {num(ip['ttft_p95_ms'])}", f"{row['time_ratio']:.2f}x",
                      "n/a" if "cpu_s" not in sv else f"{num(sv['cpu_s'], 2)} / {num(ip['cpu_s'], 2)}",
                      "n/a" if "cpu_ratio" not in row else f"{row['cpu_ratio']:.2f}x", num(sv["client_cpu_s"], 2)])
-    return (f"### Serving: serve.py over HTTP against the same rows batched in-process ({r['shape']})\n"
+    weights = "" if r.get("quantize", "none") == "none" else f", {r['quantize']} weights"
+    return (f"### Serving: serve.py over HTTP against the same rows batched in-process ({r['shape']}{weights})\n"
             f"{r['model']}; {r['params'] / 1e6:.2f}M parameters; each client streams one /v1/completions request, "
             f"all at once ({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled; {r['client']} "
             f"clients); max_batch "

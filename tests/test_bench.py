@@ -289,12 +289,31 @@ def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
     assert json.loads((tmp_path / "bench.json").read_text())["serve"]["rows"][1]["clients"] == 3
 
 
+def test_serve_section_quantizes_both_sides_alike(tmp_path, capsys, monkeypatch):
+    """--serve_quantize=int8: serve.py is started with --quantize=int8 and the in-process engine decodes the int8
+    model (quantize.quantize on both: once here, once in the server's process)."""
+    from benchmarks import serve as serve_section
+    from core.decoding import quantize
+
+    started, real_popen, real_quantize = [], serve_section.subprocess.Popen, quantize.quantize
+    monkeypatch.setattr(serve_section.subprocess, "Popen", lambda argv, **kw: started.append(argv) or real_popen(argv, **kw))
+    kinds = []
+    monkeypatch.setattr(quantize, "quantize", lambda model, kind: kinds.append(kind) or real_quantize(model, kind))
+    result = bench.main(tiny_argv(tmp_path, sections="serve", serve_clients="2", serve_max_tokens=8,
+                                  serve_prompt_len=4, serve_max_batch=2, serve_engines="thread", serve_quantize="int8"))
+    assert kinds == ["int8"] and result["serve"]["quantize"] == "int8"
+    assert "--quantize=int8" in started[0]
+    assert [row["tokens"] for row in result["serve"]["rows"]] == [16]
+    assert "(quickstart, int8 weights)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--serve_shape=gpt3"], "serve_shape"),
     (["--sections=serve", "--serve_prompt_len=65"], "block_size 64"),
     (["--serve_clients=1,x"], "serve_clients"),
     (["--serve_engines=process,fork"], "serve_engines"),
     (["--serve_client=curl"], "serve_client"),
+    (["--serve_quantize=int3"], "--quantize must be one of"),
 ])
 def test_bad_serve_flags_are_user_errors(argv, fragment):
     with pytest.raises(UserError, match=fragment):

@@ -158,3 +158,14 @@ def test_a_width_the_kernels_cannot_take_is_refused():
         Q.QuantizedLinear(nn.Linear(40, 32), "int8", "h.0.mlp.c_fc")
     with pytest.raises(UserError, match=f"multiple of {Q.INT4_GROUP_SIZE}"):
         Q.QuantizedLinear(nn.Linear(48, 32), "int4")
+
+
+def test_a_quantized_head_refuses_to_grow():
+    """An old character run is served with <|endoftext|> appended (resolver.with_end_of_text grows the head by a
+    row): serve.py grows it before quantizing, and grow_vocab on a quantized head says so rather than leaving a
+    head one row short (benchmarks' serve section with --serve_quantize caught that)."""
+    from model import GPT, GPTConfig
+
+    model = Q.quantize(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=65)).eval(), "int8")
+    with pytest.raises(ValueError, match="grow the vocabulary before quantizing"):
+        model.grow_vocab(66)
