@@ -138,6 +138,17 @@ KILL_RUN = dict(n_layer=2, n_head=4, n_embd=128, block_size=16, batch_size=2, dr
                 lr_decay_iters=30, warmup_iters=4, log_interval=1, eval_interval=1000, eval_iters=1)
 
 
+def log_records(out_dir) -> list[dict]:
+    """out_dir/log.jsonl's whole records (a line being written is left out)."""
+    out = []
+    for line in (Path(out_dir) / "log.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
 def last_logged_iter(out_dir) -> int:
     try:
         return max((it for it, _ in losses(out_dir)), default=-1)
@@ -468,16 +479,23 @@ def test_init_from_auto_continues_from_the_previous_checkpoint_alone(tmp_path, d
     assert run_dir.auto_init_from(tmp_path) == "resume"
 
 
-class TwoRanks:
-    """A Runtime's any_rank as two ranks that answer differently: one resumes, one starts afresh."""
-    def any_rank(self, *flags):
-        return [True for _ in flags]
-
-
-def test_ranks_that_decide_auto_differently_are_refused():
-    cfg = train.configlib.parse_args(train.TrainConfig, ["--init_from=resume", "--out_dir=shared"])
-    with pytest.raises(UserError, match="holds a checkpoint on some ranks and not on others"):
-        run_dir.check_ranks_agree(cfg, TwoRanks())
+@pytest.mark.slow
+def test_ranks_that_decide_auto_differently_are_refused(tmp_path, data_dir):
+    """torchrun, 2 gloo processes, --init_from=auto, each rank given its own out_dir by a config file (as nodes
+    whose out_dir is not one shared directory would see it): rank 0's holds a checkpoint, rank 1's does not.
+    Rank 0 would resume and rank 1 start afresh; train.py stops both in one line before either trains or
+    writes (run_dir.check_ranks_agree)."""
+    train_tiny(tmp_path / "out0", data_dir, max_iters=2, eval_interval=2)
+    before = (tmp_path / "out0" / "ckpt.pt").read_bytes()
+    per_rank = tmp_path / "per_rank.py"
+    per_rank.write_text(f"import os\nout_dir = {str(tmp_path)!r} + '/out' + os.environ['RANK']\n")
+    argv = [a for a in train_argv(data_dir=data_dir, init_from="auto", max_iters=4, dist_timeout_s=30.0)]
+    job = subprocess.run([sys.executable, *TORCHRUN, "--max-restarts=0", "train.py", str(per_rank), *argv],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180, env=os.environ | ONE_THREAD_ENV)
+    assert job.returncode != 0
+    assert "holds a checkpoint on some ranks and not on others" in job.stderr, job.stderr[-3000:]
+    assert (tmp_path / "out0" / "ckpt.pt").read_bytes() == before  # rank 0 resumed nothing, saved nothing
+    assert not (tmp_path / "out1").exists()  # rank 1 started nothing
 
 
 # --- a non-finite loss -------------------------------------------------------------------------
@@ -729,9 +747,12 @@ DDP_RUN = dict(gradient_accumulation_steps=2, max_iters=30, lr_decay_iters=30, l
                checkpoint_interval=1, dist_timeout_s=30.0)
 
 
-def kill_rank(proc: subprocess.Popen, rank: int, out_dir: Path, after_iter: int, mid_save: bool = False) -> None:
+def kill_rank(proc: subprocess.Popen, rank: int, out_dir: Path, after_iter: int, mid_save: bool = False,
+              mid_eval: bool = False) -> None:
     """SIGKILL torchrun's worker of `rank` once out_dir/log.jsonl reaches iteration `after_iter` (mid-step), or
-    (mid_save, rank 0) at its next checkpoint write after that, frozen while its temporary file exists."""
+    (mid_save, rank 0) at its next checkpoint write after that, frozen while its temporary file exists, or
+    (mid_eval) inside the eval at after_iter + 1: frozen while the log holds after_iter's step and not that
+    eval's record, an eval of many batches long after its start."""
     def reached() -> bool:
         """the job to reach the iteration"""
         return last_logged_iter(out_dir) >= after_iter
@@ -739,6 +760,12 @@ def kill_rank(proc: subprocess.Popen, rank: int, out_dir: Path, after_iter: int,
     assert wait_for(reached, proc, timeout=120, poll=0.02), "the job ended before the kill"
     workers = {int(process_env(pid).get("RANK", -1)): pid for pid in child_pids(proc.pid)}
     pid = workers[rank]
+    if mid_eval:
+        time.sleep(0.05)  # into the eval, which takes hundreds of milliseconds
+        os.kill(pid, signal.SIGSTOP)
+        wait_stopped(pid)
+        evaluated = [r["iter"] for r in log_records(out_dir) if "val_loss" in r]
+        assert last_logged_iter(out_dir) == after_iter and after_iter + 1 not in evaluated, "not mid-eval"
     if mid_save:
         def saving() -> bool:
             """rank 0 writing a checkpoint"""
@@ -772,12 +799,12 @@ def stop_job(proc: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_torchrun_rank_killed_ends_the_job_or_restarts_it_from_the_checkpoint(tmp_path, data_dir):
     """torchrun with 2 gloo processes and --init_from=auto, one worker SIGKILLed. With --max-restarts=0
-    the job ends within seconds, non-zero, naming the dead rank. The same command with --max-restarts=1,
-    its rank 0 killed inside a checkpoint write: torchrun restarts both workers, auto resumes them from the
-    newest complete checkpoint, and the run completes with per-iteration losses equal to an uninterrupted
-    2-process run's bit for bit. Nothing hangs: every wait here is bounded, and dist_timeout_s bounds any
-    collective a dead peer would block."""
-    out, auto = tmp_path / "ddp", DDP_RUN | dict(init_from="auto")
+    the job ends within seconds, non-zero, naming the dead rank (killed mid-step). The same command with
+    --max-restarts=2, its rank 1 killed inside an eval and then its rank 0 inside a checkpoint write: torchrun
+    restarts both workers each time, auto resumes them from the newest complete checkpoint, and the run
+    completes with per-iteration losses equal to an uninterrupted 2-process run's bit for bit. Nothing hangs:
+    every wait here is bounded, and dist_timeout_s bounds any collective a dead peer would block."""
+    out, auto = tmp_path / "ddp", DDP_RUN | dict(init_from="auto", eval_interval=10, eval_iters=200)
     reference = start_train(tmp_path / "reference", data_dir, "reference", launcher=TORCHRUN, **auto)
     job = start_train(out, data_dir, "no_restart", launcher=(*TORCHRUN, "--max-restarts=0"), **auto)
     try:
@@ -792,9 +819,11 @@ def test_torchrun_rank_killed_ends_the_job_or_restarts_it_from_the_checkpoint(tm
     assert "Root Cause" in stderr and "rank      : 1" in stderr and "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
     first_stop = load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"]
 
-    job = start_train(out, data_dir, "restart", launcher=(*TORCHRUN, "--max-restarts=1"), **auto)
+    job = start_train(out, data_dir, "restart", launcher=(*TORCHRUN, "--max-restarts=2"), **auto)
     try:
-        kill_rank(job, rank=0, out_dir=out, after_iter=first_stop + 3, mid_save=True)
+        eval_at = (first_stop // 10 + 1) * 10
+        kill_rank(job, rank=1, out_dir=out, after_iter=eval_at - 1, mid_eval=True)
+        kill_rank(job, rank=0, out_dir=out, after_iter=eval_at + 3, mid_save=True)
         job.wait(timeout=180)
         reference.wait(timeout=180)
     finally:
@@ -804,7 +833,8 @@ def test_torchrun_rank_killed_ends_the_job_or_restarts_it_from_the_checkpoint(tm
     assert job.returncode == 0, (tmp_path / "restart.err").read_text()[-3000:]
     assert reference.returncode == 0, (tmp_path / "reference.err").read_text()[-3000:]
     resumed = [int(line.rsplit(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("resuming from")]
-    assert len(resumed) == 2 and first_stop <= resumed[0] < resumed[1], stdout  # the restart used a newer save
+    assert len(resumed) == 3 and first_stop <= resumed[0] < resumed[1] < resumed[2], stdout  # each a newer save
+    assert resumed[1] == eval_at - 1  # killed in the eval at eval_at: before its save, after eval_at - 1's
     assert "resuming" not in (tmp_path / "reference.out").read_text()  # auto in an empty out_dir: scratch
     assert load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"] == DDP_RUN["max_iters"]
     assert temp_files(out) == []
