@@ -535,7 +535,7 @@ def test_the_engine_is_a_process_of_its_own_on_a_cpu_and_ends_with_the_server(ch
 @pytest.mark.parametrize("when", ["streaming", "idle"])
 def test_a_dead_engine_is_503_then_the_server_exits_for_its_supervisor(char_out, tmp_path, when):
     """kill -9 of the engine process, during a stream or on an idle server: the stream ends with an error event,
-    /health and new requests answer 503 in OpenAI's shape naming the cause, and the server then exits 1 with
+    a whole request in flight gets a 503, /health and new requests answer 503 in OpenAI's shape naming the cause, and the server then exits 1 with
     one line (as vLLM's API server exits when its engine dies), for its supervisor to restart it."""
     server = Server(tmp_path, f"--out_dir={char_out}", "--model_name=romeo", "--max_tokens_limit=100000")
     try:
@@ -544,9 +544,15 @@ def test_a_dead_engine_is_503_then_the_server_exits_for_its_supervisor(char_out,
             stream = iter(server.client().completions.create(model="romeo", prompt="ROMEO:", max_tokens=100000,
                                                              stream=True))
             next(stream)  # generating
-            os.kill(kid, signal.SIGKILL)
-            with pytest.raises(openai.APIError, match=r"the engine process has ended \(exit code -9\)"):
-                list(stream)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # and a whole (unstreamed) request in flight
+                whole = pool.submit(complete, server, prompt="JULIET:", max_tokens=100000)
+                time.sleep(0.5)
+                os.kill(kid, signal.SIGKILL)
+                with pytest.raises(openai.APIError, match=r"the engine process has ended \(exit code -9\)"):
+                    list(stream)
+                with pytest.raises(openai.InternalServerError) as in_flight:
+                    whole.result(timeout=60)
+            assert in_flight.value.status_code == 503 and "exit code -9" in in_flight.value.message
         else:
             os.kill(kid, signal.SIGKILL)
         deadline = time.monotonic() + 20
