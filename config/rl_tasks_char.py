@@ -14,8 +14,8 @@ samples_per_prompt = 8
 temperature = 1.0
 max_new_tokens = 16       # the answers are 3 to 6 characters and <|end|>
 
-learning_rate = 1e-4
-min_lr = 1e-5
+learning_rate = 1e-3
+min_lr = 1e-4
 max_iters = 200
 eval_interval = 25
 eval_examples = 100
