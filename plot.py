@@ -17,8 +17,8 @@ going or resumed is read as written: a last line cut short is skipped, and where
 twice the later record wins.
 
 Rewards (rl.py's runs, whose records hold a reward): the mean reward of each iteration's replies (faint) and
-its moving mean over the last 10 logged iterations, the held-out exact match of each task at each eval, the mean reply length,
-and the learning rate, against iterations.
+its moving mean over the last 10 logged iterations, the held-out exact match of each task at each eval, the
+mean reply length, and the learning rate, against iterations.
 
 Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
 key columns), from the naive attention backend (the fused kernel never forms them); and beside
@@ -277,8 +277,9 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
 
 
 def plot_rewards(runs: list[RunHistory], title: str | None = None):
-    """rl.py's runs: reward (top: each logged iteration faint, the mean of the last 10 logged solid) with each task's held-out
-    exact match at the evals (dashed, one marker per task), the mean reply length, and the learning rate."""
+    """rl.py's runs: reward (top: each logged iteration faint, the mean of the last 10 logged solid) with each
+    task's held-out exact match at the evals (dashed, one marker per task), the mean reply length, and the
+    learning rate."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

@@ -196,7 +196,8 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
                     break
                 scores[f"heldout_{name}"] = r["mean"]
             else:
-                log(f"step {iter_num}: held-out exact match " + ", ".join(f"{k[8:]} {v:.4f}" for k, v in scores.items()))
+                log(f"step {iter_num}: held-out exact match "
+                    + ", ".join(f"{k.removeprefix('heldout_')} {v:.4f}" for k, v in scores.items()))
                 runlog.write({"iter": iter_num} | scores)
                 if iter_num > max(last_saved, 0):
                     save("end of training" if iter_num >= cfg.max_iters else "scheduled")

@@ -39,7 +39,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     torch.manual_seed(0)
-    print("| dtype | batch | backends | first pass ms/step | second pass ms/step | same tokens |\n|---|---:|---|---:|---:|---|")
+    print("| dtype | batch | backends | first pass ms/step | second pass ms/step | same tokens |\n"
+          "|---|---:|---|---:|---:|---|")
     for dtype in ("bfloat16", "float32"):
         rt = runtime.Runtime("cuda:0", "cuda", dtype)
         model = GPT(GPT2).to(rt.device, rt.ptdtype).eval()  # as inference_model decodes it, its kernels aside

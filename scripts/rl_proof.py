@@ -36,7 +36,8 @@ def run(cmd: list[str]) -> tuple[str, float, float]:
     wall, after = time.perf_counter() - t0, os.times()
     if result.returncode:
         sys.exit(f"failed: python {shlex.join(cmd)}\n{result.stderr[-2000:]}")
-    return result.stdout, wall, (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    return result.stdout, wall, cpu
 
 
 def iterations(out_dir: str) -> int:

@@ -118,8 +118,8 @@ def test_chat_tasks_script_writes_the_tasks_train_side_and_their_heldout_set(tmp
     result = run_script(str(spec_path), f"--out_dir={tmp_path}", "--tasks=reverse,add", "--n_train=300",
                         "--n_heldout=20")
     assert result.returncode == 0, result.stderr
-    read = lambda name: [json.loads(line)["messages"] for line in (tmp_path / name).read_text().splitlines()]  # noqa: E731
-    train, held = read("tasks_train.jsonl"), read("tasks_heldout.jsonl")
+    train, held = ([json.loads(line)["messages"] for line in (tmp_path / name).read_text().splitlines()]
+                   for name in ("tasks_train.jsonl", "tasks_heldout.jsonl"))
     assert len(train) == 300 and len(held) == 40
     expected = [p for name in ("reverse", "add") for p in tasklib.heldout_problems(name, 20)]
     assert [(m[-2]["content"], m[-1]["content"]) for m in held] == [(p.prompt, p.answer) for p in expected]
