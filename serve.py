@@ -39,6 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+import torch
 
 from core import runtime
 from core.config import parse_args
@@ -304,7 +305,17 @@ async def lifespan(app):
     app.state.served.engine.stop()
 
 
-def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: str) -> FastAPI:
+def engine_kind(cfg: ServeConfig, device: str) -> str:
+    """--engine resolved: auto is a process of its own on a CPU, a thread elsewhere (a fork cannot carry CUDA)."""
+    kind = cfg.engine if cfg.engine != "auto" else "process" if torch.device(device).type == "cpu" else "thread"
+    if kind == "process" and torch.device(device).type != "cpu":
+        raise UserError(f"--engine=process serves CPU models only (a forked process cannot use {device}); "
+                        f"use --engine=thread")
+    return kind
+
+
+def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: str,
+              threads: int | None = None) -> FastAPI:
     """The ASGI app over one engine (a BatchEngine in a thread, or in a process of its own: --engine): the routes
     above, errors in OpenAI's shape, the key, the body limit. A character vocabulary prepared without
     <|endoftext|> is served with it appended, as export.py writes it (lm_eval needs an end-of-text id)."""
@@ -314,13 +325,12 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     except ValueError as e:
         raise UserError(f"--window_shift: {e}") from None
     metrics = Metrics()
-    kind = cfg.engine if cfg.engine != "auto" else "process" if device == "cpu" else "thread"
-    if kind == "process" and device != "cpu":
-        raise UserError(f"--engine=process serves CPU models only (a forked process cannot use {device}); "
-                        f"use --engine=thread")
-    make = EngineProcess if kind == "process" else BatchEngine
+    settings = EngineSettings(cfg.max_batch, shift, tok.vocab_size, cfg.prefill_chunk)
     try:
-        engine = make(model, EngineSettings(cfg.max_batch, shift, tok.vocab_size, cfg.prefill_chunk), metrics)
+        if engine_kind(cfg, device) == "process":  # threads: the engine's own (main keeps this process to one)
+            engine = EngineProcess(model, settings, metrics, threads or torch.get_num_threads())
+        else:
+            engine = BatchEngine(model, settings, metrics)
     except RuntimeError as e:
         raise UserError(f"{first_line(e)}; try a smaller --max_batch, or --engine=thread") from None
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -393,11 +403,17 @@ def main(argv: Sequence[str]) -> None:
     cfg = parse_args(ServeConfig, argv)
     check_port(cfg.host, cfg.port)
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
+    threads = torch.get_num_threads()  # what the engine computes with
+    if engine_kind(cfg, rt.device) == "process":
+        # The engine process is forked from this one, and OpenMP's thread pool does not survive a fork: a pool of
+        # several threads made here would leave the child waiting on threads it does not have. This process
+        # only loads the model and speaks HTTP, so it keeps to one thread and the child gets the pool.
+        torch.set_num_threads(1)
     model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
     model, tok = resolver.with_end_of_text(model, tok)  # before quantizing: an old char run's head grows a row
     model = inference_model(model, rt, quantize=cfg.quantize)  # as sample.py: weights cast once (and quantized)
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if resolver.kind_of(cfg.init_from) == "resume" else cfg.init_from)
-    app = build_app(model, tok, cfg, name, rt.device)
+    app = build_app(model, tok, cfg, name, rt.device, threads)
     has_key = bool(cfg.api_key or os.environ.get(API_KEY_ENV))
     print(f"serving {source} as '{name}': {model.get_num_params() / 1e6:.2f}M parameters, {rt.device} {rt.dtype}{quantized_note(cfg.quantize)}, "
           f"{'chat and completions' if ChatTemplate.for_tokenizer(tok) else 'completions only (no chat template)'}, "

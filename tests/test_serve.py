@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -168,6 +169,31 @@ def test_threads_reach_the_runtime(char_out, monkeypatch):
     monkeypatch.setattr(serve, "serve", lambda app, host, port: None)
     assert run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", "--port=0", "--threads=1"]).returncode == 0
     assert seen == [1]
+
+
+def test_an_engine_process_of_several_threads_starts_and_serves(char_out, tmp_path, monkeypatch):
+    """--threads=2 with the engine in a process of its own: the server keeps to one thread until the fork (OpenMP's
+    pool does not survive one: a server that computed with two threads first hung at start, its engine waiting on
+    threads it did not have), and the engine process gets the two."""
+    threads = []
+    monkeypatch.setattr(serve, "EngineProcess",
+                        lambda model, settings, metrics, n: threads.append(n) or SimpleNamespace(failure=None))
+    monkeypatch.setattr(serve.torch, "set_num_threads", lambda n: threads.append(("server", n)))
+    monkeypatch.setattr(serve.runtime, "set_threads", lambda n: None)
+    monkeypatch.setattr(serve.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(serve, "serve", lambda app, host, port: None)
+    assert run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", "--port=0", "--threads=2"]).returncode == 0
+    before_fork = [n for n in threads[:threads.index(2)] if isinstance(n, tuple)]
+    assert before_fork[-1] == ("server", 1), threads  # the server's last setting before the engine's fork
+    monkeypatch.undo()
+    # A real fork, of a model whose matrices are large enough that loading it runs OpenMP's parallel copies.
+    make_char_dataset(tmp_path / "data", TEXT)
+    train_tiny(tmp_path / "wide", tmp_path / "data", n_embd=256, max_iters=1, eval_interval=1)
+    server = Server(tmp_path, f"--out_dir={tmp_path / 'wide'}", "--model_name=romeo", "--threads=2")
+    try:
+        assert complete(server, prompt="ROMEO:", max_tokens=5).usage.completion_tokens == 5
+    finally:
+        assert server.stop() == 0
 
 
 def test_a_busy_port_is_one_line_naming_port_before_the_model_loads(char_out, monkeypatch):

@@ -142,14 +142,16 @@ class EngineProcess:
     every request's events of that step, the counters and the step's metrics, turned back into a call on
     the server's event loop by a reader thread."""
 
-    def __init__(self, model: GPT, settings: EngineSettings, metrics=None):
+    def __init__(self, model: GPT, settings: EngineSettings, metrics=None, threads: int | None = None):
+        """threads: the engine process's torch threads (default this process's). A fork keeps no OpenMP pool: a
+        caller that wants several should keep to one thread itself until the fork (serve.py's main does)."""
         self.settings, self.metrics = settings, metrics
         self.device = model.transformer.wte.weight.device
         ctx = multiprocessing.get_context("fork")
         self.conn, child_end = ctx.Pipe()
         self.stopping = ctx.Event()
         self.process = ctx.Process(target=_child, name="engine", daemon=True, args=(
-            child_end, self.conn, self.stopping, model, settings, torch.get_num_threads()))
+            child_end, self.conn, self.stopping, model, settings, threads or torch.get_num_threads()))
         self.process.start()
         child_end.close()
         reply = self._recv()
