@@ -142,11 +142,12 @@ def test_pack_makes_only_reply_tokens_targets():
     assert y.tolist() == [[-1, -1, 8, 9], [4, 3, -1, -1]]
 
 
-@pytest.mark.parametrize("std", [False, True])
-def test_the_step_is_the_policy_gradient_over_the_replies(chat_run, tmp_path, monkeypatch, std):
+@pytest.mark.parametrize("std, batch_size", [(False, 0), (True, 0), (False, 24)])
+def test_the_step_is_the_policy_gradient_over_the_replies(chat_run, tmp_path, monkeypatch, std, batch_size):
     """The gradient of rl.py's first step equals REINFORCE's, computed here row by row without padding: each
     reply's reward minus its group's mean (over the group's std with std_advantage), times the gradient of its
-    tokens' log-probabilities, summed over every reply token and divided by their number, negated."""
+    tokens' log-probabilities, summed over every reply token and divided by their number, negated. With
+    batch_size the 64 rows go through in chunks of 24, 24 and 16, accumulated to the same gradient."""
     grads = []
     real_step = torch.optim.AdamW.step
 
@@ -156,7 +157,7 @@ def test_the_step_is_the_policy_gradient_over_the_replies(chat_run, tmp_path, mo
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    settings = dict(max_iters=1, grad_clip=0, std_advantage=std, tasks="vowel", eval_interval=100)
+    settings = dict(max_iters=1, grad_clip=0, std_advantage=std, tasks="vowel", eval_interval=100, batch_size=batch_size)
     run_rl(chat_run, tmp_path / "rl", **settings)
     cfg = rl.RLConfig(**(RL_TINY | settings))
 
