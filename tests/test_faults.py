@@ -40,15 +40,16 @@ def train_argv(**cfg) -> list[str]:
     return cli_args(TINY_TRAIN | cfg)
 
 
-def start_train(out_dir, data_dir, log_name: str, launcher=(), **cfg) -> subprocess.Popen:
+def start_train(out_dir, data_dir, log_name: str, launcher=(), hangup=signal.SIG_DFL, **cfg) -> subprocess.Popen:
     """`python [launcher] train.py --key=value ...` in the background; stdout and stderr go to
     out_dir/../<log_name>.out|.err (files, not pipes: a killed run's output is kept, and a full pipe
-    can never block it)."""
+    can never block it). hangup: SIGHUP's disposition it starts with, SIG_DFL as from a terminal whatever this
+    process has (a suite run under nohup ignores it), SIG_IGN as under nohup."""
     logs = Path(out_dir).parent
     argv = train_argv(out_dir=out_dir, data_dir=data_dir, **cfg)
     with open(logs / f"{log_name}.out", "w") as out, open(logs / f"{log_name}.err", "w") as err:
         return subprocess.Popen([sys.executable, *launcher, "train.py", *argv], cwd=REPO_ROOT, stdout=out, stderr=err,
-                                env=os.environ | ONE_THREAD_ENV)
+                                env=os.environ | ONE_THREAD_ENV, preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup))
 
 
 # A process that hangs uses no CPU, so the CPU-time bounds below cannot catch it: this wall-time bound
@@ -301,6 +302,27 @@ def test_sigterm_sigint_and_sighup_save_exit_zero_and_resume_exactly(tmp_path, d
     reference = losses(tmp_path / "uninterrupted")
     for sig, end in ends.items():
         assert losses(tmp_path / sig.name) == reference[:end], sig.name
+
+
+@pytest.mark.slow
+def test_sighup_under_nohup_is_left_alone(tmp_path, data_dir):
+    """Started under nohup (SIGHUP ignored), train.py leaves SIGHUP ignored: a closed terminal does not stop it,
+    and it goes on training until SIGTERM, which saves and exits 0 as always."""
+    proc = start_train(tmp_path / "run", data_dir, "run", hangup=signal.SIG_IGN, max_iters=10**6, log_interval=1)
+    try:
+        assert wait_for(lambda: logged_iters(tmp_path / "run") >= 3, proc, timeout=60)
+        proc.send_signal(signal.SIGHUP)
+        hung_up_at = logged_iters(tmp_path / "run")
+        assert wait_for(lambda: logged_iters(tmp_path / "run") >= hung_up_at + 20, proc, timeout=60), \
+            "training stopped after SIGHUP under nohup"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "stopped by SIGTERM" in (tmp_path / "run.out").read_text()
+    assert "SIGHUP" not in (tmp_path / "run.out").read_text() + (tmp_path / "run.err").read_text()
 
 
 # A signal during an eval: honoured between batches. The eval below asks for 2 x 10**7 batches of 8 x 32
