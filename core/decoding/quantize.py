@@ -13,10 +13,10 @@ runs in bfloat16 against them and gives back the run's dtype.
            llama.cpp's Q4_1 and torchao's int4 weight-only use)
 
 What stays as it was: the token and position embeddings (a tied head gets its own quantized copy, the
-table stays float), the norms, the biases and attention itself. torchao is not a dependency: its int4 weight-only
-layout for a CPU (Int4CPULayout) calls the same int4 op, and its int8 weight-only reaches the int8 op through
-torch.compile's weight-only pattern; the two were not timed side by side here. The speed beside CTranslate2's
-and llama.cpp's is in docs/performance.md ("peers"), the quality in docs/evaluation.md ("Quantized weights").
+table stays float), the norms, the biases and attention itself. torchao is not a dependency: its int8 weight-only
+config decoded slower than these kernels, eager or compiled (scripts/compare_torchao.py). The speed beside
+CTranslate2's and llama.cpp's is in docs/performance.md ("peers"), the quality in docs/evaluation.md
+("Quantized weights").
 """
 import torch
 import torch.nn as nn
