@@ -1,23 +1,33 @@
-"""Weight-only quantized decoding on a CPU: the Blocks' matrices and the head read as int8 or int4.
+"""Quantized decoding on a CPU: the Blocks' matrices and the head read as int8 or int4.
 
     model = inference_model(model, rt, quantize="int8")   # sample.py, eval.py, serve.py: --quantize=int8
 
 Decoding at a few rows is bound by reading the weights, so weights stored in fewer bytes decode faster:
-int8 reads a quarter of float32's bytes, int4 an eighth. Only the weights are quantized; each product
-runs in bfloat16 against them and gives back the run's dtype.
+int8 reads a quarter of float32's bytes, int4 an eighth.
 
-    int8   per output channel, symmetric: w[n, k] ~ q[n, k] * scale[n], scale[n] = max_k |w[n, k]| / 127
-           (torch._weight_int8pack_mm)
-    int4   in groups of INT4_GROUP_SIZE along the input, asymmetric: w[n, k] ~ (q[n, k] - 8) * scale + zero
-           with q in 0..15 and scale, zero for the group (torch._weight_int4pack_mm_for_cpu, the layout
-           llama.cpp's Q4_1 and torchao's int4 weight-only use)
+    int8   weights per output channel, symmetric: w[n, k] ~ q[n, k] * scale[n], scale[n] = max_k |w[n, k]| / 127;
+           activations quantized as each product runs, to 7 bits over the input's own range (min and max of
+           the whole (M, in) input, zero included), and the integer product summed in int32: torch's own dynamic
+           int8 linear (quantized::linear_dynamic, FBGEMM), the scheme of CTranslate2's int8
+    int4   weights only, in groups of INT4_GROUP_SIZE along the input, asymmetric: w[n, k] ~ (q[n, k] - 8) * scale
+           + zero with q in 0..15 and scale, zero for the group (torch._weight_int4pack_mm_for_cpu, the layout
+           llama.cpp's Q4_1 and torchao's int4 weight-only use); the product runs in bfloat16
+
+Why int8 quantizes the activations too: torch's int8 weight-only kernel (torch._weight_int8pack_mm, with
+bfloat16 activations) read the weights at a third of the rate FBGEMM's integer product does at one row, and
+one quantized product is one call. 7 bits, not 8: on a CPU without VNNI, FBGEMM sums pairs of uint8 x int8
+products in int16, which 8-bit activations can overflow; the same 7 bits everywhere keep the results alike
+on every CPU. An input of several rows shares one range, as torch's dynamic quantization does: a row decoded
+in a batch can differ from the same row alone by that rounding (docs/evaluation.md, "Quantized weights").
 
 What stays as it was: the token and position embeddings (a tied head gets its own quantized copy, the
-table stays float), the norms, the biases and attention itself. torchao is not a dependency: its int8 weight-only
+table stays float), the norms and attention itself. torchao is not a dependency: its int8 weight-only
 config decoded slower than these kernels, eager or compiled (scripts/compare_torchao.py). The speed beside
 CTranslate2's and llama.cpp's is in docs/performance.md ("peers"), the quality in docs/evaluation.md
 ("Quantized weights").
 """
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -27,8 +37,8 @@ from model import GPT
 
 KINDS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # input columns per int4 scale and zero: llama.cpp's Q4 block (docs/evaluation.md)
-ACTIVATIONS = torch.bfloat16  # torch's CPU kernels for these are fast only in bf16: float32 is 10-100x slower
-INT8_K_MULTIPLE = 16  # _weight_int8pack_mm reads 16 input columns at a time (it crashes on other widths)
+ACTIVATIONS = torch.bfloat16  # int4's CPU kernel is fast only in bf16: float32 is 10-100x slower
+INT8_REDUCE_RANGE = True  # 7-bit activations: see the docstring
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output rows by 16: the head is padded to it
 
 
@@ -70,32 +80,32 @@ def quantize(model: GPT, kind: str) -> GPT:
 
 class QuantizedLinear(nn.Module):
     """An nn.Linear whose weight lives only as int8 or int4 values with their scales (quantize). forward takes
-    and gives back x's dtype, computing in ACTIVATIONS. counted: the weight counts in GPT.get_num_params (a
-    tied head's is counted once already, as the token table)."""
+    and gives back x's dtype. counted: the weight counts in GPT.get_num_params (a tied head's is counted once
+    already, as the token table); weight_numel holds what parameters() no longer shows (int8's bias too)."""
 
     def __init__(self, linear: nn.Linear, kind: str, name: str = "linear", counted: bool = True):
         super().__init__()
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
         self.weight_numel = linear.weight.numel() if counted else 0
         w = linear.weight.detach().float()  # (out, in)
+        self.bias = linear.bias
         if kind == "int8":
-            check_width(name, self.in_features, INT8_K_MULTIPLE, kind)
-            q, scales = int8_per_channel(w)
-            self.register_buffer("q", q)  # (out, in) int8
-            self.register_buffer("scales", scales.to(ACTIVATIONS))  # (out,)
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            self.packed = int8_packed(*int8_per_channel(w), bias)  # FBGEMM's layout: the bias is added inside
+            self.bias, self.weight_numel = None, self.weight_numel + (0 if bias is None else bias.numel())
         else:
             check_width(name, self.in_features, INT4_GROUP_SIZE, kind)
             w = F.pad(w, (0, 0, 0, -w.size(0) % INT4_N_MULTIPLE))  # zero rows to a multiple of 16, sliced off
             q, scales_and_zeros = int4_groupwise(w, INT4_GROUP_SIZE)
             self.register_buffer("q", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # (out16, in / 2) uint8
             self.register_buffer("scales", scales_and_zeros.to(ACTIVATIONS))  # (in / group, out16, 2)
-        self.bias = linear.bias
 
     def forward(self, x):  # (..., in) -> (..., out)
-        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)  # (M, in)
-        if self.kind == "int8":
-            y = torch._weight_int8pack_mm(x2, self.q, self.scales)  # (M, out)
+        x2 = x.reshape(-1, self.in_features)  # (M, in)
+        if self.kind == "int8":  # float32 in and out, the bias included
+            y = torch.ops.quantized.linear_dynamic(x2.float(), self.packed, INT8_REDUCE_RANGE)  # (M, out)
         else:
+            x2 = x2.to(self.scales.dtype)
             y = torch._weight_int4pack_mm_for_cpu(x2, self.q, INT4_GROUP_SIZE, self.scales)[:, :self.out_features]
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -105,12 +115,20 @@ class QuantizedLinear(nn.Module):
 
 
 def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (out, in) float -> q (out, in) int8 in -127..127 and scales (out,) float32 with w ~ q * scales[:, None].
-    The scale is rounded to ACTIVATIONS first and q computed from the rounded one, so the kernel's scale is the
-    one q was made for."""
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(ACTIVATIONS).float()  # (out,)
+    """w (out, in) float -> q (out, in) int8 in -127..127 and scales (out,) float32 with w ~ q * scales[:, None]."""
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
+
+
+def int8_packed(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """q (out, in) int8 and scales (out,) -> FBGEMM's packed weight for quantized::linear_dynamic. torch 2.13
+    warns that its quantized tensors (the one way in) are deprecated; the warning is kept out of every run's
+    output here, and tests/test_quantize.py fails on the torch that removes them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
+        qw = torch._make_per_channel_quantized_tensor(q, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qw, bias)
 
 
 def int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
