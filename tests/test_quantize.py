@@ -93,6 +93,23 @@ def test_small_rows_keep_their_digits(kind):
     assert float(rel.max()) < (0.03 if kind == "int8" else 0.15), rel.max()
 
 
+def test_int8_rows_are_rounded_each_on_its_own_range():
+    """A row's int8 result is the same alone and in a batch, whatever its batchmates' range: rows 1,000 times
+    apart in size, a zero row, one-signed rows. One range for the batch (FBGEMM's own for several rows) rounds the
+    small rows' activations to a few levels; measured: 4e-7 of the largest output between alone and batched."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 80)
+    q = Q.QuantizedLinear(lin, "int8")
+    x = torch.randn(12, 96) * torch.logspace(-2, 1, 12)[:, None]  # (12, 96)
+    x[3], x[5], x[6] = 0, x[5].abs(), -x[6].abs()
+    alone = torch.cat([q(row[None]) for row in x])  # (12, 80): one row per call, FBGEMM's own rounding
+    batched = q(x)
+    assert float((alone - batched).abs().max()) < 1e-6 * float(alone.abs().max())
+    assert torch.equal(q(x[:5]), batched[:5])  # rows beside it change nothing, bit for bit
+    ref = lin(x).detach()
+    assert float(((batched - ref).norm(dim=1) / ref.norm(dim=1)).max()) < 0.05  # the smallest rows keep their digits
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A char model trained on a Shakespeare passage (widths multiples of int4's group), its out_dir and data_dir."""
@@ -149,7 +166,7 @@ def test_eval_py_reports_each_kinds_perplexity(trained):
         losses[kind] = float(r.stdout.split("loss ")[1].split()[0])
         assert "bits/byte" in r.stdout
     assert losses["none"] != losses["int8"] != losses["int4"]  # each evaluated its own weights
-    assert abs(losses["int8"] - losses["none"]) < 0.01 * losses["none"]
+    assert abs(losses["int8"] - losses["none"]) < 0.005  # nats: this model's loss is near 0, a ratio would be noise
     assert abs(losses["int4"] - losses["none"]) < 0.1 * losses["none"]
 
 

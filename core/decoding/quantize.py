@@ -6,23 +6,24 @@ Decoding at a few rows is bound by reading the weights, so weights stored in few
 int8 reads a quarter of float32's bytes, int4 an eighth.
 
     int8   weights per output channel, symmetric: w[n, k] ~ q[n, k] * scale[n], scale[n] = max_k |w[n, k]| / 127;
-           activations quantized as each product runs, to 7 bits over the input's own range (min and max of
-           the whole (M, in) input, zero included), and the integer product summed in int32: torch's own dynamic
-           int8 linear (quantized::linear_dynamic, FBGEMM), the scheme of CTranslate2's int8
+           activations quantized as each product runs, to 7 bits over each row's own range (its min and max,
+           zero included), and the integer product summed in int32: torch's own dynamic int8 linear
+           (quantized::linear_dynamic, FBGEMM); CTranslate2's int8 quantizes activations too
     int4   weights only, in groups of INT4_GROUP_SIZE along the input, asymmetric: w[n, k] ~ (q[n, k] - 8) * scale
            + zero with q in 0..15 and scale, zero for the group (torch._weight_int4pack_mm_for_cpu, the layout
            llama.cpp's Q4_1 and torchao's int4 weight-only use); the product runs in bfloat16
 
 Why int8 quantizes the activations too: torch's int8 weight-only kernel (torch._weight_int8pack_mm, with
-bfloat16 activations) read the weights at a third of the rate FBGEMM's integer product does at one row, and
-one quantized product is one call. 7 bits, not 8: on a CPU without VNNI, FBGEMM sums pairs of uint8 x int8
-products in int16, which 8-bit activations can overflow; the same 7 bits everywhere keep the results alike
-on every CPU. An input of several rows shares one range, as torch's dynamic quantization does: a row decoded
-in a batch can differ from the same row alone by that rounding (docs/evaluation.md, "Quantized weights").
+bfloat16 activations) reads the weights at half the rate of FBGEMM's integer product at one row, or less,
+and gains little from a batch (docs/performance.md, "peers"). 7 bits, not 8: on a CPU without VNNI, FBGEMM
+sums pairs of uint8 x int8 products in int16, which 8-bit activations can overflow; the same 7 bits everywhere
+keep the results alike on every CPU. FBGEMM rounds an input of several rows on one range;
+QuantizedLinear.rows_quantized rounds each row on its own, so that a request's tokens do not depend on the
+requests batched beside it.
 
 What stays as it was: the token and position embeddings (a tied head gets its own quantized copy, the
-table stays float), the norms and attention itself. torchao is not a dependency: its int8 weight-only
-config decoded slower than these kernels, eager or compiled (scripts/compare_torchao.py). The speed beside
+table stays float), the norms and attention itself. torchao is not a dependency: its int8 configs (weight-only,
+and with dynamic activations) decoded slower than these kernels, eager or compiled (scripts/compare_torchao.py). The speed beside
 CTranslate2's and llama.cpp's is in docs/performance.md ("peers"), the quality in docs/evaluation.md
 ("Quantized weights").
 """
@@ -39,6 +40,7 @@ KINDS = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # input columns per int4 scale and zero: llama.cpp's Q4 block (docs/evaluation.md)
 ACTIVATIONS = torch.bfloat16  # int4's CPU kernel is fast only in bf16: float32 is 10-100x slower
 INT8_REDUCE_RANGE = True  # 7-bit activations: see the docstring
+INT8_LEVELS = 127  # the activations' highest level under INT8_REDUCE_RANGE
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output rows by 16: the head is padded to it
 
 
@@ -91,8 +93,14 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         if kind == "int8":
             bias = None if linear.bias is None else linear.bias.detach().float()
-            self.packed = int8_packed(*int8_per_channel(w), bias)  # FBGEMM's layout: the bias is added inside
+            q, scales = int8_per_channel(w)
+            self.packed = int8_packed(q, scales, bias)  # FBGEMM's layout: the bias is added inside
             self.bias, self.weight_numel = None, self.weight_numel + (0 if bias is None else bias.numel())
+            # for rows_quantized: the bias or 0 (out,), each output's sum of dequantized weights (out,), and a row
+            # holding 0 and INT8_LEVELS, which fixes the range FBGEMM sees to 0..INT8_LEVELS (scale 1, zero point 0)
+            self.register_buffer("bias_or_0", torch.zeros(self.out_features) if bias is None else bias)
+            self.register_buffer("weight_sums", (q.float() * scales[:, None]).sum(1))
+            self.register_buffer("levels_row", F.pad(torch.tensor([[float(INT8_LEVELS)]]), (0, self.in_features - 1)))
         else:
             check_width(name, self.in_features, INT4_GROUP_SIZE, kind)
             w = F.pad(w, (0, 0, 0, -w.size(0) % INT4_N_MULTIPLE))  # zero rows to a multiple of 16, sliced off
@@ -102,13 +110,28 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x):  # (..., in) -> (..., out)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
-        if self.kind == "int8":  # float32 in and out, the bias included
-            y = torch.ops.quantized.linear_dynamic(x2.float(), self.packed, INT8_REDUCE_RANGE)  # (M, out)
+        if self.kind == "int8" and x2.size(0) == 1:  # float32 in and out, the bias included
+            y = torch.ops.quantized.linear_dynamic(x2.float(), self.packed, INT8_REDUCE_RANGE)  # (1, out)
+        elif self.kind == "int8":
+            y = self.rows_quantized(x2.float())  # (M, out)
         else:
             x2 = x2.to(self.scales.dtype)
             y = torch._weight_int4pack_mm_for_cpu(x2, self.q, INT4_GROUP_SIZE, self.scales)[:, :self.out_features]
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def rows_quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, in) float32 -> (M, out) float32, each row's activations rounded on that row's own range, as FBGEMM
+        rounds a row that comes alone (min and max with zero in, 7 bits): a row's result does not depend on the
+        rows beside it. FBGEMM is handed the rounded integers themselves, with levels_row fixing its range to
+        0..INT8_LEVELS, so its own rounding keeps them as they are and its product is scales[n] * sum_k xq wq."""
+        lo, hi = torch.aminmax(x, dim=1, keepdim=True)  # (M, 1)
+        step = ((hi.clamp(min=0) - lo.clamp(max=0)) / INT8_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+        zero = torch.round(-lo.clamp(max=0) / step)  # (M, 1): the level of 0.0
+        xq = torch.round(x / step).add_(zero).clamp_(0, INT8_LEVELS)  # (M, in): integers
+        y = torch.ops.quantized.linear_dynamic(torch.cat([xq, self.levels_row]), self.packed, INT8_REDUCE_RANGE)
+        # y[m] = scales * sum_k xq[m, k] q[:, k] + bias; x[m, k] ~ (xq[m, k] - zero[m]) * step[m]
+        return (y[:-1] - torch.addcmul(self.bias_or_0, zero, self.weight_sums)) * step + self.bias_or_0
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
