@@ -1,5 +1,6 @@
-"""Ours (`inference_model(..., quantize=...)`) beside torchao's int8 weight-only config: greedy decoding at batch 1
-of a GPT-2-small-shaped model (random weights), tokens/s (docs/performance.md, "peers").
+"""Ours (`inference_model(..., quantize=...)`) beside torchao's int8 configs (weight-only, and with dynamically
+quantized activations as ours' int8): greedy decoding at batch 1 of a GPT-2-small-shaped model (random weights),
+tokens/s (docs/performance.md, "peers").
 
     pip install torchao==0.18.0 && python scripts/compare_torchao.py --threads=1
 
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--tokens", type=int, default=60)
     args = parser.parse_args(argv)
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
     except ImportError:
         sys.exit("error: needs torchao (pip install torchao==0.18.0); it is not one of this project's dependencies")
     torch.set_num_threads(args.threads)
@@ -45,10 +46,12 @@ def main(argv: list[str]) -> None:
     rt = runtime.Runtime("cpu", "cpu", "float32")
     rows = [(f"ours, {q}", rate(inference_model(copy.deepcopy(base), rt, quantize=q), args.tokens))
             for q in ("none", "int8", "int4")]
-    model = copy.deepcopy(base)
-    quantize_(model, Int8WeightOnlyConfig())
-    rows.append(("torchao Int8WeightOnlyConfig, eager", rate(model, args.tokens)))
-    rows.append(("torchao Int8WeightOnlyConfig, torch.compile", rate(torch.compile(model), args.tokens)))
+    for config in (Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig()):
+        model = copy.deepcopy(base)
+        quantize_(model, config)
+        name = type(config).__name__
+        rows.append((f"torchao {name}, eager", rate(model, args.tokens)))
+        rows.append((f"torchao {name}, torch.compile", rate(torch.compile(model), args.tokens)))
     print(f"| decoding, {args.threads} thread(s) | tokens/s |\n|---|---:|")
     for name, value in rows:
         print(f"| {name} | {value:.1f} |")
