@@ -39,7 +39,7 @@ from core import markdown, runtime
 from core.data.tokenizer import GPT2Tokenizer
 from core.decoding.decode import generate_stream, inference_model
 from core.errors import UserError
-from export import export
+from core.weights.hf_export import export
 from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
