@@ -21,11 +21,14 @@ keep the results alike on every CPU. FBGEMM rounds an input of several rows on o
 QuantizedLinear.rows_quantized rounds each row on its own, so that a request's tokens do not depend on the
 requests batched beside it.
 
+The products go through torch's quantized engine, FBGEMM on x86; on ARM torch picks QNNPACK, which rounds
+activations to 8 bits and was never measured here.
+
 What stays as it was: the token and position embeddings (a tied head gets its own quantized copy, the
-table stays float), the norms and attention itself. torchao is not a dependency: its int8 configs (weight-only,
-and with dynamic activations) decoded slower than these kernels, eager or compiled (scripts/compare_torchao.py). The speed beside
-CTranslate2's and llama.cpp's is in docs/performance.md ("peers"), the quality in docs/evaluation.md
-("Quantized weights").
+table stays float), the norms and attention itself. torchao is not a dependency: its int8 configs
+(weight-only, and with dynamic activations) decoded slower than these kernels, eager or compiled
+(scripts/compare_torchao.py). The speed beside CTranslate2's and llama.cpp's is in docs/performance.md
+("peers"), the quality in docs/evaluation.md ("Quantized weights").
 """
 import warnings
 
