@@ -93,12 +93,12 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
         self.weight_numel = linear.weight.numel() if counted else 0
         w = linear.weight.detach().float()  # (out, in)
-        self.bias = linear.bias
+        self.bias = linear.bias if kind != "int8" else None  # int8's is added inside FBGEMM's product
         if kind == "int8":
             bias = None if linear.bias is None else linear.bias.detach().float()
             q, scales = int8_per_channel(w)
-            self.packed = int8_packed(q, scales, bias)  # FBGEMM's layout: the bias is added inside
-            self.bias, self.weight_numel = None, self.weight_numel + (0 if bias is None else bias.numel())
+            self.packed = int8_packed(q, scales, bias)
+            self.weight_numel += 0 if bias is None else bias.numel()
             # for rows_quantized: the bias or 0 (out,), each output's sum of dequantized weights (out,), and a row
             # holding 0 and INT8_LEVELS, which fixes the range FBGEMM sees to 0..INT8_LEVELS (scale 1, zero point 0)
             self.register_buffer("bias_or_0", torch.zeros(self.out_features) if bias is None else bias)
@@ -129,8 +129,9 @@ class QuantizedLinear(nn.Module):
         rows beside it. FBGEMM is handed the rounded integers themselves, with levels_row fixing its range to
         0..INT8_LEVELS, so its own rounding keeps them as they are and its product is scales[n] * sum_k xq wq."""
         lo, hi = torch.aminmax(x, dim=1, keepdim=True)  # (M, 1)
-        step = ((hi.clamp(min=0) - lo.clamp(max=0)) / INT8_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
-        zero = torch.round(-lo.clamp(max=0) / step)  # (M, 1): the level of 0.0
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)  # zero in the range
+        step = ((hi - lo) / INT8_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+        zero = torch.round(-lo / step)  # (M, 1): the level of 0.0
         xq = torch.round(x / step).add_(zero).clamp_(0, INT8_LEVELS)  # (M, in): integers
         y = torch.ops.quantized.linear_dynamic(torch.cat([xq, self.levels_row]), self.packed, INT8_REDUCE_RANGE)
         # y[m] = scales * sum_k xq[m, k] q[:, k] + bias; x[m, k] ~ (xq[m, k] - zero[m]) * step[m]
