@@ -44,20 +44,19 @@ from core.data import tasks as tasklib
 from core.data.chat import ChatTemplate, reply_text, sample_replies
 from core.data.tokenizer import tokenizer_from_meta
 from core.errors import UserError, alike_on_every_rank, run_cli
-from core.training import checkpointing, memory, optim, parallel, run_dir
+from core.training import checkpointing, loop, optim, parallel, run_dir
+from core.training.train_config import RunConfig
 from core.training.runlog import RunLog, format_duration
 from core.weights import resolver
 
 
 @dataclasses.dataclass
-class RLConfig:
+class RLConfig(RunConfig):  # its keys: RunConfig's (those declared again here with rl.py's defaults), then these
     # I/O
     init_from: str = "out-sft-tasks-char"  # a chat run's out_dir (its weights, a new run), or 'resume' (out_dir's)
-    out_dir: str = "out-rl"                # checkpoints, config.json and log.jsonl
-    overwrite: bool = False                # a new run may replace the checkpoint out_dir already holds
+    out_dir: str = "out-rl"
     eval_interval: int = 25                # held-out exact match, then a checkpoint, every N iterations
     eval_examples: int = 100               # held-out problems per task at each eval, greedy
-    log_interval: int = 1                  # print and log every N iterations
     # the tasks and the replies
     tasks: str = "reverse,upper"           # comma-separated tasks of core/data/tasks.py: reverse, upper, add
     prompts_per_iter: int = 16             # problems per iteration, all processes together; the tasks take turns
@@ -70,26 +69,18 @@ class RLConfig:
     std_advantage: bool = False            # also divide each advantage by its group's reward std (GRPO)
     kl_coef: float = 0.0                   # weight of a KL penalty to the starting model on reply tokens; 0: none
     # AdamW, with a cosine schedule from learning_rate to min_lr at max_iters
-    learning_rate: float = 1e-4            # the peak learning rate
+    learning_rate: float = 1e-4
     min_lr: float = 1e-5                   # the learning rate at max_iters
-    warmup_iters: int = 0                  # linear warmup from 0 over N iterations
-    max_iters: int = 200                   # iterations in all; a resumed run stops here too
-    weight_decay: float = 0.0              # AdamW's, on matrices and embeddings only
-    beta1: float = 0.9                     # AdamW's first-moment decay
-    beta2: float = 0.95                    # AdamW's second-moment decay
-    grad_clip: float = 1.0                 # 0 disables clipping
-    # system
-    device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
-    dtype: str = "auto"                    # auto, float32, bfloat16, float16
-    threads: int = 0                       # torch's CPU threads; 0: torch's default, one per core
-    seed: int = 1337                       # the prompts and every reply follow from it
-    dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
+    warmup_iters: int = 0
+    max_iters: int = 200
+    weight_decay: float = 0.0
+
+    POSITIVE = RunConfig.POSITIVE + ("eval_examples", "prompts_per_iter", "max_new_tokens")
+    NOT_NEGATIVE = RunConfig.NOT_NEGATIVE + ("batch_size", "kl_coef")
+    starts_from_scratch = False
 
     def validate(self) -> None:
-        for key in ("eval_interval", "eval_examples", "log_interval", "prompts_per_iter", "max_new_tokens",
-                    "max_iters"):
-            if getattr(self, key) < 1:
-                raise UserError(f"config key '{key}' must be at least 1, got {getattr(self, key)}")
+        super().validate()
         if self.samples_per_prompt < 2:
             raise UserError(f"samples_per_prompt must be at least 2: the baseline is the group's mean, so one reply "
                             f"has advantage 0 and teaches nothing; got {self.samples_per_prompt}")
@@ -98,33 +89,11 @@ class RLConfig:
                             f"rewards teach nothing; got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"top_k must be at least 1 (or None: no limit), got {self.top_k}")
-        if self.batch_size < 0 or self.warmup_iters < 0 or self.kl_coef < 0 or self.weight_decay < 0:
-            raise UserError("batch_size, warmup_iters, kl_coef and weight_decay must not be negative")
-        if not (0 < self.learning_rate < math.inf and 0 <= self.min_lr <= self.learning_rate):
-            raise UserError(f"need 0 < learning_rate and 0 <= min_lr <= learning_rate, got {self.learning_rate}, "
-                            f"{self.min_lr}")
-        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.grad_clip < 0:
-            raise UserError(f"need 0 <= beta1, beta2 < 1 and grad_clip >= 0, got {self.beta1}, {self.beta2}, "
-                            f"{self.grad_clip}")
-        if not self.dist_timeout_s > 0:
-            raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         tasklib.task_names(self.tasks)
-        resolver.check_init_from(self.init_from)
 
 
 def main(argv: Sequence[str]) -> None:
-    stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
-    with alike_on_every_rank():
-        cfg = parse_config(argv)
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s, cfg.threads)
-    try:
-        train(cfg, rt, stop)
-    except RuntimeError as e:  # torch.OutOfMemoryError included
-        if not memory.is_out_of_memory(e):
-            raise
-        raise memory.out_of_memory_error(e, rt.device, f"(checkpoints already in {cfg.out_dir} are intact)") from None
-    finally:
-        runtime.teardown(rt)
+    loop.start(RLConfig, argv, train)  # the config (loop.parse_config), the runtime, then train()
 
 
 def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
@@ -149,11 +118,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
     scaler = rt.grad_scaler()
     iter_num = 0
     if resuming:
-        optim.load_state(optimizer, w.state["optimizer"])
-        if w.state.get("scaler"):
-            scaler.load_state_dict(w.state["scaler"])
-        checkpointing.restore_rng(w.state["rng"], rt, log)
-        iter_num = w.state["meta"]["iter_num"]
+        iter_num = checkpointing.restore(w, raw_model, optimizer, scaler, rt, log)[0]
     tok_meta = w.tokenizer_meta
     del w
     stop.check(starting)
@@ -252,16 +217,8 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
                     kl_sum += kl.detach()
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        stop_requested, any_bad = rt.any_rank(stop.requested, not math.isfinite(loss_sum.item()))
-        if any_bad:
-            raise UserError(f"loss is not finite at iter {iter_num}; stopped before the optimizer step, the last "
-                            f"checkpoint in {cfg.out_dir} is untouched. Lower learning_rate")
-        if cfg.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        # the guard (a non-finite loss stops the run before the update), clip, step, zero the gradients
+        stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
         dt = time.perf_counter() - t0
         iter_num += 1
         steps_run += 1
@@ -275,15 +232,6 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
                 + f", lr {lr:.2e}, time {dt * 1000:.0f}ms")
             runlog.write({"iter": iter_num - 1, "lr": lr, "ms": dt * 1000}
                          | {k: v for k, v in stats.items() if k != "kl" or reference is not None})
-
-
-def parse_config(argv) -> RLConfig:
-    """The RLConfig defaults, then config files, then --key=value; init_from=resume starts from out_dir's own
-    config.json instead of the defaults (run_dir.resumed_config)."""
-    cfg = configlib.parse_args(RLConfig, argv, validate=False)
-    if resolver.kind_of(cfg.init_from) != "resume":
-        return configlib.parse_args(RLConfig, argv)
-    return run_dir.resumed_config(RLConfig, argv, cfg.out_dir)
 
 
 # -----------------------------------------------------------------------------

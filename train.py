@@ -26,7 +26,6 @@ import dataclasses
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ from core import config as configlib, evaluate, runtime
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.data.tokenizer import check_extends, check_same_ids, tokenizer_from_meta, tokenizer_meta
 from core.errors import Stopped, UserError, alike_on_every_rank, run_cli
-from core.training import checkpointing, flops, memory, optim, parallel, run_dir
+from core.training import checkpointing, flops, loop, optim, parallel, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from core.weights import resolver
@@ -44,20 +43,7 @@ from model import GPT, GPTConfig
 
 
 def main(argv) -> None:
-    # From the start: joining the process group, reading data and building the model can take minutes, and
-    # under torchrun the SIGTERM it sends when another process fails must not cut this one's error short.
-    stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
-    with alike_on_every_rank():
-        cfg = parse_config(argv)
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s, cfg.threads)
-    try:
-        train(cfg, rt, stop)
-    except RuntimeError as e:  # torch.OutOfMemoryError included
-        if not memory.is_out_of_memory(e):
-            raise
-        raise memory.out_of_memory_error(e, rt.device, f"(checkpoints already in {cfg.out_dir} are intact)") from None
-    finally:
-        runtime.teardown(rt)
+    loop.start(TrainConfig, argv, train)  # the config (loop.parse_config), the runtime, then train()
 
 
 def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
@@ -93,7 +79,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     scaler = rt.grad_scaler()
     iter_num, best_val_loss = 0, float("inf")
     if resuming:
-        iter_num, best_val_loss = restore_state(resumed.state, resumed.path, raw_model, optimizer, scaler, rt, log)
+        iter_num, best_val_loss = checkpointing.restore(resumed, raw_model, optimizer, scaler, rt, log)
         del resumed
 
     stop.check(starting)
@@ -185,20 +171,10 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
                 batches.prefetch_after(iter_num, micro)  # read the next batch while the device works
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        # The non-finite guard: the step's one host sync, since it must see this loss before the update.
-        # The stop flags travel with it on a host-side group, so the device is not left waiting.
-        stop_requested, any_bad = rt.any_rank(stop.requested, not math.isfinite(loss_sum.item()))
+        # the guard (a non-finite loss stops the run before the update), clip, step, zero the gradients
+        stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
         logging = (iter_num + 1) % cfg.log_interval == 0
-        loss = global_mean(loss_sum, rt) if any_bad or logging else None  # a device collective: only when used
-        if any_bad:
-            raise UserError(f"loss is {loss} at iter {iter_num}; stopped before the optimizer step, the last "
-                            f"checkpoint in {cfg.out_dir} is untouched. Lower learning_rate or check the data")
-        if cfg.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        loss = loop.global_mean(loss_sum, rt) if logging else None  # a device collective: only when used
         dt = time.perf_counter() - t0
         seq_len = seq_len_at(iter_num, cfg)  # block_size, or shorter during the sequence-length warm-up
         iter_tokens = rows * seq_len
@@ -218,22 +194,6 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
                           "tok_per_s": iter_tokens / dt, "mfu": mfu_avg if mfu_avg >= 0 else None})
 
 
-def parse_config(argv) -> TrainConfig:
-    """The TrainConfig defaults, then config files, then --key=value; with init_from=resume, the run's own
-    out_dir/config.json in place of the defaults, so `--init_from=resume --out_dir=RUN` is the whole command.
-    init_from=auto becomes resume when out_dir holds a checkpoint, else scratch (run_dir.auto_init_from).
-    Keys given still apply on top of it (max_iters, eval_interval, ...); those a checkpoint cannot take, such
-    as another n_layer, are refused when the checkpoint loads."""
-    cfg = configlib.parse_args(TrainConfig, argv, validate=False)
-    init_from = cfg.init_from
-    if init_from == "auto":  # decided here, once: resume or scratch from now on
-        init_from = run_dir.auto_init_from(cfg.out_dir)
-        argv = [*argv, f"--init_from={init_from}"]
-    if resolver.kind_of(init_from) != "resume":
-        return configlib.parse_args(TrainConfig, argv)
-    return run_dir.resumed_config(TrainConfig, argv, cfg.out_dir)
-
-
 # -----------------------------------------------------------------------------
 # what train() calls, in the order it calls it
 
@@ -241,7 +201,7 @@ def parse_config(argv) -> TrainConfig:
 def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
                 log) -> tuple[GPT, dict, resolver.Weights | None]:
     """The model for cfg.init_from (core/weights/resolver.py), the tokenizer metadata it is trained with, and for
-    init_from=resume the checkpoint it resumes (restore_state). The training checks run on the
+    init_from=resume the checkpoint it resumes (checkpointing.restore). The training checks run on the
     architecture before any weight is read, so a run that plainly does not fit in memory stops first."""
 
     def check(w: resolver.Weights) -> None:
@@ -285,22 +245,6 @@ def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
     return GPTConfig(**(cfg.model_args() | {"vocab_size": vocab}))
 
 
-def restore_state(state: dict, path: Path, model: GPT, optimizer, scaler, rt: runtime.Runtime,
-                  log) -> tuple[int, float]:
-    """Load the optimizer, loss scaler and RNG states (and, for fsdp, the sharded weights) of the
-    checkpoint being resumed; returns its (iter_num, best_val_loss)."""
-    meta = state["meta"]
-    if state["model"] is None:  # fsdp: every rank reads its own shards
-        with optim.restoring(optimizer, meta["config"].get("optimizer", "adamw")):
-            state["rng"] = checkpointing.load_sharded(path, model, optimizer)
-    else:
-        optim.load_state(optimizer, state["optimizer"])
-    if state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    checkpointing.restore_rng(state["rng"], rt, log)
-    return meta["iter_num"], meta["best_val_loss"]
-
-
 @torch.no_grad()
 def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runtime.Runtime,
                   stopped=None) -> dict[str, float] | None:
@@ -336,14 +280,6 @@ def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runti
     bar.close()
     model.train()
     return out
-
-
-def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:
-    """The mean of every rank's loss_sum (each already averaged over its micro-steps)."""
-    if rt.distributed:
-        loss_sum = loss_sum.clone()
-        dist.all_reduce(loss_sum)
-    return loss_sum.item() / rt.world_size
 
 
 if __name__ == "__main__":

@@ -388,10 +388,10 @@ def test_step_time_excludes_eval_and_save(tmp_path, data_dir, monkeypatch):
 def test_next_batch_is_prefetched_across_steps_and_loss_synced_only_to_log(tmp_path, data_dir, monkeypatch):
     """After an iteration's forward and backward, the next iteration's first micro-batch is already
     fetched (and used as is); the global loss is computed only on logging iterations."""
-    import train
     from core.data.loader import TrainBatches
+    from core.training import loop
     from tests.helpers import train_tiny
-    real_get, real_mean = TrainBatches.get, train.global_mean
+    real_get, real_mean = TrainBatches.get, loop.global_mean
     seen, means = [], []
 
     def spy_get(batches, iter_num, micro):
@@ -402,7 +402,7 @@ def test_next_batch_is_prefetched_across_steps_and_loss_synced_only_to_log(tmp_p
             seen.append(iter_num)
         return real_get(batches, iter_num, micro)
     monkeypatch.setattr(TrainBatches, "get", spy_get)
-    monkeypatch.setattr(train, "global_mean", lambda *a: means.append(1) or real_mean(*a))
+    monkeypatch.setattr(loop, "global_mean", lambda *a: means.append(1) or real_mean(*a))
     train_tiny(tmp_path, data_dir, max_iters=20, log_interval=5, gradient_accumulation_steps=2)
     assert seen == list(range(1, 20)) and len(means) == 4
 

@@ -11,7 +11,7 @@ import bench
 import plot
 from benchmarks import common, race, speedrun
 from core.errors import UserError
-from core.training import optim
+from core.training import loop, optim
 from tests.helpers import REPO_ROOT, cli_args, make_char_dataset, one_thread
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
@@ -127,8 +127,8 @@ def test_the_race_trains_what_its_config_file_says(monkeypatch, tmp_path):
     settings = speedrun.Settings()
     specs = [settings.speedrun_base, *common.spec_list(settings.speedrun_ours)]
     raced = common.read_recipe(specs, "--speedrun_ours")
-    assert raced == train.parse_config(["config/train_shakespeare_char_cpu.py", "config/modern.py",
-                                        "config/speedrun_char.py"])
+    assert raced == loop.parse_config(train.TrainConfig, ["config/train_shakespeare_char_cpu.py", "config/modern.py",
+                                                          "config/speedrun_char.py"])
     assert (raced.max_iters, raced.learning_rate, raced.value_embeds, raced.mlp_hidden) == (400, 4e-3, 1, 256)
     shutil.copytree(REPO_ROOT / "config", tmp_path / "config")
     with open(tmp_path / "config" / "speedrun_char.py", "a") as f:

@@ -17,6 +17,7 @@ import train
 from core.data.tokenizer import CharTokenizer
 from core.data.writer import write_dataset
 from core.errors import UserError
+from core.training import loop
 from core.weights.checkpoint import load_checkpoint
 import model as modellib
 from tests.helpers import (REPO_ROOT, TIMINGS, TINY_TRAIN, assert_user_error, char_data_fixture, cli_args, losses,
@@ -415,5 +416,5 @@ def test_resume_inside_the_warm_up_equals_the_uninterrupted_run(tmp_path, data_d
 def test_bad_seq_len_warmup_is_one_line(args):
     with pytest.raises(UserError, match=r"need seq_len_warmup_iters >= 0, and 1 <= seq_len_warmup_start < "
                                         r"block_size") as e:
-        train.parse_config(args)
+        loop.parse_config(train.TrainConfig, args)
     assert "\n" not in str(e.value)

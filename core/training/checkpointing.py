@@ -6,7 +6,7 @@ gathers every rank's RNG states. Unsharded, rank 0 writes ckpt.pt: first ckpt.pr
 of the current ckpt.pt, then ckpt.pt is replaced atomically, so at every instant both names hold
 complete checkpoints. Sharded (fsdp), every process writes its own shards into a temporary directory
 that rank 0 completes (rng.pt, then meta.json last) and renames into place, the current ckpt.dcp
-becoming ckpt.prev.dcp. A resume reads the optimizer and RNG states back (load_sharded, restore_rng).
+becoming ckpt.prev.dcp. A resume reads the optimizer and RNG states back (restore).
 """
 import json
 import os
@@ -110,6 +110,23 @@ def gather_rng(rt: Runtime) -> dict:
         dist.all_gather(parts, state.to(comm_device))
         gathered[key] = [p.cpu() for p in parts]
     return gathered
+
+
+def restore(resumed, model: torch.nn.Module, optimizer, scaler, rt: Runtime, log) -> tuple[int, float]:
+    """Load the optimizer, loss scaler and RNG states (and, for fsdp, the sharded weights) of the checkpoint
+    being resumed (resumed: core/weights/resolver.py's Weights, its state read from resumed.path); returns its
+    (iter_num, best_val_loss)."""
+    state = resumed.state
+    meta = state["meta"]
+    if state["model"] is None:  # fsdp: every rank reads its own shards
+        with optim.restoring(optimizer, meta["config"].get("optimizer", "adamw")):
+            state["rng"] = load_sharded(resumed.path, model, optimizer)
+    else:
+        optim.load_state(optimizer, state["optimizer"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    restore_rng(state["rng"], rt, log)
+    return meta["iter_num"], meta["best_val_loss"]
 
 
 def restore_rng(rng: dict | None, rt: Runtime, log) -> None:

@@ -62,7 +62,7 @@ def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
 
 
 def check_ranks_agree(cfg: TrainConfig, rt: Runtime) -> None:
-    """Every rank read out_dir on its own (train.parse_config) before the process group existed: one that
+    """Every rank read out_dir on its own (loop.parse_config) before the process group existed: one that
     resumes beside one that starts afresh would train different iterations and hang or diverge. They agree
     when out_dir is one shared directory, as a resume needs; nothing writes a checkpoint before this check."""
     resuming = resolver.kind_of(cfg.init_from) == "resume"

@@ -1,6 +1,7 @@
-"""train.py's configuration: the TrainConfig defaults, overridden by config files (Python files that
-assign names), overridden by --key=value (core/config.py). bench.py and scripts/compare_recipe.py
-read the same config files, so it lives here rather than in train.py.
+"""The training loops' configuration: RunConfig, the keys train.py and rl.py share (where a run writes, AdamW
+and its schedule's ends, where it runs), and TrainConfig, train.py's. Defaults, overridden by config files (Python
+files that assign names), overridden by --key=value (core/config.py). bench.py and scripts/compare_recipe.py read
+the same config files, so it lives here rather than in train.py.
 """
 import dataclasses
 import math
@@ -17,6 +18,60 @@ MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 RECIPE_KEYS = RECIPE_SWITCHES  # the modern recipe's switches (docs/recipe.md)
 # The keys a resumed run must share with its checkpoint: all but how the model runs (block_size may shrink).
 ARCHITECTURE_KEYS = tuple(k for k in MODEL_KEYS if k not in ("block_size", "dropout", "attn_backend"))
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """The keys of every training loop, with train.py's defaults: a loop's config extends it and declares again
+    only the keys whose default (or meaning) is its own."""
+    # I/O
+    init_from: str = "scratch"            # 'scratch', 'resume', 'auto' (resume if out_dir holds a checkpoint, else
+                                          # scratch), a base run's out_dir (its weights, a new run),
+                                          # a GPT-2 name, or a transformers folder (docs/interop.md)
+    out_dir: str = "out"                   # checkpoints, config.json and log.jsonl
+    overwrite: bool = False               # a new run may replace the checkpoint out_dir already holds
+    eval_interval: int = 2000              # estimate train and val loss (and save) every N iterations
+    log_interval: int = 1                  # print and log every N iterations
+    # AdamW
+    learning_rate: float = 6e-4            # AdamW's peak learning rate
+    max_iters: int = 600000                # iterations in all; a resumed run stops here too
+    weight_decay: float = 0.1              # AdamW's, on matrices and embeddings only
+    beta1: float = 0.9                     # AdamW's first-moment decay
+    beta2: float = 0.95                    # AdamW's second-moment decay
+    grad_clip: float = 1.0                 # 0 disables clipping
+    warmup_iters: int = 2000               # linear warmup from 0 over N iterations
+    min_lr: float = 6e-5                   # the learning rate at and after lr_decay_iters
+    # system
+    device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
+    dtype: str = "auto"                    # auto, float32, bfloat16, float16
+    threads: int = 0                       # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
+    seed: int = 1337                       # weights, dropout, batches and rl.py's replies all follow from it
+    dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
+
+    # Not keys: the keys that count (at least 1) and those never negative, a loop's own added; and whether
+    # init_from may be 'scratch' and 'auto' (rl.py starts from a chat run).
+    POSITIVE = ("eval_interval", "log_interval", "max_iters")
+    NOT_NEGATIVE = ("warmup_iters", "weight_decay", "grad_clip")
+    starts_from_scratch = True
+
+    def validate(self) -> None:
+        for key in self.POSITIVE:
+            if getattr(self, key) < 1:
+                raise UserError(f"config key '{key}' must be at least 1, got {getattr(self, key)}")
+        for key in self.NOT_NEGATIVE:
+            if getattr(self, key) < 0:
+                raise UserError(f"config key '{key}' must not be negative, got {getattr(self, key)}")
+        if not 0 < self.learning_rate < math.inf:
+            raise UserError(f"need 0 < learning_rate < inf, got {self.learning_rate}")
+        # min_lr is where the decay ends; train.py's decay_lr=False keeps the rate at learning_rate throughout.
+        if getattr(self, "decay_lr", True) and not 0 <= self.min_lr <= self.learning_rate:
+            raise UserError(f"need 0 <= min_lr <= learning_rate, got min_lr={self.min_lr}, "
+                            f"learning_rate={self.learning_rate}")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise UserError(f"need 0 <= beta1, beta2 < 1, got {self.beta1}, {self.beta2}")
+        if not self.dist_timeout_s > 0:
+            raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
+        resolver.check_init_from(self.init_from, scratch=self.starts_from_scratch)
 
 
 def _model_fields() -> list[tuple[str, type, dataclasses.Field]]:
@@ -37,20 +92,13 @@ ModelKeys = dataclasses.make_dataclass("ModelKeys", _model_fields())
 
 
 @dataclasses.dataclass
-class TrainConfig(ModelKeys):
+class TrainConfig(RunConfig, ModelKeys):  # its keys: ModelKeys', then RunConfig's, then these
     # I/O
-    out_dir: str = "out"                   # checkpoints, config.json and log.jsonl
-    eval_interval: int = 2000              # estimate train and val loss (and save) every N iterations
-    log_interval: int = 1                  # print and log the training loss every N iterations
     eval_iters: int = 200                  # batches per split in each eval
     eval_only: bool = False                # evaluate once and exit, saving nothing
     hellaswag_file: str | None = None     # also score HellaSwag at each eval (data/hellaswag/prepare.py)
     always_save_checkpoint: bool = True   # at each eval; False keeps only val-loss improvements
     checkpoint_interval: int = 0          # also save every N iterations (0: only at evals and the end)
-    init_from: str = "scratch"            # 'scratch', 'resume', 'auto' (resume if out_dir holds a checkpoint, else
-                                          # scratch), a base run's out_dir (its weights, a new run),
-                                          # a GPT-2 name, or a transformers folder (docs/interop.md)
-    overwrite: bool = False               # a new run may replace the checkpoint out_dir already holds
     # logging
     wandb_log: bool = False                # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "nanogpt"         # wandb's project
@@ -60,50 +108,36 @@ class TrainConfig(ModelKeys):
     gradient_accumulation_steps: int = 40  # global: across all processes together
     batch_size: int = 12                   # micro-batch per process
     loss_mask: bool = True                 # chat datasets: learn only the assistant's tokens; False: every token
-    # the model: every GPTConfig field (ModelKeys above), then the optimizer
+    # the optimizer (AdamW's keys are RunConfig's)
     optimizer: str = "adamw"               # adamw | muon (Muon for hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02                  # Muon's peak lr; learning_rate stays AdamW's, the schedule scales both
     muon_momentum: float = 0.95            # Muon's Nesterov momentum
     muon_weight_decay: float = 0.0         # Muon's decoupled weight decay
     muon_ns_steps: int = 5                 # Newton-Schulz iterations per Muon update (torch's default)
     muon_ns_coefficients: str = "quintic"  # quintic (torch's, one polynomial) | polar_express (one per step, <= 5)
-    # AdamW
-    learning_rate: float = 6e-4            # AdamW's peak learning rate
-    max_iters: int = 600000                # iterations in all; a resumed run stops here too
-    weight_decay: float = 0.1              # AdamW's, on matrices and embeddings only
-    beta1: float = 0.9                     # AdamW's first-moment decay
-    beta2: float = 0.95                    # AdamW's second-moment decay
-    grad_clip: float = 1.0                 # 0 disables clipping
     # learning-rate schedule: linear warmup, then down to min_lr at lr_decay_iters (core/training/optim.py lr_at)
     decay_lr: bool = True                  # False: learning_rate throughout, no warmup or decay
     lr_schedule: str = "cosine"            # cosine (nanoGPT) | wsd: the peak, then linear over the last cooldown_frac
     cooldown_frac: float = 0.2             # wsd only: the fraction of lr_decay_iters spent decaying
-    warmup_iters: int = 2000               # linear warmup from 0 over N iterations
     lr_decay_iters: int = 600000           # where the decay reaches min_lr (usually max_iters)
-    min_lr: float = 6e-5                   # the learning rate at and after lr_decay_iters
     # sequence-length warm-up (seq_len_at): short windows first, for cheaper early iterations
     seq_len_warmup_iters: int = 0          # grow the window to block_size over N iterations; 0: block_size throughout
     seq_len_warmup_start: int = 16         # the first window's length; the length grows in multiples of it
     # system
-    device: str = "auto"                   # auto, cpu, cuda, cuda:N, mps
-    dtype: str = "auto"                    # auto, float32, bfloat16, float16
-    threads: int = 0                       # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
     compile: bool | None = None            # None: on for CUDA, off elsewhere
-    seed: int = 1337                       # weights, dropout and batches all follow from it
-    dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
     parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/training/parallel.py)
     activation_checkpointing: bool = False  # recompute each Block in the backward pass: less memory, more compute
+
+    POSITIVE = RunConfig.POSITIVE + ("eval_iters", "gradient_accumulation_steps", "batch_size", "block_size",
+                                     "n_layer", "n_head", "n_embd", "lr_decay_iters")
+    NOT_NEGATIVE = RunConfig.NOT_NEGATIVE + ("checkpoint_interval",)
 
     def model_args(self) -> dict:
         """The GPTConfig fields this config sets; vocab_size comes from the dataset (or the checkpoint)."""
         return {k: getattr(self, k) for k in MODEL_KEYS if k != "vocab_size"}
 
     def validate(self) -> None:
-        positive = ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                    "block_size", "n_layer", "n_head", "n_embd", "max_iters", "lr_decay_iters")
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise UserError(f"config key '{key}' must be at least 1, got {getattr(self, key)}")
+        super().validate()
         if self.n_embd % self.n_head:
             raise UserError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
@@ -129,26 +163,12 @@ class TrainConfig(ModelKeys):
                             f"'{self.muon_ns_coefficients}'")
         if self.muon_ns_coefficients != "quintic":
             optim.ns_schedule(self.muon_ns_coefficients, self.muon_ns_steps)  # its steps are counted
-        if not 0 < self.learning_rate < math.inf:
-            raise UserError(f"need 0 < learning_rate < inf, got {self.learning_rate}")
-        # min_lr is where the cosine decay ends; with decay_lr=False the rate stays at learning_rate.
-        if self.decay_lr and not 0 <= self.min_lr <= self.learning_rate:
-            raise UserError(f"need 0 <= min_lr <= learning_rate with decay_lr=True, got min_lr={self.min_lr}, "
-                            f"learning_rate={self.learning_rate}")
         if self.seq_len_warmup_iters < 0 or (self.seq_len_warmup_iters
                                              and not 1 <= self.seq_len_warmup_start < self.block_size):
             raise UserError(f"need seq_len_warmup_iters >= 0, and 1 <= seq_len_warmup_start < block_size "
                             f"({self.block_size}) when it is on, got {self.seq_len_warmup_iters}, "
                             f"{self.seq_len_warmup_start}")
-        if self.warmup_iters < 0 or self.checkpoint_interval < 0:
-            raise UserError("warmup_iters and checkpoint_interval must not be negative")
-        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0) or self.weight_decay < 0:
-            raise UserError(f"need 0 <= beta1, beta2 < 1 and weight_decay >= 0, got {self.beta1}, {self.beta2}, "
-                            f"{self.weight_decay}")
         parallel.check_parallel(self.parallel, self.dtype)
-        if not self.dist_timeout_s > 0:
-            raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
-        resolver.check_init_from(self.init_from, scratch=True)
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:

@@ -132,7 +132,7 @@ def _checkpoint(kind: str, directory: Path, training: Training | None) -> Weight
     elif kind == "run":  # only the weights are taken, so whichever file the run holds
         path = checkpoint.find_checkpoint(directory)
         state = checkpoint.load_checkpoint(path)
-    elif training.sharded:  # the weights and optimizer load after sharding (train.restore_state)
+    elif training.sharded:  # the weights and optimizer load after sharding (checkpointing.restore)
         meta, path = checkpoint.load_latest_sharded(directory, log=training.log)
         state = {"meta": meta, "model": None}
     else:

@@ -1,0 +1,77 @@
+"""What train.py's and rl.py's loops share: the start-up around them and the optimizer step's tail.
+
+    def main(argv): loop.start(TrainConfig, argv, train)     # the config, the runtime, train(cfg, rt, stop)
+    stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
+"""
+import math
+
+import torch
+import torch.distributed as dist
+
+from core import config as configlib, runtime
+from core.errors import UserError, alike_on_every_rank
+from core.training import memory, run_dir
+from core.weights import resolver
+
+
+def start(cls: type, argv, train) -> None:
+    """A training script's main: its config (a RunConfig subclass, parse_config), the runtime, then
+    train(cfg, rt, stop); running out of memory is one line, and the runtime is torn down however it ends."""
+    # From the start: joining the process group, reading data and building the model can take minutes, and
+    # under torchrun the SIGTERM it sends when another process fails must not cut this one's error short.
+    stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
+    with alike_on_every_rank():
+        cfg = parse_config(cls, argv)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s, cfg.threads)
+    try:
+        train(cfg, rt, stop)
+    except RuntimeError as e:  # torch.OutOfMemoryError included
+        if not memory.is_out_of_memory(e):
+            raise
+        raise memory.out_of_memory_error(e, rt.device, f"(checkpoints already in {cfg.out_dir} are intact)") from None
+    finally:
+        runtime.teardown(rt)
+
+
+def parse_config(cls: type, argv):
+    """cls's defaults, then config files, then --key=value; with init_from=resume, the run's own
+    out_dir/config.json in place of the defaults, so `--init_from=resume --out_dir=RUN` is the whole command.
+    init_from=auto becomes resume when out_dir holds a checkpoint, else scratch (run_dir.auto_init_from).
+    Keys given still apply on top of it (max_iters, eval_interval, ...); those a checkpoint cannot take, such
+    as another n_layer, are refused when the checkpoint loads."""
+    cfg = configlib.parse_args(cls, argv, validate=False)
+    init_from = cfg.init_from
+    if init_from == "auto" and cls.starts_from_scratch:  # decided here, once: resume or scratch from now on
+        init_from = run_dir.auto_init_from(cfg.out_dir)
+        argv = [*argv, f"--init_from={init_from}"]
+    if resolver.kind_of(init_from) != "resume":
+        return configlib.parse_args(cls, argv)
+    return run_dir.resumed_config(cls, argv, cfg.out_dir)
+
+
+def optimizer_step(model, optimizer, scaler, loss_sum: torch.Tensor, cfg, rt: runtime.Runtime,
+                   stop: runtime.StopFlag, iter_num: int) -> bool:
+    """The step's tail, once every micro-step's backward is done: the non-finite guard, then clip the gradients
+    to cfg.grad_clip, step and zero them. loss_sum: this process's loss (a tensor on the device). Returns whether
+    a stop was asked for on any rank."""
+    # The guard: the step's one host sync, since it must see this loss before the update.
+    # The stop flags travel with it on a host-side group, so the device is not left waiting.
+    stop_requested, any_bad = rt.any_rank(stop.requested, not math.isfinite(loss_sum.item()))
+    if any_bad:
+        raise UserError(f"loss is {global_mean(loss_sum, rt)} at iter {iter_num}; stopped before the optimizer step, "
+                        f"the last checkpoint in {cfg.out_dir} is untouched. Lower learning_rate or check the data")
+    if cfg.grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return stop_requested
+
+
+def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:
+    """The mean of every rank's loss_sum (each already averaged over its micro-steps)."""
+    if rt.distributed:
+        loss_sum = loss_sum.clone()
+        dist.all_reduce(loss_sum)
+    return loss_sum.item() / rt.world_size
