@@ -194,3 +194,39 @@ def test_train_help_describes_every_commented_key_with_its_values():
             "scratch), a base run's out_dir (its weights, a new run), a GPT-2 name") in text
     described = [line for line in text.splitlines()[1:] if re.match(r"  --\w+=\S+  \([^)]*\)  \S", line)]
     assert len(described) >= len(dataclasses.fields(TrainConfig)) - 6, text  # n_layer, n_head, n_embd, dropout, ...
+
+
+# --- the keys train.py and rl.py share ----------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--max_iters=0"], "config key 'max_iters' must be at least 1, got 0"),
+    (["--grad_clip=-1"], "config key 'grad_clip' must not be negative, got -1.0"),
+    (["--learning_rate=1e999"], "need 0 < learning_rate < inf, got inf"),
+    (["--min_lr=1"], "need 0 <= min_lr <= learning_rate"),
+    (["--beta2=1"], "need 0 <= beta1, beta2 < 1"),
+    (["--dist_timeout_s=0"], "dist_timeout_s must be positive"),
+])
+def test_train_and_rl_check_their_shared_keys_alike(argv, fragment):
+    """RunConfig's keys are train.py's and rl.py's, each described in both --help; a bad value of one is the same
+    line in both."""
+    import re
+
+    import rl
+    from core.config import config_help, field_help
+    from core.training.train_config import RunConfig, TrainConfig
+
+    for cls in (TrainConfig, rl.RLConfig):
+        helps, text = field_help(cls), config_help(cls)
+        for f in dataclasses.fields(RunConfig):
+            assert helps.get(f.name) and f"  --{f.name}=" in text and helps[f.name] in text, (cls.__name__, f.name)
+        with pytest.raises(UserError, match=re.escape(fragment)):
+            parse_args(cls, argv)
+
+
+def test_rl_refuses_init_from_auto(tmp_path):
+    """init_from=auto (resume, else scratch) is train.py's: rl.py never starts from scratch."""
+    import rl
+    from core.training import loop
+
+    with pytest.raises(UserError, match="unknown init_from 'auto'; use resume"):
+        loop.parse_config(rl.RLConfig, ["--init_from=auto", f"--out_dir={tmp_path}"])
