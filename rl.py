@@ -45,8 +45,8 @@ from core.data.chat import ChatTemplate, reply_text, sample_replies
 from core.data.tokenizer import tokenizer_from_meta
 from core.errors import UserError, alike_on_every_rank, run_cli
 from core.training import checkpointing, loop, optim, parallel, run_dir
-from core.training.train_config import RunConfig
 from core.training.runlog import RunLog, format_duration
+from core.training.train_config import RunConfig
 from core.weights import resolver
 
 
