@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import bandwidth
+from benchmarks import bandwidth, markdown
 from benchmarks.common import at_least, num, spec_list
-from core import markdown, runtime
+from core import runtime
 from core.data.tokenizer import GPT2Tokenizer
 from core.decoding.decode import generate_stream, inference_model
 from core.errors import UserError

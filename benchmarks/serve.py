@@ -37,8 +37,9 @@ from typing import AsyncIterator
 
 import torch
 
+from benchmarks import markdown
 from benchmarks.common import ROOT, at_least, int_list, num, section_list
-from core import markdown, runtime
+from core import runtime
 from core.config import read_config_file
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
 from core.decoding.decode import inference_model, window_shift

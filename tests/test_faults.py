@@ -381,10 +381,10 @@ def test_a_signal_during_start_up_stops_before_training_and_writes_nothing(tmp_p
 def test_a_signal_during_eval_py_ends_it_at_the_next_batch(tmp_path, data_dir, monkeypatch):
     """eval.py: SIGINT after its second batch of windows ends the evaluation there, with one line, exit 130."""
     import eval as evallib
-    from core import evaluate
+    from core.evaluation import perplexity
 
     train_tiny(tmp_path, data_dir, max_iters=2)
-    real, batches = evaluate.token_losses, []
+    real, batches = perplexity.token_losses, []
 
     def count_then_signal(*args):
         batches.append(1)
