@@ -10,13 +10,17 @@
     python bench.py --sections=serve                   # serve.py streaming to 1, 4, 16, 64 clients vs in-process
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --sections=peers                   # ours, CTranslate2, llama.cpp: tokens/s per precision (docs/performance.md)
+    python bench.py --sections=levers --threads=1      # the CPU's batch-1 decode kernels side by side
+    python bench.py --sections=cuda_attention --device=cuda   # decoding and training with and without cuDNN's attention
+    python bench.py --sections=torchao --threads=1     # torchao's int8 beside ours (needs torchao)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
         --device=cuda --dtype=bfloat16                 # the same training model, flag by flag
 
 Each section is a module of benchmarks/ whose docstring says how it measures: its Settings (its flags),
-check(cfg), measure(cfg, rt) and table(result); a new one is that file and a line in SECTIONS. Every ratio
+check(cfg), measure(cfg, rt) and table(result), and unavailable(rt) where a device or package may be missing (the
+section is then one line); a new one is that file and a line in SECTIONS. Every ratio
 compares figures from the same run. The tables go to stdout in Markdown and, with the machine's description,
 to --out (JSON), rewritten after each section; a figure that runs out of device memory reads "OOM".
 """
@@ -34,7 +38,8 @@ from typing import Sequence
 
 import torch
 
-from benchmarks import attention, decode, loop, memory, muon, peers, prepare, rolling, serve, speedrun, train
+from benchmarks import (attention, cuda_attention, decode, levers, loop, memory, muon, peers, prepare, rolling, serve,
+                        speedrun, torchao, train)
 from benchmarks.common import at_least, merged_config, merged_presets, section_list, with_preset
 from core import runtime
 from core.config import parse_args, to_dict
@@ -43,7 +48,7 @@ from core.fileio import write_json
 
 SECTIONS = {"train": train, "loop": loop, "muon": muon, "attention": attention, "decode": decode,  # in run order
             "prepare": prepare, "rolling": rolling, "memory": memory, "serve": serve, "speedrun": speedrun,
-            "peers": peers}
+            "peers": peers, "levers": levers, "cuda_attention": cuda_attention, "torchao": torchao}
 
 
 @dataclasses.dataclass
@@ -127,12 +132,17 @@ def run(cfg, rt: runtime.Runtime) -> dict:
     print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
           f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
     for name, module in SECTIONS.items():
-        if name in section_list(cfg):
-            t0 = time.perf_counter()
-            result[name] = module.measure(cfg, rt)
-            result[name]["section_s"] = time.perf_counter() - t0
-            print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
-            write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
+        if name not in section_list(cfg):
+            continue
+        if why := getattr(module, "unavailable", lambda rt: None)(rt):  # a device or a package this machine lacks
+            result[name] = {"unavailable": why}
+            print(f"\n{name}: skipped, {why}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        result[name] = module.measure(cfg, rt)
+        result[name]["section_s"] = time.perf_counter() - t0
+        print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
+        write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
     return result
 
 
