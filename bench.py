@@ -10,9 +10,6 @@
     python bench.py --sections=serve                   # serve.py streaming to 1, 4, 16, 64 clients vs in-process
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --sections=peers                   # ours, CTranslate2, llama.cpp: tokens/s per precision (docs/performance.md)
-    python bench.py --sections=levers --threads=1      # the CPU's batch-1 decode kernels side by side
-    python bench.py --sections=cuda_attention --device=cuda   # decoding and training with and without cuDNN's attention
-    python bench.py --sections=torchao --threads=1     # torchao's int8 beside ours (needs torchao)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
@@ -40,7 +37,7 @@ import torch
 
 from benchmarks import (attention, cuda_attention, decode, levers, loop, memory, muon, peers, prepare, rolling, serve,
                         speedrun, torchao, train)
-from benchmarks.common import at_least, merged_config, merged_presets, section_list, with_preset
+from benchmarks.common import at_least, merged_config, merged_presets, spec_list, with_preset
 from core import runtime
 from core.config import parse_args, to_dict
 from core.errors import UserError, run_cli
@@ -73,7 +70,7 @@ PRESETS = merged_presets({"cpu": {}, "gpt2": dict(warmup=3, repeats=10, threads=
 def load_config(argv: Sequence[str]):
     """Defaults, then the preset, then config files and --key=value: what you pass beats the preset."""
     cfg = with_preset(parse_args(BenchConfig, argv), PRESETS, argv)  # parse_args checks every key and type
-    unknown = set(section_list(cfg)) - set(SECTIONS)
+    unknown = set(spec_list(cfg.sections)) - set(SECTIONS)
     if unknown:
         raise UserError(f"--sections: unknown {', '.join(sorted(unknown))}; use some of {','.join(SECTIONS)}")
     at_least(cfg, 0, "warmup", "threads")
@@ -110,7 +107,7 @@ def main(argv: Sequence[str]) -> dict:
     start = time.perf_counter()
     cfg = load_config(argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    for name in section_list(cfg):  # fail now, not after minutes of measuring (prepare: GPT-2's BPE file)
+    for name in spec_list(cfg.sections):  # fail now, not after minutes of measuring (prepare: GPT-2's BPE file)
         getattr(SECTIONS[name], "preflight", lambda cfg: None)(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or threads)
@@ -132,7 +129,7 @@ def run(cfg, rt: runtime.Runtime) -> dict:
     print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
           f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
     for name, module in SECTIONS.items():
-        if name not in section_list(cfg):
+        if name not in spec_list(cfg.sections):
             continue
         if why := getattr(module, "unavailable", lambda rt: None)(rt):  # a device or a package this machine lacks
             result[name] = {"unavailable": why}

@@ -73,15 +73,12 @@ class EvalConfig:
     def validate(self) -> None:
         if self.task not in EVALUATIONS and self.task not in tasklib.TASKS:
             raise UserError(f"task must be one of {', '.join((*EVALUATIONS, *tasklib.TASKS))}, got '{self.task}'")
-        for key in ("block_size", "stride", "batch_size"):
+        for key in ("block_size", "stride", "batch_size", "task_examples", "samples", "max_new_tokens"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise UserError(f"{key} must be at least 1, got {value}")
         if self.max_examples < 0:
             raise UserError(f"max_examples must be >= 0 (0: all), got {self.max_examples}")
-        for key in ("task_examples", "samples", "max_new_tokens"):
-            if getattr(self, key) < 1:
-                raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
         if not 0 <= self.temperature < float("inf") or (self.samples > 1 and self.temperature == 0):
             raise UserError(f"temperature must be >= 0, and > 0 for more than one sample (greedy replies are all "
                             f"alike), got {self.temperature} with samples={self.samples}")

@@ -10,11 +10,12 @@ forward and backward of 8 x 1024 tokens each way. The model carries no kernel ch
 kernel; the "without cuDNN" rows are what kernels.inference_attention gives a decoding model.
 """
 import contextlib
-import time
+import dataclasses
 
 import torch
 from torch.nn.attention import sdpa_kernel
 
+from benchmarks.common import median_time
 from core import kernels, runtime
 from core.decoding.decode import generate, keep_float32_head
 from model import GPT, GPTConfig
@@ -28,19 +29,11 @@ def unavailable(rt: runtime.Runtime) -> str | None:
     return None if rt.device_type == "cuda" else "needs a CUDA device (--device=cuda)"
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def measure(cfg, rt: runtime.Runtime) -> dict:
     torch.manual_seed(0)
     decoding = []
     for dtype in ("bfloat16", "float32"):
-        drt = runtime.Runtime(rt.device, "cuda", dtype)
+        drt = dataclasses.replace(rt, dtype=dtype)
         model = GPT(GPT2).to(drt.device, drt.ptdtype).eval()  # as inference_model decodes it, its kernels aside
         if dtype != "float32":
             keep_float32_head(model)
@@ -48,16 +41,16 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
             idx = torch.zeros(batch, 1, dtype=torch.long, device=drt.device)
             out = {}
             for way, ctx in WAYS.items():
-                passes = []
-                for _ in range(2):
-                    with ctx():
-                        passes.append(timed(lambda: out.__setitem__(way, generate(model, idx, 150, temperature=0))))
+                def run():
+                    out[way] = generate(model, idx, 150, temperature=0)
+                with ctx():
+                    first, second = (median_time(run, 0, 1, rt.synchronize) * 1000 / 150 for _ in range(2))
                 same = torch.equal(*out.values()) if len(out) == 2 else "-"
-                decoding.append({"dtype": dtype, "batch": batch, "way": way, "first_ms": passes[0] * 1000 / 150,
-                                 "second_ms": passes[1] * 1000 / 150, "same": same})
-    trt = runtime.Runtime(rt.device, "cuda", "bfloat16")
+                decoding.append({"dtype": dtype, "batch": batch, "way": way, "first_ms": first, "second_ms": second,
+                                 "same": same})
+    trt = dataclasses.replace(rt, dtype="bfloat16")
     model = GPT(GPT2).to(trt.device)
-    x = torch.randint(0, GPT2.vocab_size, (8, 1024), device=trt.device)
+    x = torch.randint(0, GPT2.vocab_size, (8, GPT2.block_size), device=trt.device)
 
     def step():
         with trt.autocast():
@@ -67,7 +60,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     training = {}
     for way, ctx in WAYS.items():
         with ctx():
-            training[way] = [timed(step) * 1000 for _ in range(4)][-1]  # after three warm-ups
+            training[way] = median_time(step, 3, 1, rt.synchronize) * 1000  # after three warm-ups
     return {"decoding": decoding, "training": training}
 
 

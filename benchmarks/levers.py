@@ -170,15 +170,15 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         for key, (model, on) in models.items():
             with kernels(*on):
                 profiles[key] = profile_table(model, context, cfg.levers_steps)
-    bw, rows = max(copies), []
+    rows = []
     for key, (model, _) in models.items():
         kv = bandwidth.kv_cache_bytes(config, context, model.transformer.wte.weight.element_size())
-        bound = bandwidth.bound_s(bandwidth.decode_weight_bytes(model), kv, bw)
         wall, cpu_s = (statistics.median(s[i] for s in steps[key]) for i in (0, 1))
-        rows.append({"variant": key, "step_ms": wall * 1e3, "step_cpu_ms": cpu_s * 1e3, "bound_ms": bound * 1e3})
+        rows.append({"variant": key, "step_ms": wall * 1e3, "step_cpu_ms": cpu_s * 1e3,
+                     "bound_ms": bandwidth.bound_s(bandwidth.decode_weight_bytes(model), kv, max(copies)) * 1e3})
     return {"shape": name, "context": context, "threads": torch.get_num_threads(), "rounds": cfg.levers_rounds,
-            "steps": cfg.levers_steps, "copy_best": bw, "copy_worst": min(copies), "compile_startup_s": startup,
-            "profiles": profiles, "rows": rows}
+            "steps": cfg.levers_steps, "copy_best": max(copies), "copy_worst": min(copies),
+            "compile_startup_s": startup, "profiles": profiles, "rows": rows}
 
 
 def table(r: dict) -> str:

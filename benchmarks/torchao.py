@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from benchmarks.common import at_least
 from core import runtime
 from core.decoding.decode import generate, inference_model
 from model import GPT, GPTConfig
@@ -26,10 +25,6 @@ class Settings:
 
 
 IN_DEFAULT_RUN = False  # only when --sections names it
-
-
-def check(cfg) -> None:
-    at_least(cfg, 1, "torchao_tokens")
 
 
 def unavailable(rt: runtime.Runtime) -> str | None:

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
 from benchmarks import markdown  # noqa: E402
+from benchmarks.common import at_least  # noqa: E402
 from core import config as configlib, kernels, runtime  # noqa: E402
 from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
@@ -84,9 +85,7 @@ class CompareConfig:
     def validate(self) -> None:
         if self.phase not in PHASES:
             raise UserError(f"phase must be one of {', '.join(PHASES)}, got '{self.phase}'")
-        for key in ("eval_every", "eval_batch", "timing_rounds", "timing_iters", "threads"):
-            if getattr(self, key) < 1:
-                raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
+        at_least(self, 1, "eval_every", "eval_batch", "timing_rounds", "timing_iters", "threads")
         variant_names(self)
 
 

@@ -263,6 +263,18 @@ def test_a_section_this_machine_cannot_run_is_one_line(tmp_path, capsys, monkeyp
     assert not {"levers", "cuda_attention", "torchao"} & set(bench.General().sections.split(","))
 
 
+def test_the_cuda_attention_section_runs_each_way_on_a_tiny_model(monkeypatch):
+    """Its plumbing on the CPU (on CUDA it is the same code at GPT-2 small's shape): a row per dtype, batch and way,
+    the same tokens both ways, and a training step each way."""
+    monkeypatch.setattr(cuda_attention, "GPT2", GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=160, vocab_size=64))
+    with one_thread():
+        r = cuda_attention.measure(None, runtime.setup("cpu", "float32"))
+    assert [(x["dtype"], x["batch"], x["way"]) for x in r["decoding"]] == [
+        (dtype, batch, way) for dtype in ("bfloat16", "float32") for batch in (1, 8) for way in cuda_attention.WAYS]
+    assert [x["same"] for x in r["decoding"]] == ["-", True] * 4
+    assert list(r["training"]) == list(cuda_attention.WAYS) and all(ms > 0 for ms in r["training"].values())
+
+
 def test_the_cuda_attention_and_torchao_tables():
     way = [{"dtype": "bfloat16", "batch": 8, "way": "torch's choice", "first_ms": 9.5, "second_ms": 7.25, "same": "-"},
            {"dtype": "bfloat16", "batch": 8, "way": "without cuDNN", "first_ms": 6.0, "second_ms": 6.125, "same": True}]
