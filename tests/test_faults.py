@@ -391,7 +391,7 @@ def test_a_signal_during_eval_py_ends_it_at_the_next_batch(tmp_path, data_dir, m
         if len(batches) == 2:
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args)
-    monkeypatch.setattr(evaluate, "token_losses", count_then_signal)
+    monkeypatch.setattr(perplexity, "token_losses", count_then_signal)
     result = run_main(evallib.main, [f"--out_dir={tmp_path}", "--device=cpu", "--batch_size=1", "--block_size=8"])
     assert result.returncode == 128 + signal.SIGINT, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "stopped by SIGINT during the evaluation; no result"
