@@ -16,7 +16,8 @@
         --device=cuda --dtype=bfloat16                 # the same training model, flag by flag
 
 Each section is a module of benchmarks/ whose docstring says how it measures: its Settings (its flags),
-check(cfg), measure(cfg, rt) and table(result); a new one is that file and a line in SECTIONS. Every ratio
+check(cfg), measure(cfg, rt) and table(result), and unavailable(rt) where a device or package may be missing (the
+section is then one line); a new one is that file and a line in SECTIONS. Every ratio
 compares figures from the same run. The tables go to stdout in Markdown and, with the machine's description,
 to --out (JSON), rewritten after each section; a figure that runs out of device memory reads "OOM".
 """
@@ -34,8 +35,9 @@ from typing import Sequence
 
 import torch
 
-from benchmarks import attention, decode, loop, memory, muon, peers, prepare, rolling, serve, speedrun, train
-from benchmarks.common import at_least, merged_config, merged_presets, section_list, with_preset
+from benchmarks import (attention, cuda_attention, decode, levers, loop, memory, muon, peers, prepare, rolling, serve,
+                        speedrun, torchao, train)
+from benchmarks.common import at_least, merged_config, merged_presets, spec_list, with_preset
 from core import runtime
 from core.config import parse_args, to_dict
 from core.errors import UserError, run_cli
@@ -43,7 +45,7 @@ from core.fileio import write_json
 
 SECTIONS = {"train": train, "loop": loop, "muon": muon, "attention": attention, "decode": decode,  # in run order
             "prepare": prepare, "rolling": rolling, "memory": memory, "serve": serve, "speedrun": speedrun,
-            "peers": peers}
+            "peers": peers, "levers": levers, "cuda_attention": cuda_attention, "torchao": torchao}
 
 
 @dataclasses.dataclass
@@ -68,7 +70,7 @@ PRESETS = merged_presets({"cpu": {}, "gpt2": dict(warmup=3, repeats=10, threads=
 def load_config(argv: Sequence[str]):
     """Defaults, then the preset, then config files and --key=value: what you pass beats the preset."""
     cfg = with_preset(parse_args(BenchConfig, argv), PRESETS, argv)  # parse_args checks every key and type
-    unknown = set(section_list(cfg)) - set(SECTIONS)
+    unknown = set(spec_list(cfg.sections)) - set(SECTIONS)
     if unknown:
         raise UserError(f"--sections: unknown {', '.join(sorted(unknown))}; use some of {','.join(SECTIONS)}")
     at_least(cfg, 0, "warmup", "threads")
@@ -105,7 +107,7 @@ def main(argv: Sequence[str]) -> dict:
     start = time.perf_counter()
     cfg = load_config(argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    for name in section_list(cfg):  # fail now, not after minutes of measuring (prepare: GPT-2's BPE file)
+    for name in spec_list(cfg.sections):  # fail now, not after minutes of measuring (prepare: GPT-2's BPE file)
         getattr(SECTIONS[name], "preflight", lambda cfg: None)(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or threads)
@@ -127,12 +129,17 @@ def run(cfg, rt: runtime.Runtime) -> dict:
     print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
           f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
     for name, module in SECTIONS.items():
-        if name in section_list(cfg):
-            t0 = time.perf_counter()
-            result[name] = module.measure(cfg, rt)
-            result[name]["section_s"] = time.perf_counter() - t0
-            print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
-            write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
+        if name not in spec_list(cfg.sections):
+            continue
+        if why := getattr(module, "unavailable", lambda rt: None)(rt):  # a device or a package this machine lacks
+            result[name] = {"unavailable": why}
+            print(f"\n{name}: skipped, {why}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        result[name] = module.measure(cfg, rt)
+        result[name]["section_s"] = time.perf_counter() - t0
+        print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
+        write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
     return result
 
 

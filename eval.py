@@ -9,7 +9,7 @@
     python eval.py --out_dir=out-rl-tasks-char --task=reverse --samples=8 --temperature=1   # pass@1 and pass@8
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
-Perplexity scores each token once, in a fixed order (core/evaluate.py explains the windows), so
+Perplexity scores each token once, in a fixed order (core/evaluation/perplexity.py explains the windows), so
 two runs evaluated on the same split and block_size compare directly. Bits per byte (the loss in bits
 over the UTF-8 bytes of the scored text) also compares models whose tokenizers differ, on the same text. On a chat dataset
 (data/chat/prepare.py) it scores the assistant's tokens only, each conversation read from its start.
@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from core import evaluate, runtime
+from core import runtime
 from core.config import parse_args
 from core.data import tasks as tasklib
 from core.data.chat import ChatTemplate
@@ -39,6 +39,9 @@ from core.data.tokenizer import check_same_tokenizer, token_bytes
 from core.decoding.decode import inference_model
 from core.decoding.quantize import check_quantize
 from core.errors import Stopped, UserError, run_cli
+from core.evaluation.answers import chat_accuracy, load_chat_file, task_scores
+from core.evaluation.hellaswag import evaluate_hellaswag, load_hellaswag, render_examples
+from core.evaluation.perplexity import evaluate_split
 from core.weights import resolver
 
 EVALUATIONS = ("perplexity", "hellaswag", "chat")  # and each task with a checker (core/data/tasks.py TASKS)
@@ -70,15 +73,12 @@ class EvalConfig:
     def validate(self) -> None:
         if self.task not in EVALUATIONS and self.task not in tasklib.TASKS:
             raise UserError(f"task must be one of {', '.join((*EVALUATIONS, *tasklib.TASKS))}, got '{self.task}'")
-        for key in ("block_size", "stride", "batch_size"):
+        for key in ("block_size", "stride", "batch_size", "task_examples", "samples", "max_new_tokens"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise UserError(f"{key} must be at least 1, got {value}")
         if self.max_examples < 0:
             raise UserError(f"max_examples must be >= 0 (0: all), got {self.max_examples}")
-        for key in ("task_examples", "samples", "max_new_tokens"):
-            if getattr(self, key) < 1:
-                raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
         if not 0 <= self.temperature < float("inf") or (self.samples > 1 and self.temperature == 0):
             raise UserError(f"temperature must be >= 0, and > 0 for more than one sample (greedy replies are all "
                             f"alike), got {self.temperature} with samples={self.samples}")
@@ -135,9 +135,9 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime.S
     if stride > block_size:
         raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens")
     progress = Progress("windows", rt.is_master)
-    r = evaluate.evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size,
-                                progress=progress, token_bytes=token_bytes(tok),
-                                stopped=lambda: rt.any_rank(stop.requested)[0])
+    r = evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size,
+                       progress=progress, token_bytes=token_bytes(tok),
+                       stopped=lambda: rt.any_rank(stop.requested)[0])
     progress.close()
     r = result_or_stop(r, stop)
     scored = "assistant tokens, each conversation from its start" if data.starts is not None else "tokens"
@@ -147,10 +147,10 @@ def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime.S
 
 
 def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime, examples, stop: runtime.StopFlag) -> str:
-    rendered = evaluate.render_examples(examples, tok, model.config.block_size)
+    rendered = render_examples(examples, tok, model.config.block_size)
     progress = Progress("examples", rt.is_master)
-    r = evaluate.evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size,
-                                    progress=progress, stopped=lambda: rt.any_rank(stop.requested)[0])
+    r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size,
+                           progress=progress, stopped=lambda: rt.any_rank(stop.requested)[0])
     progress.close()
     r = result_or_stop(r, stop)
     return (f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
@@ -162,7 +162,7 @@ def chat(cfg: EvalConfig, model, tok, conversations, stop: runtime.StopFlag) -> 
     if template is None:
         raise UserError("this model's tokenizer has no chat tokens (a base model): --task=chat needs a chat "
                         "fine-tune (docs/chat.md)")
-    r = result_or_stop(evaluate.chat_accuracy(model, template, conversations, stopped=lambda: stop.requested), stop)
+    r = result_or_stop(chat_accuracy(model, template, conversations, stopped=lambda: stop.requested), stop)
     return f"chat {cfg.chat_file}: exact-answer accuracy {r['accuracy']:.4f} ({r['correct']}/{r['examples']})"
 
 
@@ -174,9 +174,9 @@ def checked_task(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime
     tasklib.check_vocabulary([cfg.task], tok.encode, "this model's vocabulary")
     problems = tasklib.heldout_problems(cfg.task, cfg.task_examples)
     progress = Progress("problems", rt.is_master)
-    r = evaluate.task_scores(model, template, cfg.task, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens,
-                             cfg.seed, rt.device, rt.autocast, rt.rank, rt.world_size, progress,
-                             stopped=lambda: rt.any_rank(stop.requested)[0])
+    r = task_scores(model, template, cfg.task, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens,
+                    cfg.seed, rt.device, rt.autocast, rt.rank, rt.world_size, progress,
+                    stopped=lambda: rt.any_rank(stop.requested)[0])
     progress.close()
     r = result_or_stop(r, stop)
     if cfg.samples == 1 and cfg.temperature == 0:
@@ -194,9 +194,9 @@ def main(argv: Sequence[str]) -> str:
     try:
         check_quantize(cfg.quantize, device=rt.device)  # before the model loads
         # A missing or malformed file is found before the model is loaded.
-        examples = evaluate.load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
+        examples = load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
         if cfg.task == "chat":
-            examples = evaluate.load_chat_file(cfg.chat_file, cfg.max_examples)
+            examples = load_chat_file(cfg.chat_file, cfg.max_examples)
         stop.check("before the evaluation; no result")
         model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
         stop.check("before the evaluation; no result")

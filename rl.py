@@ -39,11 +39,13 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from core import config as configlib, evaluate, runtime
+from core import config as configlib, runtime
 from core.data import tasks as tasklib
-from core.data.chat import ChatTemplate, reply_text, sample_replies
+from core.data.chat import ChatTemplate
 from core.data.tokenizer import tokenizer_from_meta
+from core.decoding.replies import reply_text, sample_replies, sampler
 from core.errors import UserError, alike_on_every_rank, run_cli
+from core.evaluation.answers import task_scores
 from core.training import checkpointing, loop, optim, parallel, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import RunConfig
@@ -154,9 +156,9 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters:  # held-out exact match, greedy
             scores = {}
             for name in names:
-                r = evaluate.task_scores(raw_model, template, name, heldout[name], max_new_tokens=cfg.max_new_tokens,
-                                         device=rt.device, autocast=rt.autocast, rank=rt.rank,
-                                         world_size=rt.world_size, stopped=stopped)
+                r = task_scores(raw_model, template, name, heldout[name], max_new_tokens=cfg.max_new_tokens,
+                                device=rt.device, autocast=rt.autocast, rank=rt.rank,
+                                world_size=rt.world_size, stopped=stopped)
                 if r is None:
                     break
                 scores[f"heldout_{name}"] = r["mean"]
@@ -187,7 +189,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
                 replies = sample_replies(raw_model, template, prompt, cfg.samples_per_prompt,
                                          min(cfg.max_new_tokens, raw_model.config.block_size - len(prompt)),
                                          temperature=cfg.temperature, top_k=cfg.top_k,
-                                         generator=evaluate.sampler(cfg.seed, iter_num, j, device=rt.device))
+                                         generator=sampler(cfg.seed, iter_num, j, device=rt.device))
             rows += [(prompt, reply) for reply in replies]
             rewards.append([tasklib.TASKS[name].check(problem, reply_text(template, r)) for r in replies])
         rewards = torch.tensor(rewards, device=rt.device)  # (prompts, samples)

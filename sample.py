@@ -30,10 +30,11 @@ import torch
 
 from core import runtime
 from core.config import parse_args
-from core.data.chat import ChatTemplate, stream_reply
+from core.data.chat import ChatTemplate
 from core.data.tokenizer import StreamDecoder, Tokenizer, encode_prompt, read_prompt
 from core.decoding.decode import check_sampling_args, generate, generate_stream, inference_model, window_shift
 from core.decoding.quantize import check_quantize, quantized_note
+from core.decoding.replies import stream_reply
 from core.errors import UserError, run_cli
 from core.weights import resolver
 from model import GPT

@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from core import config as configlib, evaluate, runtime
+from core import config as configlib, runtime
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.data.tokenizer import check_extends, check_same_ids, tokenizer_from_meta, tokenizer_meta
 from core.errors import Stopped, UserError, alike_on_every_rank, run_cli
+from core.evaluation.hellaswag import hellaswag_scores, load_hellaswag, render_examples
 from core.training import checkpointing, flops, loop, optim, parallel, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
@@ -69,8 +70,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     stop.check(starting)
     # Then dropout masks of their own per rank (batches come from their own generators, never from this).
     torch.manual_seed(cfg.seed + rt.rank)
-    hellaswag = None if cfg.hellaswag_file is None else evaluate.render_examples(
-        evaluate.load_hellaswag(cfg.hellaswag_file), tokenizer_from_meta(tok_meta), model.config.block_size)
+    hellaswag = None if cfg.hellaswag_file is None else render_examples(
+        load_hellaswag(cfg.hellaswag_file), tokenizer_from_meta(tok_meta), model.config.block_size)
     model.to(rt.device)
     raw_model = model  # what is saved: never the compiled or DDP-wrapped module (fsdp shards it in place)
     compile = cfg.compile if cfg.compile is not None else rt.device_type == "cuda"
@@ -136,7 +137,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
         want_save = bool(cfg.checkpoint_interval) and iter_num % cfg.checkpoint_interval == 0
         if iter_num % cfg.eval_interval == 0 or cfg.eval_only:
             losses = estimate_loss(model, data, cfg, rt, stopped)
-            scores = None if losses is None else evaluate.hellaswag_scores(raw_model, hellaswag, rt, stopped)
+            scores = None if losses is None else hellaswag_scores(raw_model, hellaswag, rt, stopped)
             if scores is None:  # a signal during the eval: save the last completed step, unevaluated
                 if cfg.eval_only:
                     raise Stopped(stop.signal_name or "a signal to another process", "during the eval; no result")

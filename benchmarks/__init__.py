@@ -1,1 +1,7 @@
-"""bench.py's sections, one module each (bench.py's SECTIONS), and what they share (common.py, nanogpt.py, race.py)."""
+"""The sections of bench.py (its SECTIONS), one module each, and what they share.
+
+Sections: train.py, loop.py, muon.py, attention.py, decode.py, prepare.py, rolling.py, memory.py, serve.py,
+speedrun.py, peers.py, levers.py, cuda_attention.py, torchao.py. Shared: common.py (timing, peak memory, OOM, the
+settings' checks), nanogpt.py (nanoGPT's loop, the yardstick), race.py (runs raced to a target loss),
+bandwidth.py (the decode step's bytes and its bound), markdown.py (the tables).
+"""

@@ -14,8 +14,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks import markdown
 from benchmarks.common import OOM, at_least, cpu_peak_extra_bytes, cuda_peak_extra_bytes, int_list, mib, or_oom
-from core import markdown, runtime
+from core import runtime
 from core.errors import UserError
 from model import scaled_dot_product_attention
 

@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from core import markdown, runtime
+from benchmarks import markdown
+from core import runtime
 from core.cpu import PackedLinear
 from core.decoding.decode import inference_model
 from model import GPT, GPTConfig

@@ -150,10 +150,6 @@ def spec_list(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
-def section_list(cfg) -> list[str]:
-    return [s.strip() for s in cfg.sections.split(",") if s.strip()]
-
-
 def at_least(cfg, low: int, *keys: str) -> None:
     for key in keys:
         if getattr(cfg, key) < low:

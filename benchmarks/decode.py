@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from benchmarks import bandwidth
+from benchmarks import bandwidth, markdown
 from benchmarks.common import OOM, at_least, int_list, median_time, model_text, num, or_oom, spec_list
-from core import markdown, runtime
+from core import runtime
 from core.decoding.decode import generate_stream, inference_model, window_shift
 from core.errors import UserError
 from model import GPT, GPTConfig

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import nanogpt
+from benchmarks import markdown, nanogpt
 from benchmarks.common import ROOT, at_least, model_text, num
-from core import kernels, markdown, runtime
+from core import kernels, runtime
 from core.config import apply_overrides, read_config_file
 from core.errors import UserError
 from core.training.train_config import TrainConfig, local_accum_steps

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from benchmarks import train
+from benchmarks import markdown, train
 from benchmarks.common import cpu_peak_extra_bytes, cuda_peak_extra_bytes, median_time, mib, model_text, num
-from core import kernels, markdown, runtime
+from core import kernels, runtime
 from core.fileio import write_json
 from core.training import optim, parallel
 from core.training.memory import MemoryEstimate, estimate_training_memory, parameter_count

@@ -9,8 +9,9 @@ import dataclasses
 
 import torch
 
+from benchmarks import markdown
 from benchmarks.common import median_time, model_text, num, read_recipe, spec_list
-from core import markdown, runtime
+from core import runtime
 from core.training import optim
 from model import GPT, GPTConfig
 

@@ -9,7 +9,7 @@ tokens after the same peers_prompt_len-token prompt:
 - CTranslate2: its TransformersConverter at float32 and int8 (it has no int4 on a CPU), generate_batch;
   at batch 1 a 1-token run's time is taken off (the prefill); 16 streams are one call, prefill counted;
 - llama.cpp: node-llama-cpp's prebuilt CPU build (tools/llama-cpp/run.mjs), F32 and Q8_0 GGUFs from
-  scripts/convert_to_gguf.py (Q4_0: neither the converter nor node-llama-cpp quantizes to it); 16 streams
+  export.py --format=gguf (Q4_0: neither the converter nor node-llama-cpp quantizes to it); 16 streams
   are 16 sequences of one context, which llama.cpp decodes in one batch.
 Batch-1 rates count the tokens after the first over the time from the first to the last (the prefill
 apart); 16-stream rates are every stream's tokens together. Each row is measured at one thread and at
@@ -33,12 +33,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import bandwidth
+from benchmarks import bandwidth, markdown
 from benchmarks.common import at_least, num, spec_list
-from core import markdown, runtime
+from core import runtime
 from core.data.tokenizer import GPT2Tokenizer
 from core.decoding.decode import generate_stream, inference_model
 from core.errors import UserError
+from core.weights import gguf
 from core.weights.hf_export import export
 from model import GPT, GPTConfig
 
@@ -101,10 +102,7 @@ def missing(engine: str) -> str | None:
             return "node is not on PATH (node-llama-cpp needs Node.js)"
         if not (RUN_MJS.parent / "node_modules" / "node-llama-cpp").is_dir():
             return "node-llama-cpp is not installed: bash scripts/fetch_llama_cpp.sh"
-        sys.path.insert(0, str(ROOT / "scripts"))
-        import convert_to_gguf
-
-        if not (convert_to_gguf.converter_dir() / "convert_hf_to_gguf.py").is_file():
+        if not (gguf.converter_dir() / "convert_hf_to_gguf.py").is_file():
             return "llama.cpp's converter is not fetched: bash scripts/fetch_llama_converter.sh"
     return None
 
@@ -174,12 +172,12 @@ def prepare(engine: str, given: str, model: GPT, rt, hf_dir: Path, tmp: Path):
         out = tmp / f"ct2-{given or 'float32'}"
         ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(out), quantization=given, force=True)
         return out
-    gguf = tmp / f"model-{given}.gguf"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_to_gguf.py"), f"--hf_dir={hf_dir}",
-                             f"--gguf={gguf}", f"--outtype={given}"], capture_output=True, text=True, timeout=1800)
+    out = tmp / f"model-{given}.gguf"
+    result = subprocess.run([sys.executable, str(ROOT / "export.py"), "--format=gguf", f"--hf_dir={hf_dir}",
+                             f"--gguf={out}", f"--outtype={given}"], capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
-        raise UserError(f"convert_to_gguf.py --outtype={given} failed: {result.stderr.strip().splitlines()[-1:]}")
-    return gguf
+        raise UserError(f"export.py --format=gguf --outtype={given} failed: {result.stderr.strip().splitlines()[-1:]}")
+    return out
 
 
 def bound_tokens_per_s(model: GPT, matrix_bytes: float, context: int, bw: float) -> float:

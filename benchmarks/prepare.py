@@ -10,9 +10,9 @@ import io
 import tempfile
 from pathlib import Path
 
-from benchmarks import common
+from benchmarks import common, markdown
 from benchmarks.common import median_time, num
-from core import markdown, runtime
+from core import runtime
 from core.data.corpus import TextPrepareConfig, prepare_text_corpus
 from core.data.tokenizer import GPT2Tokenizer
 from core.errors import UserError

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from benchmarks import decode
+from benchmarks import decode, markdown
 from benchmarks.common import at_least, median_time, model_text, num
-from core import markdown, runtime
+from core import runtime
 from core.decoding.decode import generate_stream
 from model import GPT
 

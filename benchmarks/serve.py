@@ -37,8 +37,9 @@ from typing import AsyncIterator
 
 import torch
 
-from benchmarks.common import ROOT, at_least, int_list, num, section_list
-from core import markdown, runtime
+from benchmarks import markdown
+from benchmarks.common import ROOT, at_least, int_list, num, spec_list
+from core import runtime
 from core.config import read_config_file
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
 from core.decoding.decode import inference_model, window_shift
@@ -79,7 +80,7 @@ def check(cfg) -> None:
     check_quantize(cfg.serve_quantize)
     if cfg.serve_shape not in SHAPES:
         raise UserError(f"serve_shape must be one of {', '.join(SHAPES)}, got '{cfg.serve_shape}'")
-    if "serve" in section_list(cfg) and cfg.serve_prompt_len > model_config(cfg.serve_shape).block_size:
+    if "serve" in spec_list(cfg.sections) and cfg.serve_prompt_len > model_config(cfg.serve_shape).block_size:
         raise UserError(f"serve_prompt_len {cfg.serve_prompt_len} is longer than the {cfg.serve_shape} model's "
                         f"block_size {model_config(cfg.serve_shape).block_size}")
 

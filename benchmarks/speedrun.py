@@ -1,4 +1,4 @@
-"""Speedrun: training time to a target val loss (the whole val split, core.evaluate.evaluate_split).
+"""Speedrun: training time to a target val loss (the whole val split, core.evaluation.perplexity.evaluate_split).
 
 nanoGPT's model and plain loop (benchmarks/nanogpt.py; speedrun_base: GPT-2, its AdamW fused only on
 CUDA, its cosine schedule) against ours (speedrun_base + speedrun_ours: config/modern.py's model,
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import nanogpt
+from benchmarks import markdown, nanogpt
 from benchmarks.common import at_least, int_list, model_text, num, read_recipe, spec_list
 from benchmarks.race import Racer, race
-from core import kernels, markdown, runtime
+from core import kernels, runtime
 from core.config import to_dict
 from core.data.loader import TokenData, read_meta
 from core.errors import UserError
-from core.evaluate import evaluate_split
+from core.evaluation.perplexity import evaluate_split
 from core.fileio import write_json
 from core.training.train_config import TrainConfig, get_lr, make_optimizer, seq_len_at
 from model import GPT, GPTConfig

@@ -10,8 +10,9 @@ import time
 
 import torch
 
+from benchmarks import markdown
 from benchmarks.common import OOM, median_time, mib, model_text, num, or_oom
-from core import kernels, markdown, runtime
+from core import kernels, runtime
 from core.errors import UserError, first_line
 from core.training import flops, optim
 from model import GPT, GPTConfig

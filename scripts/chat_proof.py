@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repo importable
 
-from core import evaluate  # noqa: E402
 from core.data.chat import ChatTemplate  # noqa: E402
 from core.data.loader import read_meta  # noqa: E402
 from core.data.tokenizer import tokenizer_from_meta  # noqa: E402
+from core.evaluation.answers import chat_accuracy, load_chat_file  # noqa: E402
 from core.weights import checkpoint
 
 BASE = "out-shakespeare-char-cpu"
@@ -61,7 +61,7 @@ def base_accuracy() -> str:
     model = checkpoint.model_from_checkpoint(state)
     tok = tokenizer_from_meta(read_meta("data/chat"))
     model.grow_vocab(tok.vocab_size)
-    r = evaluate.chat_accuracy(model, ChatTemplate.for_tokenizer(tok), evaluate.load_chat_file(HELDOUT))
+    r = chat_accuracy(model, ChatTemplate.for_tokenizer(tok), load_chat_file(HELDOUT))
     return f"{r['accuracy']:.4f} ({r['correct']}/{r['examples']})"
 
 

@@ -19,7 +19,7 @@ already there is skipped, so several processes can split the list); "time" measu
 the variants interleaved round by round (a busy shared machine then slows them all alike);
 "report" writes results_dir/table.md and results_dir/val_loss.png from what exists. "all" runs the three.
 
-Evaluation: core.evaluate.evaluate_split, eval.py's whole-split loss: every token of the val split
+Evaluation: core.evaluation.perplexity.evaluate_split, eval.py's whole-split loss: every token of the val split
 is predicted once, in non-overlapping windows of block_size; the mean is over tokens.
 """
 import dataclasses
@@ -35,9 +35,12 @@ from typing import Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
-from core import config as configlib, evaluate, kernels, markdown, runtime  # noqa: E402
+from benchmarks import markdown  # noqa: E402
+from benchmarks.common import at_least  # noqa: E402
+from core import config as configlib, kernels, runtime  # noqa: E402
 from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
+from core.evaluation.perplexity import evaluate_split  # noqa: E402
 from core.fileio import write_json  # noqa: E402
 from core.training import optim
 from core.training.train_config import RECIPE_KEYS, TrainConfig, get_lr, make_optimizer  # noqa: E402
@@ -82,9 +85,7 @@ class CompareConfig:
     def validate(self) -> None:
         if self.phase not in PHASES:
             raise UserError(f"phase must be one of {', '.join(PHASES)}, got '{self.phase}'")
-        for key in ("eval_every", "eval_batch", "timing_rounds", "timing_iters", "threads"):
-            if getattr(self, key) < 1:
-                raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
+        at_least(self, 1, "eval_every", "eval_batch", "timing_rounds", "timing_iters", "threads")
         variant_names(self)
 
 
@@ -151,7 +152,7 @@ def train_variant(name: str, cfg: TrainConfig, cmp: CompareConfig, rt: runtime.R
     curve, train_s = [], 0.0
     for it in range(cfg.max_iters + 1):
         if it % cmp.eval_every == 0 or it == cfg.max_iters:
-            scored = evaluate.evaluate_split(model, val, batch_size=cmp.eval_batch, device=rt.device, autocast=rt.autocast)
+            scored = evaluate_split(model, val, batch_size=cmp.eval_batch, device=rt.device, autocast=rt.autocast)
             curve.append([it, scored.loss])
             print(f"{name}: iter {it}, val loss {curve[-1][1]:.4f} (whole split), {train_s:.0f}s training", flush=True)
         if it == cfg.max_iters:

@@ -179,6 +179,10 @@ IN_PROCESS_CASES = {
                                                                   "never loaded"]),
     "sample_negative_temperature": lambda w: (sample(w, "--temperature=-1"), ["temperature must be >= 0"]),
     "sample_not_our_checkpoint": lambda w: (sample(w, out="out_not_ours"), ["not a checkpoint written by this project"]),
+    "export_unknown_format": lambda w: (["export.py", "--hf_dir=hf", "--format=onnx"], ["format must be hf or gguf"]),
+    "export_gguf_without_its_file": lambda w: (["export.py", "--hf_dir=hf", "--format=gguf"], ["--gguf=FILE"]),
+    "export_gguf_flags_without_gguf": lambda w: (["export.py", "--hf_dir=hf", "--outtype=q8_0"],
+                                                 ["--gguf, --outtype and --converter_dir go with --format=gguf"]),
 }
 
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -208,11 +212,13 @@ def test_bad_input_is_one_clear_line(results, world, name):
 
 @pytest.mark.parametrize("name", list(IN_PROCESS_CASES))
 def test_bad_input_in_process_is_one_clear_line(world, name):
+    import export
     import sample
     import train as trainlib
 
     command, fragments = IN_PROCESS_CASES[name](world)
-    result = run_main({"train.py": trainlib.main, "sample.py": sample.main}[command[0]], command[1:])
+    result = run_main({"train.py": trainlib.main, "sample.py": sample.main, "export.py": export.main}[command[0]],
+                      command[1:])
     assert_user_error(result, *fragments)
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not world["marker"].exists()

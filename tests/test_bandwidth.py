@@ -82,12 +82,14 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
     assert "copy bandwidth 1.0 GB/s" in text and re.search(rf"\| +{f32['step_over_bound']:.2f}x \|", text)
 
 
-def test_decode_levers_script_prints_every_variant_and_restores_the_kernels(capsys):
-    """scripts/decode_levers.py at the quick start's shape, one round of one step: a row per variant (the
+def test_the_levers_section_prints_every_variant_and_restores_the_kernels(tmp_path, capsys):
+    """bench.py's levers section at the quick start's shape, one round of one step: a row per variant (the
     bf16 ones where bf16 is native), and model.py's kernel choice and the flash kernel are theirs again afterwards."""
-    from scripts import decode_levers
+    import bench
+
     kernel = cpu.one_row_kernels
-    decode_levers.main(["--shape=quickstart", "--rounds=1", "--steps=1"])
+    bench.main(["--sections=levers", "--device=cpu", "--threads=1", "--levers_shape=quickstart", "--levers_rounds=1",
+                "--levers_steps=1", f"--out={tmp_path / 'bench.json'}"])
     rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     bf16 = ["bf16 unpacked, oneDNN", "bf16 unpacked, torch's GEMV (oneDNN off)", "bf16 packed (as decoding now)",
             "bf16 packed, math backend for one query", "bf16 packed, head copy (vocab, C)", "bf16 packed, bf16 head"]

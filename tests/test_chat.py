@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from core import evaluate
+from core.evaluation import answers, perplexity
 from core.data.chat import ChatTemplate, with_chat_tokens
 from core.data.loader import TokenData, apply_loss_mask, batch_generator, read_meta
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, check_special_tokens, tokenizer_from_meta
@@ -305,7 +305,7 @@ def test_eval_scores_assistant_tokens_only_from_each_conversation_start(chat_dir
     data = TokenData(chat_dir, "val", 32)
     learned = int(np.fromfile(chat_dir / "val_mask.bin", dtype=np.uint8).sum())
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=read_meta(chat_dir)["vocab_size"]))
-    r = evaluate.evaluate_split(model, data, batch_size=4)
+    r = perplexity.evaluate_split(model, data, batch_size=4)
     assert r.tokens == learned == read_meta(chat_dir)["val_learned_tokens"]
 
 
@@ -344,7 +344,7 @@ def accuracy(ckpt_dir, held_out, grow_to=None) -> float:
     if grow_to is not None:  # the base model: its weights, the chat tokens added
         tok = tokenizer_from_meta(grow_to)
         model.grow_vocab(tok.vocab_size)
-    return evaluate.chat_accuracy(model, ChatTemplate.for_tokenizer(tok), held_out)["accuracy"]
+    return answers.chat_accuracy(model, ChatTemplate.for_tokenizer(tok), held_out)["accuracy"]
 
 
 def test_fine_tuning_learns_a_task_that_needs_the_prompt(sft_run):

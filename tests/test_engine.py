@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from core.serving.engine import (BatchEngine, EngineDied, EngineRequest, EngineSettings, PromptScores, ServerStopping,
                                  adjust_logits, engine_sampling, ragged_groups)
 from core.decoding.decode import Sampling, generate
-from core.evaluate import token_losses
+from core.evaluation.perplexity import token_losses
 from core.serving.process import EngineProcess
 from core.weights.resolver import load_model
 from model import GPT, GPTConfig

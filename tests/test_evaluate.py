@@ -1,4 +1,4 @@
-"""Whole-split perplexity and HellaSwag (core/evaluate.py, eval.py, train.py's hellaswag_file).
+"""Whole-split perplexity and HellaSwag (core/evaluation/, eval.py, train.py's hellaswag_file).
 
     python -m pytest tests/test_evaluate.py
 
@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 import eval as eval_script
-from core import evaluate
+from core.evaluation import hellaswag, perplexity
 from core.data.loader import TokenData
 from core.data.tokenizer import CharTokenizer
 from core.errors import UserError
@@ -69,7 +69,7 @@ def hf_token_loss(hf, context: list[int], target: int) -> float:
 @pytest.mark.parametrize("n,T,stride", [(10, 4, 4), (10, 4, 1), (11, 4, 3), (5, 4, 4), (4, 8, 8), (40, 8, 5)])
 def test_windows_score_every_token_once_with_enough_context(n, T, stride):
     scored = []
-    for begin, end, new in evaluate.split_windows(n, T, stride):
+    for begin, end, new in perplexity.split_windows(n, T, stride):
         assert 0 < end - begin <= T and 0 < new <= end - begin
         for j in range(end - new + 1, end + 1):  # target token j, predicted from tokens[begin:j]
             assert j - begin >= min(j, T - stride + 1)
@@ -86,7 +86,7 @@ def test_perplexity_equals_a_per_token_computation_in_transformers(run):
     tokens = torch.from_numpy(np.fromfile(data.paths[0], dtype=data.dtype).astype(np.int64))
     n = len(tokens)
     for stride in (T, 5, 1):
-        ours = evaluate.evaluate_split(model, data, stride=stride, batch_size=3)
+        ours = perplexity.evaluate_split(model, data, stride=stride, batch_size=3)
         losses = []
         for j in range(1, n):
             k = max(0, math.ceil((j - T) / stride))
@@ -99,7 +99,7 @@ def test_perplexity_equals_a_per_token_computation_in_transformers(run):
 
 def test_eval_command_reports_loss_perplexity_and_tokens(run):
     out_dir, data_dir, model, _, _ = run
-    expected = evaluate.evaluate_split(model, TokenData(data_dir, "val", 32), stride=8)
+    expected = perplexity.evaluate_split(model, TokenData(data_dir, "val", 32), stride=8)
     # float32 as `expected` is: --dtype=auto is bf16 autocast on a CPU with native bf16
     result = run_main(eval_script.main, [f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32", "--stride=8"])
     assert result.returncode == 0, result.stderr
@@ -147,7 +147,7 @@ def test_bits_per_byte_is_the_loss_in_bits_over_the_bytes_scored(tmp_path):
     train_tiny(tmp_path / "out", tmp_path / "data", max_iters=30, lr_decay_iters=30, eval_interval=30)
     model, tok, _ = load_model("resume", tmp_path / "out")
     data = TokenData(tmp_path / "data", "val", 32)
-    r = evaluate.evaluate_split(model, data, stride=16, token_bytes=token_bytes(tok))
+    r = perplexity.evaluate_split(model, data, stride=16, token_bytes=token_bytes(tok))
     ids = np.fromfile(tmp_path / "data" / "val.bin", dtype=np.uint16).tolist()
     assert tok.eot_token not in ids  # one document: nothing special to leave out
     scored_text = tok.decode(ids[1:])
@@ -204,10 +204,10 @@ def test_gpt2_weights_on_a_bpe_split(tmp_path):
 def test_hellaswag_scores_equal_transformers(run, tmp_path):
     """Summed and mean loss of each ending's tokens, after context + " " + ending, as GPT2LMHeadModel gives them."""
     _, _, model, tok, hf = run
-    examples = evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES + [LONG]))
+    examples = hellaswag.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES + [LONG]))
     right, right_norm = 0, 0
-    for ex, (tokens, mask, label) in zip(examples, evaluate.render_examples(examples, tok, 32)):
-        total, mean = evaluate.ending_losses(model, tokens, mask)
+    for ex, (tokens, mask, label) in zip(examples, hellaswag.render_examples(examples, tok, 32)):
+        total, mean = hellaswag.ending_losses(model, tokens, mask)
         ctx = tok.encode(ex.context)
         expected = []
         for i, ending in enumerate(ex.endings):
@@ -221,7 +221,7 @@ def test_hellaswag_scores_equal_transformers(run, tmp_path):
         right += min(range(4), key=lambda i: expected[i][0]) == label
         right_norm += min(range(4), key=lambda i: expected[i][1]) == label
     assert (right, right_norm) == (5, 6)  # the sum and the mean disagree on LONG
-    scores = evaluate.evaluate_hellaswag(model, evaluate.render_examples(examples, tok, 32))
+    scores = hellaswag.evaluate_hellaswag(model, hellaswag.render_examples(examples, tok, 32))
     assert scores == {"acc": 5 / 6, "acc_norm": 1.0, "examples": 6}
 
 
@@ -259,7 +259,7 @@ def test_bad_hellaswag_input_is_one_line(run, tmp_path):
                                           f"--hellaswag_file={tmp_path / 'none.jsonl'}"])
     assert_user_error(missing, "not found; run python data/hellaswag/prepare.py")
     with pytest.raises(UserError, match="line 1: an ending of 40 tokens leaves no context"):
-        evaluate.render_example(evaluate.HellaSwagExample(1, "the", ["a" * 39, "b", "c", "d"], 0),
+        hellaswag.render_example(hellaswag.HellaSwagExample(1, "the", ["a" * 39, "b", "c", "d"], 0),
                                 CharTokenizer.from_text(TEXT + "b"), 32)
 
 
@@ -270,7 +270,7 @@ def test_prepare_checks_every_line_and_writes_the_file(tmp_path):
     spec.loader.exec_module(prepare)
     source = write_hellaswag(tmp_path / "source.jsonl", EXAMPLES)
     out = prepare.main([f"--input={source}", f"--out_dir={tmp_path / 'out'}"])
-    assert out.read_bytes() == source.read_bytes() and len(evaluate.load_hellaswag(out)) == 5
+    assert out.read_bytes() == source.read_bytes() and len(hellaswag.load_hellaswag(out)) == 5
     broken = write_hellaswag(tmp_path / "broken.jsonl", EXAMPLES, extra_lines=['{"ctx": "x"'])
     assert_user_error(run_main(prepare.main, [f"--input={broken}", f"--out_dir={tmp_path / 'out2'}"]),
                       "broken.jsonl line 6 is not valid JSON")
@@ -293,17 +293,17 @@ def test_ranks_split_the_work_between_them(run, tmp_path, monkeypatch):
     """Each rank's share, summed as the all-reduce would, equals one process's figures (in-process: the
     collective is replaced by a no-op, and the sums are added here)."""
     _, data_dir, model, tok, _ = run
-    monkeypatch.setattr(evaluate.dist, "all_reduce", lambda t: None)
+    monkeypatch.setattr(perplexity.dist, "all_reduce", lambda t: None)
     data = TokenData(data_dir, "val", 16)
-    whole = evaluate.evaluate_split(model, data, stride=5, batch_size=2)
-    parts = [evaluate.evaluate_split(model, data, stride=5, batch_size=2, rank=r, world_size=3) for r in range(3)]
+    whole = perplexity.evaluate_split(model, data, stride=5, batch_size=2)
+    parts = [perplexity.evaluate_split(model, data, stride=5, batch_size=2, rank=r, world_size=3) for r in range(3)]
     assert sum(p.tokens for p in parts) == whole.tokens
     assert sum(p.loss * p.tokens for p in parts) == pytest.approx(whole.loss * whole.tokens, rel=1e-9)
-    rendered = evaluate.render_examples(evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)),
-                                        tok, 32)
+    rendered = hellaswag.render_examples(hellaswag.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES)),
+                                         tok, 32)
     swapped = [(t, m, (label + (i % 2)) % 4) for i, (t, m, label) in enumerate(rendered)]  # 3 right, 2 wrong
     model.train()  # as inside training: evaluating must hand it back in training mode
-    parts = [evaluate.evaluate_hellaswag(model, swapped, rank=r, world_size=2) for r in range(2)]
+    parts = [hellaswag.evaluate_hellaswag(model, swapped, rank=r, world_size=2) for r in range(2)]
     assert model.training
     model.eval()
     assert [p["examples"] for p in parts] == [3, 2]  # rank 1 scored a spare 3rd example and did not count it

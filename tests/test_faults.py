@@ -381,17 +381,17 @@ def test_a_signal_during_start_up_stops_before_training_and_writes_nothing(tmp_p
 def test_a_signal_during_eval_py_ends_it_at_the_next_batch(tmp_path, data_dir, monkeypatch):
     """eval.py: SIGINT after its second batch of windows ends the evaluation there, with one line, exit 130."""
     import eval as evallib
-    from core import evaluate
+    from core.evaluation import perplexity
 
     train_tiny(tmp_path, data_dir, max_iters=2)
-    real, batches = evaluate.token_losses, []
+    real, batches = perplexity.token_losses, []
 
     def count_then_signal(*args):
         batches.append(1)
         if len(batches) == 2:
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args)
-    monkeypatch.setattr(evaluate, "token_losses", count_then_signal)
+    monkeypatch.setattr(perplexity, "token_losses", count_then_signal)
     result = run_main(evallib.main, [f"--out_dir={tmp_path}", "--device=cpu", "--batch_size=1", "--block_size=8"])
     assert result.returncode == 128 + signal.SIGINT, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "stopped by SIGINT during the evaluation; no result"

@@ -9,7 +9,7 @@ folder with its own tokenizer) goes
 through the converter as it is; every tensor of the GGUF (gguf.GGUFReader) equals the folder's
 safetensors tensor it came from, in the layout llama.cpp computes with (GPT-2's Conv1D transposed,
 Llama's q and k rows reordered for llama.cpp's rotation of adjacent pairs). A BPE with Llama 3's
-split regex has a hash the converter does not know; scripts/convert_to_gguf.py names its
+split regex has a hash the converter does not know; export.py --format=gguf names its
 pre-tokenizer "llama-bpe", and the regex is checked against the one llama.cpp's C++ implements under
 that name. The converter is found in $LLAMA_CPP_CONVERTER_DIR or fetch_llama_converter.sh's cache;
 without it these tests skip, saying so.
@@ -27,15 +27,13 @@ import torch
 import export
 from core.data.tokenizer import GPT2Tokenizer, HFTokenizer
 from core.errors import UserError
+from core.weights.gguf import LLAMA3_SPLIT, converter_dir, pre_tokenizer_name
 from model import GPT, GPTConfig, llama3_frequencies
-from tests.helpers import REPO_ROOT, needs_transformers, use_gpt2_bpe
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import convert_to_gguf  # noqa: E402
+from tests.helpers import REPO_ROOT, make_gpt2_dataset, needs_transformers, run_script, train_tiny, use_gpt2_bpe
 
 needs_transformers()
 gguf = pytest.importorskip("gguf", reason="needs the gguf package (pip install gguf; requirements-dev.txt)")
-CONVERTER = convert_to_gguf.converter_dir()
+CONVERTER = converter_dir()
 if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
     pytest.skip(f"llama.cpp's converter is not at {CONVERTER}: run bash scripts/fetch_llama_converter.sh "
                 "(or set LLAMA_CPP_CONVERTER_DIR)", allow_module_level=True)
@@ -157,7 +155,7 @@ def llama3_bpe(vocab_size: int = 400) -> str:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(convert_to_gguf.LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
@@ -184,7 +182,7 @@ def test_a_llama3_regex_bpe_converts_as_llama_bpe(llama3_folder, tmp_path):
     path, tok = llama3_folder
     plain = run_converter(path, tmp_path / "plain.gguf")
     assert plain.returncode != 0 and "BPE pre-tokenizer was not recognized" in plain.stderr, plain.stderr[-2000:]
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "convert_to_gguf.py"), f"--hf_dir={path}",
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "export.py"), "--format=gguf", f"--hf_dir={path}",
                              f"--gguf={tmp_path / 'model.gguf'}"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     reader, tensors = read_gguf(tmp_path / "model.gguf")
@@ -202,13 +200,29 @@ def test_a_llama3_regex_bpe_converts_as_llama_bpe(llama3_folder, tmp_path):
     assert_tensors_match(tensors, expected_tensors(path, "LlamaForCausalLM", gguf.MODEL_ARCH.LLAMA), True)
 
 
+@pytest.mark.slow
+def test_export_py_writes_a_runs_folder_then_its_gguf(tmp_path):
+    """export.py --format=gguf with a new --hf_dir: the run is exported there first, then that folder converted."""
+    use_gpt2_bpe()
+    make_gpt2_dataset(tmp_path / "data", ["First Citizen: Before we proceed any further, hear me speak."] * 40)
+    train_tiny(tmp_path / "run", tmp_path / "data", max_iters=2)
+    hf_dir, out = tmp_path / "hf", tmp_path / "run.gguf"
+    result = run_script("export.py", f"--out_dir={tmp_path / 'run'}", f"--hf_dir={hf_dir}", "--format=gguf",
+                        f"--gguf={out}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == f"wrote {out} from {hf_dir}"
+    assert (hf_dir / "model.safetensors").is_file()
+    _, tensors = read_gguf(out)
+    assert_tensors_match(tensors, expected_tensors(hf_dir, "GPT2LMHeadModel", gguf.MODEL_ARCH.GPT2), True)
+
+
 def test_llama_bpe_is_the_regex_llama_cpp_implements():
     """llama.cpp's C++ names the tokenizer.json regex it reimplements for LLAMA_VOCAB_PRE_TYPE_LLAMA3 in a
     comment; that is LLAMA3_SPLIT, and "llama-bpe" is one of the names that selects it."""
     source = (CONVERTER / "src" / "llama-vocab.cpp").read_text()
     case = source[source.index("case LLAMA_VOCAB_PRE_TYPE_LLAMA3:"):]
     comment = re.search(r'original regex from tokenizer\.json\s*//"(.*)",\n', case).group(1)
-    assert comment.encode().decode("unicode_escape") == convert_to_gguf.LLAMA3_SPLIT
+    assert comment.encode().decode("unicode_escape") == LLAMA3_SPLIT
     selects = source[:source.index("pre_type = LLAMA_VOCAB_PRE_TYPE_LLAMA3;")]
     assert 'tokenizer_pre == "llama-bpe"' in selects[selects.rindex("} else if"):]
 
@@ -218,6 +232,6 @@ def test_another_split_regex_is_one_line(tmp_path):
         {"type": "Split", "pattern": {"Regex": r"\p{L}+|\s+"}, "behavior": "Isolated", "invert": False}]}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="no llama.cpp pre-tokenizer here is known to implement"):
-        convert_to_gguf.pre_tokenizer_name(tmp_path)
+        pre_tokenizer_name(tmp_path)
     (tmp_path / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": {"type": "ByteLevel"}}))
-    assert convert_to_gguf.pre_tokenizer_name(tmp_path) is None  # GPT-2's: the converter's hash knows it
+    assert pre_tokenizer_name(tmp_path) is None  # GPT-2's: the converter's hash knows it

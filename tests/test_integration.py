@@ -19,7 +19,8 @@ import torch
 import eval as eval_script
 import sample
 import train
-from core import evaluate, runtime
+from core import runtime
+from core.evaluation import hellaswag, perplexity
 from core.data.loader import TokenData
 from core.data.tokenizer import CharTokenizer
 from core.training import memory, run_dir
@@ -84,7 +85,7 @@ def test_every_rank_runs_as_many_eval_forwards(data_dir, tmp_path, monkeypatch, 
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
     data = {split: TokenData(data_dir, split, 32) for split in ("train", "val")}
     tok = CharTokenizer.from_text(TEXT)
-    rendered = evaluate.render_examples(evaluate.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl")), tok, 32)
+    rendered = hellaswag.render_examples(hellaswag.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl")), tok, 32)
     cfg = train.TrainConfig(eval_iters=5, batch_size=2, block_size=32)
     eval_forwards, hellaswag_forwards, split_forwards, examples, tokens = [], [], [], 0, 0
     for rank in range(world_size):
@@ -93,10 +94,10 @@ def test_every_rank_runs_as_many_eval_forwards(data_dir, tmp_path, monkeypatch, 
         train.estimate_loss(model, data, cfg, rt)
         eval_forwards.append(model.forwards)
         model.forwards = 0
-        examples += evaluate.evaluate_hellaswag(model, rendered, rank=rank, world_size=world_size)["examples"]
+        examples += hellaswag.evaluate_hellaswag(model, rendered, rank=rank, world_size=world_size)["examples"]
         hellaswag_forwards.append(model.forwards)
         model.forwards = 0
-        tokens += evaluate.evaluate_split(model, data["val"], batch_size=2, rank=rank, world_size=world_size).tokens
+        tokens += perplexity.evaluate_split(model, data["val"], batch_size=2, rank=rank, world_size=world_size).tokens
         split_forwards.append(model.forwards)
     assert len(set(eval_forwards)) == 1 and eval_forwards[0] >= 2 * 5 / world_size, eval_forwards
     assert len(set(hellaswag_forwards)) == 1 and hellaswag_forwards[0] >= 5 / world_size, hellaswag_forwards

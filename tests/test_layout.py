@@ -1,4 +1,4 @@
-"""The house's shape: imports run one way, so each room can be read without the ones above it.
+"""The house's shape: imports run one way, each script loads only what its job needs, and the maps match the rooms.
 
     python -m pytest tests/test_layout.py
 
@@ -6,10 +6,21 @@ Every module outside tests/ is parsed (nothing is imported or run) and each impo
 functions alike, is an arrow from the importing module to the imported one. The one circle allowed is
 model.py <-> core/weights/hf.py: hf builds GPTs, and GPT.from_pretrained, as nanoGPT's users know it, reaches
 back into hf from inside the method; model.py imports nothing of core/ at its top.
+
+Then each script is imported in a process of its own (importing does no work) and the project modules it loaded
+are checked against its job's rules (WINGS_NOT_LOADED). Last, the maps: each package's docstring names its rooms,
+and the README's Layout block every file it lists; a name outside parentheses is a room there, and the two lists
+must equal the files.
 """
 import ast
+import json
+import re
 import subprocess
 from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_many
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED_CIRCLES = [{"model", "core.weights.hf"}]
@@ -105,3 +116,173 @@ def test_the_walk_sees_imports_inside_functions_and_circles_through_them(tmp_pat
     assert imports_of(lazy, {"core.cpu": lazy}) == [("core.cpu", 4, False), ("core.cpu", 5, False)]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+# --- what each script loads -----------------------------------------------------------------------------------------
+
+SCRIPTS = ("train", "rl", "sample", "eval", "serve", "export", "plot", "bench")
+PREPARING = ("model", "core.decoding", "core.serving", "core.training")
+WINGS_NOT_LOADED = {  # entry -> the project modules (and the modules under them) it must not load
+    **{str(p.relative_to(ROOT)): PREPARING for p in sorted(ROOT.glob("data/*/prepare.py"))},
+    "data/chat/tasks.py": PREPARING,
+    "train.py": ("core.serving", "core.decoding"),
+    "rl.py": ("core.serving",),
+    "sample.py": ("core.serving", "core.training"),
+    "eval.py": ("core.serving", "core.training"),
+    "export.py": ("core.serving", "core.training", "core.decoding"),
+    "serve.py": ("core.training",),
+    "plot.py": ("model", "core.decoding", "core.serving", "core.training"),
+    "bench.py": (),
+    **{str(p.relative_to(ROOT)): () for p in sorted(ROOT.glob("scripts/*.py"))},
+}
+# In a fresh process: import the entry (as a module, not __main__), recording which module first imported each
+# module; print {project module: its importer}.
+LOADED = """
+import builtins, importlib.util, json, sys
+sys.path.insert(0, ".")
+importer, real = {}, builtins.__import__
+def tracing(name, globals=None, locals=None, fromlist=(), level=0):
+    before = set(sys.modules)
+    module = real(name, globals, locals, fromlist, level)
+    for new in set(sys.modules) - before:
+        importer.setdefault(new, (globals or {}).get("__name__", "?"))
+    return module
+builtins.__import__ = tracing
+spec = importlib.util.spec_from_file_location("__entry__", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print(json.dumps({m: i for m, i in importer.items() if m.split(".")[0] in sys.argv[2].split(",")}))
+"""
+
+
+def chain(module: str, importer: dict[str, str], entry: str) -> str:
+    """module <- what imported it <- ... <- the entry script."""
+    links = [module]
+    while links[-1] in importer and len(links) < 20:
+        links.append(importer[links[-1]])
+    return " <- ".join(links).replace("__entry__", entry)
+
+
+def offences(entry: str, importer: dict[str, str], forbidden: tuple[str, ...]) -> list[str]:
+    scripts = {name for name in importer if name.split(".")[0] in SCRIPTS + ("scripts",)}
+    return ([f"{entry} loads {chain(m, importer, entry)}: a script imports core/, model.py and benchmarks/, "
+             f"never another script" for m in sorted(scripts)]
+            + [f"{entry} loads {chain(m, importer, entry)}, which its job does not need"
+               for m in sorted(importer) if any(m == f or m.startswith(f + ".") for f in forbidden)])
+
+
+@pytest.mark.slow
+def test_each_script_loads_only_what_its_job_needs():
+    entries = [p for p in WINGS_NOT_LOADED if (ROOT / p).is_file()]
+    assert set(entries) >= {"train.py", "rl.py", "data/shakespeare_char/prepare.py", "data/chat/tasks.py"}
+    wanted = ",".join(("core", "model", "benchmarks", "scripts") + SCRIPTS)
+    results = run_many([["-c", LOADED, entry, wanted] for entry in entries], parallel=3, timeout=300)
+    problems = []
+    for entry, result in zip(entries, results):
+        assert result.returncode == 0 and result.stdout.strip(), f"importing {entry}: {result.stderr[-2000:]}"
+        problems += offences(entry, json.loads(result.stdout.strip().splitlines()[-1]), WINGS_NOT_LOADED[entry])
+    assert problems == [], "\n".join(problems)
+
+
+def test_an_offence_names_the_module_and_who_pulled_it_in():
+    importer = {"core": "core.data", "core.data": "__entry__", "core.data.chat": "__entry__",
+                "core.decoding": "core.data.chat", "core.decoding.decode": "core.data.chat", "train": "core.data.chat"}
+    assert offences("data/x/prepare.py", importer, PREPARING) == [
+        "data/x/prepare.py loads train <- core.data.chat <- data/x/prepare.py: a script imports core/, model.py and "
+        "benchmarks/, never another script",
+        "data/x/prepare.py loads core.decoding <- core.data.chat <- data/x/prepare.py, which its job does not need",
+        "data/x/prepare.py loads core.decoding.decode <- core.data.chat <- data/x/prepare.py, which its job does not "
+        "need"]
+
+
+# --- the maps: package docstrings and the README's Layout -----------------------------------------------------------
+
+ROOM = re.compile(r"(?<![\w./<>-])([\w-]+\.(?:py|sh|mjs|json|md|html)|\w+/)(?![\w/])")
+
+
+def named_rooms(text: str) -> set[str]:
+    """The file (name.py, name.sh, ...) and folder (name/) names in text, leaving out what stands in parentheses."""
+    depth, kept = 0, []
+    for ch in text:
+        depth += ch == "("
+        kept.append(ch if depth == 0 else " ")
+        depth -= ch == ")" and depth > 0
+    return set(ROOM.findall("".join(kept)))
+
+
+def real_rooms(folder: Path, files: set[Path]) -> set[str]:
+    """A package's modules (but __init__.py) and sub-packages, as name.py and name/."""
+    inside = {p.relative_to(folder).parts for p in files if folder in p.parents}
+    return ({parts[0] for parts in inside if len(parts) == 1 and parts[0] != "__init__.py"}
+            | {parts[0] + "/" for parts in inside if len(parts) > 1 and parts[1:] == ("__init__.py",)})
+
+
+def map_problems(where: str, named: set[str], real: set[str]) -> list[str]:
+    return ([f"{where} does not name {room}, which is there" for room in sorted(real - named)]
+            + [f"{where} names {room}, which is not there" for room in sorted(named - real)])
+
+
+def test_each_package_docstring_names_its_rooms():
+    files = set(project_modules().values())
+    packages = sorted(p.parent for p in files if p.name == "__init__.py")
+    assert {ROOT / "core", ROOT / "core" / "decoding", ROOT / "benchmarks"} <= set(packages)
+    problems = []
+    for package in packages:
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        rooms = doc.partition("\n\n")[2]  # the first paragraph is the package's title
+        problems += map_problems(f"{package.relative_to(ROOT)}/__init__.py's docstring", named_rooms(rooms),
+                                 real_rooms(package, files))
+    assert problems == [], "\n".join(problems)
+
+
+def layout_entries(readme: str) -> list[tuple[str, str]]:
+    """(path, its description) per line of the README's Layout block that opens with a path (indented 2 per level
+    below a folder); a description's wrapped lines are indented further."""
+    block = readme.split("## Layout", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    entries, folders = [], []
+    for number, line in enumerate(block.splitlines(), 1):
+        indent = len(line) - len(line.lstrip())
+        if indent >= 8 or not line.strip():
+            if entries:
+                entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+            continue
+        assert indent % 2 == 0 and indent // 2 <= len(folders), f"Layout line {number} is indented oddly: {line!r}"
+        token, _, description = line.strip().partition(" ")
+        folders = folders[:indent // 2]
+        path = "".join(folders) + token
+        if token.endswith("/"):
+            folders.append(token)
+        entries.append((path, description.strip()))
+    return entries
+
+
+def layout_problems(readme: str, files: set[Path]) -> list[str]:
+    listed = set()
+    for path, description in layout_entries(readme):
+        listed.add(path)
+        if path.endswith("/"):  # a folder's description may name files in it
+            listed |= {path + name for name in named_rooms(description)}
+    exists = {p for p in listed if any(ROOT.glob(re.sub(r"<\w+>", "*", p.rstrip("/"))))}
+    want = {str(p.relative_to(ROOT)) for p in files if p.name != "__init__.py"
+            and (p.parent == ROOT or p.relative_to(ROOT).parts[0] in ("core", "benchmarks", "scripts", "config"))}
+    return ([f"the README's Layout does not list {p}" for p in sorted(want - listed)]
+            + [f"the README's Layout lists {p}, which is not there" for p in sorted(listed - exists)])
+
+
+def test_the_readmes_layout_lists_the_files():
+    files = set(project_modules().values())
+    assert layout_problems((ROOT / "README.md").read_text(), files) == []
+
+
+def test_a_room_left_out_of_a_map_is_named(tmp_path):
+    """The checks themselves: a room missing from a docstring or from the Layout, and a named one that is gone."""
+    assert named_rooms("a.py (what b.py does), c/ and d.sh; e.g. f") == {"a.py", "c/", "d.sh"}
+    assert map_problems("x", {"a.py", "gone.py"}, {"a.py", "new.py"}) == ["x does not name new.py, which is there",
+                                                                         "x names gone.py, which is not there"]
+    files = set(project_modules().values())
+    readme = (ROOT / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.lstrip().startswith("replies.py "))
+    assert layout_problems(readme.replace(line + "\n", ""), files) == [
+        "the README's Layout does not list core/decoding/replies.py"]
+    assert layout_problems(readme.replace(line, line.replace("replies.py", "answers.py")), files) == [
+        "the README's Layout does not list core/decoding/replies.py",
+        "the README's Layout lists core/decoding/answers.py, which is not there"]

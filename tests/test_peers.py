@@ -9,7 +9,7 @@ A small model of each exported class is trained on tiny Shakespeare: GPT-2 with 
 text; then its q and k sharpened (attention far from uniform, so a wrong head order or rotation
 shows) and exported with export.py as a user would. CTranslate2's TransformersConverter converts the
 folder as it is, and ctranslate2.Generator's greedy ids equal ours over 32 tokens, its log-probabilities
-ours within CT2_TOL; its int8 conversion loads and decodes. convert_to_gguf.py writes an F32 GGUF and
+ours within CT2_TOL; its int8 conversion loads and decodes. export.py --format=gguf writes an F32 GGUF and
 tools/llama-cpp/run.mjs decodes it in llama.cpp (a float32 cache): llama.cpp's tokenizer reads the prompt
 into our ids, and the same two checks, within LLAMA_CPP_TOL. Without ctranslate2, node, the
 converter or the runtime, those tests skip, saying which.
@@ -17,7 +17,6 @@ converter or the runtime, those tests skip, saying which.
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ import export
 from core.data.tokenizer import train_bpe
 from core.decoding.decode import generate
 from core.weights import resolver
+from core.weights.gguf import converter_dir
 from tests.helpers import (REPO_ROOT, make_gpt2_dataset, needs_transformers, run_main, run_script, sharpen,
                            train_tiny, use_gpt2_bpe)
 
@@ -149,14 +149,11 @@ def test_ctranslate2_int8_loads_and_decodes(exported, tmp_path):
 # --- llama.cpp through node-llama-cpp -------------------------------------------------------------------------------
 
 def llama_cpp_ready() -> None:
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    import convert_to_gguf
-
     if shutil.which("node") is None:
         pytest.skip("needs node (Node.js) for llama.cpp's runtime (node-llama-cpp); not on PATH")
     if not RUNTIME.is_file():
         pytest.skip(f"llama.cpp's runtime is not at {RUNTIME.parent}: run bash scripts/fetch_llama_cpp.sh")
-    if not (convert_to_gguf.converter_dir() / "convert_hf_to_gguf.py").is_file():
+    if not (converter_dir() / "convert_hf_to_gguf.py").is_file():
         pytest.skip("llama.cpp's converter is not fetched: run bash scripts/fetch_llama_converter.sh")
 
 
@@ -171,7 +168,7 @@ def test_llama_cpp_runs_each_export_and_decodes_our_greedy_text(exported, tmp_pa
     llama_cpp_ready()
     name, hf_dir, model, prompt, ours, our_logits = exported
     gguf = tmp_path / "model-f32.gguf"
-    result = run_script("scripts/convert_to_gguf.py", f"--hf_dir={hf_dir}", f"--gguf={gguf}", timeout=300)
+    result = run_script("export.py", "--format=gguf", f"--hf_dir={hf_dir}", f"--gguf={gguf}", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     out = llama_cpp_run(gguf, f"--text={PROMPT}", "--logprobs", "--kv_cache=F32")
     assert out["prompt"] == prompt  # llama.cpp's tokenizer reads the text into our ids (no start token added)

@@ -23,9 +23,9 @@ from torch.nn import functional as F
 
 import eval as eval_script
 import rl
-from core import evaluate
 from core.data import tasks as tasklib
-from core.data.chat import ChatTemplate, reply_text, sample_replies
+from core.data.chat import ChatTemplate
+from core.decoding.replies import reply_text, sample_replies, sample_seed, sampler
 from core.training import optim
 from core.weights import checkpoint, resolver
 from tests.helpers import (REPO_ROOT, assert_user_error, make_char_dataset, make_chat_dataset, one_thread, records,
@@ -170,7 +170,7 @@ def test_the_step_is_the_policy_gradient_over_the_replies(chat_run, tmp_path, mo
         prompt = template.render_prompt(tasklib.messages(problem))
         replies = sample_replies(model, template, prompt, cfg.samples_per_prompt,
                                  min(cfg.max_new_tokens, model.config.block_size - len(prompt)),
-                                 temperature=cfg.temperature, generator=evaluate.sampler(cfg.seed, 0, j))
+                                 temperature=cfg.temperature, generator=sampler(cfg.seed, 0, j))
         rows += [(prompt, r) for r in replies]
         rewards.append([tasklib.TASKS[name].check(problem, reply_text(template, r)) for r in replies])
     assert 0 < sum(map(sum, rewards)) < len(rows), "the group rewards must differ for the test to mean anything"
@@ -394,7 +394,7 @@ def test_the_server_and_the_checker_give_eval_py_s_numbers(chat_run, tmp_path):
     template = ChatTemplate.for_tokenizer(tok)
     with one_thread():
         mine = [reply_text(template, sample_replies(model.eval(), template, template.render_prompt(tasklib.messages(p)),
-                                                    1, 32, temperature=1.0, generator=evaluate.sampler(0, i))[0])
+                                                    1, 32, temperature=1.0, generator=sampler(0, i))[0])
                 for i, p in enumerate(problems)]
     with running(tmp_path, f"--out_dir={chat_run / 'sft'}", "--model_name=tasks") as server:
         client = server.client()
@@ -404,7 +404,7 @@ def test_the_server_and_the_checker_give_eval_py_s_numbers(chat_run, tmp_path):
                                                   **kw).choices[0].message.content
 
         served_greedy = [ask(p, temperature=0) for p in problems]
-        served = [ask(p, temperature=1, seed=evaluate.sample_seed(0, i)) for i, p in enumerate(problems)]
+        served = [ask(p, temperature=1, seed=sample_seed(0, i)) for i, p in enumerate(problems)]
     assert sum(check(p, r) for p, r in zip(problems, served_greedy)) / n == greedy
     assert served == mine
     assert sum(check(p, r) for p, r in zip(problems, served)) / n == pytest.approx(sampled, abs=1e-4)

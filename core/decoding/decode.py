@@ -7,7 +7,7 @@
 Read in order: how a token is drawn (sample_next: temperature, top-k, top-p; the exponential race that lets rows
 of many generators share one call), the one check of those settings, the context window's rule past block_size
 (slide_window, window_shift), the loop itself, then the model as it decodes (inference_model). The server's
-engine (core/serving/engine.py), chat replies (core/data/chat.py), sample.py and the benchmarks all decode
+engine (core/serving/engine.py), chat replies (core/decoding/replies.py), sample.py and the benchmarks all decode
 through these.
 """
 from dataclasses import dataclass

@@ -6,9 +6,9 @@
     folder     a transformers folder (GPT-2, Llama, Qwen3, ...: core/weights/hf.py), with its tokenizer.json
     hub        a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), with GPT-2's BPE
 
-    w = weights.resolve("resume", "out-shakespeare-char")
-    w.model, w.tokenizer, w.source                             # on the CPU
-    model, tok, source = weights.load_model(init_from, out_dir)   # the same, as sample.py, eval.py, ... use it
+    w = resolver.resolve("resume", "out-shakespeare-char")
+    w.model, w.tokenizer, w.source                              # on the CPU
+    model, tok, source = resolver.load_model(init_from, out_dir)   # the same, as sample.py, eval.py, ... use it
 
 train.py passes a Training: resume then reads the newest intact checkpoint (ckpt.prev.pt when ckpt.pt
 is damaged) and, under fsdp, only its metadata; and Training.check sees the architecture and the

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 from core.config import parse_args  # noqa: E402
 from core.data.sources import script_out_dir  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
-from core.evaluate import parse_hellaswag  # noqa: E402
+from core.evaluation.hellaswag import parse_hellaswag  # noqa: E402
 from core.fileio import atomic_path  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"

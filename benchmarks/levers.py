@@ -1,12 +1,13 @@
 """The decode levers at batch 1, measured side by side: one shape's cached step (benchmarks/bandwidth.py's
 SHAPES) in float32 and in bfloat16 with the Blocks' matrices packed for oneDNN or not, each attention
 kernel, and with a bfloat16 head, alternated round by round in one process, so that a busy machine slows
-them all alike (docs/performance.md, "Decoding against the bandwidth bound").
+them all alike (docs/performance.md, "Decoding against the bandwidth bound"). The CPU's levers: on another
+device the section is skipped.
 
-    python scripts/decode_levers.py                           # GPT-2 small's shape, 5 rounds, one thread
-    python scripts/decode_levers.py --shape=quickstart --rounds=3 --threads=2
-    python scripts/decode_levers.py --compile                 # also torch.compile's float32 step (minutes)
-    python scripts/decode_levers.py --profile --rounds=1      # also each variant's ops (torch.profiler)
+    python bench.py --sections=levers --threads=1                       # GPT-2 small's shape, 5 rounds
+    python bench.py --sections=levers --levers_shape=quickstart --levers_rounds=3 --threads=2
+    python bench.py --sections=levers --threads=1 --levers_compile=True  # also torch.compile's float32 step (minutes)
+    python bench.py --sections=levers --threads=1 --levers_profile=True --levers_rounds=1  # also each variant's ops
 
 Variants: "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
 or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "math
@@ -19,32 +20,40 @@ native bfloat16 for the bf16 rows.
 import contextlib
 import dataclasses
 import statistics
-import sys
 import time
-from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
-from benchmarks import bandwidth  # noqa: E402
-from core import cpu, runtime  # noqa: E402
-from core.config import parse_args  # noqa: E402
-from core.decoding.decode import inference_model, keep_float32_head  # noqa: E402
-from core.errors import UserError, run_cli  # noqa: E402
-from model import GPT  # noqa: E402
+from benchmarks import bandwidth
+from benchmarks.common import at_least
+from core import cpu, runtime
+from core.decoding.decode import inference_model, keep_float32_head
+from core.errors import UserError
+from model import GPT
 
 
 @dataclasses.dataclass
-class LeverConfig:
-    shape: str = "gpt2"      # one of benchmarks/bandwidth.py's SHAPES
-    rounds: int = 5          # each round: one copy, then every variant's median of `steps` cached steps
-    steps: int = 20
-    threads: int = 1
-    compile: bool = False    # also a compiled float32 model: its first calls (the start-up) and its step
-    profile: bool = False    # also each variant's ops over `steps` cached steps: torch.profiler's self CPU time
+class Settings:
+    levers_shape: str = "gpt2"      # one of benchmarks/bandwidth.py's SHAPES
+    levers_rounds: int = 5          # each round: one copy, then every variant's median of levers_steps cached steps
+    levers_steps: int = 20
+    levers_compile: bool = False    # also a compiled float32 model: its first calls (the start-up) and its step
+    levers_profile: bool = False    # also each variant's ops over levers_steps cached steps (torch.profiler)
+
+
+IN_DEFAULT_RUN = False  # minutes at GPT-2 small's shape: only when --sections names it
+
+
+def check(cfg) -> None:
+    if cfg.levers_shape not in bandwidth.SHAPES:
+        raise UserError(f"levers_shape: unknown '{cfg.levers_shape}'; use one of {', '.join(bandwidth.SHAPES)}")
+    at_least(cfg, 1, "levers_rounds", "levers_steps")
+
+
+def unavailable(rt: runtime.Runtime) -> str | None:
+    return None if rt.device_type == "cpu" else "the decode levers are the CPU's: run it with --device=cpu"
 
 
 def with_bf16_head(model: GPT) -> GPT:
@@ -146,37 +155,41 @@ def profile_table(model: GPT, context: int, steps: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str]) -> None:
-    cfg = parse_args(LeverConfig, argv)
-    if cfg.shape not in bandwidth.SHAPES:
-        raise UserError(f"unknown shape '{cfg.shape}'; use one of {', '.join(bandwidth.SHAPES)}")
-    torch.set_num_threads(cfg.threads)
-    name, config, context = bandwidth.SHAPES[cfg.shape]
-    models = variants(config, cfg.compile)
-    if cfg.compile:
-        print("compiled start-up, s per first step at 3 positions:",
-              [round(t, 1) for t in compile_startup(models["float32 compiled"][0], context)])
+def measure(cfg, rt: runtime.Runtime) -> dict:
+    name, config, context = bandwidth.SHAPES[cfg.levers_shape]
+    models = variants(config, cfg.levers_compile)
+    startup = compile_startup(models["float32 compiled"][0], context) if cfg.levers_compile else None
     steps, copies = {k: [] for k in models}, []
-    for _ in range(cfg.rounds):
+    for _ in range(cfg.levers_rounds):
         copies.append(bandwidth.copy_bandwidth(repeats=5))
         for key, (model, on) in models.items():
             with kernels(*on):
-                steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.steps))
-    if cfg.profile:
+                steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.levers_steps))
+    profiles = {}
+    if cfg.levers_profile:
         for key, (model, on) in models.items():
             with kernels(*on):
-                print(f"\n{key}: the ops of {cfg.steps} cached steps\n\n{profile_table(model, context, cfg.steps)}")
-    bw = max(copies)
-    print(f"{name}, context {context}, {cfg.threads} thread(s), {cfg.rounds} rounds; copy {bw / 1e9:.1f} GB/s at best, "
-          f"{min(copies) / 1e9:.1f} at worst\n")
-    print("| variant | step ms | step CPU ms | bound ms | step / bound |\n|---|---:|---:|---:|---:|")
+                profiles[key] = profile_table(model, context, cfg.levers_steps)
+    rows = []
     for key, (model, _) in models.items():
-        itemsize = model.transformer.wte.weight.element_size()
-        kv = bandwidth.kv_cache_bytes(config, context, itemsize)
-        bound = bandwidth.bound_s(bandwidth.decode_weight_bytes(model), kv, bw)
-        wall, cpu = (statistics.median(s[i] for s in steps[key]) for i in (0, 1))
-        print(f"| {key} | {wall * 1e3:.2f} | {cpu * 1e3:.2f} | {bound * 1e3:.2f} | {wall / bound:.2f}x |")
+        kv = bandwidth.kv_cache_bytes(config, context, model.transformer.wte.weight.element_size())
+        wall, cpu_s = (statistics.median(s[i] for s in steps[key]) for i in (0, 1))
+        rows.append({"variant": key, "step_ms": wall * 1e3, "step_cpu_ms": cpu_s * 1e3,
+                     "bound_ms": bandwidth.bound_s(bandwidth.decode_weight_bytes(model), kv, max(copies)) * 1e3})
+    return {"shape": name, "context": context, "threads": torch.get_num_threads(), "rounds": cfg.levers_rounds,
+            "steps": cfg.levers_steps, "copy_best": max(copies), "copy_worst": min(copies),
+            "compile_startup_s": startup, "profiles": profiles, "rows": rows}
 
 
-if __name__ == "__main__":
-    run_cli(main)
+def table(r: dict) -> str:
+    lines = []
+    if r["compile_startup_s"]:
+        lines.append("compiled start-up, s per first step at 3 positions: "
+                     f"{[round(t, 1) for t in r['compile_startup_s']]}")
+    lines += [f"\n{key}: the ops of {r['steps']} cached steps\n\n{text}" for key, text in r["profiles"].items()]
+    lines += [f"{r['shape']}, context {r['context']}, {r['threads']} thread(s), {r['rounds']} rounds; copy "
+              f"{r['copy_best'] / 1e9:.1f} GB/s at best, {r['copy_worst'] / 1e9:.1f} at worst\n",
+              "| variant | step ms | step CPU ms | bound ms | step / bound |\n|---|---:|---:|---:|---:|"]
+    lines += [f"| {x['variant']} | {x['step_ms']:.2f} | {x['step_cpu_ms']:.2f} | {x['bound_ms']:.2f} | "
+              f"{x['step_ms'] / x['bound_ms']:.2f}x |" for x in r["rows"]]
+    return "\n".join(lines)

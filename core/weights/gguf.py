@@ -1,8 +1,5 @@
-"""An exported folder as a GGUF file for llama.cpp, through llama.cpp's own converter.
-
-    bash scripts/fetch_llama_converter.sh                                     # once: the converter, unpacked
-    python scripts/convert_to_gguf.py --hf_dir=hf-modern --gguf=modern-f32.gguf
-    python scripts/convert_to_gguf.py --hf_dir=hf-bpe --gguf=bpe.gguf --outtype=bf16
+"""An exported folder as a GGUF file for llama.cpp, through llama.cpp's own converter (export.py --format=gguf;
+bash scripts/fetch_llama_converter.sh unpacks the converter once).
 
 llama.cpp's convert_hf_to_gguf.py names a byte-level BPE's pre-tokenizer (its split regex, which
 llama.cpp reimplements in C++) by hashing the ids the tokenizer gives one probe string. That knows
@@ -12,18 +9,13 @@ the tokenizer.json's: where that is Llama 3's, this names the pre-tokenizer "lla
 name for exactly that regex) in place of the hash lookup; the converter writes everything else
 (tokens, merges, token types, special ids, tensors) as for any folder. Any other regex is refused.
 """
-import dataclasses
 import json
 import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: the repository's core/
-
-from core.config import parse_args  # noqa: E402
-from core.errors import UserError, run_cli  # noqa: E402
+from core.errors import UserError
 
 CONVERTER_VERSION = "0.3.36"  # llama-cpp-python's source package, as scripts/fetch_llama_converter.sh fetches it
 # Llama 3's split regex as its tokenizer.json spells it; llama.cpp's pre-tokenizer "llama-bpe"
@@ -31,20 +23,6 @@ CONVERTER_VERSION = "0.3.36"  # llama-cpp-python's source package, as scripts/fe
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe"}
-
-
-@dataclasses.dataclass
-class GGUFConfig:
-    hf_dir: str = ""            # an exported folder (export.py) or any folder the converter reads
-    gguf: str = ""              # the GGUF file to write
-    outtype: str = "f32"        # the converter's --outtype: f32, f16, bf16, q8_0, auto
-    converter_dir: str = ""     # the unpack; "": $LLAMA_CPP_CONVERTER_DIR, else fetch_llama_converter.sh's cache
-
-    def validate(self) -> None:
-        if not self.hf_dir or not self.gguf:
-            raise UserError("pass --hf_dir=DIR (the exported folder) and --gguf=FILE (the GGUF to write)")
-        if not (Path(self.hf_dir) / "config.json").is_file():
-            raise UserError(f"{self.hf_dir} has no config.json; pass a folder written by export.py")
 
 
 def converter_dir(given: str = "") -> Path:
@@ -90,8 +68,9 @@ def without_bos() -> None:
     gguf.SpecialVocab.add_to_gguf = add
 
 
-def convert(hf_dir: Path, gguf: Path, outtype: str, converter: Path) -> None:
-    """Run convert_hf_to_gguf.py in this process, with the pre-tokenizer named where the folder's regex is known."""
+def convert(hf_dir: Path, out: Path, outtype: str, converter: Path) -> None:
+    """hf_dir -> the GGUF file out: convert_hf_to_gguf.py run in this process, with the pre-tokenizer named where
+    the folder's regex is known."""
     script = converter / "convert_hf_to_gguf.py"
     if not script.is_file():
         raise UserError(f"llama.cpp's converter is not at {converter}; run bash scripts/fetch_llama_converter.sh "
@@ -104,19 +83,7 @@ def convert(hf_dir: Path, gguf: Path, outtype: str, converter: Path) -> None:
         base.TextModel.get_vocab_base_pre = lambda self, tokenizer: name
     if json.loads((hf_dir / "config.json").read_text()).get("bos_token_id") is None:
         without_bos()
-    sys.argv = [str(script), str(hf_dir), "--outfile", str(gguf), "--outtype", outtype]
+    sys.argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype]
     runpy.run_path(str(script), run_name="__main__")
-
-
-def main(argv: Sequence[str]) -> str:
-    cfg = parse_args(GGUFConfig, argv)  # validates
-    convert(Path(cfg.hf_dir), Path(cfg.gguf), cfg.outtype, converter_dir(cfg.converter_dir))
-    if not Path(cfg.gguf).is_file():
-        raise UserError(f"llama.cpp's converter wrote no {cfg.gguf}; its messages above say why")
-    line = f"wrote {cfg.gguf} from {cfg.hf_dir}"
-    print(line, file=sys.stderr)
-    return line
-
-
-if __name__ == "__main__":
-    run_cli(main)
+    if not out.is_file():
+        raise UserError(f"llama.cpp's converter wrote no {out}; its messages above say why")

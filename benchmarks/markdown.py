@@ -1,4 +1,4 @@
-"""Markdown tables for reports (bench.py, scripts/compare_recipe.py): columns padded so that the
+"""Markdown tables for reports (bench.py's sections, scripts/compare_recipe.py): columns padded so that the
 table also lines up in a terminal."""
 from typing import Sequence
 

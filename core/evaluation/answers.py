@@ -1,0 +1,97 @@
+"""A chat model's answers scored: exact match on held-out conversations, and a checked task's (core/data/tasks.py)
+exact match and pass@k on its held-out problems.
+"""
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from core.data.tasks import TASKS, messages
+from core.decoding.replies import reply, reply_text, sample_replies, sampler
+from core.errors import UserError
+
+
+def load_chat_file(path: str | Path, limit: int = 0) -> list[list[dict]]:
+    """The conversations of a JSONL file ({"messages": [...]} per line), each ending with the expected answer."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"chat file {path} not found (data/chat/tasks.py writes tasks_heldout.jsonl)")
+    convs = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{path}:{number}: expected a JSON object with a \"messages\" list") from None
+        if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
+            raise UserError(f"{path}:{number}: the last message must be the expected assistant answer")
+        convs.append(messages)
+        if limit and len(convs) == limit:
+            break
+    if not convs:
+        raise UserError(f"no conversations in {path}")
+    return convs
+
+
+@torch.no_grad()
+def chat_accuracy(model, template, conversations: list[list[dict]], max_new_tokens: int = 64,
+                  stopped=None) -> dict | None:
+    """The fraction of conversations whose last assistant turn the model reproduces exactly, greedily,
+    from the messages before it; None if stopped(), called before each conversation, says so."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for conv in conversations:
+        if stopped is not None and stopped():
+            model.train(was_training)
+            return None
+        answer = conv[-1]["content"]
+        # A reply longer than the answer is wrong whatever follows: decoding stops one token past the answer.
+        n = min(max_new_tokens, len(template.tok.encode(answer)) + 1)
+        correct += reply(model, template, conv[:-1], n, temperature=0.0) == answer
+    model.train(was_training)
+    return {"accuracy": correct / len(conversations), "correct": correct, "examples": len(conversations)}
+
+
+@torch.no_grad()
+def task_scores(model, template, name: str, problems: list, samples: int = 1, temperature: float = 0.0,
+                max_new_tokens: int = 32, seed: int = 0, device="cpu", autocast=None, rank: int = 0,
+                world_size: int = 1, progress=None, stopped=None) -> dict | None:
+    """Each problem's replies scored by task `name`'s checker: one greedy reply (temperature 0), or `samples`
+    replies at a temperature, drawn in one batched generate per problem (replies.sample_replies, as rl.py samples).
+
+    Returns {"mean": the mean reward over every reply (exact-match accuracy, or pass@1, for a 0/1 checker),
+    "pass@k": the fraction of problems with an accepted reply (reward 1) among their k = samples replies,
+    "examples", "samples"}; None if stopped(), called before each problem, says so. With world_size > 1 each
+    rank replies to every world_size-th problem and the sums are all-reduced. progress(done, total) as in
+    evaluate_split."""
+    check = TASKS[name].check
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # (reward, problems with an accepted reply, problems)
+    for step in range(math.ceil(len(problems) / world_size)):  # as many stopped() calls on every rank
+        if stopped is not None and stopped():
+            model.train(was_training)
+            return None
+        i = step * world_size + rank
+        if progress:
+            progress(min(i + 1, len(problems)), len(problems))
+        if i >= len(problems):
+            continue
+        prompt = template.render_prompt(messages(problems[i]))
+        budget = min(max_new_tokens, model.config.block_size - len(prompt))
+        with autocast() if autocast else contextlib.nullcontext():
+            replies = sample_replies(model, template, prompt, samples, budget, temperature=temperature,
+                                     generator=sampler(seed, i, device=device))
+        rewards = [check(problems[i], reply_text(template, r)) for r in replies]
+        sums += torch.tensor([sum(rewards) / samples, float(max(rewards) == 1.0), 1.0], dtype=torch.float64)
+    if world_size > 1:
+        sums = sums.to(device)
+        dist.all_reduce(sums)
+    model.train(was_training)
+    reward, solved, n = sums.tolist()
+    return {"mean": reward / n, "pass@k": solved / n, "examples": int(n), "samples": samples}

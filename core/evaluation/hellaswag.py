@@ -1,0 +1,157 @@
+"""HellaSwag (Zellers et al. 2019, https://github.com/rowanz/hellaswag): each example is a context
+and 4 endings; the model picks the ending whose tokens, after context + " " + ending, have the
+lowest loss. `acc` ranks by the summed loss of the ending's tokens, `acc_norm` by their mean, as
+build-nanogpt's hellaswag.py and llm.c do (completion style, not the multiple-choice prompt of
+the Eleuther harness).
+"""
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from core.data.tokenizer import Tokenizer
+from core.errors import UserError
+from core.evaluation.perplexity import token_losses
+
+
+@dataclass
+class HellaSwagExample:
+    line: int           # 1-based line number in the file, for error messages
+    context: str
+    endings: list[str]  # 4
+    label: int          # index of the right ending
+
+
+def load_hellaswag(path: str | Path, limit: int = 0) -> list[HellaSwagExample]:
+    """Examples of a HellaSwag jsonl file (keys ctx, endings, label); limit > 0 keeps the first `limit`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"HellaSwag file {path} not found; run python data/hellaswag/prepare.py "
+                        f"(or pass --input=path/to/hellaswag_val.jsonl to it)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"HellaSwag file {path} is not UTF-8 text (byte {e.start}); "
+                        f"re-run data/hellaswag/prepare.py") from None
+    return parse_hellaswag(lines, str(path), limit)
+
+
+def parse_hellaswag(lines: list[str], source: str, limit: int = 0) -> list[HellaSwagExample]:
+    examples = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        examples.append(_parse_example(line, number, source))
+        if limit and len(examples) == limit:
+            break
+    if not examples:
+        raise UserError(f"HellaSwag file {source} holds no examples")
+    return examples
+
+
+def _parse_example(line: str, number: int, source: str) -> HellaSwagExample:
+    where = f"{source} line {number}"
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where} is not valid JSON ({e.msg}); re-run data/hellaswag/prepare.py") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{where} is a JSON {type(d).__name__}, expected an object with ctx, endings and label")
+    endings, label = d.get("endings"), d.get("label")
+    if not isinstance(d.get("ctx"), str) or not d["ctx"]:
+        raise UserError(f"{where} has no non-empty string 'ctx'")
+    if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+        raise UserError(f"{where}: 'endings' must be a list of 4 strings")
+    if isinstance(label, str) and label.isdigit():
+        label = int(label)
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
+        raise UserError(f"{where}: 'label' must be 0, 1, 2 or 3, got {d.get('label')!r}")
+    return HellaSwagExample(number, d["ctx"], endings, label)
+
+
+def render_example(ex: HellaSwagExample, tok: Tokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4 candidate rows: tokens (4, L) of context + " " + ending, zero-padded, and mask (4, L),
+    1 on the ending's tokens. A row longer than block_size keeps its last block_size tokens."""
+    try:
+        ctx = tok.encode(ex.context)
+        ends = [tok.encode(" " + e) for e in ex.endings]
+    except UserError as e:  # e.g. characters a char vocabulary lacks: the wrong tokenizer for this data
+        raise UserError(f"HellaSwag line {ex.line} cannot be encoded with the model's tokenizer: {e}") from None
+    rows, masks = [], []
+    for end in ends:
+        if len(end) >= block_size:
+            raise UserError(f"HellaSwag line {ex.line}: an ending of {len(end)} tokens leaves no context in the "
+                            f"model's block_size {block_size}")
+        row = (ctx + end)[-block_size:]
+        rows.append(row)
+        masks.append([0] * (len(row) - len(end)) + [1] * len(end))
+    L = max(len(r) for r in rows)
+    tokens = torch.zeros(4, L, dtype=torch.long)
+    mask = torch.zeros(4, L, dtype=torch.long)
+    for i, (row, m) in enumerate(zip(rows, masks)):
+        tokens[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(m)] = torch.tensor(m)
+    return tokens, mask
+
+
+@torch.no_grad()
+def ending_losses(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed and mean loss of each row's ending tokens: tokens, mask (4, L) -> (4,), (4,)."""
+    x = tokens[:, :-1]
+    y = tokens[:, 1:].masked_fill(mask[:, 1:] == 0, -1)  # target t+1 is scored when token t+1 is an ending token
+    losses = token_losses(model, x, y)  # (4, L-1)
+    total = losses.sum(dim=1)
+    return total, total / mask[:, 1:].sum(dim=1)
+
+
+def render_examples(examples: list[HellaSwagExample], tok: Tokenizer, block_size: int) -> list[tuple]:
+    """(tokens, mask, label) per example: encode once, before any scoring, so a tokenizer that
+    cannot encode the file fails at the start of a run, not at its first eval."""
+    return [(*render_example(ex, tok, block_size), ex.label) for ex in examples]
+
+
+@torch.no_grad()
+def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None, rank: int = 0,
+                       world_size: int = 1, progress=None, stopped=None) -> dict[str, float] | None:
+    """acc, acc_norm and the number of examples, from render_examples' output. With world_size > 1
+    each rank scores every world_size-th example and the counts are all-reduced; every rank runs
+    the same number of forwards (a rank short of one scores a spare it does not count), which
+    sharded models need. progress(done, total) as in evaluate_split; stopped(), if given, is called
+    before each example on every rank, and True ends the evaluation with None. The model is left in
+    the mode it came in."""
+    was_training = model.training
+    model.eval()
+    counts = torch.zeros(3, dtype=torch.float64, device=device)  # (right by sum, right by mean, examples)
+    for step in range(math.ceil(len(rendered) / world_size)):
+        if stopped is not None and stopped():
+            model.train(was_training)
+            return None
+        index = step * world_size + rank
+        tokens, mask, label = rendered[min(index, len(rendered) - 1)]
+        with autocast() if autocast else contextlib.nullcontext():
+            total, mean = ending_losses(model, tokens.to(device), mask.to(device))
+        if index < len(rendered):
+            counts += torch.tensor([int(total.argmin()) == label, int(mean.argmin()) == label, 1.0],
+                                   dtype=torch.float64, device=device)
+        if progress:
+            progress(min(index + 1, len(rendered)), len(rendered))
+    if world_size > 1:
+        dist.all_reduce(counts)
+    model.train(was_training)
+    right, right_norm, n = counts.tolist()
+    return {"acc": right / n, "acc_norm": right_norm / n, "examples": int(n)}
+
+
+def hellaswag_scores(model, rendered: list[tuple] | None, rt, stopped=None) -> dict[str, float] | None:
+    """train.py's eval record entries, {} when no HellaSwag file was given, None if stopped() said so.
+    Pass the plain module: examples vary in length, which a compiled one would recompile for."""
+    if not rendered:
+        return {}
+    r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size, stopped=stopped)
+    if r is None:
+        return None
+    return {"hellaswag_acc": r["acc"], "hellaswag_acc_norm": r["acc_norm"]}
