@@ -70,40 +70,33 @@ class GPTConfig:
     rope_original_max_positions: int = 8192  # llama3: "original", the context the model was first trained at
 
     def __post_init__(self):
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "head_dim", "mlp_hidden"):
-            value = getattr(self, name)
-            optional = name in ("head_dim", "mlp_hidden")
-            bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
-            if bad and not (optional and value is None):
-                raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}")
-        if self.head_dim is None and self.n_embd % self.n_head != 0:
+        rules = {  # field: (what it must be, a test of its value), checked in this order; type(v) is int: not a bool
+            **{name: ("a positive integer", lambda v: type(v) is int and v >= 1)
+               for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")},
+            **{name: ("a positive integer or None", lambda v: v is None or type(v) is int and v >= 1)
+               for name in ("head_dim", "mlp_hidden", "n_kv_head")},
+            **{name: (f"one of {allowed}", allowed.__contains__) for name, allowed in CHOICES.items()},
+            "dropout": ("in [0, 1)", lambda v: 0 <= v < 1), "rope_base": ("> 1", lambda v: v > 1),
+            "logit_softcap": ("positive or None", lambda v: v is None or v > 0),
+            "norm_eps": ("in (0, 1)", lambda v: 0 < v < 1),
+            "value_embeds": (f"an integer in [0, n_layer // 2] (each table serves a first and a last Block; "
+                             f"n_layer={self.n_layer})", lambda v: type(v) is int and 0 <= 2 * v <= self.n_layer),
+        }
+        for name, (rule, ok) in rules.items():
+            if not ok(getattr(self, name)):
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.head_dim is None and self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), or set head_dim")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}); each "
+                             f"key/value head serves n_head // n_kv_head query heads")
+        if self.pos_embedding == "rope" and self.head_size % 2:
+            raise ValueError(f"rope rotates pairs of channels and needs an even head size, got "
+                             f"{self.head_size}; change n_embd, n_head or head_dim")
         factor, low, high, _ = self.rope_llama3 or (1, 0.5, 1, 0)
         if not (factor >= 1 and 0 < low < high):
             raise ValueError(f"rope_type='llama3' needs rope_factor >= 1 and 0 < rope_low_freq_factor < "
                              f"rope_high_freq_factor, got {factor}, {low}, {high}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        kv = self.n_kv_head
-        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.n_head % kv):
-            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv}); each key/value head "
-                             f"serves n_head // n_kv_head query heads")
-        if self.pos_embedding == "rope" and self.head_size % 2:
-            raise ValueError(f"rope rotates pairs of channels and needs an even head size, got "
-                             f"{self.head_size}; change n_embd, n_head or head_dim")
-        if not self.rope_base > 1:
-            raise ValueError(f"rope_base must be > 1, got {self.rope_base!r}")
-        if self.logit_softcap is not None and not self.logit_softcap > 0:
-            raise ValueError(f"logit_softcap must be positive or None, got {self.logit_softcap!r}")
-        ve = self.value_embeds
-        if not isinstance(ve, int) or isinstance(ve, bool) or not 0 <= 2 * ve <= self.n_layer:
-            raise ValueError(f"value_embeds must be an integer in [0, n_layer // 2] (each table serves a first and a "
-                             f"last Block), got {ve!r} with n_layer={self.n_layer}")
-        if not 0 < self.norm_eps < 1:
-            raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
 
     @property
     def head_size(self) -> int:
