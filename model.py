@@ -4,18 +4,19 @@ Read it bottom-up, the way the model computes: GPTConfig (the recipe switches as
 attention and rotary positions -> causal self-attention -> MLP -> Block -> KVCache -> GPT (forward, init,
 parameter count, MFU, and from_pretrained as nanoGPT's users know it).
 
-Elsewhere, never imported here: decoding (sampling, generate) in core/decoding/decode.py, the CPU's kernel
-choices in core/cpu.py (acting through the Kernels hook below), the transformers interop in core/weights/hf.py.
+Elsewhere, never imported here: decoding (sampling, generate, the server's per-row cache) in core/decoding/, the
+kernel choices in core/kernels.py and core/cpu.py (acting through Kernels and GPT.swap_module below). The
+transformers interop, core/weights/hf.py, is imported inside GPT.from_pretrained only.
 
 Shapes: B batch, T sequence (queries), Tk keys, C = n_embd, nh heads, hs = C // nh head size.
 References: GPT-2 (Radford et al. 2019); "Attention Is All You Need" (Vaswani et al. 2017); nanoGPT (Karpathy),
 whose parameter names this file keeps, so GPT-2 weights map one to one.
 """
 import contextlib
+import functools
 import math
 import os
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -70,40 +71,33 @@ class GPTConfig:
     rope_original_max_positions: int = 8192  # llama3: "original", the context the model was first trained at
 
     def __post_init__(self):
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "head_dim", "mlp_hidden"):
-            value = getattr(self, name)
-            optional = name in ("head_dim", "mlp_hidden")
-            bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
-            if bad and not (optional and value is None):
-                raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}")
-        if self.head_dim is None and self.n_embd % self.n_head != 0:
+        rules = {  # field: (what it must be, a test of its value), checked in this order; type(v) is int: not a bool
+            **{name: ("a positive integer", lambda v: type(v) is int and v >= 1)
+               for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")},
+            **{name: ("a positive integer or None", lambda v: v is None or type(v) is int and v >= 1)
+               for name in ("head_dim", "mlp_hidden", "n_kv_head")},
+            **{name: (f"one of {allowed}", allowed.__contains__) for name, allowed in CHOICES.items()},
+            "dropout": ("in [0, 1)", lambda v: 0 <= v < 1), "rope_base": ("> 1", lambda v: v > 1),
+            "logit_softcap": ("positive or None", lambda v: v is None or v > 0),
+            "norm_eps": ("in (0, 1)", lambda v: 0 < v < 1),
+            "value_embeds": (f"an integer in [0, n_layer // 2] (each table serves a first and a last Block; "
+                             f"n_layer={self.n_layer})", lambda v: type(v) is int and 0 <= 2 * v <= self.n_layer),
+        }
+        for name, (rule, ok) in rules.items():
+            if not ok(getattr(self, name)):
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.head_dim is None and self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), or set head_dim")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}); each "
+                             f"key/value head serves n_head // n_kv_head query heads")
+        if self.pos_embedding == "rope" and self.head_size % 2:
+            raise ValueError(f"rope rotates pairs of channels and needs an even head size, got "
+                             f"{self.head_size}; change n_embd, n_head or head_dim")
         factor, low, high, _ = self.rope_llama3 or (1, 0.5, 1, 0)
         if not (factor >= 1 and 0 < low < high):
             raise ValueError(f"rope_type='llama3' needs rope_factor >= 1 and 0 < rope_low_freq_factor < "
                              f"rope_high_freq_factor, got {factor}, {low}, {high}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        for name, allowed in CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        kv = self.n_kv_head
-        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.n_head % kv):
-            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv}); each key/value head "
-                             f"serves n_head // n_kv_head query heads")
-        if self.pos_embedding == "rope" and self.head_size % 2:
-            raise ValueError(f"rope rotates pairs of channels and needs an even head size, got "
-                             f"{self.head_size}; change n_embd, n_head or head_dim")
-        if not self.rope_base > 1:
-            raise ValueError(f"rope_base must be > 1, got {self.rope_base!r}")
-        if self.logit_softcap is not None and not self.logit_softcap > 0:
-            raise ValueError(f"logit_softcap must be positive or None, got {self.logit_softcap!r}")
-        ve = self.value_embeds
-        if not isinstance(ve, int) or isinstance(ve, bool) or not 0 <= 2 * ve <= self.n_layer:
-            raise ValueError(f"value_embeds must be an integer in [0, n_layer // 2] (each table serves a first and a "
-                             f"last Block), got {ve!r} with n_layer={self.n_layer}")
-        if not 0 < self.norm_eps < 1:
-            raise ValueError(f"norm_eps must be in (0, 1), got {self.norm_eps!r}")
 
     @property
     def head_size(self) -> int:
@@ -212,9 +206,9 @@ def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
 
 
 class Kernels:
-    """Which of torch's kernels a forward runs, picked per call; the function is the same whatever they pick.
-    This base leaves every call to torch; core/kernels.py's DeviceKernels pick for a CPU or a CUDA device, set
-    from outside (GPT.use_kernels), as sharding and compile are."""
+    """Which of torch's kernels a forward runs, picked per call; the function is the same whatever they pick. This
+    base leaves every call to torch; core/kernels.py's DeviceKernels pick for a CPU or a CUDA device, set from outside
+    (GPT.use_kernels) as sharding and compile are. A kernel of a home's own for one module: GPT.swap_module."""
 
     def blocks(self, x: torch.Tensor) -> contextlib.AbstractContextManager:  # around the Blocks of x (B, T, C)
         return contextlib.nullcontext()
@@ -247,12 +241,11 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, kv=None, pos=0, attn_out=None, rope=None, ve=None):
-        """x (B, T, C) -> (B, T, C). kv: this layer's LayerKV (B, nkv, max_len, hs); the chunk's keys and values go
-        to [pos:pos+T] and the queries attend to [0:pos+T] (past max_len see _write_cache). pos may be a LongTensor
-        (B,), each row at its own position (the server's batch, see KVCache). attn_out: a list the naive backend
-        appends this layer's weights (B, nh, T, Tk) to. rope: (cos, sin) of the chunk's positions, (T, hs) each.
-        ve: the tokens' value embeddings (B, T, nkv * hs), mixed into v before the cache (they depend on the token)."""
+    def forward(self, x, kv=None, attn_out=None, rope=None, ve=None):
+        """x (B, T, C) -> (B, T, C). kv: this layer's part of a KV cache (KVCache.layer): it takes the chunk's keys
+        and values and gives back those to attend over, and their mask (None: causal, end-aligned). attn_out: a list
+        the naive backend appends this layer's weights (B, nh, T, Tk) to. rope: (cos, sin) of the chunk's positions,
+        (T, hs) each. ve: the tokens' value embeddings (B, T, nkv * hs), mixed into v before the cache."""
         B, T, _ = x.size()
         kv_dim = self.n_kv_head * self.head_size
         q, k, v = self.c_attn(x).split([self.width, kv_dim, kv_dim], dim=2)  # (B, T, nh * hs), 2 x (B, T, nkv * hs)
@@ -264,48 +257,10 @@ class CausalSelfAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        mask = None
-        if kv is not None and isinstance(pos, torch.Tensor):
-            k, v, mask = self._write_rows(kv, pos, k, v)  # (B, nkv, Tk, hs), mask (B, 1, T, Tk)
-        elif kv is not None:
-            k, v = self._write_cache(kv, pos, k, v)  # (B, nkv, pos+T, hs)
+        k, v, mask = (k, v, None) if kv is None else kv(k, v)  # (B, nkv, Tk, hs) x 2, mask (B, 1, T, Tk) or None
         y = self._sdpa(q, k, v, mask) if self.backend == "sdpa" else self._naive(q, k, v, attn_out, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, self.width)  # (B, T, nh * hs), heads side by side again
         return self.resid_dropout(self.c_proj(y))  # c_proj mixes what the heads found
-
-    @staticmethod
-    def _write_cache(kv, pos, k, v):
-        k_cache, v_cache = kv.k, kv.v
-        T, max_len = k.size(2), k_cache.size(2)
-        if pos + T > max_len:
-            # A full rolling cache (rotary positions, one token at a time, see KVCache): the new key
-            # replaces the oldest. Attention sums over keys in any order and a rotary key carries
-            # its own position, so the slots need no reordering.
-            k_cache[:, :, pos % max_len], v_cache[:, :, pos % max_len] = k[:, :, 0], v[:, :, 0]
-            return k_cache, v_cache  # (B, nkv, max_len, hs)
-        k_cache[:, :, pos:pos + T], v_cache[:, :, pos:pos + T] = k, v
-        return k_cache[:, :, :pos + T], v_cache[:, :, :pos + T]  # (B, nkv, pos+T, hs)
-
-    @staticmethod
-    def _write_rows(kv, pos, k, v):
-        """Each row b at its own position pos[b] (B,): its T keys go to [pos[b]:pos[b]+T]; the keys are every row's
-        first max(pos) + T slots, masked per row to the ones it wrote: (k, v, mask). kv.slots: the buffers' rows
-        (KVCache.take), read back gathered; kv.real (B, T): only the real tokens of ragged rows are written."""
-        k_cache, v_cache, slots, real = kv
-        B, T = k.size(0), k.size(2)
-        at = pos.to(k.device)[:, None] + torch.arange(T, device=k.device)  # (B, T) each new key's slot
-        rows = (torch.arange(B, device=k.device) if slots is None else slots)[:, None].expand(B, T)  # (B, T)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, nkv, hs), as the buffers are indexed
-        if real is None:
-            k_cache[rows, :, at], v_cache[rows, :, at] = k, v  # into (B, nkv, max_len, hs)
-            Tk = int(pos.max()) + T
-        else:  # only the real tokens: (N,) rows and slots, (N, nkv, hs) keys and values
-            k_cache[rows[real], :, at[real]], v_cache[rows[real], :, at[real]] = k[real], v[real]
-            Tk = int(at[real].max()) + 1
-        mask = torch.arange(Tk, device=k.device) <= at[:, :, None]  # (B, T, Tk): key j up to the query's own slot
-        if slots is not None:  # gathered: (B, nkv, Tk, hs) x 2
-            return k_cache[slots, :, :Tk], v_cache[slots, :, :Tk], mask[:, None]
-        return k_cache[:, :, :Tk], v_cache[:, :, :Tk], mask[:, None]  # (B, nkv, Tk, hs) x 2, (B, 1, T, Tk)
 
     def _sdpa(self, q, k, v, mask=None):
         Tq, Tk = q.size(2), k.size(2)
@@ -316,7 +271,7 @@ class CausalSelfAttention(nn.Module):
             # One new token is the last position and sees every key: no mask, which keeps decoding
             # on the fastest kernels. A longer chunk needs the end-aligned mask, see causal_mask.
             mask = None if Tq == 1 else causal_mask(Tq, Tk, q.device)
-        # (mask given: rows at their own positions, each row's own causal mask)
+        # (mask given: the cache's, e.g. rows at their own positions, each row's own causal mask)
         with self.kernels.attention(q, Tk, self.training):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                                                   enable_gqa=gqa)  # (B, nh, T, hs)
@@ -326,7 +281,7 @@ class CausalSelfAttention(nn.Module):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
         if mask is None:
             att = attention_weights(q, k, causal=True)  # (B, nh, T, Tk)
-        else:  # rows at their own positions: a row's keys past its own are -inf (its mask, (B, 1, T, Tk))
+        else:  # the cache's mask (B, 1, T, Tk): a key it leaves out is -inf
             scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
             att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         if attn_out is not None:
@@ -381,85 +336,68 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv=None, pos=0, attn_out=None, rope=None, ve=None):
-        x = x + self.attn(self.ln_1(x), kv, pos, attn_out, rope, ve)  # (B, T, C)
+    def forward(self, x, kv=None, attn_out=None, rope=None, ve=None):
+        x = x + self.attn(self.ln_1(x), kv, attn_out, rope, ve)  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
-class LayerKV(NamedTuple):
-    """One layer's part of a KVCache, as the attention writes and reads it."""
-    k: torch.Tensor  # (B, nkv, max_len, hs): the buffers, and v
-    v: torch.Tensor
-    slots: torch.Tensor | None = None  # (B,): the buffers' rows the forward's rows are (KVCache.take); None: all
-    real: torch.Tensor | None = None  # (B, T) bool: the chunk's real tokens, the rest padding (take); None: all
-
-
 class KVCache:
-    """Keys and values of every layer, preallocated for max_len positions (n_kv_head heads: grouped-query
-    attention shrinks it), and an explicit position `pos`, the positions already written. In GPT.forward each
-    layer writes its chunk of T at [pos:pos+T] and attends to [0:pos+T]; then the forward advances pos by T.
+    """Keys and values of every layer, preallocated for max_len positions (n_kv_head heads: grouped-query attention
+    shrinks it), and an explicit position `pos`, the positions already written. GPT.forward asks, in order:
+    keys_seen(T), positions(T), layer(i) in each attention, advance(T), last(x) (core/decoding/cache.py's RowCache
+    answers the same for rows each at its own position).
 
-    Rolling (rotary positions only): once full, one token at a time may go past max_len; it overwrites the
-    oldest slot, so the queries attend to the last max_len keys (a sliding window), and pos, still counting,
-    is the new token's rotary position.
+    Rolling (rotary positions only, `rolling`): once full, one token at a time may go past max_len, overwriting the
+    oldest slot, so the queries attend to the last max_len keys (a sliding window); pos, still counting, is the new
+    token's rotary position."""
 
-    Each row at its own position (the server's batch, core/serving/engine.py): pos a LongTensor (B,) on the
-    CPU; row b's chunk goes to [pos[b]:pos[b]+T] and its queries see only its own keys. rows(i, j) is a view
-    of slots i..j-1; take(slots, lengths) any rows in any order with ragged chunks (many prefills, one forward).
-    """
-
-    def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32):
+    def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32,
+                 rolling=False):
         shape = (n_layer, batch_size, n_head, max_len, head_size)
         self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in "kv")  # (L, B, nkv, max_len, hs) each
-        self.pos: int | torch.Tensor = 0
-        self.slots: torch.Tensor | None = None  # take(): see LayerKV
-        self.lengths: torch.Tensor | None = None  # take(): each row's real tokens (B,)
-        self.real: torch.Tensor | None = None  # take(): (B, T) bool, see LayerKV
-
-    def rows(self, start: int, stop: int) -> "KVCache":
-        """Slots start..stop-1 as a cache of their own: the same buffers, and a view of the per-row positions."""
-        if not isinstance(self.pos, torch.Tensor):
-            raise ValueError("rows() needs per-row positions: set pos to a LongTensor (B,) first")
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.pos = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop]
-        view.slots = view.lengths = view.real = None
-        return view
-
-    def take(self, slots: list[int], lengths: list[int]) -> "KVCache":
-        """Rows slots (B, any order) for one forward of a ragged chunk (B, T): row b's first lengths[b] tokens are
-        real, the rest padding (their outputs mean nothing). Each layer writes the real tokens' keys at the slots
-        and reads the rows back gathered; each row advances by its own length, last_only gives its last token."""
-        if not isinstance(self.pos, torch.Tensor):
-            raise ValueError("take() needs per-row positions: set pos to a LongTensor (B,) first")
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.parent = self.k, self.v, self
-        view.slots, view.lengths = torch.tensor(slots, device=self.k.device), torch.tensor(lengths)
-        view.real = (torch.arange(max(lengths)) < view.lengths[:, None]).to(self.k.device)  # (B, T)
-        view.pos = self.pos[slots]  # a copy: advance writes the parent's
-        return view
+        self.pos, self.rolling = 0, rolling
 
     @property
     def batch_size(self) -> int:
-        return self.k.size(1) if self.slots is None else self.slots.numel()
+        return self.k.size(1)
 
     @property
     def max_len(self) -> int:
         return self.k.size(3)
 
-    def layer(self, i: int) -> LayerKV:
-        """Layer i's buffers, each (B, nkv, max_len, hs)."""
-        return LayerKV(self.k[i], self.v[i], self.slots, self.real)
+    def keys_seen(self, T: int) -> int:
+        """How many keys the last of T new tokens attends to: pos + T, or max_len once a full cache rolls."""
+        return self.max_len if self.rolling and T == 1 and self.pos >= self.max_len else self.pos + T
 
-    def advance(self, n: int):
-        if self.lengths is not None:  # take(): each row by its own length, in the parent's positions
-            self.parent.pos[self.slots.cpu()] += self.lengths
-            self.pos = self.pos + self.lengths
-            return
-        self.pos += n  # in place for per-row positions, so a rows() view moves its parent's rows
+    def positions(self, T: int, device) -> torch.Tensor:  # the chunk's, (T,)
+        return torch.arange(self.pos, self.pos + T, device=device)
+
+    def layer(self, i: int):  # layer i's part, as its attention calls it: see write
+        return functools.partial(self.write, self.k[i], self.v[i], self.pos)
+
+    @staticmethod
+    def write(k_cache, v_cache, pos: int, k, v):
+        """k, v (B, nkv, T, hs) go to [pos:pos+T] of a layer's buffers -> (keys, values, mask) to attend over:
+        [0:pos+T], causal (mask None: CausalSelfAttention aligns it to the end)."""
+        T, max_len = k.size(2), k_cache.size(2)
+        if pos + T > max_len:
+            # A full rolling cache (rotary positions, one token at a time): the new key replaces the
+            # oldest. Attention sums over keys in any order and a rotary key carries its own position,
+            # so the slots need no reordering.
+            k_cache[:, :, pos % max_len], v_cache[:, :, pos % max_len] = k[:, :, 0], v[:, :, 0]
+            return k_cache, v_cache, None  # (B, nkv, max_len, hs) x 2
+        k_cache[:, :, pos:pos + T], v_cache[:, :, pos:pos + T] = k, v
+        return k_cache[:, :, :pos + T], v_cache[:, :, :pos + T], None  # (B, nkv, pos+T, hs) x 2
+
+    def advance(self, T: int):
+        self.pos += T
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, 1, C): the position last_only reads
+        return x[:, -1:]
 
     def reset(self):
-        """Forget everything; the buffers are reused from position 0 (per-row positions in place)."""
-        self.pos = self.pos.zero_() if isinstance(self.pos, torch.Tensor) else 0
+        """Forget everything; the buffers are reused from position 0."""
+        self.pos = 0
 
 
 class GPT(nn.Module):
@@ -489,6 +427,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         if config.unet_skips:  # one learned weight per skip connection (modded-nanogpt)
             self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
+        self.swapped_numel = 0  # weights that modules swapped in (swap_module) hold outside parameters()
         self.init_weights()
 
     @torch.no_grad()
@@ -521,6 +460,13 @@ class GPT(nn.Module):
             if isinstance(module, (GPT, CausalSelfAttention)):
                 module.kernels = kernels
 
+    def swap_module(self, name: str, module: nn.Module) -> None:
+        """Put module where the submodule `name` is ("lm_head", "transformer.h.0.mlp.c_fc"): a home's own kernel for
+        it (packed, quantized, a float32 copy) in a model that only decodes; get_num_params still counts its weights."""
+        before = sum(p.numel() for p in self.parameters())  # shared tensors once
+        self.set_submodule(name, module)
+        self.swapped_numel += before - sum(p.numel() for p in self.parameters())
+
     def value_embed_table(self, i: int) -> int | None:
         """Which value-embedding table Block i reads: j for Blocks j and L-k+j (j < k = value_embeds), else None:
         the first and the last Blocks, as in modded-nanogpt."""
@@ -529,38 +475,31 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, return_attn=False, last_only=False):
         """idx (B, T) token ids -> (logits (B, T, vocab), loss or None). targets (B, T): next-token ids, the loss
-        their mean cross-entropy (-1 ignored). kv_cache: idx continues after kv_cache.pos tokens already fed.
-        last_only (generation): the last position's logits (B, 1, vocab) in float32 (with a ragged KVCache.take,
-        each row's last real token's). return_attn (naive backend): also the weights (n_layer, B, nh, T, Tk)."""
+        their mean cross-entropy (-1 ignored). kv_cache: idx continues after the tokens already in it (KVCache).
+        last_only (generation): the logits (B, 1, vocab) of the position kv_cache.last names (the last one) in
+        float32. return_attn (naive backend): also the weights (n_layer, B, nh, T, Tk)."""
         (B, T), c = idx.size(), self.config
-        pos = self._check_input(B, T, kv_cache, return_attn)
-        if isinstance(pos, torch.Tensor):  # each row at its own position: (B, T)
-            positions = pos.to(idx.device)[:, None] + torch.arange(T, device=idx.device)
-            if kv_cache.lengths is not None:  # a ragged chunk's padding may run past the table: its output is unused
-                positions = positions.clamp(max=c.block_size - 1)
-        else:
-            positions = torch.arange(pos, pos + T, device=idx.device)  # (T,)
+        self._check_input(B, T, kv_cache, return_attn)
+        positions = torch.arange(T, device=idx.device) if kv_cache is None else kv_cache.positions(T, idx.device)
         x, rope = self.transformer.wte(idx), None  # (B, T, C)
         if c.pos_embedding == "learned":
             x = x + self.transformer.wpe(positions)
         else:
-            rope = rope_angles(positions, c.head_size, c.rope_base, c.rope_llama3)  # 2 x (T, hs)
+            rope = rope_angles(positions, c.head_size, c.rope_base, c.rope_llama3)  # 2 x (T, hs), or (B, 1, T, hs)
         x = self.transformer.drop(x)
         attn = [] if return_attn else None
         with self.kernels.blocks(x):
-            x = self._blocks(x, kv_cache, pos, attn, rope, idx)  # (B, T, C)
+            x = self._blocks(x, kv_cache, attn, rope, idx)  # (B, T, C)
         if kv_cache is not None:
             kv_cache.advance(T)
         if last_only:
-            if kv_cache is not None and kv_cache.lengths is not None:  # each row's last real token
-                x = x[torch.arange(B, device=x.device), kv_cache.lengths.to(x.device) - 1][:, None]  # (B, 1, C)
-            return self._last_logits(x), None
+            return self._last_logits(x[:, -1:] if kv_cache is None else kv_cache.last(x)), None
         logits = self._softcap(self.lm_head(self.transformer.ln_f(x)))  # (B, T, vocab)
         loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
                                                             ignore_index=-1)
         return (logits, loss, torch.stack(attn)) if return_attn else (logits, loss)
 
-    def _blocks(self, x, kv_cache, pos, attn, rope, idx):
+    def _blocks(self, x, kv_cache, attn, rope, idx):
         """x (B, T, C) through every Block. unet_skips: Block L-1-j also gets Block j's output (j < L // 2) times a
         learned weight, as a U-net's decoder sees its encoder's (modded-nanogpt). value_embeds: the Blocks
         value_embed_table names get their table's rows of the tokens idx (B, T)."""
@@ -572,60 +511,39 @@ class GPT(nn.Module):
             if i >= L - half:
                 x = x + self.skip_weights[i - (L - half)] * skips.pop()
             j = self.value_embed_table(i)
-            x = block(x, None if kv_cache is None else kv_cache.layer(i), pos, attn, rope,
+            x = block(x, None if kv_cache is None else kv_cache.layer(i), attn, rope,
                       None if j is None else ves[j])  # (B, T, C)
             if i < half:
                 skips.append(x)
         return x
 
     def _last_logits(self, x):
-        """x (B, T, C) -> the last position's logits (B, 1, vocab) in float32: generation reads only the next
-        token's scores, so the head (the largest matmul at small T) runs on one position, as in nanoGPT; float32
-        whatever the weights or autocast, since bfloat16's 8-bit mantissa ties close scores in greedy and top-k."""
-        h = self.transformer.ln_f(x[:, -1:, :])  # (B, 1, C)
-        head_t = getattr(self, "head_float32", None)  # decode.keep_float32_head's (C, vocab), if weights were cast
+        """x (B, 1, C) -> its logits (B, 1, vocab) in float32: generation reads only the next token's scores, so
+        the head (the largest matmul at small T) runs on one position, as in nanoGPT; float32 whatever the weights
+        or autocast, since bfloat16's 8-bit mantissa ties close scores in greedy and top-k: the network's own head
+        cast to float32, or a module swapped in for it (swap_module) given float32 input."""
+        h = self.transformer.ln_f(x).float()  # (B, 1, C)
         with torch.autocast(h.device.type, enabled=False):
-            if not isinstance(self.lm_head, nn.Linear):  # a head of quantized weights (core/decoding/quantize.py)
-                return self._softcap(self.lm_head(h.float()))  # (B, 1, vocab)
-            if head_t is None:
-                return self._softcap(F.linear(h.float(), self.lm_head.weight.float()))  # (B, 1, vocab)
-            return self._softcap(h.float() @ head_t)  # (B, 1, vocab)
+            if isinstance(self.lm_head, nn.Linear):
+                return self._softcap(F.linear(h, self.lm_head.weight.float()))  # (B, 1, vocab)
+            return self._softcap(self.lm_head(h))  # (B, 1, vocab)
 
     def _softcap(self, logits):
         """c * tanh(logits / c), c = logit_softcap (Gemma 2): no token can become arbitrarily confident."""
         c = self.config.logit_softcap
         return logits if c is None else c * torch.tanh(logits / c)
 
-    def _check_input(self, B, T, kv_cache, return_attn) -> int | torch.Tensor:
-        """The position of idx's first token (an int, or a LongTensor (B,) of each row's); a ValueError if the
-        model cannot take the chunk."""
-        pos = 0 if kv_cache is None else kv_cache.pos
-        if isinstance(pos, torch.Tensor):
-            # take()'s rows are rows of the buffers: the per-row path, whatever their positions
-            if pos.numel() and kv_cache.slots is None and bool((pos == pos[0]).all()):
-                pos = int(pos[0])  # every row at one position: the plain path, the same floats as generate
-            elif return_attn:
-                raise ValueError("return_attn needs every row of the cache at one position")
-        per_row = isinstance(pos, torch.Tensor)
-        seen = (int(pos.max()) if per_row else pos) + T  # keys the last query attends to
-        if kv_cache is not None and kv_cache.lengths is not None:
-            if T != kv_cache.real.size(1):
-                raise ValueError(f"a ragged chunk is padded to its longest row, {kv_cache.real.size(1)} tokens, "
-                                 f"not {T}")
-            seen = int((pos + kv_cache.lengths).max())  # the last real query's
-        if (kv_cache is not None and not per_row and self.config.pos_embedding == "rope" and T == 1
-                and pos >= kv_cache.max_len):
-            seen = kv_cache.max_len  # a full rotary cache rolls: the oldest key makes room (see KVCache)
+    def _check_input(self, B, T, kv_cache, return_attn) -> None:
+        """A ValueError of one line if the model (or kv_cache) cannot take a chunk of B rows, T tokens."""
+        seen = T if kv_cache is None else kv_cache.keys_seen(T)  # keys the last query attends to
         if seen > self.config.block_size:
             raise ValueError(f"sequence of {seen} tokens exceeds block_size {self.config.block_size}")
-        if kv_cache is not None:
-            if B != kv_cache.batch_size:
-                raise ValueError(f"batch of {B} rows fed to a KV cache made for {kv_cache.batch_size}")
-            if seen > kv_cache.max_len:
-                raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {pos} used, {T} more do not fit")
+        if kv_cache is not None and B != kv_cache.batch_size:
+            raise ValueError(f"batch of {B} rows fed to a KV cache made for {kv_cache.batch_size}")
+        if kv_cache is not None and seen > kv_cache.max_len:
+            raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {kv_cache.pos} used, {T} more do not fit")
         if return_attn and self.config.attn_backend != "naive":
             raise ValueError("return_attn needs attn_backend='naive' (the fused sdpa kernel never forms the weights)")
-        return pos
 
     def new_kv_cache(self, batch_size, max_len=None, dtype=None) -> KVCache:
         """An empty KVCache for this model, on its device; max_len defaults to block_size, dtype to the keys'
@@ -635,13 +553,13 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(weight.device.type)
         c = self.config
         return KVCache(c.n_layer, batch_size, c.kv_heads, max_len or c.block_size, c.head_size,
-                       device=weight.device, dtype=dtype or weight.dtype)
+                       device=weight.device, dtype=dtype or weight.dtype, rolling=c.pos_embedding == "rope")
 
     def get_num_params(self, non_embedding=True) -> int:
         """Parameter count, the tied wte/lm_head matrix once. non_embedding=True leaves out the position embeddings
         (nanoGPT's convention: the token embeddings stay in, since they are also the head's weights)."""
         n = sum(p.numel() for p in self.parameters())
-        n += sum(getattr(m, "weight_numel", 0) for m in self.modules())  # weights packed outside parameters()
+        n += self.swapped_numel  # weights a module swapped in for decoding holds outside parameters()
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n
@@ -675,8 +593,9 @@ class GPT(nn.Module):
         old = self.config.vocab_size
         if vocab_size < old:
             raise ValueError(f"grow_vocab cannot shrink the vocabulary from {old} to {vocab_size}")
-        if not isinstance(self.lm_head, nn.Linear):  # a quantized head holds no float rows to grow
-            raise ValueError("grow_vocab needs the float head: grow the vocabulary before quantizing")
+        if not isinstance(self.lm_head, nn.Linear):  # a module swapped in for decoding (swap_module)
+            raise ValueError(f"grow_vocab needs the head to be an nn.Linear, not a {type(self.lm_head).__name__}: "
+                             "grow the vocabulary before a module is swapped in for decoding")
 
         def grown(weight):  # (old, C) -> (vocab_size, C)
             return nn.Parameter(torch.cat([weight, weight.mean(0, keepdim=True).expand(vocab_size - old, -1)]))

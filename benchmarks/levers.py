@@ -12,7 +12,7 @@ device the section is skipped.
 Variants: "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
 or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "math
 backend for one query" runs attention through SDPA's math backend instead of the flash kernel; "head copy
-(vocab, C)" reads the float32 head copy untransposed through F.linear; "bf16 head" computes the logits
+(vocab, C)" reads the float32 head copy laid out untransposed; "bf16 head" computes the logits
 from the packed bfloat16 head, rounded to bfloat16, then float32 (not what the model does: see
 GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with
 native bfloat16 for the bf16 rows.
@@ -23,7 +23,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks import bandwidth
@@ -59,25 +58,17 @@ def unavailable(rt: runtime.Runtime) -> str | None:
 def with_bf16_head(model: GPT) -> GPT:
     """The logits from the bfloat16 head (half the bytes of the float32 copy), packed as the Blocks' matrices
     are (cpu.PackedLinear), rounded to bfloat16."""
-    del model.head_float32
-    head = cpu.PackedLinear(model.lm_head)
-
-    def last_logits(x):
-        h = model.transformer.ln_f(x[:, -1:, :])  # (1, 1, C)
-        return head(h).float()  # (1, 1, vocab)
-    model._last_logits = last_logits
+    linear = torch.nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
+    linear.weight = model.lm_head.weight
+    head = cpu.PackedLinear(linear)
+    model.lm_head.forward = lambda h: head(h.bfloat16()).float()  # h: ln_f's bfloat16 output, cast to float32
     return model
 
 
 def with_vocab_by_c_head(model: GPT) -> GPT:
-    """The float32 head copy as the head is laid out, (vocab, C), through F.linear (decode.keep_float32_head
+    """The float32 head copy as the head is laid out, (vocab, C), read as F.linear reads it (decode.Float32Head
     keeps it transposed, (C, vocab))."""
-    head = model.head_float32.t().contiguous()  # (vocab, C)
-
-    def last_logits(x):
-        h = model.transformer.ln_f(x[:, -1:, :])  # (1, 1, C)
-        return F.linear(h.float(), head)  # (1, 1, vocab)
-    model._last_logits = last_logits
+    model.lm_head.weight_t = model.lm_head.weight_t.t().contiguous().t()  # (C, vocab), strides (1, C)
     return model
 
 

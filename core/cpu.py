@@ -124,8 +124,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_numel = linear.weight.numel()  # the weight lives on only as `packed`: GPT.get_num_params counts it
-        self.weight_bytes = self.weight_numel * linear.weight.element_size()
+        self.weight_bytes = linear.weight.numel() * linear.weight.element_size()  # it lives on only as `packed`
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # opaque, oneDNN's
         self.bias = linear.bias
 
@@ -142,11 +141,9 @@ def pack_linears(model: GPT) -> None:
     ones are faster as they are (one_row_kernels). Those weights then exist only packed, so this is for a
     model that only decodes (core/decoding/decode.py's inference_model); the head, the embeddings and the
     norms stay."""
-    for block in model.transformer.h:
-        for name, module in list(block.named_modules()):
-            if isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS:
-                parent, _, attr = name.rpartition(".")
-                setattr(block.get_submodule(parent), attr, PackedLinear(module))
+    for name, module in list(model.transformer.h.named_modules(prefix="transformer.h")):
+        if isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS:
+            model.swap_module(name, PackedLinear(module))
 
 
 def lay_head_by_columns(model: GPT) -> None:

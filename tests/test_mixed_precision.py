@@ -129,18 +129,22 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     logits = model(idx, last_only=True)[0][:, -1, :]  # what generation reads for the next token
     assert logits.dtype == torch.float32 and logits.shape == (2, model.config.vocab_size)
     assert not torch.equal(logits, logits.bfloat16().float())  # finer than bfloat16's 8-bit mantissa
-    # from the float32 head copied once, not the bf16 head cast again per token: scaling the copy moves them
-    assert model.head_float32.dtype == torch.float32
-    assert torch.equal(model.head_float32, model.lm_head.weight.float().t())  # (C, vocab), transposed once
-    assert model.head_float32.is_contiguous()  # laid out (C, vocab): h @ head_t reads it row after row
+    # from the float32 head copied once (decode.Float32Head), not the bf16 head cast again per token: scaling the
+    # copy moves them
+    head = model.lm_head
+    assert head.weight_t.dtype == torch.float32 and head.weight is model.transformer.wte.weight  # still tied
+    assert torch.equal(head.weight_t, head.weight.float().t())  # (C, vocab), transposed once
+    assert head.weight_t.is_contiguous()  # laid out (C, vocab): h @ weight_t reads it row after row
     with torch.no_grad():
-        model.head_float32.mul_(2)
+        head.weight_t.mul_(2)
         assert torch.allclose(model(idx, last_only=True)[0][:, -1, :], 2 * logits)
-        model.head_float32.div_(2)
-    head_t = model.head_float32  # without the copy, F.linear over the head cast again: the same logits to 1e-5
-    del model.head_float32
+        head.weight_t.div_(2)
+    model.lm_head = torch.nn.Linear(*head.weight.shape[::-1], bias=False)  # without the copy: the bf16 head,
+    model.lm_head.weight = head.weight  # cast to float32 again at each call, the same logits to 1e-5
     torch.testing.assert_close(model(idx, last_only=True)[0][:, -1, :], logits, rtol=1e-5, atol=1e-5)
-    model.register_buffer("head_float32", head_t, persistent=False)
+    model.lm_head = head
+    full = model(idx)[0]  # a whole sequence's logits read the bf16 head as nn.Linear does, not the float32 copy
+    assert full.dtype == torch.bfloat16 and (full[:, -1].float() - logits).abs().max() < BF16_LOGIT_TOL
 
     reference = model_from_checkpoint(trained).eval()
     context = generate(reference, idx, model.config.block_size - idx.size(1), temperature=0.0)  # (2, 32)
@@ -167,7 +171,7 @@ def test_float32_decoding_reads_the_head_by_columns_with_the_same_floats(trained
     model = inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
     reference = model_from_checkpoint(trained).eval()
     head = model.lm_head.weight
-    assert head.stride() == (1, head.size(0)) and not hasattr(model, "head_float32")
+    assert head.stride() == (1, head.size(0)) and type(model.lm_head) is torch.nn.Linear  # no float32 copy
     assert head.t().is_contiguous() and torch.equal(head, reference.lm_head.weight)
     if model.config.tie_embeddings:
         assert model.transformer.wte.weight is head

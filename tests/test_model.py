@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from core.decoding import decode
+from core.decoding.cache import RowCache
 from core.decoding.decode import draw, exponential_noise, generate, generate_stream, sample_next
 from core.training.optim import build_optimizer
 from model import GPT, Block, GPTConfig, KVCache, attention_weights, causal_mask, scaled_dot_product_attention
@@ -227,8 +228,7 @@ def test_rows_at_their_own_positions_equal_each_row_alone(overrides):
     idx = random_idx(3, 20)
     with torch.no_grad():
         alone = [model(idx[b:b + 1, :n + 2])[0][0, n:n + 2] for b, n in enumerate(lengths)]  # (2, V) each
-        cache = model.new_kv_cache(3)
-        cache.pos = torch.zeros(3, dtype=torch.long)
+        cache = RowCache(model.new_kv_cache(3))
         for b, n in enumerate(lengths):  # each row prefilled on its own slot
             model(idx[b:b + 1, :n], kv_cache=cache.rows(b, b + 1))
         assert cache.pos.tolist() == lengths
@@ -241,17 +241,35 @@ def test_rows_at_their_own_positions_equal_each_row_alone(overrides):
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(attn_backend="naive"), dict(pos_embedding="rope", n_kv_head=1)])
+def test_rows_at_one_position_give_the_plain_caches_floats(overrides, monkeypatch):
+    """A RowCache whose rows are all at one position (prompts fed together, a request's n rows) takes the plain
+    KVCache's path: no mask, so the kernels and the very floats of generate's cache on any device (a masked
+    attention is another kernel on CUDA), for chunks and single tokens, and the same keys."""
+    model = sharp_model(**overrides) if "wpe" in tiny_model(**overrides).transformer else tiny_model(**overrides)
+    idx = random_idx(3, 12)
+    plain, rows = model.new_kv_cache(3), RowCache(model.new_kv_cache(3))
+    masks, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: masks.append(kw["attn_mask"]) or sdpa(*a, **kw))
+    with torch.no_grad():
+        for a, b in [(0, 5), (5, 6), (6, 9), (9, 10)]:
+            assert torch.equal(model(idx[:, a:b], kv_cache=rows)[0], model(idx[:, a:b], kv_cache=plain)[0])
+    assert rows.pos.tolist() == [10] * 3 and torch.equal(rows.k[:, :, :, :10], plain.k[:, :, :, :10])
+    assert len(masks) == (0 if model.config.attn_backend == "naive" else 16)
+    assert all(m is None or m.dim() == 2 for m in masks)  # generate's: none, or the chunk's (T, Tk) causal mask
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(attn_backend="naive"), dict(pos_embedding="rope", n_kv_head=1)])
 def test_ragged_rows_taken_from_the_cache_equal_each_row_alone(overrides):
-    """KVCache.take: rows of the cache in any order, each with its own chunk length (padded to the longest),
+    """RowCache.take: rows of the cache in any order, each with its own chunk length (padded to the longest),
     in one forward: each row's last real token's logits, its keys and its position are what feeding it alone
     gives; a slot not taken is not written. One row fills the whole context, another starts mid-way."""
     model = sharp_model(**overrides) if "wpe" in tiny_model(**overrides).transformer else tiny_model(**overrides)
     B = model.config.block_size
     seqs = {3: random_idx(1, 7)[0].tolist(), 0: [9, 8], 1: random_idx(1, B)[0].tolist()}
-    taken, alone = model.new_kv_cache(4), model.new_kv_cache(4)
+    taken, alone = RowCache(model.new_kv_cache(4)), RowCache(model.new_kv_cache(4))
     with torch.no_grad():
         for cache in (taken, alone):
-            cache.pos = torch.zeros(4, dtype=torch.long)
             model(torch.tensor([seqs[3][:3]]), kv_cache=cache.rows(3, 4))  # slot 3 holds 3 tokens already
         expected = {s: model(torch.tensor([seq[int(alone.pos[s]):]]), kv_cache=alone.rows(s, s + 1),
                              last_only=True)[0][0, -1] for s, seq in seqs.items()}

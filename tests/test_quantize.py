@@ -142,6 +142,19 @@ def test_int8_greedy_text_equals_float32s(trained):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_parameter_count_stays_the_float_models(kind, tied):
+    """Every matrix swapped for one whose weights parameters() no longer shows (int8's bias folded in too):
+    GPT.get_num_params still counts them, a tied head once (as the token table), an untied head whole."""
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=65, tie_embeddings=tied)).eval()
+    floats = model.get_num_params()
+    assert Q.quantize(model, kind).get_num_params() == floats
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_sample_py_quantize_decodes_the_quantized_model(trained, kind, monkeypatch):
     """sample.py --quantize=KIND prints the quantized model's greedy text, from a model quantized once, to KIND."""
     out_dir, n = trained[0], 100
@@ -195,5 +208,5 @@ def test_a_quantized_head_refuses_to_grow():
     from model import GPT, GPTConfig
 
     model = Q.quantize(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=65)).eval(), "int8")
-    with pytest.raises(ValueError, match="grow the vocabulary before quantizing"):
+    with pytest.raises(ValueError, match="not a QuantizedLinear: grow the vocabulary before"):
         model.grow_vocab(66)

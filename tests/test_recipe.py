@@ -708,7 +708,7 @@ def test_value_embeds_go_to_the_first_and_last_blocks_as_each_tokens_row():
     idx = idx_of(2, 16)
     got = {}
     for i, block in enumerate(model.transformer.h):
-        block.register_forward_pre_hook(lambda m, args, i=i: got.__setitem__(i, args[5]))
+        block.register_forward_pre_hook(lambda m, args, i=i: got.__setitem__(i, args[-1]))
     model(idx)
     tables = [t(idx) for t in model.transformer.ve]  # (B, T, nkv * hs) each
     for i, table in {0: 0, 1: 1, 4: 0, 5: 1}.items():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.nn as nn
 
 from core import cpu, kernels
 from core.decoding import quantize as quantization
@@ -196,7 +197,7 @@ def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: st
     """The model as it decodes: on the device, in eval mode, its weights cast once to the run's dtype.
 
     Not autocast: it keeps float32 weights and casts each one again at every token (with --compile
-    too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), from
+    too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), by
     a float32 copy of the head made here once (keep_float32_head), and the KV cache takes the
     weights' dtype. A float32 model on a CPU has its head's storage laid out by columns instead
     (cpu.lay_head_by_columns): the same floats, read faster one row at a time. A bfloat16 model on an
@@ -225,11 +226,20 @@ def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: st
 
 
 def keep_float32_head(model: GPT) -> None:
-    """Decoding with bfloat16 (or float16) weights, on any device: a float32 copy of the head, made once, for
-    GPT._last_logits. Without it each token casts the whole head (vocab x C, GPT-2's largest matrix) to
-    float32 again, which costs more than the matmul it feeds. Stored transposed, (C, vocab): at one row
-    h @ head_t reads it faster than F.linear reads (vocab, C) on a CPU (MKL's GEMV; docs/performance.md,
-    "Decoding against the bandwidth bound"). Not saved (persistent=False), and stale if the weights change
-    afterwards: for a model that only decodes (inference_model)."""
-    head_t = model.lm_head.weight.detach().float().t().contiguous()  # (C, vocab)
-    model.register_buffer("head_float32", head_t, persistent=False)
+    """Decoding with bfloat16 (or float16) weights, any device: the head swapped for a Float32Head (inference_model)."""
+    model.swap_module("lm_head", Float32Head(model.lm_head))
+
+
+class Float32Head(nn.Module):
+    """The head and a float32 copy of it, made once, that float32 input reads (GPT._last_logits), not casting the
+    whole head (vocab x C, GPT-2's largest matrix) again at each token, which costs more than the matmul it feeds.
+    Transposed, (C, vocab): at one row h @ weight_t is faster than F.linear over (vocab, C) on a CPU (MKL's GEMV;
+    docs/performance.md, "Decoding against the bandwidth bound"). Other input reads the (tied) weight as it was."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight  # (vocab, C)
+        self.register_buffer("weight_t", linear.weight.detach().float().t().contiguous(), persistent=False)
+
+    def forward(self, x):  # (..., C) -> (..., vocab)
+        return x @ self.weight_t if x.dtype == torch.float32 else nn.functional.linear(x, self.weight)

@@ -73,39 +73,34 @@ def quantize(model: GPT, kind: str) -> GPT:
     check_quantize(kind, model.training, model.transformer.wte.weight.device)
     if kind == "none":
         return model
-    for block in model.transformer.h:
-        for name, module in list(block.named_modules()):
-            if isinstance(module, nn.Linear):
-                parent, _, attr = name.rpartition(".")
-                setattr(block.get_submodule(parent), attr, QuantizedLinear(module, kind, f"h.{name}"))
-    tied = model.lm_head.weight is model.transformer.wte.weight
-    model.lm_head = QuantizedLinear(model.lm_head, kind, "lm_head", counted=not tied)  # the table stays float
+    for name, module in [*model.transformer.h.named_modules(prefix="transformer.h"), ("lm_head", model.lm_head)]:
+        if isinstance(module, nn.Linear):
+            model.swap_module(name, QuantizedLinear(module, kind, name))
     return model
 
 
 class QuantizedLinear(nn.Module):
-    """An nn.Linear whose weight lives only as int8 or int4 values with their scales (quantize). forward takes
-    and gives back x's dtype. counted: the weight counts in GPT.get_num_params (a tied head's is counted once
-    already, as the token table); weight_numel holds what parameters() no longer shows (int8's bias too)."""
+    """An nn.Linear whose weight lives only as int8 or int4 values and scales (quantize); x's dtype in and out."""
 
-    def __init__(self, linear: nn.Linear, kind: str, name: str = "linear", counted: bool = True):
+    def __init__(self, linear: nn.Linear, kind: str, name: str = "linear"):
         super().__init__()
         self.in_features, self.out_features, self.kind = linear.in_features, linear.out_features, kind
-        self.weight_numel = linear.weight.numel() if counted else 0
         w = linear.weight.detach().float()  # (out, in)
         self.bias = linear.bias if kind != "int8" else None  # int8's is added inside FBGEMM's product
         if kind == "int8":
             bias = None if linear.bias is None else linear.bias.detach().float()
             q, scales = int8_per_channel(w)
             self.packed = int8_packed(q, scales, bias)
-            self.weight_numel += 0 if bias is None else bias.numel()
             # for rows_quantized: the bias or 0 (out,), each output's sum of dequantized weights (out,), and a row
             # holding 0 and INT8_LEVELS, which fixes the range FBGEMM sees to 0..INT8_LEVELS (scale 1, zero point 0)
             self.register_buffer("bias_or_0", torch.zeros(self.out_features) if bias is None else bias)
             self.register_buffer("weight_sums", (q.float() * scales[:, None]).sum(1))
             self.register_buffer("levels_row", F.pad(torch.tensor([[float(INT8_LEVELS)]]), (0, self.in_features - 1)))
         else:
-            check_width(name, self.in_features, INT4_GROUP_SIZE, kind)
+            if self.in_features % INT4_GROUP_SIZE:
+                raise UserError(f"--quantize={kind} needs each matrix's input width to be a multiple of "
+                                f"{INT4_GROUP_SIZE}; {name} takes {self.in_features}: use --quantize=none for "
+                                "this model")
             w = F.pad(w, (0, 0, 0, -w.size(0) % INT4_N_MULTIPLE))  # zero rows to a multiple of 16, sliced off
             q, scales_and_zeros = int4_groupwise(w, INT4_GROUP_SIZE)
             self.register_buffer("q", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # (out16, in / 2) uint8
@@ -169,9 +164,3 @@ def int4_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(N, K)
     zero = (lo + 8 * scale).to(ACTIVATIONS).float()
     return q, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # (groups, out, 2)
-
-
-def check_width(name: str, in_features: int, multiple: int, kind: str) -> None:
-    if in_features % multiple:
-        raise UserError(f"--quantize={kind} needs each matrix's input width to be a multiple of {multiple}; "
-                        f"{name} takes {in_features}: use --quantize=none for this model")

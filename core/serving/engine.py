@@ -6,26 +6,24 @@ next token of every decoding row of every request, each row at its own position 
     handle = engine.submit(EngineRequest(prompt=ids, n=1, max_tokens=50, sampling=Sampling(temperature=0)), loop)
     async for event in handle.events(): ...     # PromptScores once (with echo), then one list[RowStep] per step
 
-The cache holds max_batch slots, preallocated once; a request's n rows take n free slots. A new request
-is prefilled on its own slot (at most prefill_chunk tokens per step over all requests, so a long prompt
-does not stall the rows already decoding) and joins the batch at the next step. The prefill is batched
-too: every row with tokens not yet cached (a new prompt, a window refilled after it slid) feeds its next
-chunk in one ragged forward per step (KVCache.take), rows of about one length together. A request that
-finishes, fails or is cancelled frees its slots at once. Rows decode through model.py's forward with
-per-row positions (KVCache): a free or prefilling slot rides along as a dummy row whose key is
-overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a view, never a copy.
+The cache (core/decoding/cache.py's RowCache) holds max_batch slots, preallocated once; a request's n rows take
+n free slots. A new request is prefilled on its own slot (at most prefill_chunk tokens per step over all requests,
+so a long prompt does not stall the rows already decoding) and joins the batch at the next step. The prefill is
+batched too: every row with tokens not yet cached (a new prompt, a window refilled after it slid) feeds its next
+chunk in one ragged forward per step (RowCache.take), rows of about one length together. A request that finishes,
+fails or is cancelled frees its slots at once. A free or prefilling slot rides along the decode step as a dummy
+row whose key is overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a view.
 
 EngineProcess (core/serving/process.py) runs a BatchEngine in a process of its own behind the same caller's side:
 serve.py's default on a CPU, so that the server's event loop and the engine do not take turns under one GIL.
 
-The decoding math is model.py's, not a second copy: sample_next's parts draw each request's rows with the
-request's own generator (every request with one setting in one call: sampling_probs over all their rows, the
-noise from each request's generator, one draw), slide_window moves a row's context window past block_size as
-generate does (refilling the row's cache, as generate refills its own), and tokens not yet in the cache are
-fed as generate's _next_logits feeds them. So a request's text is what decode.generate gives for it alone
-(tests/test_engine.py), whatever runs beside it, up to the rounding of batched matmuls (which has not
-changed a token in the tests). A request's n choices share its generator, so they are sampled together (one
-noise tensor over n rows, as generate draws its batch) and leave the batch together.
+The decoding math is decode.py's, not a second copy: each request's rows are drawn with its own generator (every
+request with one setting in one call: sampling_probs over all their rows, each request's noise, one draw), a row's
+window slides past block_size by slide_window (its cache refilled, as generate refills its own), and uncached
+tokens are fed as generate's _next_logits feeds them. So a request's text is what decode.generate gives it alone
+(tests/test_engine.py), whatever runs beside it, up to the rounding of batched matmuls (which has not changed a
+token in the tests). A request's n choices share its generator: sampled together (one noise tensor over n rows,
+as generate draws its batch), they leave the batch together.
 """
 import asyncio
 import dataclasses
@@ -38,6 +36,7 @@ from typing import AsyncIterator
 import torch
 from torch.nn import functional as F
 
+from core.decoding.cache import RowCache
 from core.decoding.decode import Sampling, check_sampling_args, draw, exponential_noise, sampling_probs, slide_window
 from core.errors import first_line
 from model import GPT
@@ -194,8 +193,7 @@ class BatchEngine:
         self.model, self.settings, self.metrics = model, settings, metrics
         self.block_size = model.config.block_size
         self.device = model.transformer.wte.weight.device
-        self.cache = model.new_kv_cache(settings.max_batch)
-        self.cache.pos = torch.zeros(settings.max_batch, dtype=torch.long)  # each slot at its own position
+        self.cache = RowCache(model.new_kv_cache(settings.max_batch))  # each slot at its own position
         self.free = list(range(settings.max_batch))
         self.active: list[Active] = []
         self.pending: queue.Queue[Handle] = queue.Queue()
@@ -318,7 +316,7 @@ class BatchEngine:
         """Feed up to prefill_chunk uncached tokens, first come first served, to the rows that need them: a
         new prompt's first row (its keys then copied to its other rows), or every row of a request whose
         window moved (each refills its own window, as generate does). Rows of about one length go through
-        one forward, ragged (KVCache.take); a prompt with echo, scored at every position, goes alone.
+        one forward, ragged (RowCache.take); a prompt with echo, scored at every position, goes alone.
         -> (request, logits (n, V)) for each request whose rows are now all cached."""
         budget, feeds, ready = self.settings.prefill_chunk, [], []
         for active in waiting:
