@@ -4,11 +4,10 @@
     python serve.py --init_from=gpt2 --port=8080                    # GPT-2 weights (needs transformers)
     python serve.py --out_dir=RUN --host=0.0.0.0 --api_key=SECRET   # or SERVE_API_KEY=SECRET in the environment
 
-    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
-        -d '{"model": "out-shakespeare-char", "prompt": "ROMEO:", "max_tokens": 50, "temperature": 0}'
+    curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "ROMEO:", "max_tokens": 50, "temperature": 0}'
 
-Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...). The model's name is
-its out_dir's folder name (or init_from), unless --model_name says otherwise.
+Any OpenAI client works, and vLLM's request extensions and metrics: OpenAI(base_url="http://127.0.0.1:8000/v1",
+api_key=...). The model's name is its out_dir's folder name (or init_from), unless --model_name says otherwise.
 
 Requests are batched continuously by core/serving/engine.py's BatchEngine (on a CPU in a process of its own,
 core/serving/process.py's EngineProcess): one forward per step decodes the next token of every running

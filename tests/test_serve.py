@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,7 +35,7 @@ from core.data.tokenizer import CharTokenizer  # noqa: E402
 from core.data.writer import write_dataset  # noqa: E402
 from core.serving.openai import ChoiceText, completion_logprobs  # noqa: E402
 from core.weights import resolver  # noqa: E402
-from tests.helpers import (ROMEO_JULIET, assert_user_error, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main,  # noqa: E402
+from tests.helpers import (ROMEO_JULIET, assert_user_error, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main, run_script,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)
 
 TEXT = ROMEO_JULIET
@@ -421,6 +422,56 @@ def test_bad_body_gets_an_openai_error_and_the_server_goes_on(base, name):
     good = httpx.post(base.url + "/v1/completions", content=iter([b'{"model": "romeo", ', b'"prompt": "ROMEO:"}']),
                       headers={"Content-Type": "application/json"})  # chunked, within the limit: read whole
     assert good.status_code == 200 and good.json()["choices"][0]["text"]
+
+
+# Any body in: a 4xx in OpenAI's shape for every malformed kind, a 200 for any JSON whatever its content type,
+# and never a 500 or a traceback in the server's log.
+
+GARBAGE = [{"nested": [[{"x": None}], {"y": [1, "a"]}]}, [[1, "a"], {}], -10 ** 30, -1e308, float("inf"),
+           float("nan"), True, "\ud800<|endoftext|>\x00\u202e"]  # JSON's Infinity and NaN, a lone surrogate
+BODIES = {"raw bytes": b"\x00\xff\xfe\xfd\x80garbage", "not UTF-8": b'{"model": "romeo", "prompt": "\xff\xfe"}',
+          "empty": b"", "an array": b'[{"model": "romeo", "prompt": "ROMEO:"}]', "a string": b'"ROMEO:"',
+          "a number": b"42", "null": b"null", "too large a number": b"1e999", "too many digits": b"9" * 5000,
+          "nested too deep": b"[" * 9000 + b"]" * 9000, "cut short": b'{"model": "romeo", "prompt": ',
+          "nested garbage": json.dumps({"model": "romeo", "prompt": [[[[[["x"]]]]]], "stop": {"a": {"b": [None]}}}
+                                       ).encode()}
+
+
+def accepts(annotation, value) -> bool:
+    """Whether a field of this type takes the value as it is (a bool field True, a str field a string)."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    return (type(value) is bool and bool in kinds) or (isinstance(value, str) and str in kinds)
+
+
+def assert_refused(r: "httpx.Response", what) -> None:
+    assert 400 <= r.status_code < 500, (what, r.status_code, r.text)
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}, (what, r.text)
+
+
+def test_no_request_can_make_a_500_or_a_traceback(base, chat):
+    valid = {"/v1/completions": ({"model": "romeo", "prompt": "ROMEO:", "max_tokens": 2}, serve.CompletionRequest),
+             "/v1/chat/completions": ({"model": "chatty", "messages": [{"role": "user", "content": "who are you?"}],
+                                       "max_tokens": 2}, serve.ChatRequest),
+             "/tokenize": ({"prompt": "ROMEO:"}, serve.TokenizeRequest),
+             "/detokenize": ({"tokens": [1, 2]}, serve.DetokenizeRequest)}
+    with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
+        for path, (body, model) in valid.items():
+            server = chat if "chat" in path else base
+            for name, annotation in ((k, f.annotation) for k, f in model.model_fields.items()):
+                for value in GARBAGE:
+                    if not accepts(annotation, value):
+                        assert_refused(client.post(server.url + path, content=json.dumps({**body, name: value})),
+                                       (path, name, value))
+            for kind, raw in BODIES.items():
+                assert_refused(client.post(server.url + path, content=raw), (path, kind))
+            for quoted in ({**body, "model": GARBAGE[-1]}, {**body, GARBAGE[-1]: 1}):  # named in the message
+                assert_refused(client.post(server.url + path, content=json.dumps(quoted)), (path, quoted))
+            for content_type in (None, "text/plain", "application/x-www-form-urlencoded", "nonsense/; ;"):
+                headers = {} if content_type is None else {"Content-Type": content_type}
+                r = client.post(server.url + path, content=json.dumps(body), headers=headers)  # plain `curl -d`
+                assert r.status_code == 200, (path, content_type, r.text)
+    for server in (base, chat):
+        assert "Traceback" not in server.output() and "Exception" not in server.output(), server.output()[-3000:]
 
 
 def test_the_openai_client_raises_its_own_errors(base):
@@ -837,7 +888,9 @@ def test_logit_bias_forces_and_bans(base):
 
 
 REFUSED = {"best_of": 2, "suffix": "x", "response_format": {"type": "json_object"}, "foo": 1, "max_token": 5,
-           "tools": [], "user": "me", "logprobs_": 1}
+           "tools": [], "user": "me", "logprobs_": 1,  # OpenAI's, and misspellings; then vLLM's, meaningless here
+           "use_beam_search": True, "guided_json": {}, "guided_regex": "a+", "guided_choice": ["a"],
+           "structured_outputs": {"regex": "a"}, "lora_request": {}, "stop_token_ids": [1], "min_p": 0.1}
 
 
 @pytest.mark.parametrize("field", REFUSED)
@@ -1026,6 +1079,77 @@ def test_penalties_are_vllms_formula(base, char_out, penalties):
     want = tok.decode(vllm_greedy(model.eval(), prompt, n, **{names[k]: v for k, v in penalties.items()}))
     got = complete(base, prompt="ROMEO:", max_tokens=n, temperature=0, extra_body=penalties).choices[0].text
     assert got == want and got != complete(base, prompt="ROMEO:", max_tokens=n, temperature=0).choices[0].text
+
+
+# -----------------------------------------------------------------------------
+# benchmark clients, as they ship: guidellm (vLLM's) and aiperf (NVIDIA's), on loopback, offline
+
+
+@pytest.fixture(scope="module")
+def chat_hf(chat_out, tmp_path_factory):
+    """export.py's folder of the chat model: its tokenizer.json is the tokenizer the clients count tokens with."""
+    hf = tmp_path_factory.mktemp("chat-hf") / "hf"
+    result = run_script("export.py", f"--out_dir={chat_out}", f"--hf_dir={hf}")
+    assert result.returncode == 0, result.stderr
+    return hf
+
+
+# Nothing may leave the machine: a client's request to anywhere but loopback meets a closed port.
+LOOPBACK_ONLY = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1",
+                 "no_proxy": "127.0.0.1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+OUTPUT_TOKENS = 40  # more than any of the model's answers: without ignore_eos every reply would end sooner
+
+
+def client_tool(name: str) -> str:
+    path = Path(sys.executable).with_name(name)  # the venv's console script
+    if not path.exists() and not shutil.which(name):
+        pytest.skip(f"{name} is not installed: pip install -r requirements-dev.txt -c requirements-lock.txt")
+    return str(path) if path.exists() else shutil.which(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_guidellm_benchmarks_the_server_with_no_failed_request(chat, chat_hf, tmp_path, endpoint):
+    """guidellm streams with stream_options.continuous_usage_stats and ignore_eos on every request."""
+    out = tmp_path / "guidellm.json"
+    run = subprocess.run(
+        [client_tool("guidellm"), "run", "--disable-console",
+         "--backend", f"kind=openai_http,target={chat.url},model=chatty,request_format={endpoint},api_key={KEY}",
+         "--profile", "kind=concurrent,streams=4", "--constraint", "kind=max_requests,count=12",
+         "--data", f"kind=synthetic_text,prompt_tokens=8,output_tokens={OUTPUT_TOKENS}",
+         "--tokenizer", f"kind=huggingface_auto,model={chat_hf}", "--output", f"kind=json,path={out}"],
+        cwd=tmp_path, env=os.environ | LOOPBACK_ONLY | {"HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+        timeout=300)
+    assert run.returncode == 0 and out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    metrics = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    assert metrics["request_totals"] == {"successful": 12, "errored": 0, "incomplete": 0, "total": 12}
+    assert metrics["output_token_count"]["successful"]["mean"] == OUTPUT_TOKENS
+    assert metrics["time_to_first_token_ms"]["successful"]["mean"] > 0
+    assert metrics["inter_token_latency_ms"]["successful"]["mean"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_aiperf_benchmarks_the_server_with_no_failed_request(chat, chat_hf, tmp_path, endpoint):
+    """aiperf streams; ignore_eos is its own --extra-inputs. It also reads /metrics: vLLM's names, as served."""
+    out = tmp_path / "aiperf"
+    # not HF_HUB_OFFLINE: aiperf 0.13 then looks a local tokenizer folder up in the hub's cache, and fails
+    run = subprocess.run(
+        [client_tool("aiperf"), "profile", "--ui", "none", "--model", "chatty", "--url", chat.url, "--api-key", KEY,
+         "--endpoint-type", endpoint, "--streaming", "--tokenizer", str(chat_hf), "--request-count", "12",
+         "--concurrency", "4", "--prompt-input-tokens-mean", "8", "--prompt-input-tokens-stddev", "0",
+         "--prompt-output-tokens-mean", str(OUTPUT_TOKENS), "--prompt-output-tokens-stddev", "0",
+         "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--output-artifact-dir", str(out)],
+        cwd=tmp_path, env=os.environ | LOOPBACK_ONLY, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    got = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert got["error_summary"] == [] and got["request_error_rate"]["avg"] == 0, got["error_summary"]
+    assert got["completed_request_count"]["avg"] == 12
+    assert got["output_sequence_length"]["avg"] == OUTPUT_TOKENS
+    assert got["time_to_first_token"]["avg"] > 0 and got["inter_token_latency"]["avg"] > 0
+    scraped = json.loads((out / "server_metrics_export.json").read_text())["metrics"]
+    assert {"vllm:generation_tokens", "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+            "vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= scraped.keys(), sorted(scraped)
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """OpenAI's API as serve.py speaks it: the request models, their checks and errors, the replies.
 
-Requests are pydantic models, as vLLM's protocol.py has them: every field OpenAI documents is implemented
-here or refused with a 400 that names it (extra="forbid"), never silently dropped.
+Requests are pydantic models, as vLLM's protocol.py has them: every field OpenAI documents, and those of vLLM's
+extensions that mean something here, is implemented; any other is refused with a 400 that names it
+(extra="forbid"), never silently dropped.
 A request's checks raise APIError, sent as OpenAI's {"error": {...}}; what passes becomes EngineRequests for
 the engine (core/serving/engine.py). A reply is OpenAI's completion or chat completion, whole or as
 server-sent events, built from the engine's steps: only whole characters, cut at a stop string, with
@@ -30,7 +31,7 @@ from core.serving.metrics import Metrics
 from core.serving.process import EngineProcess
 
 # -----------------------------------------------------------------------------
-# requests: every field OpenAI documents is implemented here or refused (extra="forbid" names it)
+# requests: every field is implemented here or refused (extra="forbid" names it)
 
 
 class StrictModel(BaseModel):
