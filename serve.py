@@ -51,7 +51,7 @@ from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineDied, EngineSet
 from core.serving.metrics import Metrics
 from core.serving.openai import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                                  ServedModel, TokenizeRequest, api_error, check_length, check_model, check_params,
-                                 crash, engine_dead_body, engine_died, engine_request, error_body, http_error, invalid,
+                                 crash, engine_dead_body, engine_died, engine_request, error, http_error, invalid,
                                  messages_of, prompts_of, reply)
 from core.serving.process import EngineProcess
 from core.weights import resolver
@@ -268,7 +268,7 @@ class RequestBody:
 
     @staticmethod
     async def too_large(message: str, scope, receive, send):
-        await ErrorResponse(error_body(message, code="body_too_large"), status_code=413)(scope, receive, send)
+        await error(413, message, code="body_too_large")(scope, receive, send)
 
 
 def replay(body: bytes, receive):

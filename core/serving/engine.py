@@ -22,8 +22,8 @@ request with one setting in one call: sampling_probs over all their rows, each r
 window slides past block_size by slide_window (its cache refilled, as generate refills its own), and uncached
 tokens are fed as generate's _next_logits feeds them. So a request's text is what decode.generate gives it alone
 (tests/test_engine.py), whatever runs beside it, up to the rounding of batched matmuls (which has not changed a
-token in the tests). A request's n choices share its generator: sampled together (one noise tensor over n rows,
-as generate draws its batch), they leave the batch together.
+token in the tests); the server's logit rules (adjust_logits: penalties, logit_bias, min_tokens) are the engine's
+alone. A request's n choices share its generator: sampled together, they leave the batch together.
 """
 import asyncio
 import dataclasses

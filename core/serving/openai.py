@@ -120,29 +120,31 @@ class ErrorResponse(JSONResponse):
 # The app's exception handlers (serve.py's build_app installs them): each error a JSON body in OpenAI's shape.
 
 
+def error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error_body(message, type, param, code), status_code=status)
+
+
 async def api_error(request, e: APIError):
-    return ErrorResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    return error(e.status, e.message, e.type, e.param, e.code)
 
 
 async def invalid(request, e: RequestValidationError):
     err = e.errors()[0]
     if err["type"] == "json_invalid":
-        return ErrorResponse(error_body(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}"),
-                            status_code=400)
+        return error(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
     loc = [str(part) for part in err["loc"] if part != "body"]
     param = loc[0] if loc else None  # the request's field; deeper parts name union members or list items
     if err["type"] == "extra_forbidden":
         where = f" (in {'.'.join(loc[:-1])})" if len(loc) > 1 else ""
-        return ErrorResponse(error_body(f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; "
-                                       f"leave it out (docs/serving.md lists the fields it takes)",
-                                       param=param, code="unsupported_field"), status_code=400)
+        return error(400, f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; leave it out "
+                          f"(docs/serving.md lists the fields it takes)", param=param, code="unsupported_field")
     got = json.dumps(err.get("input"), default=repr)[:80] if err["type"] != "missing" else "nothing"
-    message = f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}"
-    return ErrorResponse(error_body(message, param=param), status_code=400)
+    return error(400, f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}", param=param)
 
 
 async def http_error(request, e: HTTPException):
-    return ErrorResponse(error_body(str(e.detail), code=str(e.status_code)), status_code=e.status_code)
+    return error(e.status_code, str(e.detail), code=str(e.status_code))
 
 
 def engine_dead_body(failure: str) -> dict:
@@ -157,7 +159,7 @@ async def engine_died(request, e: EngineDied):
 
 
 async def crash(request, e: Exception):
-    return ErrorResponse(error_body(f"internal error: {first_line(e)}", "server_error"), status_code=500)
+    return error(500, f"internal error: {first_line(e)}", "server_error")
 
 
 # -----------------------------------------------------------------------------
