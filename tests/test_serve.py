@@ -117,8 +117,8 @@ def train_chat_model(root: Path) -> Path:
         ids += template.render([{"role": "user", "content": q}, {"role": "assistant", "content": a}])[0]
         ids.append(tok.eot_token)
     write_dataset(root / "data", meta, {"train": ids, "val": ids})
-    train_tiny(root / "out", root / "data", block_size=96, n_embd=48, max_iters=150, lr_decay_iters=150,
-               eval_interval=150)
+    train_tiny(root / "out", root / "data", block_size=96, n_embd=48, max_iters=250, lr_decay_iters=250,
+               eval_interval=250)
     return root / "out"
 
 
