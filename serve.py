@@ -4,11 +4,10 @@
     python serve.py --init_from=gpt2 --port=8080                    # GPT-2 weights (needs transformers)
     python serve.py --out_dir=RUN --host=0.0.0.0 --api_key=SECRET   # or SERVE_API_KEY=SECRET in the environment
 
-    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
-        -d '{"model": "out-shakespeare-char", "prompt": "ROMEO:", "max_tokens": 50, "temperature": 0}'
+    curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "ROMEO:", "max_tokens": 50, "temperature": 0}'
 
-Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...). The model's name is
-its out_dir's folder name (or init_from), unless --model_name says otherwise.
+Any OpenAI client works, and vLLM's request extensions and metrics: OpenAI(base_url="http://127.0.0.1:8000/v1",
+api_key=...). The model's name is its out_dir's folder name (or init_from), unless --model_name says otherwise.
 
 Requests are batched continuously by core/serving/engine.py's BatchEngine (on a CPU in a process of its own,
 core/serving/process.py's EngineProcess): one forward per step decodes the next token of every running
@@ -36,7 +35,7 @@ from typing import Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 import torch
@@ -50,9 +49,9 @@ from core.decoding.quantize import check_quantize, quantized_note
 from core.errors import UserError, first_line, run_cli
 from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineDied, EngineSettings
 from core.serving.metrics import Metrics
-from core.serving.openai import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, ServedModel,
-                                 TokenizeRequest, api_error, check_length, check_model, check_params, crash,
-                                 engine_dead_body, engine_died, engine_request, error_body, http_error, invalid,
+from core.serving.openai import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+                                 ServedModel, TokenizeRequest, api_error, check_length, check_model, check_params,
+                                 crash, engine_dead_body, engine_died, engine_request, error, http_error, invalid,
                                  messages_of, prompts_of, reply)
 from core.serving.process import EngineProcess
 from core.weights import resolver
@@ -105,6 +104,8 @@ def served_model(request: Request) -> ServedModel:
 
 
 async def check_key(request: Request) -> None:  # async: a plain def would run in a worker thread
+    """On the /v1 routes only, as vLLM's --api-key: they generate. The tokenizer's routes, /metrics, /health and
+    the page stay open (docs/serving.md, "Errors and access")."""
     api_key = served_model(request).api_key
     if api_key is None:
         return
@@ -128,18 +129,18 @@ async def page():
         "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'"})
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request):
     served = served_model(request)
     if served.engine.failure is not None:  # a load balancer stops sending here; the server is about to exit
-        return JSONResponse(engine_dead_body(served.engine.failure), status_code=503)
+        return ErrorResponse(engine_dead_body(served.engine.failure), status_code=503)
     return {"status": "ok", "model": served.name, "chat": served.template is not None,
             "auth": served.api_key is not None, "context_length": served.block_size,
             "running": served.engine.running, "waiting": served.engine.waiting_count(),
             "tokens_generated": served.engine.tokens_generated}
 
 
-@router.get("/metrics")
+@router.api_route("/metrics", methods=["GET", "HEAD"])
 async def metrics(request: Request):
     served = served_model(request)
     return Response(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
@@ -165,7 +166,7 @@ async def model_info(model_id: str, request: Request):
     return model_card(served)
 
 
-@router.get("/tokenizer_info", dependencies=[Depends(check_key)])
+@router.get("/tokenizer_info")
 async def tokenizer_info(request: Request):
     """vLLM's: what a client (lm-eval's remote tokenizer) needs to tokenize as the server does."""
     served = served_model(request)
@@ -176,7 +177,7 @@ async def tokenizer_info(request: Request):
             "model_max_length": served.block_size}
 
 
-@router.post("/tokenize", dependencies=[Depends(check_key)])
+@router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request):
     served = served_model(request)
     check_model(served, req.model)
@@ -187,7 +188,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
     return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size}
 
 
-@router.post("/detokenize", dependencies=[Depends(check_key)])
+@router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
     served = served_model(request)
     check_model(served, req.model)
@@ -205,10 +206,9 @@ async def completions(req: CompletionRequest, request: Request):
     max_tokens, stops, seed = check_params(served, req, default_max=16, allow_zero=req.echo)  # 16: OpenAI's default
     if req.echo and req.stream:
         raise APIError(400, "echo with stream is not supported; leave one out", "echo")
-    eot = served.tok.eot_token
-    reqs = [engine_request(served, req, p, max_tokens, eot, req.logprobs, req.echo, seed)
+    reqs = [engine_request(served, req, p, max_tokens, False, req.logprobs, req.echo, seed)
             for p in prompts_of(served, req)]
-    return await reply(served, req, reqs, stops, set() if eot is None else {eot}, chat=False)
+    return await reply(served, req, reqs, stops, chat=False)
 
 
 @v1.post("/chat/completions")
@@ -228,16 +228,18 @@ async def chat_completions(req: ChatRequest, request: Request):
     default = max(1, min(served.max_tokens_limit, served.block_size - len(prompt)))
     max_tokens, stops, seed = check_params(served, req, default_max=default)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    reqs = [engine_request(served, req, prompt, max_tokens, served.template.end_of_turn, logprobs, False, seed)]
-    return await reply(served, req, reqs, stops, served.template.stop_tokens, chat=True)
+    reqs = [engine_request(served, req, prompt, max_tokens, True, logprobs, False, seed)]
+    return await reply(served, req, reqs, stops, chat=True)
 
 
 router.include_router(v1)
 
 
-class BodyLimit:
-    """413 for a request body over max_bytes, sent chunked or not. Plain ASGI: Starlette's BaseHTTPMiddleware
-    would pass every chunk of a streamed reply through a task and a memory stream of its own."""
+class RequestBody:
+    """413 for a request body over max_bytes, sent chunked or not; and every POST body read as JSON whatever its
+    Content-Type (plain `curl -d` sends a form's, others text/plain): FastAPI would hand such a body to the
+    request model as bytes. Plain ASGI: Starlette's BaseHTTPMiddleware would pass every chunk of a streamed reply
+    through a task and a memory stream of its own."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -245,6 +247,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["method"] == "POST":  # every POST route here takes JSON
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                         + [(b"content-type", b"application/json")])
         length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > self.max_bytes:
             return await self.too_large(f"the request body is {length} bytes, more than the {self.max_bytes} "
@@ -263,7 +268,7 @@ class BodyLimit:
 
     @staticmethod
     async def too_large(message: str, scope, receive, send):
-        await JSONResponse(error_body(message, code="body_too_large"), status_code=413)(scope, receive, send)
+        await error(413, message, code="body_too_large")(scope, receive, send)
 
 
 def replay(body: bytes, receive):
@@ -324,7 +329,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
         shift = window_shift(cfg.window_shift, model.config.block_size)
     except ValueError as e:
         raise UserError(f"--window_shift: {e}") from None
-    metrics = Metrics()
+    metrics = Metrics(name)
     settings = EngineSettings(cfg.max_batch, shift, tok.vocab_size, cfg.prefill_chunk)
     try:
         if engine_kind(cfg, device) == "process":  # threads: the engine's own (main keeps this process to one)
@@ -341,7 +346,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     for kind, handler in ((APIError, api_error), (RequestValidationError, invalid), (HTTPException, http_error),
                           (EngineDied, engine_died), (Exception, crash)):
         app.add_exception_handler(kind, handler)
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(RequestBody, max_bytes=cfg.max_body_bytes)
     app.include_router(router)
     return app
 

@@ -47,7 +47,6 @@ from core.decoding.quantize import check_quantize
 from core.errors import UserError
 from core.serving.engine import BatchEngine, EngineRequest, EngineSettings, engine_sampling
 from core.training import checkpointing
-from core.weights import resolver
 from model import GPT, GPTConfig
 
 QUICKSTART = "config/train_shakespeare_char_cpu.py"
@@ -206,10 +205,9 @@ async def lean_stream(url: str, path: str, body: dict) -> AsyncIterator[tuple[in
 
 
 def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
-              client: str = "lean", eot: int | None = None) -> tuple[float, list[float]]:
+              client: str = "lean") -> tuple[float, list[float]]:
     """clients concurrent streaming /v1/completions requests, read by lean_stream or by httpx; each one's
-    usage is checked. The served end-of-text id gets logit_bias -100, so that no request stops early (the
-    in-process engine is given no stop id)."""
+    usage is checked. ignore_eos, as the in-process engine is given no stop id: no request stops early."""
     import httpx
 
     async def lines(c, body):
@@ -223,9 +221,7 @@ def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
 
     async def one(c, seed, t0):
         body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-                "stream": True, "stream_options": {"include_usage": True}}
-        if eot is not None:
-            body["logit_bias"] = {str(eot): -100}
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         first, usage, status = None, None, None
         async for status, line in lines(c, body):
             if line.startswith("data: {"):
@@ -251,7 +247,7 @@ def side(runs: list[dict], tokens: int) -> dict:
 
 
 def clients_rows(cfg, engine: BatchEngine, servers: dict[str, tuple[subprocess.Popen, str]],
-                 prompt: list[int], eot: int | None) -> list[dict]:
+                 prompt: list[int]) -> list[dict]:
     """One row per server engine and client count; the sides alternate at each count, each repeat."""
     counts = int_list(cfg.serve_clients, "serve_clients")
     runs: dict[tuple[int, str], list[dict]] = {}
@@ -263,7 +259,7 @@ def clients_rows(cfg, engine: BatchEngine, servers: dict[str, tuple[subprocess.P
             runs.setdefault((c, "in_process"), []).append(run | ttft(ttfts))
             for name, (server, url) in servers.items():
                 cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
-                s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens, cfg.serve_client, eot)
+                s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens, cfg.serve_client)
                 run = {"s": s, "client_cpu_s": time.process_time() - cpu0}
                 if server0 is not None:
                     run["cpu_s"] = process_cpu_s(server.pid) - server0
@@ -292,7 +288,6 @@ def ttft(ttfts: list[float]) -> dict:
 def measure(cfg, rt: runtime.Runtime) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = serve_checkpoint(cfg, Path(tmp))
-        served_eot = resolver.with_end_of_text(model, tok)[1].eot_token  # a char vocabulary's, as serve.py appends it
         model = inference_model(model, rt, quantize=cfg.serve_quantize)
         prompt = [i % tok.vocab_size for i in range(1, cfg.serve_prompt_len + 1)]
         settings = EngineSettings(cfg.serve_max_batch, window_shift(None, model.config.block_size), tok.vocab_size)
@@ -302,7 +297,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         try:
             for name in engines(cfg):
                 servers[name] = start_server(cfg, rt, Path(tmp), name)
-            rows = clients_rows(cfg, engine, servers, prompt, served_eot)
+            rows = clients_rows(cfg, engine, servers, prompt)
         finally:
             for server, _ in servers.values():
                 server.terminate()

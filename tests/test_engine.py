@@ -272,12 +272,19 @@ def test_logit_bias_and_penalties(trained):
         assert len(set(pen["rows"][0])) > len(set(plain["rows"][0]))
 
 
-def test_adjust_logits_is_openais_formula():
-    logits = torch.zeros(2, 4)
-    counts = torch.tensor([[0., 1, 3, 0], [2, 0, 0, 0]])
-    bias = torch.tensor([0., 0, 0, 5])
-    got = adjust_logits(logits, counts, presence=0.5, frequency=0.25, bias=bias)
-    assert got.tolist() == [[0, -0.75, -1.25, 5], [-1.0, 0, 0, 5]]
+def test_adjust_logits_is_vllms_formula_in_vllms_order():
+    """logit_bias, then min_tokens' ban, then repetition_penalty on prompt and generated tokens (a positive logit
+    divided, a negative one multiplied), then OpenAI's frequency and presence penalties on generated ones."""
+    logits = torch.tensor([[2., -2, 1, 0, 3], [1, 1, 1, 1, 1]])
+    counts = torch.tensor([[0., 1, 3, 0, 0], [2, 0, 0, 0, 0]])  # each row's generated tokens
+    seen = torch.tensor([True, False, False, False, False])  # the prompt's
+    bias = torch.tensor([0., 0, 0, 5, 0])
+    req = EngineRequest([0], 2, 10, None, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
+                        min_tokens=3, stop_tokens=(4,))
+    inf = float("inf")
+    assert adjust_logits(logits, req, 2, counts, seen, bias).tolist() == [[1, -4.75, -0.75, 5, -inf],
+                                                                          [-0.5, 1, 1, 6, -inf]]
+    assert adjust_logits(logits, req, 3, counts, seen, bias)[:, 4].tolist() == [3, 1]  # min_tokens reached
 
 
 @pytest.mark.parametrize("kind", ENGINES)

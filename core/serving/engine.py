@@ -22,8 +22,8 @@ request with one setting in one call: sampling_probs over all their rows, each r
 window slides past block_size by slide_window (its cache refilled, as generate refills its own), and uncached
 tokens are fed as generate's _next_logits feeds them. So a request's text is what decode.generate gives it alone
 (tests/test_engine.py), whatever runs beside it, up to the rounding of batched matmuls (which has not changed a
-token in the tests). A request's n choices share its generator: sampled together (one noise tensor over n rows,
-as generate draws its batch), they leave the batch together.
+token in the tests); the server's logit rules (adjust_logits: penalties, logit_bias, min_tokens) are the engine's
+alone. A request's n choices share its generator: sampled together, they leave the batch together.
 """
 import asyncio
 import dataclasses
@@ -70,9 +70,12 @@ class EngineRequest:
     sampling: Sampling
     logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and the k most likely
     echo: bool = False  # also the prompt's own logprobs (PromptScores)
-    presence_penalty: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI's, on generated tokens (adjust_logits)
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    repetition_penalty: float = 1.0  # vLLM's, on tokens of the prompt or generated
+    min_tokens: int = 0  # stop_tokens are banned until this many tokens are generated
+    stop_tokens: tuple[int, ...] = ()  # the ids that end a choice (its end of text, or of a chat turn)
 
 
 @dataclasses.dataclass
@@ -102,13 +105,24 @@ class EngineDied(Exception):
     """The engine's process ended on its own (killed, out of memory): nothing can be generated any more."""
 
 
-def adjust_logits(logits: torch.Tensor, counts: torch.Tensor | None, presence: float, frequency: float,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """OpenAI's penalties and logit_bias on logits (n, V): minus frequency * (times the row has generated the
-    token) minus presence * (once it has), plus the bias. counts (n, V), bias (V,) or None."""
-    if counts is not None and (presence or frequency):
-        logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
-    return logits if bias is None else logits + bias
+def adjust_logits(logits: torch.Tensor, req: EngineRequest, generated: int, counts: torch.Tensor | None,
+                  prompt_seen: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """The request's rules on logits (n, V), in vLLM's sampler's order: plus logit_bias (V,); minus infinity on
+    the stop tokens while fewer than min_tokens are generated; repetition_penalty on every token of the prompt
+    (prompt_seen (V,)) or generated so far (counts (n, V) > 0), a positive logit divided by it and a negative
+    one multiplied; then OpenAI's penalties: minus frequency_penalty times the row's count of the token, minus
+    presence_penalty once it has one."""
+    if bias is not None:
+        logits = logits + bias
+    if generated < req.min_tokens and req.stop_tokens:
+        logits = logits.index_fill(1, torch.tensor(req.stop_tokens, device=logits.device), float("-inf"))
+    if counts is None:
+        return logits
+    if req.repetition_penalty != 1:
+        seen = counts > 0 if prompt_seen is None else (counts > 0) | prompt_seen
+        penalised = torch.where(logits > 0, logits / req.repetition_penalty, logits * req.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    return logits - req.frequency_penalty * counts - req.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def score(logprobs: torch.Tensor, tokens: torch.Tensor, k: int, vocab_size: int) -> list[TokenScore]:
@@ -177,8 +191,13 @@ class Active:
         self.prompt_scores: list[TokenScore | None] = [None]
         self.prompt_last: torch.Tensor | None = None  # log-softmax of the last prefilled position (with echo)
         self.last: list[torch.Tensor | None] = [None] * len(slots)  # each row's next-token logits, once prefilled
-        penalised = req.presence_penalty or req.frequency_penalty
-        self.counts = torch.zeros(len(slots), vocab, device=device) if penalised else None
+        vocab = req.sampling.vocab_size or vocab  # the ids drawn from, and so counted and biased
+        penalised = req.presence_penalty or req.frequency_penalty or req.repetition_penalty != 1
+        self.counts = torch.zeros(len(slots), vocab, device=device) if penalised else None  # each row's tokens
+        self.prompt_seen = None
+        if req.repetition_penalty != 1:
+            self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.prompt_seen[[t for t in req.prompt if t < vocab]] = True
         self.bias = None
         if req.logit_bias:
             self.bias = torch.zeros(vocab, device=device)
@@ -224,6 +243,10 @@ class BatchEngine:
 
     def waiting_count(self) -> int:
         return len(self.waiting) + self.pending.qsize()
+
+    @property
+    def slots_used(self) -> int:  # the KV cache's slots held by requests (for /metrics)
+        return self.settings.max_batch - len(self.free)
 
     # --- the engine thread -------------------------------------------------------------------
 
@@ -419,8 +442,8 @@ class BatchEngine:
             if req.max_tokens == 0:  # only the prompt's scores were wanted
                 self._finish(active, None)
                 continue
-            cut = adjust_logits(logits[:, :s.vocab_size], active.counts, req.presence_penalty, req.frequency_penalty,
-                                active.bias if active.bias is None else active.bias[:s.vocab_size])  # (n, V)
+            cut = adjust_logits(logits[:, :s.vocab_size], req, active.generated, active.counts, active.prompt_seen,
+                                active.bias)  # (n, V)
             groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((active, cut, logits))
         for (temperature, top_k, top_p, _), members in groups.items():
             check_sampling_args(temperature, top_k, top_p)
@@ -442,6 +465,7 @@ class BatchEngine:
         """The request's rows drew ids (n,) from logits (n, V): pad the rows that ended, score, send; finish the
         request if it is done."""
         req, s = active.req, active.req.sampling
+        live = active.done.count(False)  # rows still generating: the tokens served (an ended row's pad is not)
         if s.eot_token is not None:
             ids = [s.eot_token if done else t for t, done in zip(ids, active.done)]
             active.done = [done or t == s.eot_token for t, done in zip(ids, active.done)]
@@ -457,7 +481,7 @@ class BatchEngine:
         active.generated += 1
         self.tokens_generated += 1
         if self.metrics is not None:
-            self.metrics.token(active.handle, len(ids))
+            self.metrics.token(active.handle, live)
         self._send(active.handle, [RowStep(t, sc) for t, sc in zip(ids, scores)])
         if active.generated == req.max_tokens or all(active.done):
             self._finish(active, None)

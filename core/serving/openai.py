@@ -1,7 +1,8 @@
 """OpenAI's API as serve.py speaks it: the request models, their checks and errors, the replies.
 
-Requests are pydantic models, as vLLM's protocol.py has them: every field OpenAI documents is implemented
-here or refused with a 400 that names it (extra="forbid"), never silently dropped.
+Requests are pydantic models, as vLLM's protocol.py has them: every field OpenAI documents, and those of vLLM's
+extensions that mean something here, is implemented; any other is refused with a 400 that names it
+(extra="forbid"), never silently dropped.
 A request's checks raise APIError, sent as OpenAI's {"error": {...}}; what passes becomes EngineRequests for
 the engine (core/serving/engine.py). A reply is OpenAI's completion or chat completion, whole or as
 server-sent events, built from the engine's steps: only whole characters, cut at a stop string, with
@@ -10,6 +11,7 @@ logprobs in each endpoint's own shape. serve.py holds the routes over these; doc
 import asyncio
 import dataclasses
 import json
+import math
 import secrets
 import time
 from typing import Any, AsyncIterator
@@ -29,7 +31,7 @@ from core.serving.metrics import Metrics
 from core.serving.process import EngineProcess
 
 # -----------------------------------------------------------------------------
-# requests: every field OpenAI documents is implemented here or refused (extra="forbid" names it)
+# requests: every field is implemented here or refused (extra="forbid" names it)
 
 
 class StrictModel(BaseModel):
@@ -39,11 +41,13 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class RequestBase(StrictModel):
-    """What completions and chat completions share: the model, the length, the sampling, the stream."""
-    model: str
+    """What completions and chat completions share: the model, the length, the sampling, the stream; OpenAI's
+    fields first, then vLLM's extensions (sent as extra_body with the openai client)."""
+    model: str | None = None  # None: the one served (vLLM's)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float = 1.0
@@ -57,6 +61,11 @@ class RequestBase(StrictModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(RequestBase):
@@ -100,32 +109,42 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class ErrorResponse(JSONResponse):
+    """An error's JSON in ASCII: whatever a request spelled that the message quotes back (a lone surrogate in a
+    field's name, say) cannot fail to encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content).encode()
+
+
 # The app's exception handlers (serve.py's build_app installs them): each error a JSON body in OpenAI's shape.
 
 
+def error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None) -> ErrorResponse:
+    return ErrorResponse(error_body(message, type, param, code), status_code=status)
+
+
 async def api_error(request, e: APIError):
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+    return error(e.status, e.message, e.type, e.param, e.code)
 
 
 async def invalid(request, e: RequestValidationError):
     err = e.errors()[0]
     if err["type"] == "json_invalid":
-        return JSONResponse(error_body(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}"),
-                            status_code=400)
+        return error(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
     loc = [str(part) for part in err["loc"] if part != "body"]
     param = loc[0] if loc else None  # the request's field; deeper parts name union members or list items
     if err["type"] == "extra_forbidden":
         where = f" (in {'.'.join(loc[:-1])})" if len(loc) > 1 else ""
-        return JSONResponse(error_body(f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; "
-                                       f"leave it out (docs/serving.md lists the fields it takes)",
-                                       param=param, code="unsupported_field"), status_code=400)
-    got = json.dumps(err.get("input"))[:80] if err["type"] != "missing" else "nothing"
-    message = f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}"
-    return JSONResponse(error_body(message, param=param), status_code=400)
+        return error(400, f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; leave it out "
+                          f"(docs/serving.md lists the fields it takes)", param=param, code="unsupported_field")
+    got = json.dumps(err.get("input"), default=repr)[:80] if err["type"] != "missing" else "nothing"
+    return error(400, f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}", param=param)
 
 
 async def http_error(request, e: HTTPException):
-    return JSONResponse(error_body(str(e.detail), code=str(e.status_code)), status_code=e.status_code)
+    return error(e.status_code, str(e.detail), code=str(e.status_code))
 
 
 def engine_dead_body(failure: str) -> dict:
@@ -136,11 +155,11 @@ def engine_dead_body(failure: str) -> dict:
 
 
 async def engine_died(request, e: EngineDied):
-    return JSONResponse(engine_dead_body(str(e)), status_code=503)
+    return ErrorResponse(engine_dead_body(str(e)), status_code=503)
 
 
 async def crash(request, e: Exception):
-    return JSONResponse(error_body(f"internal error: {first_line(e)}", "server_error"), status_code=500)
+    return error(500, f"internal error: {first_line(e)}", "server_error")
 
 
 # -----------------------------------------------------------------------------
@@ -170,7 +189,7 @@ class ServedModel:
 
 def check_model(served: ServedModel, model: str | None) -> None:
     if model is not None and model != served.name:
-        raise APIError(400, f"model '{model}' is not served here; this server serves '{served.name}' (GET /v1/models)",
+        raise APIError(404, f"model '{model}' is not served here; this server serves '{served.name}' (GET /v1/models)",
                        "model", "model_not_found")
 
 
@@ -184,15 +203,24 @@ def messages_of(req: ChatRequest) -> list[dict]:
             for m in req.messages]
 
 
-def engine_request(served: ServedModel, req: RequestBase, prompt: list[int], max_tokens: int, eot: int | None,
+def stop_ids_of(served: ServedModel, chat: bool) -> tuple[int | None, set[int]]:
+    """(the id that ends a row in the engine, every id that ends a choice): the end of a chat turn (and the chat
+    template's other tokens), or the end of text."""
+    if chat:
+        return served.template.end_of_turn, served.template.stop_tokens
+    return served.tok.eot_token, {served.tok.eot_token} - {None}
+
+
+def engine_request(served: ServedModel, req: RequestBase, prompt: list[int], max_tokens: int, chat: bool,
                    logprobs: int | None, echo: bool, seed: int) -> EngineRequest:
     top_p = None if req.top_p == 1 else req.top_p
     settings = served.engine.settings
-    sampling = engine_sampling(req.temperature, req.top_k, top_p, seed, served.device, eot, settings.window_shift,
-                               settings.vocab_size)
+    eot, ends = stop_ids_of(served, chat)
+    sampling = engine_sampling(req.temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot,
+                               settings.window_shift, settings.vocab_size)
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     return EngineRequest(prompt, req.n, max_tokens, sampling, logprobs, echo, req.presence_penalty,
-                         req.frequency_penalty, bias)
+                         req.frequency_penalty, bias, req.repetition_penalty, req.min_tokens, tuple(sorted(ends)))
 
 
 def check_params(served: ServedModel, req: RequestBase, default_max: int,
@@ -203,6 +231,14 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
     if not (0 if allow_zero else 1) <= max_tokens <= served.max_tokens_limit:
         raise APIError(400, f"max_tokens must be in 1..{served.max_tokens_limit} on this server (0 only with echo), "
                             f"got {max_tokens}", "max_tokens")
+    if not 0 <= req.min_tokens <= max_tokens:
+        raise APIError(400, f"min_tokens must be in 0..max_tokens ({max_tokens}), got {req.min_tokens}", "min_tokens")
+    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(req, field)):  # JSON's 1e999 reads as infinity, and Python's reads NaN
+            raise APIError(400, f"{field} must be a finite number, got {getattr(req, field)}", field)
+    if not req.repetition_penalty > 0:
+        raise APIError(400, f"repetition_penalty must be greater than 0 (1: none), got {req.repetition_penalty}",
+                       "repetition_penalty")
     try:
         check_sampling_args(req.temperature, req.top_k, None if req.top_p == 1 else req.top_p)
     except ValueError as e:  # the message starts with the setting's name
@@ -215,7 +251,7 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
         if not -2 <= getattr(req, field) <= 2:
             raise APIError(400, f"{field} must be in [-2, 2], got {getattr(req, field)}", field)
     for key, value in (req.logit_bias or {}).items():
-        if not key.isdigit() or not int(key) < served.tok.vocab_size:
+        if not (key.isascii() and key.isdigit()) or not int(key) < served.tok.vocab_size:
             raise APIError(400, f"logit_bias keys are token ids in 0..{served.tok.vocab_size - 1}, got '{key}'",
                            "logit_bias")
         if not -100 <= value <= 100:
@@ -273,11 +309,15 @@ def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
 class ChoiceText:
     """One choice's text as its ids arrive: only whole UTF-8 characters, cut at a stop string.
 
+    As vLLM's: hidden ids (the special tokens, with skip_special_tokens) add no text; a stop string is looked for
+    once more than min_tokens ids have come (one that ends past them counts), and is kept with include_stop.
     Each id taken is kept with its score (for logprobs) up to the one that finished the choice."""
 
-    def __init__(self, tok: Tokenizer, stops: list[str], stop_ids: set[int], max_tokens: int):
+    def __init__(self, tok: Tokenizer, stops: list[str], stop_ids: set[int], max_tokens: int, min_tokens: int = 0,
+                 include_stop: bool = False, hidden: set[int] = frozenset()):
         self.decoder, self.stops, self.stop_ids, self.max_tokens = StreamDecoder(tok), stops, stop_ids, max_tokens
-        self.text, self.sent, self.tokens = "", 0, 0
+        self.min_tokens, self.include_stop, self.hidden = min_tokens, include_stop, hidden
+        self.text, self.sent, self.tokens, self.floor = "", 0, 0, 0  # floor: the text of the first min_tokens ids
         self.finish: str | None = None
         self.scored: list[tuple[int, TokenScore | None]] = []  # every id taken, with its score
         self.unsent_scores = 0  # how many of them no chunk has carried yet
@@ -292,11 +332,14 @@ class ChoiceText:
         if token in self.stop_ids:  # <|endoftext|>, or the end of a chat turn
             self.finish = "stop"
         else:
-            self.text += self.decoder.push(token)
-            cut = min((i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                self.text, self.finish = self.text[:cut], "stop"
+            self.text += "" if token in self.hidden else self.decoder.push(token)
+            if self.tokens <= self.min_tokens:
+                self.floor = len(self.text)
+            hits = [(i, s) for s in self.stops if self.tokens > self.min_tokens and
+                    (i := self.text.find(s, max(0, self.sent - len(s), self.floor - len(s) + 1))) >= 0]
+            if hits:
+                i, s = min(hits)
+                self.text, self.finish = self.text[:i + len(s) * self.include_stop], "stop"
             elif self.tokens == self.max_tokens:
                 self.text, self.finish = self.text + self.decoder.flush(), "length"
         end = len(self.text) if self.finish else len(self.text) - self._held_back()
@@ -401,7 +444,7 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
 
 
 async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest], stops: list[str],
-                stop_ids: set[int], chat: bool) -> dict | StreamingResponse:
+                chat: bool) -> dict | StreamingResponse:
     """The reply to a completions request (chat=False) or a chat completions one (chat=True), generated by reqs
     (one per prompt, each with its n choices): OpenAI's text_completion or chat.completion as a dict, or, with
     req.stream, a StreamingResponse of server-sent events (each a ".chunk" object, then "data: [DONE]").
@@ -409,15 +452,20 @@ async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest]
     The two shapes differ in each choice alone: a completion's carries text and the logprobs lists (with echo,
     the prompt's first); a chat reply's a message (streamed: a delta, the first chunk naming the role) and
     logprobs.content. A choice's text is cut at stops, never sent in part; stop_ids end it (<|endoftext|>, or
-    the end of a chat turn)."""
+    the end of a chat turn), unless req.ignore_eos. With stream_options.continuous_usage_stats every chunk
+    carries the usage so far."""
     tok = served.tok
+    stop_ids = set() if req.ignore_eos else stop_ids_of(served, chat)[1]
+    hidden = ({tok.eot_token} | set(tok.special_tokens.values())) - {None} if req.skip_special_tokens else set()
     kind = "chat.completion" if chat else "text_completion"
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     prompt_tokens = sum(len(r.prompt) for r in reqs)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = include_usage and req.stream_options.continuous_usage_stats
     want_logprobs = reqs[0].logprobs is not None
     echo = reqs[0].echo
-    make_text = lambda: ChoiceText(tok, stops, stop_ids, max(1, reqs[0].max_tokens))  # noqa: E731
+    make_text = lambda: ChoiceText(tok, stops, stop_ids, max(1, reqs[0].max_tokens), req.min_tokens,  # noqa: E731
+                                   req.include_stop_str_in_output, hidden)
 
     def logprobs_of(c: Choice, scored, offset: int = 0):
         if not want_logprobs:
@@ -439,10 +487,13 @@ async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest]
     head = json.dumps({"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
                        "model": served.name}, ensure_ascii=False)[:-1]
 
-    def event(choices: list[dict], used: dict | None = None) -> str:
+    choices: list[Choice] = []  # filled by pieces
+
+    def event(parts: list[dict], used: dict | None = None) -> str:
         """One chunk of the stream as a server-sent event: the fields every chunk shares, then its own."""
+        used = usage(prompt_tokens, sum(c.generated.tokens for c in choices)) if continuous else used
         tail = f', "usage": {json.dumps(used)}}}' if include_usage else "}"
-        return f'data: {head}, "choices": {json.dumps(choices, ensure_ascii=False)}{tail}\n\n'
+        return f'data: {head}, "choices": {json.dumps(parts, ensure_ascii=False)}{tail}\n\n'
 
     def whole_choice(i: int, c: Choice) -> dict:
         if chat:
@@ -455,7 +506,6 @@ async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest]
         return {"index": i, "text": text, "logprobs": logprobs_of(c, scored), "finish_reason": c.generated.finish}
 
     if not req.stream:
-        choices: list[Choice] = []
         async for _ in pieces(served, reqs, make_text, choices):
             pass
         return {"id": rid, "object": kind, "created": created, "model": served.name,
@@ -463,7 +513,6 @@ async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest]
                 "usage": usage(prompt_tokens, sum(c.generated.tokens for c in choices if reqs[0].max_tokens))}
 
     async def events() -> AsyncIterator[str]:
-        choices: list[Choice] = []
         try:
             if chat:  # OpenAI's first chunk of each choice names the role
                 for i in range(sum(r.n for r in reqs)):

@@ -60,7 +60,7 @@ class PipeLoop:
         e = self.engine
         try:
             self.conn.send(("step", [(h.id, item) for h, item in events],
-                            (e.running, e.waiting_count(), e.tokens_generated), e.metrics.take()))
+                            (e.running, e.waiting_count(), e.tokens_generated, e.slots_used), e.metrics.take()))
         except OSError:  # the server has gone
             e.stop()
 
@@ -130,7 +130,7 @@ class ProcessHandle(Handle):
 
 class EngineProcess:
     """A BatchEngine in a process of its own, with BatchEngine's side for the caller (start, stop, submit,
-    running, waiting_count, tokens_generated).
+    running, waiting_count, tokens_generated, slots_used).
 
     Why a process: in the server's process the engine thread's Python (a small model's forward is mostly
     Python dispatch) and the event loop's work for each streamed chunk take turns under one GIL, so the
@@ -161,7 +161,7 @@ class EngineProcess:
         self.handles: dict[int, ProcessHandle] = {}
         self.next_id = 0
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.running = self.waiting = self.tokens_generated = 0
+        self.running = self.waiting = self.tokens_generated = self.slots_used = 0
         self.failure: str | None = None  # why the process ended, once it has ended on its own (serve.py's /health)
         self.send_lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
@@ -217,7 +217,7 @@ class EngineProcess:
 
     def _deliver(self, events: list, counters: tuple, step_metrics: tuple) -> None:
         """On the event loop: one step's events to their handles, its counters and metrics to the server's."""
-        self.running, self.waiting, self.tokens_generated = counters
+        self.running, self.waiting, self.tokens_generated, self.slots_used = counters
         if self.metrics is not None:
             batches, tokens = step_metrics
             for rows in batches:
@@ -239,7 +239,7 @@ class EngineProcess:
             handle.ended = True
             handle.out.put_nowait(end)
         self.handles.clear()
-        self.running = self.waiting = 0
+        self.running = self.waiting = self.slots_used = 0
 
     def join(self, timeout: float | None = None) -> None:
         self.process.join(timeout)
