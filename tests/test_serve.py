@@ -342,7 +342,8 @@ def test_eight_concurrent_streams_each_get_what_a_lone_request_gets(base):
 def test_a_client_that_leaves_stops_its_generation(base):
     before = base.health()["tokens_generated"]
     with httpx.stream("POST", base.url + "/v1/completions", timeout=30,
-                      json={"model": "romeo", "prompt": "ROMEO:", "max_tokens": 100000, "stream": True}) as r:
+                      json={"model": "romeo", "prompt": "ROMEO:", "max_tokens": 100000, "stream": True,
+                            "ignore_eos": True}) as r:
         lines = r.iter_lines()
         for _ in range(10):
             next(lines)
@@ -580,7 +581,8 @@ def test_ctrl_c_and_sigterm_shut_down_cleanly_mid_stream(char_out, tmp_path, sig
     server = Server(tmp_path, f"--out_dir={char_out}", "--model_name=romeo", "--max_tokens_limit=100000")
     try:
         with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
-                          json={"model": "romeo", "prompt": "ROMEO:", "max_tokens": 100000, "stream": True}) as r:
+                          json={"model": "romeo", "prompt": "ROMEO:", "max_tokens": 100000, "stream": True,
+                                "ignore_eos": True}) as r:
             lines = r.iter_lines()
             next(lines)
             t0 = time.monotonic()
@@ -645,10 +647,12 @@ def test_a_dead_engine_is_503_then_the_server_exits_for_its_supervisor(char_out,
         (kid,) = children(server.proc.pid)
         if when == "streaming":
             stream = iter(server.client().completions.create(model="romeo", prompt="ROMEO:", max_tokens=100000,
+                                                             extra_body={"ignore_eos": True},
                                                              stream=True))
             next(stream)  # generating
             with concurrent.futures.ThreadPoolExecutor(1) as pool:  # and a whole (unstreamed) request in flight
-                whole = pool.submit(complete, server, prompt="JULIET:", max_tokens=100000)
+                whole = pool.submit(complete, server, prompt="JULIET:", max_tokens=100000,
+                                    extra_body={"ignore_eos": True})
                 time.sleep(0.5)
                 os.kill(kid, signal.SIGKILL)
                 with pytest.raises(openai.APIError, match=r"the engine process has ended \(exit code -9\)"):
@@ -951,7 +955,8 @@ def test_vllm_metrics_count_what_was_served(base):
         assert moved(name + "_count") == 3 and moved(name + "_sum") > 0, name
     assert moved("vllm:inter_token_latency_seconds_count") == sum(u.completion_tokens - 1 for u in used)
     assert moved("vllm:inter_token_latency_seconds_sum") > 0 and moved("nanogpt_batch_size_count") > 0
-    with base.client().completions.create(model="romeo", prompt="ROMEO:", max_tokens=100000, stream=True) as long:
+    with base.client().completions.create(model="romeo", prompt="ROMEO:", max_tokens=100000, stream=True,
+                                            extra_body={"ignore_eos": True}) as long:
         next(iter(long))
         during = scrape(base)
     time.sleep(0.5)  # the engine drops the stream that left at its next step
