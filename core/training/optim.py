@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.optim._muon import _adjust_lr  # the rate scaled to the matrix's shape, as torch's own step scales it
 
 from core.errors import UserError
 from core.runtime import native_bf16
@@ -258,7 +259,7 @@ class BatchedMuon(torch.optim.Muon):
                 orthogonal = self._orthogonalise(ups, group)
                 for p, update in zip(params, orthogonal):
                     p.mul_(1 - lr * group["weight_decay"])
-                    p.add_(update, alpha=-_muon_lr(lr, group["adjust_lr_fn"], p.shape))
+                    p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
     def _orthogonalise(self, updates: tuple[torch.Tensor, ...], group: dict) -> list[torch.Tensor]:
@@ -270,17 +271,6 @@ class BatchedMuon(torch.optim.Muon):
         if type(updates[0]) is not torch.Tensor:
             return [newton_schulz(u, *args) for u in updates]
         return list(newton_schulz(torch.stack(updates), *args).unbind(0))
-
-
-def _muon_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """torch.optim._muon._adjust_lr: the rate scaled to the matrix's shape, so that every shape's update
-    has a comparable RMS."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
 
 
 def load_state(optimizer, state: dict) -> None:
