@@ -105,8 +105,7 @@ class CharTokenizer(_Specials):
     after the characters (ids len(chars), len(chars) + 1, ...), <|endoftext|> first (from_text).
 
     A vocabulary prepared before <|endoftext|> was added has none (eot_token None): it still loads, trains
-    and samples as it did; export.py appends one (with_end_of_text), and serve.py names what is missing.
-    """
+    and samples as it did; export.py appends one (with_end_of_text), and serve.py names what is missing."""
 
     def __init__(self, chars: list[str], special_tokens: dict[str, int] | None = None):
         self.itos = list(chars)
@@ -178,8 +177,7 @@ class StreamDecoder:
 
     A byte-level BPE token can end inside a multi-byte UTF-8 character (an emoji is often two or
     three tokens), and decoding it alone gives U+FFFD. Ids are held back while their text ends in
-    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids).
-    """
+    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids)."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
@@ -237,9 +235,7 @@ class HFTokenizer:
 
     @functools.cached_property
     def _reading_specials(self):
-        from tokenizers import Tokenizer as Backend
-
-        return Backend.from_str(self.json)  # encode_special_tokens stays False: an added token's text is its id
+        return type(self.backend).from_str(self.json)  # encode_special_tokens False: an added token's text is its id
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
@@ -270,8 +266,7 @@ class BPETokenizer(HFTokenizer):
     Its tokenizers JSON reserves <|endoftext|> (eot_token) and the chat tokens (core/data/chat.py) as added
     special tokens after the ordinary ids. Only the ones named in special_tokens count as the vocabulary's
     (a chat dataset names the chat tokens, so a base model's tokenizer has no chat template); the ids of
-    all of them are fixed by the training, so a chat fine-tune never grows the embedding.
-    """
+    all of them are fixed by the training, so a chat fine-tune never grows the embedding."""
 
     def __init__(self, tokenizer_json: str, special_tokens: dict[str, int] | None = None):
         super().__init__(tokenizer_json)
@@ -454,8 +449,7 @@ def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = F
     """The prompt's token ids: at least one, at most block_size (the model's context).
 
     An empty prompt starts from <|endoftext|> where the tokenizer has one (how GPT-2 samples
-    unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens.
-    """
+    unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens."""
     try:
         ids = tok.encode_with_specials(text)  # the user's own prompt: "<|endoftext|>" there is the token
     except UserError as e:  # a char vocabulary names the characters it lacks

@@ -58,8 +58,7 @@ class ShardWriter:
     Shards are written into a hidden staging folder and moved into place only when the whole split
     is done (leaving the `with` block without an exception, or commit()), replacing any older
     `{split}.bin` / shards. An interrupted prepare leaves the previous files as they were, and never
-    a partial set that looks complete.
-    """
+    a partial set that looks complete."""
 
     def __init__(self, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype=np.uint16):
         if shard_tokens < 1:
@@ -70,9 +69,7 @@ class ShardWriter:
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir()
         self.names: list[str] = []
-        self.num_tokens = 0
-        self._file = None
-        self._in_shard = 0
+        self.num_tokens, self._in_shard, self._file = 0, 0, None
 
     def write(self, ids) -> None:
         arr = checked_ids(ids, self.dtype, f"{self.out_dir / self.split}_*.bin")
