@@ -180,7 +180,6 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
     with tqdm(total=sum(s.end - s.begin for s in segments), unit="char", unit_scale=True, desc="tokenizing",
               disable=None) as bar:
         for seg in segments:
-            f = files[seg.split]
             head = (joiner if counts[seg.split] else []) + (prefix if seg.begin == 0 else [])
             ids = [checked_ids(head, dtype, seg.split)] if head else []
             for text in segment_text(seg, CHUNK_CHARS if whole else None):
@@ -189,7 +188,7 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
             if seg.end == seg.doc.chars and suffix:
                 ids.append(checked_ids(suffix, dtype, seg.split))
             for arr in ids:
-                write_array(f, arr)
+                write_array(files[seg.split], arr)
                 counts[seg.split] += arr.size
     return counts
 

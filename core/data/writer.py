@@ -28,9 +28,8 @@ def checked_ids(ids, dtype, where: str) -> np.ndarray:
         raise UserError(f"token ids for {where} must be integers, got {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < info.min or hi > info.max:
-        bad = hi if hi > info.max else lo
-        raise UserError(f"token id {bad} does not fit {np.dtype(dtype).name} ({info.min}..{info.max}) in {where}; "
-                        f"use a wider dtype (uint32) or a smaller vocabulary")
+        raise UserError(f"token id {hi if hi > info.max else lo} does not fit {np.dtype(dtype).name} ({info.min}.."
+                        f"{info.max}) in {where}; use a wider dtype (uint32) or a smaller vocabulary")
     return arr.astype(dtype, copy=False)
 
 
