@@ -160,9 +160,7 @@ async def models(request: Request):
 @v1.get("/models/{model_id:path}")
 async def model_info(model_id: str, request: Request):
     served = served_model(request)
-    if model_id != served.name:
-        raise APIError(404, f"model '{model_id}' is not served here; this server serves '{served.name}'", "model",
-                       "model_not_found")
+    check_model(served, model_id)
     return model_card(served)
 
 
@@ -252,8 +250,8 @@ class RequestBody:
                          + [(b"content-type", b"application/json")])
         length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await self.too_large(f"the request body is {length} bytes, more than the {self.max_bytes} "
-                                        f"this server accepts", scope, receive, send)
+            return await error(413, f"the request body is {length} bytes, more than the {self.max_bytes} this "
+                                    f"server accepts", code="body_too_large")(scope, receive, send)
         if scope["method"] == "POST" and not length:  # chunked: count as it arrives, then hand it on whole
             body, more = b"", True
             while more:
@@ -261,26 +259,18 @@ class RequestBody:
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
                 if len(body) > self.max_bytes:
-                    return await self.too_large(f"the request body is more than the {self.max_bytes} bytes this "
-                                                f"server accepts", scope, receive, send)
+                    return await error(413, f"the request body is more than the {self.max_bytes} bytes this "
+                                            f"server accepts", code="body_too_large")(scope, receive, send)
             receive = replay(body, receive)
         await self.app(scope, receive, send)
-
-    @staticmethod
-    async def too_large(message: str, scope, receive, send):
-        await error(413, message, code="body_too_large")(scope, receive, send)
 
 
 def replay(body: bytes, receive):
     """An ASGI receive that gives body first, then whatever receive gives (the client's disconnect)."""
-    sent = False
+    first = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def again():
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        return first.pop() if first else await receive()
     return again
 
 
@@ -419,11 +409,10 @@ def main(argv: Sequence[str]) -> None:
     model = inference_model(model, rt, quantize=cfg.quantize)  # as sample.py: weights cast once (and quantized)
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if resolver.kind_of(cfg.init_from) == "resume" else cfg.init_from)
     app = build_app(model, tok, cfg, name, rt.device, threads)
-    has_key = bool(cfg.api_key or os.environ.get(API_KEY_ENV))
     print(f"serving {source} as '{name}': {model.get_num_params() / 1e6:.2f}M parameters, {rt.device} {rt.dtype}{quantized_note(cfg.quantize)}, "
           f"{'chat and completions' if ChatTemplate.for_tokenizer(tok) else 'completions only (no chat template)'}, "
           f"page at http://{cfg.host}:{cfg.port}/", file=sys.stderr)
-    if not is_loopback(cfg.host) and not has_key:
+    if not is_loopback(cfg.host) and app.state.served.api_key is None:
         print(f"warning: serving on {cfg.host} without an API key: anyone who can reach it can use the model; "
               f"pass --api_key=... or set {API_KEY_ENV}", file=sys.stderr)
     serve(app, cfg.host, cfg.port)

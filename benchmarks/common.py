@@ -6,6 +6,7 @@ torch.cuda.max_memory_allocated on CUDA, and on the CPU the running total of the
 events torch.profiler(profile_memory=True) records from torch's CPU allocator.
 """
 import dataclasses
+import itertools
 import random
 import statistics
 import time
@@ -36,8 +37,7 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int,
     """Median seconds of `repeats` calls of fn, after `warmup` untimed calls.
 
     synchronize waits for queued device work (GPU kernels run asynchronously), so each time
-    covers the work fn launched, not just the launching.
-    """
+    covers the work fn launched, not just the launching."""
     for _ in range(warmup):
         fn()
     synchronize()
@@ -67,8 +67,7 @@ def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int
     allocator (kernels' scratch buffers included) as a "[memory]" event of +/- bytes; their running
     sum in time order is the memory held. The runs share one profile, each inside a record_function
     window named after it (every profiler start and stop logs a line to stderr). The per-op
-    summaries lose the order of events, so this reads the raw event list.
-    """
+    summaries lose the order of events, so this reads the raw event list."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         for name, fn in runs.items():
             with torch.profiler.record_function(name):
@@ -76,16 +75,9 @@ def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int
     events = prof.profiler.kineto_results.events()
     windows = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in runs}
     allocs = sorted(((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"), key=lambda m: m[0])
-    peaks = {}
-    for name, (start, end) in windows.items():
-        before = sum(n for t, n in allocs if t < start)
-        running = peak = before
-        for t, n in allocs:
-            if start <= t <= end:
-                running += n
-                peak = max(peak, running)
-        peaks[name] = peak - before
-    return peaks
+    # each window's running total of its own events, from 0 where it starts: its highest point
+    return {name: max(itertools.accumulate((n for t, n in allocs if start <= t <= end), initial=0))
+            for name, (start, end) in windows.items()}
 
 
 def or_oom(fn: Callable[[], object], rt: runtime.Runtime):

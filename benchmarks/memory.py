@@ -122,8 +122,7 @@ def gpu_training_memory(config, how: str, world_size: int, micro_batch: int,
     in float32, as core/parallel.shard reduces it.
     Not counted: the CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation (~1-3 GB; hence
     FITS_FRACTION), and under fsdp the root's gathered embeddings (the wte/head matrix and wpe,
-    unsharded from the first forward to the last backward: ~0.5 GB for GPT-2 XL).
-    """
+    unsharded from the first forward to the last backward: ~0.5 GB for GPT-2 XL)."""
     return estimate_training_memory(config, micro_batch, "adamw", param_dtype=torch.float32,
                                     compute_dtype=torch.bfloat16, shards=world_size if how == "fsdp" else 1,
                                     activation_checkpointing=activation_checkpointing)

@@ -52,13 +52,10 @@ def adamw(model: GPT, recipe: TrainConfig, device_type: str) -> torch.optim.Adam
     """nanoGPT's optimizer: AdamW over the groups of nanoGPT's configure_optimizers (core.training.optim's AdamW),
     fused only on CUDA (the per-tensor loop elsewhere); each group's base_lr is the peak rate, for optim.set_lr."""
     betas = (recipe.beta1, recipe.beta2)
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"], "base_lr": recipe.learning_rate}
               for g in optim.build_optimizer(model, "adamw", recipe.learning_rate, recipe.weight_decay, betas,
                                              device_type).param_groups]
-    optimizer = torch.optim.AdamW(groups, lr=recipe.learning_rate, betas=betas, fused=device_type == "cuda")
-    for g in optimizer.param_groups:
-        g["base_lr"] = recipe.learning_rate
-    return optimizer
+    return torch.optim.AdamW(groups, lr=recipe.learning_rate, betas=betas, fused=device_type == "cuda")
 
 
 def train_step(model, optimizer, batches: Callable[[int], tuple], recipe: TrainConfig,

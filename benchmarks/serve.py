@@ -71,7 +71,7 @@ PRESETS = {"gpt2": dict(serve_shape="gpt2")}
 def check(cfg) -> None:
     at_least(cfg, 1, "serve_max_tokens", "serve_prompt_len", "serve_max_batch")
     int_list(cfg.serve_clients, "serve_clients")
-    for engine in engines(cfg):
+    for engine in spec_list(cfg.serve_engines):
         if engine not in ("auto", "process", "thread"):
             raise UserError(f"serve_engines: each must be auto, process or thread, got '{engine}'")
     if cfg.serve_client not in ("lean", "httpx"):
@@ -82,10 +82,6 @@ def check(cfg) -> None:
     if "serve" in spec_list(cfg.sections) and cfg.serve_prompt_len > model_config(cfg.serve_shape).block_size:
         raise UserError(f"serve_prompt_len {cfg.serve_prompt_len} is longer than the {cfg.serve_shape} model's "
                         f"block_size {model_config(cfg.serve_shape).block_size}")
-
-
-def engines(cfg) -> list[str]:
-    return [e.strip() for e in cfg.serve_engines.split(",") if e.strip()]
 
 
 def preflight(cfg) -> None:
@@ -295,7 +291,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         engine.start()
         servers = {}
         try:
-            for name in engines(cfg):
+            for name in spec_list(cfg.serve_engines):
                 servers[name] = start_server(cfg, rt, Path(tmp), name)
             rows = clients_rows(cfg, engine, servers, prompt)
         finally:
@@ -325,8 +321,7 @@ def table(r: dict) -> str:
     return (f"### Serving: serve.py over HTTP against the same rows batched in-process ({r['shape']}{weights})\n"
             f"{r['model']}; {r['params'] / 1e6:.2f}M parameters; each client streams one /v1/completions request, "
             f"all at once ({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled; {r['client']} "
-            f"clients); max_batch "
-            f"{r['max_batch']} on both sides; medians of {r['repeats']}\n\n"
+            f"clients); max_batch {r['max_batch']} on both sides; medians of {r['repeats']}\n\n"
             + markdown.table(["engine", "clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms",
                               "in-process tok/s", "in-process TTFT ms", "time ratio", "CPU s server / in-process",
                               "CPU ratio", "client CPU s"], rows))

@@ -94,10 +94,7 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
         rt = dataclasses.replace(rt, dtype="float32")  # nanoGPT's train.py uses no autocast on a CPU
     torch.manual_seed(seed)
     model = kernels.choose_kernels(GPT(GPTConfig(**(recipe.model_args() | {"vocab_size": vocab}))).to(rt.device).train())
-    if name == "nanogpt":
-        optimizer = nanogpt.adamw(model, recipe, rt.device_type)
-    else:
-        optimizer = make_optimizer(model, recipe, rt.device_type)
+    optimizer = (nanogpt.adamw if name == "nanogpt" else make_optimizer)(model, recipe, rt.device_type)
     gen = torch.Generator().manual_seed(seed)
     train_path = Path(data_dir) / "train.bin"
     step = nanogpt.train_step(model, optimizer, lambda it: nanogpt.get_batch(
@@ -123,8 +120,7 @@ def speedrun_data(cfg, tmp: Path) -> tuple[str, str, int]:
     """(data_dir, what it is, vocab size): speedrun_data_dir if given, else the quick-start character data
     built from DEFAULT_CORPUS (or a generated text) into tmp."""
     if cfg.speedrun_data_dir:
-        meta = read_meta(cfg.speedrun_data_dir)
-        return cfg.speedrun_data_dir, cfg.speedrun_data_dir, meta["vocab_size"]
+        return cfg.speedrun_data_dir, cfg.speedrun_data_dir, read_meta(cfg.speedrun_data_dir)["vocab_size"]
     source, vocab = nanogpt.char_dataset(tmp)
     return str(tmp), f"{source}, characters, 90/10 split", vocab
 

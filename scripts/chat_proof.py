@@ -57,8 +57,7 @@ def run_timed(cmds: list[list[str]], while_running) -> list:
 
 def base_accuracy() -> str:
     """The base model on the held-out tasks, with the chat tokens added (mean-initialised rows)."""
-    state = checkpoint.load_checkpoint(Path(BASE) / checkpoint.CKPT_NAME)
-    model = checkpoint.model_from_checkpoint(state)
+    model = checkpoint.model_from_checkpoint(checkpoint.load_checkpoint(Path(BASE) / checkpoint.CKPT_NAME))
     tok = tokenizer_from_meta(read_meta("data/chat"))
     model.grow_vocab(tok.vocab_size)
     r = chat_accuracy(model, ChatTemplate.for_tokenizer(tok), load_chat_file(HELDOUT))

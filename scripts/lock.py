@@ -114,8 +114,7 @@ def check() -> int:
     installed that the lock does not name (a stale lock, or a package left on the machine by hand)."""
     locked, have = parse(LOCK.read_text()), frozen(sys.executable)
     wrong = [f"{n} {have[n]} (locked {v})" for n, v in locked.items() if n in have and have[n] != v]
-    missing = sorted(locked.keys() - have.keys())
-    extra = sorted(have.keys() - locked.keys())
+    missing, extra = sorted(locked.keys() - have.keys()), sorted(have.keys() - locked.keys())
     for label, names in (("not the locked version", wrong), ("locked but not installed", missing),
                          ("installed but not in the lock", extra)):
         if names:
@@ -136,9 +135,7 @@ def main(argv: list[str]) -> int:
     up.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     sub.add_parser("check", help="this environment holds exactly the lock")
     args = parser.parse_args(argv)
-    if args.command == "check":
-        return check()
-    return upgrade(args.write, not args.no_tests, args.pytest_args)
+    return check() if args.command == "check" else upgrade(args.write, not args.no_tests, args.pytest_args)
 
 
 if __name__ == "__main__":

@@ -100,8 +100,7 @@ def main() -> None:
     corpora = {"code": code_corpus(), "chinese": chinese_corpus(work)}
     runs = []
     for name, inputs in corpora.items():
-        toks = ["gpt2"] + [f"bpe:{v}" for v in args.vocabs.split(",")]
-        for tok in toks:
+        for tok in ["gpt2"] + [f"bpe:{v}" for v in args.vocabs.split(",")]:
             r = prepare(inputs, tok, work / f"{name}-{tok.replace(':', '')}", args.val_fraction)
             print(json.dumps({"corpus": name, **r}), flush=True)
         runs += [(name, tok) for tok in ("gpt2", f"bpe{args.train_vocab}")] if args.train_iters else []

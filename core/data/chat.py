@@ -46,8 +46,7 @@ JINJA_TEMPLATE = (
 def with_chat_tokens(tokenizer_meta: dict) -> dict:
     """Tokenizer metadata with the chat tokens added after the ordinary ids (kept where already there).
 
-    The ordinary ids are untouched, so a base model's tokens mean the same in the chat vocabulary.
-    """
+    The ordinary ids are untouched, so a base model's tokens mean the same in the chat vocabulary."""
     special = dict(tokenizer_meta.get("special_tokens") or {})
     kind = tokenizer_meta.get("tokenizer")
     if kind == "bpe" and isinstance(tokenizer_meta.get("tokenizer_json"), str):  # trained with them reserved

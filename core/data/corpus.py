@@ -81,26 +81,19 @@ def input_files(patterns: list[str]) -> list[Path]:
 def _lines(path: Path, start: int = 0, end: int | None = None) -> Iterator[tuple[int, str]]:
     """(byte offset, line) of the file from byte `start` to `end`, line endings kept (a "\r\n" stays)."""
     try:
-        f = open(path, "rb")
-    except OSError as e:
+        with open(path, "rb") as f:
+            f.seek(start)
+            offset = start
+            while (end is None or offset < end) and (raw := f.readline()):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{path} is not UTF-8 text (byte {offset + e.start}: {e.reason}); "
+                                    f"pass UTF-8 text files") from None
+                yield offset, line
+                offset += len(raw)
+    except OSError as e:  # opening or reading; never the consumer's (a generator is not handed those)
         raise UserError(f"cannot read --input file '{path}': {e.strerror}") from None
-    with f:
-        f.seek(start)
-        offset = start
-        while end is None or offset < end:
-            try:
-                raw = f.readline()
-            except OSError as e:
-                raise UserError(f"cannot read --input file '{path}': {e.strerror}") from None
-            if not raw:
-                return
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path} is not UTF-8 text (byte {offset + e.start}: {e.reason}); "
-                                f"pass UTF-8 text files") from None
-            yield offset, line
-            offset += len(raw)
 
 
 def scan_documents(files: list[Path], separator: str | None, chars: set | None = None) -> list[Document]:
@@ -187,7 +180,6 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
     with tqdm(total=sum(s.end - s.begin for s in segments), unit="char", unit_scale=True, desc="tokenizing",
               disable=None) as bar:
         for seg in segments:
-            f = files[seg.split]
             head = (joiner if counts[seg.split] else []) + (prefix if seg.begin == 0 else [])
             ids = [checked_ids(head, dtype, seg.split)] if head else []
             for text in segment_text(seg, CHUNK_CHARS if whole else None):
@@ -196,7 +188,7 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
             if seg.end == seg.doc.chars and suffix:
                 ids.append(checked_ids(suffix, dtype, seg.split))
             for arr in ids:
-                write_array(f, arr)
+                write_array(files[seg.split], arr)
                 counts[seg.split] += arr.size
     return counts
 

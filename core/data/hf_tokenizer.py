@@ -1,6 +1,7 @@
 """Our tokenizers as Hugging Face `tokenizers` objects, for transformers folders: tokenizer.json export
 (export.py) and import (a folder's tokenizer.json, for --init_from=DIR), with the same ids both ways.
 """
+import json
 from pathlib import Path
 
 from core.errors import UserError, first_line
@@ -106,8 +107,7 @@ def load_hf_tokenizer(directory) -> HFTokenizer:
         raise UserError(f"{directory} has no tokenizer.json; the folder needs its tokenizer "
                         "(transformers' tokenizer.save_pretrained writes it)")
     try:
-        text = path.read_text(encoding="utf-8")
-        tok = HFTokenizer(text)
+        tok = HFTokenizer(path.read_text(encoding="utf-8"))
     except Exception as e:
         raise UserError(f"{path} cannot be read as a tokenizers JSON ({type(e).__name__}); write it again") from None
     tok.eot_token, tok.bos_token = _special_ids(directory, tok)
@@ -115,8 +115,6 @@ def load_hf_tokenizer(directory) -> HFTokenizer:
 
 
 def _special_ids(directory, tok: HFTokenizer) -> tuple[int | None, int | None]:
-    import json
-
     ids = {}
     for name in ("generation_config.json", "config.json"):
         path = directory / name
@@ -143,8 +141,6 @@ def load_tokenizer_json(path) -> HFTokenizer:
     path = Path(path)
     if path.is_dir():
         return load_hf_tokenizer(path)
-    import json
-
     hint = "pass a tokenizer.json that transformers or tokenizers wrote, or the folder holding it"
     try:
         text = path.read_text(encoding="utf-8")

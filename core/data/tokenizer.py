@@ -13,6 +13,7 @@ encode_with_specials() reads a special token's name as its id, as transformers' 
 prompt), so that the run, its server and its export give the same ids (tests/test_vocab_agreement.py).
 """
 import functools
+import json
 import re
 from pathlib import Path
 from typing import Iterable, Protocol
@@ -104,8 +105,7 @@ class CharTokenizer(_Specials):
     after the characters (ids len(chars), len(chars) + 1, ...), <|endoftext|> first (from_text).
 
     A vocabulary prepared before <|endoftext|> was added has none (eot_token None): it still loads, trains
-    and samples as it did; export.py appends one (with_end_of_text), and serve.py names what is missing.
-    """
+    and samples as it did; export.py appends one (with_end_of_text), and serve.py names what is missing."""
 
     def __init__(self, chars: list[str], special_tokens: dict[str, int] | None = None):
         self.itos = list(chars)
@@ -126,23 +126,17 @@ class CharTokenizer(_Specials):
     def encode(self, text: str) -> list[int]:
         unknown = sorted(set(text) - self.stoi.keys())
         if unknown:
-            shown = ", ".join(repr(c) for c in unknown[:20])
-            raise UserError(
-                f"the text has {len(unknown)} character(s) outside this {self.vocab_size}-character vocabulary: "
-                f"{shown}; use only characters from the training text"
-            )
+            raise UserError(f"the text has {len(unknown)} character(s) outside this {self.vocab_size}-character "
+                            f"vocabulary: {', '.join(repr(c) for c in unknown[:20])}; use only characters from the "
+                            f"training text")
         return [self.stoi[c] for c in text]
 
     def _decode_ordinary(self, ids: list[int]) -> str:
         return "".join(self.itos[i] for i in ids)
 
     def meta(self) -> dict:
-        return {
-            "tokenizer": "char",
-            "vocab_size": self.vocab_size,
-            "itos": self.itos,
-            "stoi": self.stoi,
-        } | self._meta_specials()
+        return {"tokenizer": "char", "vocab_size": self.vocab_size, "itos": self.itos, "stoi": self.stoi,
+                **self._meta_specials()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -183,8 +177,7 @@ class StreamDecoder:
 
     A byte-level BPE token can end inside a multi-byte UTF-8 character (an emoji is often two or
     three tokens), and decoding it alone gives U+FFFD. Ids are held back while their text ends in
-    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids).
-    """
+    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids)."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
@@ -242,9 +235,7 @@ class HFTokenizer:
 
     @functools.cached_property
     def _reading_specials(self):
-        from tokenizers import Tokenizer as Backend
-
-        return Backend.from_str(self.json)  # encode_special_tokens stays False: an added token's text is its id
+        return type(self.backend).from_str(self.json)  # encode_special_tokens False: an added token's text is its id
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
@@ -260,15 +251,12 @@ class HFTokenizer:
 # GGUF of a model trained with it can name its split rather than carry an unknown one.
 SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA_CPP_PRE = "llama-bpe"
 EOT = "<|endoftext|>"
 BYTE_ALPHABET = 256
 
 
 def reserved_tokens(tokenizer_json: str) -> dict[str, int]:
     """The added (special) tokens of a tokenizers JSON, {content: id}."""
-    import json
-
     return {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
 
 
@@ -278,8 +266,7 @@ class BPETokenizer(HFTokenizer):
     Its tokenizers JSON reserves <|endoftext|> (eot_token) and the chat tokens (core/data/chat.py) as added
     special tokens after the ordinary ids. Only the ones named in special_tokens count as the vocabulary's
     (a chat dataset names the chat tokens, so a base model's tokenizer has no chat template); the ids of
-    all of them are fixed by the training, so a chat fine-tune never grows the embedding.
-    """
+    all of them are fixed by the training, so a chat fine-tune never grows the embedding."""
 
     def __init__(self, tokenizer_json: str, special_tokens: dict[str, int] | None = None):
         super().__init__(tokenizer_json)
@@ -391,25 +378,16 @@ def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from the 256 bytes to printable characters, in which byte-level BPE vocabularies
     are written (Radford et al. 2019, encoder.py): printable Latin-1 stays, the rest shifts past 255."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
+    shifted = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
 
 
 def _hf_token_bytes(tok: "HFTokenizer") -> list[int]:
     """Byte-level vocabularies (GPT-2's, Llama 3's, Qwen's, ours) write each byte as one character of
     bytes_to_unicode's map; SentencePiece ones (Llama 2) write "<0xNN>" for a byte and "▁" for a space."""
-    import json
-    import re
-
     decoder = json.loads(tok.json).get("decoder") or {}
     byte_level = "ByteLevel" in json.dumps(decoder)
-    of_char = {c: 1 for c in bytes_to_unicode().values()}
+    of_char = set(bytes_to_unicode().values())
     out = []
     for i in range(tok.backend.get_vocab_size(with_added_tokens=True)):
         piece = tok.backend.id_to_token(i) or ""
@@ -471,8 +449,7 @@ def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = F
     """The prompt's token ids: at least one, at most block_size (the model's context).
 
     An empty prompt starts from <|endoftext|> where the tokenizer has one (how GPT-2 samples
-    unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens.
-    """
+    unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens."""
     try:
         ids = tok.encode_with_specials(text)  # the user's own prompt: "<|endoftext|>" there is the token
     except UserError as e:  # a char vocabulary names the characters it lacks

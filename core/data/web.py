@@ -152,8 +152,7 @@ def prepare_web_corpus(cfg: WebPrepareConfig, hub_name: str, hub_config: str | N
         meta[f"{split}_documents"] = len(part)
     meta = write_meta(out_dir, tok, meta)
     seconds = time.perf_counter() - start
-    total = meta["train_tokens"] + meta["val_tokens"]
     print(f"{meta['tokenizer']} vocab_size {tok.vocab_size}: wrote {meta['train_tokens']:,} train and "
           f"{meta['val_tokens']:,} val tokens ({meta['dtype']}) to {out_dir} in {seconds:.1f}s: "
-          f"{total / seconds:,.0f} tokens/s")
+          f"{(meta['train_tokens'] + meta['val_tokens']) / seconds:,.0f} tokens/s")
     return meta

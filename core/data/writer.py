@@ -28,9 +28,8 @@ def checked_ids(ids, dtype, where: str) -> np.ndarray:
         raise UserError(f"token ids for {where} must be integers, got {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < info.min or hi > info.max:
-        bad = hi if hi > info.max else lo
-        raise UserError(f"token id {bad} does not fit {np.dtype(dtype).name} ({info.min}..{info.max}) in {where}; "
-                        f"use a wider dtype (uint32) or a smaller vocabulary")
+        raise UserError(f"token id {hi if hi > info.max else lo} does not fit {np.dtype(dtype).name} ({info.min}.."
+                        f"{info.max}) in {where}; use a wider dtype (uint32) or a smaller vocabulary")
     return arr.astype(dtype, copy=False)
 
 
@@ -58,8 +57,7 @@ class ShardWriter:
     Shards are written into a hidden staging folder and moved into place only when the whole split
     is done (leaving the `with` block without an exception, or commit()), replacing any older
     `{split}.bin` / shards. An interrupted prepare leaves the previous files as they were, and never
-    a partial set that looks complete.
-    """
+    a partial set that looks complete."""
 
     def __init__(self, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype=np.uint16):
         if shard_tokens < 1:
@@ -70,9 +68,7 @@ class ShardWriter:
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir()
         self.names: list[str] = []
-        self.num_tokens = 0
-        self._file = None
-        self._in_shard = 0
+        self.num_tokens, self._in_shard, self._file = 0, 0, None
 
     def write(self, ids) -> None:
         arr = checked_ids(ids, self.dtype, f"{self.out_dir / self.split}_*.bin")

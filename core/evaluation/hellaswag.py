@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils.rnn import pad_sequence
 
 from core.data.tokenizer import Tokenizer
 from core.errors import UserError
@@ -89,13 +90,8 @@ def render_example(ex: HellaSwagExample, tok: Tokenizer, block_size: int) -> tup
         row = (ctx + end)[-block_size:]
         rows.append(row)
         masks.append([0] * (len(row) - len(end)) + [1] * len(end))
-    L = max(len(r) for r in rows)
-    tokens = torch.zeros(4, L, dtype=torch.long)
-    mask = torch.zeros(4, L, dtype=torch.long)
-    for i, (row, m) in enumerate(zip(rows, masks)):
-        tokens[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(m)] = torch.tensor(m)
-    return tokens, mask
+    pad = lambda rows: pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True)  # noqa: E731
+    return pad(rows), pad(masks)
 
 
 @torch.no_grad()
@@ -152,6 +148,4 @@ def hellaswag_scores(model, rendered: list[tuple] | None, rt, stopped=None) -> d
     if not rendered:
         return {}
     r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size, stopped=stopped)
-    if r is None:
-        return None
-    return {"hellaswag_acc": r["acc"], "hellaswag_acc_norm": r["acc_norm"]}
+    return None if r is None else {"hellaswag_acc": r["acc"], "hellaswag_acc_norm": r["acc_norm"]}

@@ -34,8 +34,7 @@ def split_windows(n_tokens: int, block_size: int, stride: int) -> list[tuple[int
     """The windows that score tokens 1..n_tokens-1 of a stream once each: (begin, end, new).
 
     A window feeds tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new`
-    targets are scored, the ones no earlier window scored.
-    """
+    targets are scored, the ones no earlier window scored."""
     if not 1 <= stride <= block_size:
         raise UserError(f"stride must be in [1, block_size={block_size}], got {stride}")
     windows, scored = [], 0  # targets tokens[1:scored+1] are done
@@ -73,8 +72,7 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     (no bytes) are left out of both sums.
 
     stopped(), if given, is called before each batch on every rank alike (it may be a collective);
-    True ends the evaluation, returning None.
-    """
+    True ends the evaluation, returning None."""
     T = data.block_size
     stride = stride or T
     if data.starts is not None:  # chat: each conversation is its own stream (context never crosses into it)
@@ -124,9 +122,7 @@ def _window_batch(data: TokenData, jobs, T: int) -> tuple[torch.Tensor, torch.Te
     x = np.zeros((len(jobs), T), dtype=np.int64)
     y = np.full((len(jobs), T), -1, dtype=np.int64)
     for row, (path, (begin, end, new)) in enumerate(jobs):
-        mm = np.memmap(path, dtype=data.dtype, mode="r")
-        chunk = np.asarray(mm[begin:end + 1], dtype=np.int64)
-        del mm
+        chunk = np.asarray(np.memmap(path, dtype=data.dtype, mode="r")[begin:end + 1], dtype=np.int64)
         n = end - begin
         x[row, :n] = chunk[:-1]
         y[row, n - new:n] = chunk[1:][n - new:]

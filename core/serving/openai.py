@@ -289,16 +289,11 @@ def check_length(served: ServedModel, ids: list[int], param: str) -> list[int]:
 
 def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
     p = req.prompt
-    if isinstance(p, str):
-        prompts = [encode(served.tok, p, "prompt")]
-    elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]
-    elif p and all(isinstance(x, str) for x in p):
-        prompts = [encode(served.tok, x, "prompt") for x in p]
-    elif p and all(isinstance(x, list) and x for x in p):
-        prompts = [list(x) for x in p]
-    else:
+    if isinstance(p, str) or p and all(isinstance(x, int) for x in p):
+        p = [p]  # one prompt: text or token ids
+    if not p or not all(isinstance(x, str) or x for x in p):  # the model's types allow no other mix
         raise APIError(400, "prompt must be a string, a list of strings, or token ids; got an empty list", "prompt")
+    prompts = [encode(served.tok, x, "prompt") if isinstance(x, str) else list(x) for x in p]
     return [check_length(served, ids, "prompt") for ids in prompts]
 
 
@@ -360,9 +355,9 @@ class ChoiceText:
         return 0
 
 
-def completion_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]], offset: int = 0) -> dict:
-    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (from offset on)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def completion_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]]) -> dict:
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    out, offset = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0
     for token, sc in scored:
         text = tok.decode([token])
         out["tokens"].append(text)
@@ -408,8 +403,7 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
     A choice's last piece comes when its finish reason is set (the piece may be empty)."""
     loop = asyncio.get_running_loop()
     handles = [served.engine.submit(r, loop) for r in reqs]
-    for r in reqs:
-        served.metrics.prompt_tokens.inc(len(r.prompt))
+    served.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
     streams = [h.events() for h in handles]
     try:
         for k, (r, h, events) in enumerate(zip(reqs, handles, streams)):
@@ -463,23 +457,20 @@ async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = include_usage and req.stream_options.continuous_usage_stats
     want_logprobs = reqs[0].logprobs is not None
-    echo = reqs[0].echo
     make_text = lambda: ChoiceText(tok, stops, stop_ids, max(1, reqs[0].max_tokens), req.min_tokens,  # noqa: E731
                                    req.include_stop_str_in_output, hidden)
 
-    def logprobs_of(c: Choice, scored, offset: int = 0):
+    def logprobs_of(scored):
         if not want_logprobs:
             return None
-        if chat:
-            return {"content": chat_logprobs(tok, scored, stop_ids)}
-        return completion_logprobs(tok, scored, offset)
+        return {"content": chat_logprobs(tok, scored, stop_ids)} if chat else completion_logprobs(tok, scored)
 
     def choice(i: int, text: str, finish: str | None, c: Choice, first: bool = False) -> dict:
         if chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
             return {"index": i, "delta": delta,
-                    "logprobs": None if first else logprobs_of(c, c.generated.take_scores()), "finish_reason": finish}
-        return {"index": i, "text": text, "logprobs": logprobs_of(c, c.generated.take_scores()),
+                    "logprobs": None if first else logprobs_of(c.generated.take_scores()), "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": logprobs_of(c.generated.take_scores()),
                 "finish_reason": finish}
 
     created = int(time.time())  # one for the whole reply: OpenAI's chunks of one stream share it
@@ -498,12 +489,12 @@ async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest]
     def whole_choice(i: int, c: Choice) -> dict:
         if chat:
             return {"index": i, "message": {"role": "assistant", "content": c.generated.text},
-                    "logprobs": logprobs_of(c, c.generated.scored), "finish_reason": c.generated.finish}
+                    "logprobs": logprobs_of(c.generated.scored), "finish_reason": c.generated.finish}
         text, scored = c.generated.text, c.generated.scored
-        if echo:
+        if reqs[0].echo:
             text = tok.decode(c.prompt) + text
             scored = list(zip(c.prompt, c.prompt_scores or [None] * len(c.prompt))) + scored
-        return {"index": i, "text": text, "logprobs": logprobs_of(c, scored), "finish_reason": c.generated.finish}
+        return {"index": i, "text": text, "logprobs": logprobs_of(scored), "finish_reason": c.generated.finish}
 
     if not req.stream:
         async for _ in pieces(served, reqs, make_text, choices):

@@ -10,6 +10,7 @@ Here the server's side (EngineProcess, ProcessHandle) and the child's (_child: a
 is a PipeLoop and whose metrics are a StepStats), and how a request crosses the pipe (packed, unpacked).
 """
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing
 import signal
@@ -204,16 +205,12 @@ class EngineProcess:
                     self.loop.call_soon_threadsafe(self._deliver, *message[1:])
                 except RuntimeError:  # the event loop has closed (shutting down)
                     return
-        if self.stopping.is_set():
-            end = ServerStopping()
-        else:
+        if not self.stopping.is_set():
             self.failure = f"the engine process has ended (exit code {self.process.exitcode})"
-            end = EngineDied(self.failure)
+        end = ServerStopping() if self.failure is None else EngineDied(self.failure)
         if self.loop is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed
                 self.loop.call_soon_threadsafe(self._fail_all, end)
-            except RuntimeError:
-                pass
 
     def _deliver(self, events: list, counters: tuple, step_metrics: tuple) -> None:
         """On the event loop: one step's events to their handles, its counters and metrics to the server's."""

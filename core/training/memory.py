@@ -68,8 +68,7 @@ def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
     gathered at a time: two (the one running, the next prefetched), or with micro_steps > 1 every
     one, since they stay gathered between micro-steps (core/training/parallel.py micro_step).
     activation_checkpointing: a layer keeps only its input, and one layer its whole set while it
-    is recomputed in the backward pass.
-    """
+    is recomputed in the backward pass."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     params = _params_on_meta(config)
@@ -99,8 +98,7 @@ def available_bytes(device: str) -> int | None:
     """Free memory a new allocation on `device` can use; None where it cannot be told (mps)."""
     kind = device.split(":")[0]
     if kind == "cuda":
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return free
+        return torch.cuda.mem_get_info(torch.device(device))[0]  # (free, total)
     if kind == "cpu":
         try:
             with open("/proc/meminfo") as f:
@@ -127,8 +125,7 @@ def format_bytes(n: float) -> str:
 def check_fits(est: MemoryEstimate, device: str, processes_sharing: int = 1, what: str = "") -> None:
     """Refuse with one line when the estimate plainly exceeds what the device has free.
 
-    processes_sharing: processes on this machine drawing from the same memory (CPU ranks share RAM).
-    """
+    processes_sharing: processes on this machine drawing from the same memory (CPU ranks share RAM)."""
     free = available_bytes(device)
     needed = est.total * processes_sharing
     if free is None or needed <= free:
@@ -146,9 +143,8 @@ def is_out_of_memory(e: BaseException) -> bool:
     MPS allocators, which have no class of their own."""
     if isinstance(e, torch.OutOfMemoryError):
         return True
-    text = str(e)
     return isinstance(e, RuntimeError) and any(
-        s in text for s in ("DefaultCPUAllocator", "can't allocate memory", "out of memory"))
+        s in str(e) for s in ("DefaultCPUAllocator", "can't allocate memory", "out of memory"))
 
 
 def out_of_memory_error(e: BaseException, device: str, where: str) -> UserError:

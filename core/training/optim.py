@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.optim._muon import _adjust_lr  # the rate scaled to the matrix's shape, as torch's own step scales it
 
 from core.errors import UserError
 from core.runtime import native_bf16
@@ -44,8 +45,7 @@ class MultiOptimizer:
     """Several torch optimizers stepped as one: the loop, GradScaler and checkpoints see one object.
 
     param_groups is every optimizer's groups in order (GradScaler unscales through it), and
-    state_dict holds each optimizer's state under its name, so a resume restores all of them.
-    """
+    state_dict holds each optimizer's state under its name, so a resume restores all of them."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -111,18 +111,15 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     "base_lr"; set_lr scales them all by the schedule. muon_ns_steps: Newton-Schulz iterations per
     Muon update (torch's default 5), each three matmuls per matrix: a cost per step, whatever the batch.
     muon_ns_coefficients: NS_COEFFICIENTS (torch's own step holds one polynomial for all steps; BatchedMuon
-    takes one per step).
-    """
+    takes one per step)."""
     if optimizer not in OPTIMIZERS:
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     groups = split_params(model)
     muon_ids = {id(p) for _, p in groups["hidden"]} if optimizer == "muon" else set()
     # Matrices in model.parameters() order: saved optimizer state is matched by position, so it stays fixed.
     matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in muon_ids]
-    adamw_groups = [
-        {"params": matrices, "weight_decay": weight_decay, "base_lr": adamw_lr},
-        {"params": [p for _, p in groups["vector"]], "weight_decay": 0.0, "base_lr": adamw_lr},
-    ]
+    adamw_groups = [{"params": matrices, "weight_decay": weight_decay, "base_lr": adamw_lr},
+                    {"params": [p for _, p in groups["vector"]], "weight_decay": 0.0, "base_lr": adamw_lr}]
     # Fused (one kernel for all tensors) on CUDA and CPU: the per-tensor loop is the slower on both
     # (docs/performance.md, the loop section).
     adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=betas, fused=device_type in ("cuda", "cpu"))
@@ -200,8 +197,7 @@ def gram_newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, floa
     P_k = a I + b A_k + c A_k² all commute: Q_{k+1} = P_k Q_k and A_{k+1} = P_k A_k P_k. The loop costs
     steps x (4m²n + 2m³) FLOPs; this costs 4m²n + (4 steps - 3) x 2m³, less whenever n > 1.5 m
     (config/modern.py's quick start: 37% less Newton-Schulz, tests/test_recipe.py). It equals the loop
-    to 1e-12 in float64; in float32 it is within 1e-4 of exact (the loop: 4e-5; bfloat16: 1e-2 to 8e-2).
-    """
+    to 1e-12 in float64; in float32 it is within 1e-4 of exact (the loop: 4e-5; bfloat16: 1e-2 to 8e-2)."""
     addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     gram = x @ x.mT  # A_0 (m, m)
     q, steps = None, len(schedule)
@@ -227,8 +223,7 @@ class BatchedMuon(torch.optim.Muon):
     so this step is torch's _single_tensor_muon line for line with the one call swapped, that call
     taking each shape's updates as one batch (k, m, n). The state ("momentum_buffer" per parameter) and
     param_groups are torch's own, so checkpoints move between the two classes; tests/test_recipe.py
-    pins the step to torch's update.
-    """
+    pins the step to torch's update."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs):
         super().__init__(params, **kwargs)
@@ -258,7 +253,7 @@ class BatchedMuon(torch.optim.Muon):
                 orthogonal = self._orthogonalise(ups, group)
                 for p, update in zip(params, orthogonal):
                     p.mul_(1 - lr * group["weight_decay"])
-                    p.add_(update, alpha=-_muon_lr(lr, group["adjust_lr_fn"], p.shape))
+                    p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
     def _orthogonalise(self, updates: tuple[torch.Tensor, ...], group: dict) -> list[torch.Tensor]:
@@ -270,17 +265,6 @@ class BatchedMuon(torch.optim.Muon):
         if type(updates[0]) is not torch.Tensor:
             return [newton_schulz(u, *args) for u in updates]
         return list(newton_schulz(torch.stack(updates), *args).unbind(0))
-
-
-def _muon_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """torch.optim._muon._adjust_lr: the rate scaled to the matrix's shape, so that every shape's update
-    has a comparable RMS."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
 
 
 def load_state(optimizer, state: dict) -> None:
@@ -297,8 +281,7 @@ def restoring(optimizer, saved_kind: str):
     """Around any load of a checkpoint's state into `optimizer` (a ckpt.pt's, or a sharded one's through
     torch.distributed.checkpoint): the kinds must match, and the learning rates and Newton-Schulz settings
     stay the ones this run was configured with (both loads bring back the saved groups' settings): a
-    resume may change learning_rate, muon_lr, muon_ns_steps or muon_ns_coefficients.
-    """
+    resume may change learning_rate, muon_lr, muon_ns_steps or muon_ns_coefficients."""
     kind = "muon" if isinstance(optimizer, MultiOptimizer) else "adamw"
     if saved_kind != kind:
         raise UserError(f"the checkpoint was trained with optimizer={saved_kind}, this run uses optimizer={kind}; "
@@ -323,8 +306,7 @@ def lr_at(it: int, peak: float, min_lr: float, warmup_iters: int, decay_iters: i
     "cosine" (nanoGPT, GPT-3): a half cosine from peak to min_lr over the whole decay. "wsd"
     (warmup-stable-decay, Hu et al. 2024 "MiniCPM"; modded-nanogpt's schedule): the peak until the last
     cooldown_frac of decay_iters, then a straight line to min_lr. The loss falls fastest while the rate
-    comes down, and a stable phase keeps the rate high for longer before that.
-    """
+    comes down, and a stable phase keeps the rate high for longer before that."""
     if it < warmup_iters:
         return peak * (it + 1) / (warmup_iters + 1)
     if it >= decay_iters:

@@ -15,13 +15,13 @@ import runpy
 import sys
 from pathlib import Path
 
+from core.data.tokenizer import SPLIT_PATTERN
 from core.errors import UserError
 
 CONVERTER_VERSION = "0.3.36"  # llama-cpp-python's source package, as scripts/fetch_llama_converter.sh fetches it
-# Llama 3's split regex as its tokenizer.json spells it; llama.cpp's pre-tokenizer "llama-bpe"
-# (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_LLAMA3) implements it.
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Llama 3's split regex (the one train_bpe uses), as its tokenizer.json spells it; llama.cpp's pre-tokenizer
+# "llama-bpe" (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_LLAMA3) implements it.
+LLAMA3_SPLIT = SPLIT_PATTERN
 PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe"}
 
 

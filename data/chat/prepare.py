@@ -129,8 +129,7 @@ def fit_block(convs: list[tuple[list[int], list[int]]], block_size: int,
     """Conversations of at most block_size + 1 tokens (one training row): (kept, how many cut, dropped).
 
     A cut keeps the first block_size + 1 tokens when they hold an assistant token to learn; otherwise,
-    or with overlong='drop', the conversation is dropped.
-    """
+    or with overlong='drop', the conversation is dropped."""
     limit, kept, cut, dropped = block_size + 1, [], 0, 0
     for ids, mask in convs:
         if len(ids) <= limit:

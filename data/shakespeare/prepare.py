@@ -18,8 +18,7 @@ from core.errors import run_cli  # noqa: E402
 
 
 def main(argv: Sequence[str]) -> dict:
-    cfg = parse_args(TextPrepareConfig, argv)
-    return prepare_text_corpus(cfg, "gpt2", __file__)
+    return prepare_text_corpus(parse_args(TextPrepareConfig, argv), "gpt2", __file__)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,7 @@ from core.errors import run_cli  # noqa: E402
 
 
 def main(argv: Sequence[str]) -> dict:
-    cfg = parse_args(TextPrepareConfig, argv)
-    return prepare_text_corpus(cfg, "char", __file__)
+    return prepare_text_corpus(parse_args(TextPrepareConfig, argv), "char", __file__)
 
 
 if __name__ == "__main__":

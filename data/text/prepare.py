@@ -57,9 +57,8 @@ def main(argv: Sequence[str]) -> dict:
     inputs = [a.partition("=")[2] for a in argv if a.startswith("--input=")]
     rest = [a for a in argv if not a.startswith("--input=")]
     cfg = parse_args(CorpusConfig, rest + ([f"--input={','.join(inputs)}"] if inputs else []))
-    out_dir = script_out_dir(cfg.out_dir, __file__)
-    return prepare_corpus([p for p in cfg.input.split(",") if p], cfg.tokenizer, out_dir, cfg.val_fraction,
-                          cfg.seed, cfg.separator)
+    return prepare_corpus([p for p in cfg.input.split(",") if p], cfg.tokenizer, script_out_dir(cfg.out_dir, __file__),
+                          cfg.val_fraction, cfg.seed, cfg.separator)
 
 
 if __name__ == "__main__":
