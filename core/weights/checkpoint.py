@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_state_dict
 
 from core.errors import UserError, first_line
+from core.weights import nanogpt
 from model import GPT, GPTConfig
 
 FORMAT = "nanogpt-checkpoint/1"
@@ -49,10 +50,11 @@ PREV_NAME = "ckpt.prev.pt"
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint onto the CPU; `state["meta"]` comes back as a dict.
+    """Load a checkpoint onto the CPU; `state["meta"]` comes back as a dict. A nanoGPT ckpt.pt comes back in the
+    same shape (core/weights/nanogpt.py).
 
     Raises UserError for a missing file, a truncated or corrupt one, or a file that
-    is not a checkpoint of this project.
+    is not a checkpoint of this project or nanoGPT's.
     """
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint, e.g. out/ckpt.dcp
@@ -73,8 +75,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                         f"could run any code. It is not a checkpoint written by this project's train.py") from None
     except Exception as e:  # anything else torch.load rejects
         raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)})") from None
+    if nanogpt.is_nanogpt(state):
+        return {"format": FORMAT} | nanogpt.from_nanogpt(state, path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"{path} is not a checkpoint written by this project's train.py")
+        raise UserError(f"{path} is not a checkpoint written by this project's train.py or nanoGPT's")
     try:
         state["meta"] = json.loads(state["meta"])
     except (KeyError, TypeError, json.JSONDecodeError):

@@ -146,7 +146,8 @@ def _checkpoint(kind: str, directory: Path, training: Training | None) -> Weight
     except (TypeError, ValueError, KeyError) as e:
         raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
     tokenizer = None if training else tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
-    return Weights(kind, config, f"{path} (iter {meta.get('iter_num')})", tokenizer, meta["tokenizer"], state, path)
+    source = f"{path} (iter {meta.get('iter_num')}" + (f"; {meta['nanogpt']})" if "nanogpt" in meta else ")")
+    return Weights(kind, config, source, tokenizer, meta["tokenizer"], state, path)
 
 
 def _exact(out_dir: Path) -> tuple[dict, Path]:
