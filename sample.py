@@ -3,12 +3,12 @@
     python sample.py --out_dir=out-shakespeare-char                           # 10 samples from its ckpt.pt
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=1   # streams as it decodes
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0   # greedy
-    python sample.py --init_from=gpt2 --start="Hello, I'm a language model," --top_p=0.9 --stop_at_eot=True
+    python sample.py --init_from=gpt2 --start="Hello, I'm a language model," --top_p=0.9
     python sample.py --init_from=path/to/dir   # a transformers folder: GPT-2, Llama, Qwen3, ... (docs/interop.md)
     python sample.py --out_dir=out-sft-tasks-char --chat           # talk to a chat fine-tune, turn by turn
     python sample.py --out_dir=out-sft-tasks-char --chat --system="Be brief." --prompt="reverse: abc" --temperature=0
 
-The samples go to stdout, each followed by a line of dashes; what was loaded and the tokens/s go to
+The samples go to stdout, each followed by a line of dashes (a sample ends at the vocabulary's end of text); what was loaded and the tokens/s go to
 stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer is the one the
 checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
 
@@ -40,6 +40,7 @@ from core.weights import resolver
 from model import GPT
 
 SEPARATOR = "---------------"
+DOCUMENT_END = "[end of text]"  # an end-of-text id inside a sample that goes on past it (--stop_at_eot=False)
 
 
 @dataclasses.dataclass
@@ -53,7 +54,9 @@ class SampleConfig:
     top_k: int | None = 200          # sample among the k most likely tokens; None: all
     top_p: float | None = None       # then among the fewest tokens holding this probability; None: all
     seed: int = 1337                 # the same seed, model, prompt, flags and device give the same text
-    stop_at_eot: bool = False        # end a sample at <|endoftext|> (GPT-2 BPE; char vocabularies have none)
+    stop_at_eot: bool | None = None  # end a sample at the vocabulary's end of text (<|endoftext|>; a char vocabulary
+                                     # prepared here has one too); False: go on, each shown as a line [end of text];
+                                     # None: True where the vocabulary has one
     truncate_prompt: bool = False    # a prompt longer than the context keeps its last block_size tokens
     use_cache: bool = True           # False recomputes the whole context for every token (slow; for checks)
     window_shift: int | None = None  # past block_size the window slides this many tokens at once (decode.generate);
@@ -90,12 +93,18 @@ class SampleConfig:
 # decoding and printing
 
 
-def cut_at_eot(ids: list[int], eot_token: int | None) -> list[int]:
-    """The ids before the first eot_token (all of them when eot_token is None or absent)."""
-    return ids[:ids.index(eot_token)] if eot_token is not None and eot_token in ids else ids
+def text_of(ids: list[int], tok: Tokenizer, stop: bool) -> str:
+    """A sample's text: up to its first end-of-text id when it stops there, else each one as a line DOCUMENT_END."""
+    docs = [[]]
+    for i in ids:
+        if i == tok.eot_token:
+            docs.append([])
+        else:
+            docs[-1].append(i)
+    return tok.decode(docs[0]) if stop else f"\n{DOCUMENT_END}\n".join(map(tok.decode, docs))
 
 
-def write_stream(tokens, tok: Tokenizer, prompt: str, eot: int | None) -> int:
+def write_stream(tokens, tok: Tokenizer, prompt: str, stop: bool) -> int:
     """Print one sample as `tokens` yields its ids, each (1, 1); returns how many were generated."""
     out = sys.stdout
     out.write(prompt)
@@ -104,19 +113,19 @@ def write_stream(tokens, tok: Tokenizer, prompt: str, eot: int | None) -> int:
     for token in tokens:
         steps += 1
         token_id = token.item()
-        if token_id == eot:
+        if token_id == tok.eot_token and stop:
             break
-        out.write(decoder.push(token_id))
+        out.write((decoder.flush() + f"\n{DOCUMENT_END}\n") if token_id == tok.eot_token else decoder.push(token_id))
         out.flush()
     out.write(decoder.flush() + "\n" + SEPARATOR + "\n")
     out.flush()
     return steps
 
 
-def write_batch(rows: list[list[int]], tok: Tokenizer, prompt: str, eot: int | None) -> int:
+def write_batch(rows: list[list[int]], tok: Tokenizer, prompt: str, stop: bool) -> int:
     """Print each sample of a generated batch; returns how many tokens each row was given."""
     for row in rows:
-        sys.stdout.write(prompt + tok.decode(cut_at_eot(row, eot)) + "\n" + SEPARATOR + "\n")
+        sys.stdout.write(prompt + text_of(row, tok, stop) + "\n" + SEPARATOR + "\n")
     sys.stdout.flush()
     return len(rows[0])
 
@@ -185,10 +194,11 @@ def main(argv: Sequence[str]) -> None:
     model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
     if cfg.chat:
         return run_chat(cfg, model, tok, source, rt)
-    eot = tok.eot_token if cfg.stop_at_eot else None
-    if cfg.stop_at_eot and eot is None:
+    stop = tok.eot_token is not None if cfg.stop_at_eot is None else cfg.stop_at_eot
+    if stop and tok.eot_token is None:
         raise UserError("stop_at_eot=True needs an end-of-text token, and this checkpoint's char vocabulary has "
                         "none; use --stop_at_eot=False")
+    eot = tok.eot_token if stop else None
     text = read_prompt(cfg.start)
     context = encode_prompt(tok, text, model.config.block_size, cfg.truncate_prompt)
     try:
@@ -222,10 +232,10 @@ def main(argv: Sequence[str]) -> None:
     try:
         t0 = time.perf_counter()
         if stream:
-            steps = write_stream(generate_stream(model, idx, **args), tok, shown_prompt, eot)
+            steps = write_stream(generate_stream(model, idx, **args), tok, shown_prompt, stop)
         else:
             new = generate(model, idx, **args)[:, idx.size(1):]  # (B, steps)
-            steps = write_batch(new.tolist(), tok, shown_prompt, eot)
+            steps = write_batch(new.tolist(), tok, shown_prompt, stop)
         rt.synchronize()
         dt = time.perf_counter() - t0
     except BrokenPipeError:

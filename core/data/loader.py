@@ -24,6 +24,7 @@ import operator
 import os
 import pickle
 import re
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -48,6 +49,10 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
     path = Path(data_dir) / "meta.json"
     if not path.is_file() and (Path(data_dir) / "meta.pkl").is_file():
         return read_meta_pkl(Path(data_dir) / "meta.pkl")
+    if not path.is_file() and (Path(data_dir) / "train.bin").is_file():  # nanoGPT's GPT-2 folders hold no meta
+        gpt2 = json.dumps({"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256, "dtype": "uint16"})
+        raise UserError(f"{path} not found, nor nanoGPT's meta.pkl; if the .bin files are nanoGPT's GPT-2 tokens (its "
+                        f"openwebtext, shakespeare), describe them: echo '{gpt2}' > {shlex.quote(str(path))}")
     if not path.is_file():
         raise UserError(f"{path} not found; run the dataset's prepare.py ({_prepare_hint(Path(data_dir))})")
     try:
@@ -97,9 +102,6 @@ def read_meta_pkl(path: Path) -> dict:
 
 def _prepare_hint(data_dir: Path) -> str:
     """Which prepare.py to run for data_dir: its own if it has one, else the datasets that exist."""
-    if (data_dir / "train.bin").is_file():  # nanoGPT's GPT-2 folders (openwebtext, shakespeare) hold no meta
-        return (f"if its .bin files are nanoGPT's GPT-2 tokens, describe them: echo '{{\"tokenizer\": \"gpt2\", "
-                f"\"vocab_size\": 50257, \"eot_token\": 50256, \"dtype\": \"uint16\"}}' > {data_dir / 'meta.json'}")
     if (data_dir / "prepare.py").is_file():
         return f"python {data_dir / 'prepare.py'}"
     # data/hellaswag is an eval set (eval.py --task=hellaswag), not a dataset to train on

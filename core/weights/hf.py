@@ -460,9 +460,30 @@ def folder_tokenizer(directory: str | os.PathLike, config: GPTConfig) -> Tokeniz
 
 
 def from_hub(name: str, override_args: dict | None = None) -> GPT:
-    """GPT-2's weights from the Hugging Face hub (needs the network, or transformers' cache)."""
+    """GPT-2's weights from the Hugging Face hub's cache, or downloaded (check_hub first)."""
     if name not in GPT2_HUB_NAMES:
         raise ValueError(f"{name!r} is neither a directory nor one of {GPT2_HUB_NAMES}")
+    cached = check_hub(name)
     from transformers import GPT2LMHeadModel
 
-    return from_transformers(GPT2LMHeadModel.from_pretrained(name), override_args)
+    return from_transformers(GPT2LMHeadModel.from_pretrained(name, local_files_only=cached), override_args)
+
+
+def check_hub(name: str) -> bool:
+    """Whether the hub model `name` is in the Hugging Face cache (then it loads from there, never asking the hub);
+    if not, that the hub answers one request. A UserError at once otherwise (HF_HUB_OFFLINE set, or no network):
+    transformers would first retry for half a minute, printing each try."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+
+    if all(isinstance(try_to_load_from_cache(name, f), str) for f in ("config.json", "model.safetensors")):
+        return True
+    missing = f"'{name}' is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    use = "or pass a folder written by save_pretrained (--init_from=DIR)"
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{missing} and HF_HUB_OFFLINE is set: download it once with the network, {use}")
+    try:
+        model_info(name, timeout=10)
+    except Exception as e:  # noqa: BLE001 - no network, a proxy's refusal, a hub error: one line
+        raise UserError(f"{missing} and the hub at {constants.ENDPOINT} does not answer ({first_line(e)}); connect "
+                        f"to the network, {use}") from None
+    return False

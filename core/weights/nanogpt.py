@@ -46,8 +46,8 @@ def from_nanogpt(state: dict, path: Path) -> dict:
 def _vocabulary(dataset: str | None, vocab_size: int, path: Path) -> tuple[dict, str]:
     """The tokenizer metadata of nanoGPT's run, and where it came from: its dataset's meta.pkl, else GPT-2's BPE
     (as nanoGPT's sample.py)."""
-    places = [] if dataset is None else [path.parent.parent / "data" / dataset / "meta.pkl",
-                                         Path("data") / dataset / "meta.pkl"]
+    places = [] if dataset is None else list(dict.fromkeys([path.parent.parent / "data" / dataset / "meta.pkl",
+                                                             Path("data") / dataset / "meta.pkl"]))
     found = next((p for p in places if p.is_file()), None)
     if found is not None:
         return {k: v for k, v in read_meta_pkl(found).items() if k != "dtype"}, f"vocabulary {found}"

@@ -121,7 +121,8 @@ def _locate(kind: str, init_from: str, out_dir: Path, training: Training | None)
     if kind == "folder":
         config = hf.folder_config(init_from, training.overrides if training else None)
         return Weights(kind, config, init_from, tokenizer=hf.folder_tokenizer(init_from, config))
-    # hub. The tokenizer first: without the BPE file there is nothing to decode with.
+    # hub. Whether its weights can be had, then the tokenizer: without the BPE file there is nothing to decode with.
+    hf.check_hub(init_from)
     return Weights(kind, GPTConfig(**GPT2_SHAPES[init_from]), init_from,
                    tokenizer=None if training else GPT2Tokenizer())
 
