@@ -71,7 +71,7 @@ def nanogpt_batch(data_dir, split="train"):
 
 def nanogpt_resume(ckpt):
     """nanoGPT's train.py --init_from=resume: its model and AdamW from ckpt.pt, as it loads them."""
-    state = torch.load(ckpt, map_location="cpu")
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
     model = nanogpt_model.GPT(nanogpt_model.GPTConfig(**state["model_args"]))
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state["model"].items()})
     optimizer = model.configure_optimizers(CONFIG["weight_decay"], CONFIG["learning_rate"],
@@ -86,8 +86,7 @@ def nanogpt_dir(tmp_path_factory):
     from a compiled model as nanoGPT's train.py saves it."""
     root = tmp_path_factory.mktemp("nanoGPT")
     nanogpt_prepare(root / "data" / "shakespeare_char", TEXT)
-    meta = pickle.loads((root / "data" / "shakespeare_char" / "meta.pkl").read_bytes())
-    model_args = MODEL_ARGS | {"vocab_size": meta["vocab_size"]}
+    model_args = MODEL_ARGS | {"vocab_size": len(set(TEXT))}  # what nanoGPT's train.py reads from meta.pkl
     torch.manual_seed(1337)
     model = nanogpt_model.GPT(nanogpt_model.GPTConfig(**model_args))
     optimizer = model.configure_optimizers(CONFIG["weight_decay"], CONFIG["learning_rate"],
