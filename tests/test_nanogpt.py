@@ -278,10 +278,19 @@ def test_backend_picks_the_process_group_backend(monkeypatch):
     monkeypatch.setattr(runtime, "dist_env", lambda: (0, 0, 2))
     monkeypatch.setattr(runtime.dist, "init_process_group", lambda **kw: made.update(kw))
     monkeypatch.setattr(runtime.dist, "new_group", lambda **kw: None)
-    runtime.setup("cpu", "float32", backend="gloo")
+    runtime.setup("cpu", "float32", backend="auto")
     assert made["backend"] == "gloo"
     with pytest.raises(UserError, match="backend nccl runs on CUDA GPUs only"):
         runtime.setup("cpu", "float32", backend="nccl")
+    # On a GPU (faked: no CUDA here) auto is nccl, and gloo is what --backend=gloo asks for.
+    monkeypatch.setattr(runtime, "resolve_device", lambda name, local_rank=None: "cuda:0")
+    monkeypatch.setattr(runtime, "resolve_dtype", lambda name, device: "float32")
+    monkeypatch.setattr(runtime, "local_gpu", lambda local_rank, count: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for backend, expected in (("auto", "nccl"), ("gloo", "gloo")):
+        runtime.setup("cuda", "float32", backend=backend)
+        assert made["backend"] == expected and (made["device_id"] is None) == (expected == "gloo")
 
 
 # README commands of nanoGPT (its README at the vendored commit) that must parse here as they are.
