@@ -30,8 +30,7 @@ from core.training.train_config import TrainConfig
 from core.weights import checkpoint, resolver
 from model import GPT, GPTConfig
 from tests import nanogpt_model
-from tests.helpers import (REPO_ROOT, ROMEO_JULIET, assert_user_error, losses, run_main, run_scripts, train_tiny,
-                           use_gpt2_bpe)
+from tests.helpers import REPO_ROOT, ROMEO_JULIET, assert_user_error, losses, run_main, run_scripts, train_tiny
 
 TEXT = ROMEO_JULIET
 ITERS = 40  # nanoGPT's run: its checkpoint holds iter_num 40
