@@ -122,6 +122,8 @@ def config_help(cls) -> str:
         allowed = f.metadata.get("choices") or ((True, False) if base is bool else ())
         kind = _type_name(hints[f.name]) + (f": {' | '.join(map(str, allowed))}" if allowed else "")
         lines.append(f"  --{f.name}={f.default!r}  ({kind})" + (f"  {helps[f.name]}" if helps.get(f.name) else ""))
+    for name, (ours, convert) in getattr(cls, "RENAMED", {}).items():
+        lines.append(f"  --{name}=X  (str)  another name: {ours}={convert('X')!r}")
     return "\n".join(lines)
 
 
