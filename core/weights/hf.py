@@ -110,14 +110,10 @@ def architecture(c: GPTConfig) -> str:
     arch = _holds(c)
     if arch is not None:
         return arch
-    switches = _switches(c)
+    switches = non_gpt2_fields(c) or ["these switches"]
     raise ConversionError(f"no transformers architecture computes {', '.join(switches)}"
                           f"{' together' if len(switches) > 1 else ''}; "
                           f"nearest that exports: {'; or '.join(nearest_exportable(c))}")
-
-
-def _switches(c: GPTConfig) -> list[str]:
-    return non_gpt2_fields(c) or ["these switches"]
 
 
 def nearest_exportable(c: GPTConfig) -> list[str]:
@@ -268,16 +264,12 @@ def to_transformers(model: GPT, eos_token_id: int | None = None, bos_token_id: i
     hf = getattr(transformers, config.architectures[0])(config)
     state = {name: t.float() for name, t in hf_state_dict(model).items()}
     theirs = hf.state_dict()
-    missing = [n for n in theirs if n not in state and not _is_tied_head(n, config)]
+    missing = [n for n in theirs if n not in state and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     unexpected = [n for n in state if n not in theirs]
     if missing or unexpected:  # a map out of step with transformers: a bug here, never the user's
         raise RuntimeError(f"{config.architectures[0]} map: missing {missing[:3]}, unexpected {unexpected[:3]}")
     hf.load_state_dict(state, strict=False)
     return hf.float().eval()
-
-
-def _is_tied_head(name: str, config) -> bool:
-    return name == "lm_head.weight" and config.tie_word_embeddings
 
 
 # -----------------------------------------------------------------------------
