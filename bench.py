@@ -1,6 +1,6 @@
 """Performance, measured side by side in one run: training, decoding, attention memory, serving, data preparation.
 
-    python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
+    python bench.py                                    # CPU sizes: TIME_TBD(bench)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=1                        # one thread (the default 0: torch's, one per core); see THREADS
     python bench.py --sections=attention,decode        # only some of the SECTIONS below (speedrun is not in the
