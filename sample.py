@@ -8,9 +8,9 @@
     python sample.py --out_dir=out-sft-tasks-char --chat           # talk to a chat fine-tune, turn by turn
     python sample.py --out_dir=out-sft-tasks-char --chat --system="Be brief." --prompt="reverse: abc" --temperature=0
 
-The samples go to stdout, each followed by a line of dashes (a sample ends at the vocabulary's end of text); what was loaded and the tokens/s go to
-stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer is the one the
-checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
+The samples go to stdout, each followed by a line of dashes (a sample ends at the vocabulary's end of text); what
+was loaded and the tokens/s go to stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer
+is the one the checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
 
 --chat needs a model fine-tuned on a chat set (docs/chat.md): each message goes through the chat
 template (core/data/chat.py), the reply streams until the model ends its turn, and the conversation
@@ -95,13 +95,9 @@ class SampleConfig:
 
 def text_of(ids: list[int], tok: Tokenizer, stop: bool) -> str:
     """A sample's text: up to its first end-of-text id when it stops there, else each one as a line DOCUMENT_END."""
-    docs = [[]]
-    for i in ids:
-        if i == tok.eot_token:
-            docs.append([])
-        else:
-            docs[-1].append(i)
-    return tok.decode(docs[0]) if stop else f"\n{DOCUMENT_END}\n".join(map(tok.decode, docs))
+    ends = [-1] + [i for i, t in enumerate(ids) if t == tok.eot_token] + [len(ids)]
+    docs = [tok.decode(ids[a + 1:b]) for a, b in zip(ends, ends[1:])]
+    return docs[0] if stop else f"\n{DOCUMENT_END}\n".join(docs)
 
 
 def write_stream(tokens, tok: Tokenizer, prompt: str, stop: bool) -> int:
@@ -198,7 +194,6 @@ def main(argv: Sequence[str]) -> None:
     if stop and tok.eot_token is None:
         raise UserError("stop_at_eot=True needs an end-of-text token, and this checkpoint's char vocabulary has "
                         "none; use --stop_at_eot=False")
-    eot = tok.eot_token if stop else None
     text = read_prompt(cfg.start)
     context = encode_prompt(tok, text, model.config.block_size, cfg.truncate_prompt)
     try:
@@ -217,9 +212,8 @@ def main(argv: Sequence[str]) -> None:
     generator = torch.Generator(device=rt.device).manual_seed(cfg.seed)
     idx = torch.tensor([context] * cfg.num_samples, dtype=torch.long, device=rt.device)  # (B, T)
     args = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                use_cache=cfg.use_cache, generator=generator, eot_token=eot,
-                window_shift=shift,
-                vocab_size=tok.vocab_size)  # a padded vocabulary's extra ids are never drawn
+                use_cache=cfg.use_cache, generator=generator, eot_token=tok.eot_token if stop else None,
+                window_shift=shift, vocab_size=tok.vocab_size)  # a padded vocabulary's extra ids are never drawn
     stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1
     warmup = ""
     if cfg.compile and cfg.max_new_tokens:

@@ -2,8 +2,8 @@
 Writing it is core/data/writer.py's (the data/<name>/prepare.py scripts).
 
 A prepared dataset is a folder holding meta.json (tokenizer, vocab_size, dtype, token counts), or nanoGPT's
-meta.pkl (read_meta_pkl), and, per split, either one `{split}.bin` or shards `{split}_000000.bin`, `{split}_000001.bin`, ...:
-raw little-endian token ids of meta's dtype, documents back to back.
+meta.pkl (read_meta_pkl), and, per split, either one `{split}.bin` or shards `{split}_000000.bin`,
+`{split}_000001.bin`, ...: raw little-endian token ids of meta's dtype, documents back to back.
 
     x, y = TokenData("data/shakespeare_char", "train", block_size=256).get_batch(
         64, batch_generator(seed, "train", iter_num, micro_index), device)

@@ -45,9 +45,10 @@ def auto_init_from(out_dir: str | os.PathLike) -> str:
 
 def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
     """The config of a run that resumes: cls's defaults replaced by out_dir/config.json (the run's own), then
-    argv over them, so `--init_from=resume --out_dir=RUN` is the whole command (a nanoGPT run's ckpt.pt holds its config). The device and process count
+    argv over them, so `--init_from=resume --out_dir=RUN` is the whole command. The device and process count
     the run resolved for its own machine ("auto" became cuda:0) are resolved again; its dtype is kept, so a
-    resume continues in the precision it trained in (--dtype changes it). No config.json: cls's defaults."""
+    resume continues in the precision it trained in (--dtype changes it). No config.json: the config the ckpt.pt
+    holds (a nanoGPT run's), else cls's defaults."""
     saved = Path(out_dir) / "config.json"
     if not saved.is_file():  # a nanoGPT run: the config its ckpt.pt holds
         return configlib.parse_args(cls, argv, base=_checkpoint_config(cls, Path(out_dir) / checkpoint.CKPT_NAME))

@@ -22,10 +22,6 @@ KEYS = {"model", "optimizer", "model_args", "iter_num", "best_val_loss", "config
 MACHINE_KEYS = ("device", "dtype", "compile", "backend")
 
 
-def is_nanogpt(state) -> bool:
-    return isinstance(state, dict) and KEYS <= state.keys()
-
-
 def from_nanogpt(state: dict, path: Path) -> dict:
     """nanoGPT's checkpoint as load_checkpoint returns ours: {"meta", "model", "optimizer", ...}."""
     # torch.compile's wrapper prefixes every key; nanoGPT's fallback attention (torch < 2) saves its mask, attn.bias
