@@ -1,6 +1,6 @@
 """Performance, measured side by side in one run: training, decoding, attention memory, serving, data preparation.
 
-    python bench.py                                    # CPU sizes: ~2 min on 2 cores (+~1 min for a first compile)
+    python bench.py                                    # CPU sizes: TIME_TBD(bench)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=1                        # one thread (the default 0: torch's, one per core); see THREADS
     python bench.py --sections=attention,decode        # only some of the SECTIONS below (speedrun is not in the
@@ -11,7 +11,7 @@
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --sections=peers                   # ours, CTranslate2, llama.cpp: tokens/s per precision (docs/performance.md)
     python bench.py --preset=gpt2 --device=cuda --dtype=bfloat16     # GPT-2 small; attention up to T = 16384
-    TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
+    TIKTOKEN_CACHE_DIR=path/to/tiktoken_cache python bench.py   # offline: GPT-2's BPE file for the prepare section
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
         --device=cuda --dtype=bfloat16                 # the same training model, flag by flag
 

@@ -4,9 +4,10 @@ Read it bottom-up, the way the model computes: GPTConfig (the recipe switches as
 attention and rotary positions -> causal self-attention -> MLP -> Block -> KVCache -> GPT (forward, init,
 parameter count, MFU, and from_pretrained as nanoGPT's users know it).
 
-Elsewhere, never imported here: decoding (sampling, generate, the server's per-row cache) in core/decoding/, the
-kernel choices in core/kernels.py and core/cpu.py (acting through Kernels and GPT.swap_module below). The
-transformers interop, core/weights/hf.py, is imported inside GPT.from_pretrained only.
+Elsewhere: decoding (sampling, generate, the server's per-row cache) in core/decoding/, the optimizer in
+core/training/optim.py, the kernel choices in core/kernels.py and core/cpu.py (acting through Kernels and
+GPT.swap_module below), the transformers interop in core/weights/hf.py. Those homes build on this file; nanoGPT's
+API on GPT (from_pretrained, generate, configure_optimizers) reaches each from inside its method only.
 
 Shapes: B batch, T sequence (queries), Tk keys, C = n_embd, nh heads, hs = C // nh head size.
 References: GPT-2 (Radford et al. 2019); "Attention Is All You Need" (Vaswani et al. 2017); nanoGPT (Karpathy),
@@ -611,9 +612,23 @@ class GPT(nn.Module):
         """Outside weights: GPT-2 from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a folder written by
         transformers' save_pretrained or export.py, of any architecture core/weights/hf.py maps (GPT-2, Llama,
         Qwen3, Arcee, Nemotron). Needs transformers. override_args may set dropout and attn_backend."""
-        # The one import of core/ in this file, and the project's one import circle: core/weights/hf.py builds
-        # GPTs, so it imports this file at its top, and nanoGPT's users call GPT.from_pretrained.
+        # An import circle, one of nanoGPT's three methods': core/weights/hf.py builds GPTs, so it imports this file
+        # at its top, and nanoGPT's users call GPT.from_pretrained.
         from core.weights import hf
         if os.path.isdir(name_or_dir):
             return hf.from_folder(name_or_dir, override_args)
         return hf.from_hub(name_or_dir, override_args)
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """nanoGPT's: idx (B, T) and max_new_tokens tokens after it -> (B, T + max_new_tokens), each drawn with torch's
+        global RNG (seed it with torch.manual_seed) from softmax(logits / temperature) cut to the top_k, the context
+        the last block_size tokens. Call model.eval() first. core/decoding/decode.py's generate does it, with a KV
+        cache (and takes top_p, a generator, an end-of-text token)."""
+        from core.decoding import decode  # nanoGPT's API: decoding builds on this file, as hf does
+        return decode.generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k)
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """nanoGPT's: a torch AdamW over two groups, the >= 2-D weights (matrices, embeddings) decayed by weight_decay
+        and the rest (biases, gains) not, as core/training/optim.py builds it for train.py (fused on CUDA and CPU)."""
+        from core.training import optim  # nanoGPT's API: the optimizer's home builds on this file, as hf does
+        return optim.build_optimizer(self, "adamw", learning_rate, weight_decay, betas, device_type)

@@ -3,14 +3,14 @@
     python sample.py --out_dir=out-shakespeare-char                           # 10 samples from its ckpt.pt
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=1   # streams as it decodes
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0   # greedy
-    python sample.py --init_from=gpt2 --start="Hello, I'm a language model," --top_p=0.9 --stop_at_eot=True
+    python sample.py --init_from=gpt2 --start="Hello, I'm a language model," --top_p=0.9
     python sample.py --init_from=path/to/dir   # a transformers folder: GPT-2, Llama, Qwen3, ... (docs/interop.md)
     python sample.py --out_dir=out-sft-tasks-char --chat           # talk to a chat fine-tune, turn by turn
     python sample.py --out_dir=out-sft-tasks-char --chat --system="Be brief." --prompt="reverse: abc" --temperature=0
 
-The samples go to stdout, each followed by a line of dashes; what was loaded and the tokens/s go to
-stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer is the one the
-checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
+The samples go to stdout, each followed by a line of dashes (a sample ends at the vocabulary's end of text); what
+was loaded and the tokens/s go to stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer
+is the one the checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
 
 --chat needs a model fine-tuned on a chat set (docs/chat.md): each message goes through the chat
 template (core/data/chat.py), the reply streams until the model ends its turn, and the conversation
@@ -40,6 +40,7 @@ from core.weights import resolver
 from model import GPT
 
 SEPARATOR = "---------------"
+DOCUMENT_END = "[end of text]"  # an end-of-text id inside a sample that goes on past it (--stop_at_eot=False)
 
 
 @dataclasses.dataclass
@@ -53,7 +54,9 @@ class SampleConfig:
     top_k: int | None = 200          # sample among the k most likely tokens; None: all
     top_p: float | None = None       # then among the fewest tokens holding this probability; None: all
     seed: int = 1337                 # the same seed, model, prompt, flags and device give the same text
-    stop_at_eot: bool = False        # end a sample at <|endoftext|> (GPT-2 BPE; char vocabularies have none)
+    stop_at_eot: bool | None = None  # end a sample at the vocabulary's end of text (<|endoftext|>; a char vocabulary
+                                     # prepared here has one too); False: go on, each shown as a line [end of text];
+                                     # None: True where the vocabulary has one
     truncate_prompt: bool = False    # a prompt longer than the context keeps its last block_size tokens
     use_cache: bool = True           # False recomputes the whole context for every token (slow; for checks)
     window_shift: int | None = None  # past block_size the window slides this many tokens at once (decode.generate);
@@ -90,12 +93,14 @@ class SampleConfig:
 # decoding and printing
 
 
-def cut_at_eot(ids: list[int], eot_token: int | None) -> list[int]:
-    """The ids before the first eot_token (all of them when eot_token is None or absent)."""
-    return ids[:ids.index(eot_token)] if eot_token is not None and eot_token in ids else ids
+def text_of(ids: list[int], tok: Tokenizer, stop: bool) -> str:
+    """A sample's text: up to its first end-of-text id when it stops there, else each one as a line DOCUMENT_END."""
+    ends = [-1] + [i for i, t in enumerate(ids) if t == tok.eot_token] + [len(ids)]
+    docs = [tok.decode(ids[a + 1:b]) for a, b in zip(ends, ends[1:])]
+    return docs[0] if stop else f"\n{DOCUMENT_END}\n".join(docs)
 
 
-def write_stream(tokens, tok: Tokenizer, prompt: str, eot: int | None) -> int:
+def write_stream(tokens, tok: Tokenizer, prompt: str, stop: bool) -> int:
     """Print one sample as `tokens` yields its ids, each (1, 1); returns how many were generated."""
     out = sys.stdout
     out.write(prompt)
@@ -104,19 +109,19 @@ def write_stream(tokens, tok: Tokenizer, prompt: str, eot: int | None) -> int:
     for token in tokens:
         steps += 1
         token_id = token.item()
-        if token_id == eot:
+        if token_id == tok.eot_token and stop:
             break
-        out.write(decoder.push(token_id))
+        out.write((decoder.flush() + f"\n{DOCUMENT_END}\n") if token_id == tok.eot_token else decoder.push(token_id))
         out.flush()
     out.write(decoder.flush() + "\n" + SEPARATOR + "\n")
     out.flush()
     return steps
 
 
-def write_batch(rows: list[list[int]], tok: Tokenizer, prompt: str, eot: int | None) -> int:
+def write_batch(rows: list[list[int]], tok: Tokenizer, prompt: str, stop: bool) -> int:
     """Print each sample of a generated batch; returns how many tokens each row was given."""
     for row in rows:
-        sys.stdout.write(prompt + tok.decode(cut_at_eot(row, eot)) + "\n" + SEPARATOR + "\n")
+        sys.stdout.write(prompt + text_of(row, tok, stop) + "\n" + SEPARATOR + "\n")
     sys.stdout.flush()
     return len(rows[0])
 
@@ -185,8 +190,8 @@ def main(argv: Sequence[str]) -> None:
     model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
     if cfg.chat:
         return run_chat(cfg, model, tok, source, rt)
-    eot = tok.eot_token if cfg.stop_at_eot else None
-    if cfg.stop_at_eot and eot is None:
+    stop = tok.eot_token is not None if cfg.stop_at_eot is None else cfg.stop_at_eot
+    if stop and tok.eot_token is None:
         raise UserError("stop_at_eot=True needs an end-of-text token, and this checkpoint's char vocabulary has "
                         "none; use --stop_at_eot=False")
     text = read_prompt(cfg.start)
@@ -207,9 +212,8 @@ def main(argv: Sequence[str]) -> None:
     generator = torch.Generator(device=rt.device).manual_seed(cfg.seed)
     idx = torch.tensor([context] * cfg.num_samples, dtype=torch.long, device=rt.device)  # (B, T)
     args = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                use_cache=cfg.use_cache, generator=generator, eot_token=eot,
-                window_shift=shift,
-                vocab_size=tok.vocab_size)  # a padded vocabulary's extra ids are never drawn
+                use_cache=cfg.use_cache, generator=generator, eot_token=tok.eot_token if stop else None,
+                window_shift=shift, vocab_size=tok.vocab_size)  # a padded vocabulary's extra ids are never drawn
     stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1
     warmup = ""
     if cfg.compile and cfg.max_new_tokens:
@@ -222,10 +226,10 @@ def main(argv: Sequence[str]) -> None:
     try:
         t0 = time.perf_counter()
         if stream:
-            steps = write_stream(generate_stream(model, idx, **args), tok, shown_prompt, eot)
+            steps = write_stream(generate_stream(model, idx, **args), tok, shown_prompt, stop)
         else:
             new = generate(model, idx, **args)[:, idx.size(1):]  # (B, steps)
-            steps = write_batch(new.tolist(), tok, shown_prompt, eot)
+            steps = write_batch(new.tolist(), tok, shown_prompt, stop)
         rt.synchronize()
         dt = time.perf_counter() - t0
     except BrokenPipeError:

@@ -1,6 +1,6 @@
 # The baby GPT: a 10.7M-parameter character-level model of Shakespeare.
 # Prepare: python data/shakespeare_char/prepare.py
-# Train:   python train.py config/train_shakespeare_char.py      (a few minutes on one GPU)
+# Train:   python train.py config/train_shakespeare_char.py      (one GPU)
 # Sample:  python sample.py --out_dir=out-shakespeare-char
 
 out_dir = "out-shakespeare-char"

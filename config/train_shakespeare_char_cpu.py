@@ -1,5 +1,5 @@
-# The CPU quick start: a 0.8M-parameter character-level Shakespeare model that trains
-# in a few minutes on two CPU cores (docs/performance.md has the measured time).
+# The CPU quick start: a 0.8M-parameter character-level Shakespeare model that trains on a CPU
+# (docs/performance.md has the measured time).
 # Prepare: python data/shakespeare_char/prepare.py
 # Train:   python train.py config/train_shakespeare_char_cpu.py
 # Sample:  python sample.py --out_dir=out-shakespeare-char-cpu

@@ -4,7 +4,8 @@ Config files (config/*.py) are the user's own Python programs: they run with ful
 power, like any script you run, and every top-level name they assign that does not
 start with an underscore is an override. Command-line values are parsed as Python
 literals (ast.literal_eval), never evaluated. Unknown keys and values of the wrong
-type stop with one line naming the key.
+type stop with one line naming the key, and the closest valid ones. A config class may list other projects'
+names for its keys in RENAMED ({name: (its key, value -> its value)}), e.g. nanoGPT's dataset=X for data_dir.
 """
 import ast
 import dataclasses
@@ -75,9 +76,10 @@ def parse_cli_value(raw: str, tp) -> Any:
 
 
 def _unknown_key(key: str, valid: Sequence[str], source: str) -> UserError:
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
-    return UserError(f"unknown config key '{key}' ({source}){hint}")
+    close = [f"'{k}'" for k in difflib.get_close_matches(key, valid, n=5)]
+    hint = (f"did you mean {close[0]}?" if len(close) == 1 else f"did you mean one of {', '.join(close)}?" if close
+            else "--help lists every key")
+    return UserError(f"unknown config key '{key}' ({source}); {hint}")
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -97,8 +99,14 @@ def read_config_file(path: str) -> dict[str, Any]:
 def apply_overrides(cfg: T, overrides: dict[str, Any], source: str) -> T:
     hints = typing.get_type_hints(type(cfg))
     valid = [f.name for f in dataclasses.fields(cfg)]
+    renamed = getattr(cfg, "RENAMED", {})
     changes = {}
     for key, value in overrides.items():
+        if key in renamed:  # another project's name for a key (a str), e.g. nanoGPT's dataset for data_dir
+            ours, convert = renamed[key]
+            new = convert(coerce(key, value, str, source))
+            print(f"note: {key}={value!r} ({source}) is {ours}={new!r} here", file=sys.stderr)
+            key, value = ours, new
         if key not in hints:
             raise _unknown_key(key, valid, source)
         changes[key] = coerce(key, value, hints[key], source)
@@ -114,6 +122,8 @@ def config_help(cls) -> str:
         allowed = f.metadata.get("choices") or ((True, False) if base is bool else ())
         kind = _type_name(hints[f.name]) + (f": {' | '.join(map(str, allowed))}" if allowed else "")
         lines.append(f"  --{f.name}={f.default!r}  ({kind})" + (f"  {helps[f.name]}" if helps.get(f.name) else ""))
+    for name, (ours, convert) in getattr(cls, "RENAMED", {}).items():
+        lines.append(f"  --{name}=X  (str)  another name: {ours}={convert('X')!r}")
     return "\n".join(lines)
 
 
@@ -156,7 +166,7 @@ def parse_args(cls: type[T], argv: Sequence[str], base: T | None = None, validat
     """Build a `cls` config: defaults (or `base`), then each config file in order, then each --key=value.
     validate=False leaves cls.validate() to a later call (a first pass that only reads a key or two)."""
     cfg = cls() if base is None else base
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls) | {key: str for key in getattr(cls, "RENAMED", {})}
     for arg in argv:
         if arg in ("-h", "--help"):
             print(config_help(cls))

@@ -233,8 +233,13 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, threads: int = 0) -> Runtime:
-    """Pick device and dtype and the CPU threads (set_threads); join the process group when launched by torchrun."""
+BACKENDS = ("auto", "nccl", "gloo")  # the process group's; auto: nccl on CUDA, gloo elsewhere
+
+
+def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, threads: int = 0,
+          backend: str = "auto") -> Runtime:
+    """Pick device and dtype and the CPU threads (set_threads); join the process group (backend, BACKENDS) when
+    launched by torchrun."""
     set_threads(threads)
     rank, local_rank, world_size = dist_env()
     device = resolve_device(device, local_rank if world_size > 1 else None)
@@ -249,19 +254,23 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, t
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     dtype = resolve_dtype(dtype, device)
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    elif backend == "nccl" and device_type != "cuda":
+        raise UserError(f"backend nccl runs on CUDA GPUs only, and this run is on {device}; use --backend=gloo or auto")
     flag_group = master_group = None
     if world_size > 1:
         # A finite timeout: a dead peer ends the job with an error instead of a hang.
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _torchrun_attempt_store(world_size, timeout)
         dist.init_process_group(
-            backend="nccl" if device_type == "cuda" else "gloo",
+            backend=backend,
             timeout=timeout,
-            device_id=torch.device(device) if device_type == "cuda" else None,
+            device_id=torch.device(device) if backend == "nccl" else None,
             **(dict(store=store, rank=rank, world_size=world_size) if store is not None else {}),
         )
-        # Host-side groups (see the module docstring); on CPU the default group is already gloo.
-        flag_group = dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else None
+        # Host-side groups (see the module docstring); a gloo default group already is one.
+        flag_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         # gloo's timeout is each process's own: the others wait long for rank 0's write, while rank 0,
         # whose send waits only for them to be ready to receive, gives up on a hung peer after timeout_s.
         master_group = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else max(timeout, MASTER_WORK_TIMEOUT))

@@ -5,7 +5,7 @@ equal compute on the same batches, each evaluated on the whole val split; a tabl
     python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py --variants=classic,modern --max_iters=500
     python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py --phase=train --variants=rope,muon  # in parallel
     python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py --phase=report  # table + PNG from what exists
-    TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py \\
+    TIKTOKEN_CACHE_DIR=path/to/tiktoken_cache python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py \\
         --data_dir=data/shakespeare --results_dir=recipe-bpe --variants=classic,modern   # BPE Shakespeare
 
 Config files and --key=value set the training config (TrainConfig, as for train.py) shared by every

@@ -8,9 +8,10 @@
     result = run_script("train.py", *cli_args(TINY_TRAIN, out_dir=tmp / "run", data_dir=tmp / "data"))  # --key=value
     assert_user_error(run_script("sample.py", "--top_k=0"), "top_k")
 
-GPT-2 BPE needs tiktoken's r50k_base file; offline it comes from TIKTOKEN_CACHE_DIR, which
-use_gpt2_bpe() points at the shared cache beside the repo. It fails where that cache is present
-but does not load, and skips (saying why) only where no cache exists; needs_transformers() likewise.
+GPT-2 BPE needs tiktoken's r50k_base file; offline it comes from a tiktoken cache folder (TIKTOKEN_CACHE_DIR, or
+the copy beside the repository that use_gpt2_bpe() finds). It fails where a cache is present but does not load,
+and skips (saying how to provide one) only where none exists; needs_transformers() likewise. Tiny Shakespeare
+(SHAKESPEARE) is where data/shakespeare_char/prepare.py keeps its download, or the copy beside the repository.
 """
 import contextlib
 import json
@@ -25,6 +26,12 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_TIKTOKEN_CACHE = REPO_ROOT.parent / "shared" / "tiktoken_cache"
+# Tiny Shakespeare for the tests that train on real text: where prepare.py keeps its download, else the copy beside.
+SHAKESPEARE = next((p for p in (REPO_ROOT / "data" / "shakespeare_char" / "input.txt",
+                                REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt") if p.is_file()),
+                   REPO_ROOT / "data" / "shakespeare_char" / "input.txt")
+NO_SHAKESPEARE = ("needs tiny Shakespeare: run python data/shakespeare_char/prepare.py once with the network (it keeps "
+                  "data/shakespeare_char/input.txt), or copy the text there")
 
 # Tiny models gain nothing from a second thread, and on a busy two-core machine OpenMP threads
 # spinning for each other make them many times slower (docs/performance.md#threads-torchs-default-and-when---threads1-wins).
@@ -57,7 +64,7 @@ def one_thread():
 def use_gpt2_bpe() -> None:
     """Make GPT-2's BPE loadable offline (here and in subprocesses).
 
-    Where a cache folder is present (../shared/tiktoken_cache or TIKTOKEN_CACHE_DIR), a tokenizer that
+    Where a cache folder is present (TIKTOKEN_CACHE_DIR, or the copy beside the repository), a tokenizer that
     does not load is a test failure, not a skip: a broken BPE must not turn its tests into skips.
     Only with no cache folder at all, and no network to fetch the file, does the test skip, saying why.
     """
@@ -72,8 +79,8 @@ def use_gpt2_bpe() -> None:
     except UserError as e:
         if cache and Path(cache).is_dir():
             pytest.fail(f"GPT-2 BPE does not load although TIKTOKEN_CACHE_DIR={cache} exists: {e}")
-        pytest.skip(f"GPT-2 BPE unavailable: no tiktoken cache folder ({SHARED_TIKTOKEN_CACHE} or "
-                    f"TIKTOKEN_CACHE_DIR) and no network: {e}")
+        pytest.skip(f"GPT-2 BPE unavailable (no network, no tiktoken cache): set TIKTOKEN_CACHE_DIR to a folder that "
+                    f"holds tiktoken's r50k_base file (tiktoken writes it there on its first use online): {e}")
 
 
 def needs_transformers():

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ONE_THREAD_ENV, REPO_ROOT, run_many
+from tests.helpers import NO_SHAKESPEARE, ONE_THREAD_ENV, REPO_ROOT, SHAKESPEARE, run_many
 
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
-CORPUS = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = SHAKESPEARE
 
 
 def doc_commands(path: Path) -> list[tuple[int, str]]:
@@ -158,7 +158,7 @@ def test_the_readme_runs_in_order_without_replacing_a_result(tmp_path):
     """In a copy of the tracked files: each README command, scaled down, exits 0; the quick start's
     checkpoint is the same file after the commands that follow it."""
     if not CORPUS.is_file():
-        pytest.skip(f"the offline corpus {CORPUS} is not here")
+        pytest.skip(NO_SHAKESPEARE)
     readme = (REPO_ROOT / "README.md").read_text()
     for command, _ in README_RUN:
         assert command in readme, f"the README no longer holds: {command}"

@@ -28,13 +28,12 @@ from core.data.writer import write_dataset
 from core.decoding.decode import generate
 from core.weights import hf, resolver
 from model import GPT, GPTConfig
-from tests.helpers import (REPO_ROOT, assert_user_error, make_char_dataset, needs_transformers, run_main,
+from tests.helpers import (NO_SHAKESPEARE, REPO_ROOT, SHAKESPEARE, assert_user_error, make_char_dataset, needs_transformers, run_main,
                            sharpen, train_tiny, use_gpt2_bpe)
 
 transformers = needs_transformers()
 TOL = dict(atol=1e-5, rtol=0)
-SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-# Stands in for tiny Shakespeare in a fresh clone without ../shared.
+# FALLBACK stands in for tiny Shakespeare (tests.helpers.SHAKESPEARE) in a fresh clone without it.
 FALLBACK = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
             "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n\n"
             "First Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n\n"
@@ -75,7 +74,7 @@ def shakespeare_data(char_data):
     """The trained-model comparisons need real text: on the stand-in a model learns its few lines by heart,
     and its logits grow so large that float32 rounding alone passes atol 1e-5."""
     if not SHAKESPEARE.is_file():
-        pytest.skip(f"needs tiny Shakespeare at {SHAKESPEARE} (the compared models are trained on it)")
+        pytest.skip(f"{NO_SHAKESPEARE} (the compared models are trained on it)")
     return char_data
 
 

@@ -22,7 +22,7 @@ import export
 from core.data.tokenizer import GPT2_VOCAB, CharTokenizer, GPT2Tokenizer
 from core.decoding.decode import generate
 from model import GPT, GPTConfig
-from tests.helpers import REPO_ROOT, needs_transformers, use_gpt2_bpe
+from tests.helpers import REPO_ROOT, SHAKESPEARE, needs_transformers, use_gpt2_bpe
 
 needs_transformers()
 lm_eval = pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness (pip install lm_eval accelerate)")
@@ -40,8 +40,7 @@ TASK_TEXT = "".join(d["context"] + "".join(d["choices"]) for d in MC) + "".join(
 
 
 def corpus() -> str:
-    path = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-    return (path.read_text()[:50_000] if path.is_file() else "") + TASK_TEXT * 20
+    return (SHAKESPEARE.read_text()[:50_000] if SHAKESPEARE.is_file() else "") + TASK_TEXT * 20
 
 
 def trained_model(tok, vocab_size: int, steps: int) -> GPT:

@@ -28,11 +28,10 @@ from core.data.tokenizer import train_bpe
 from core.decoding.decode import generate
 from core.weights import resolver
 from core.weights.gguf import converter_dir
-from tests.helpers import (REPO_ROOT, make_gpt2_dataset, needs_transformers, run_main, run_script, sharpen,
+from tests.helpers import (NO_SHAKESPEARE, REPO_ROOT, SHAKESPEARE, make_gpt2_dataset, needs_transformers, run_main, run_script, sharpen,
                            train_tiny, use_gpt2_bpe)
 
 needs_transformers()
-SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 RUN_MJS = REPO_ROOT / "tools" / "llama-cpp" / "run.mjs"
 RUNTIME = REPO_ROOT / "tools" / "llama-cpp" / "node_modules" / "node-llama-cpp" / "package.json"
 LLAMA = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
@@ -61,7 +60,7 @@ def datasets(tmp_path_factory):
     """{"gpt2" | "bpe": data dir}: the first 200,000 characters of tiny Shakespeare, in GPT-2's BPE and in a
     512-id BPE trained on them (Llama 3's split regex, which llama.cpp names llama-bpe)."""
     if not SHAKESPEARE.is_file():
-        pytest.skip(f"needs tiny Shakespeare at {SHAKESPEARE} (the compared models are trained on it)")
+        pytest.skip(f"{NO_SHAKESPEARE} (the compared models are trained on it)")
     use_gpt2_bpe()
     text = SHAKESPEARE.read_text()[:200_000]
     docs = text.split("\n\n")

@@ -2,9 +2,9 @@
 
     python -m pytest tests/test_prepare.py
 
-Tiny Shakespeare comes from ../shared/data (copied into a temp folder) and GPT-2's BPE from
-../shared/tiktoken_cache (tests.helpers.use_gpt2_bpe); tests that need them are skipped, saying
-why, where they are absent.
+Tiny Shakespeare comes from tests.helpers.SHAKESPEARE (copied into a temp folder) and GPT-2's BPE from a
+tiktoken cache (tests.helpers.use_gpt2_bpe); tests that need them are skipped, saying how to provide
+them, where they are absent.
 """
 import importlib.util
 import inspect
@@ -22,10 +22,10 @@ from core.data.loader import TokenData
 import core.data.sources
 from core.data.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 from core.errors import UserError
-from tests.helpers import assert_user_error, run_scripts, use_gpt2_bpe
+from tests.helpers import NO_SHAKESPEARE, SHAKESPEARE, assert_user_error, run_scripts, use_gpt2_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = SHAKESPEARE
 
 DOCS = ["First document.", "Zweites Dokument: ünïcödé ✓", "", "line one\nline two\n\n", "  spaces  ", "end"]
 
@@ -45,7 +45,7 @@ def read_split(out_dir: Path, split: str, dtype=np.uint16) -> np.ndarray:
 @pytest.fixture
 def corpus(tmp_path) -> Path:
     if not CORPUS.is_file():
-        pytest.skip(f"tiny Shakespeare not found at {CORPUS}")
+        pytest.skip(NO_SHAKESPEARE)
     return Path(shutil.copy(CORPUS, tmp_path / "tinyshakespeare.txt"))
 
 

@@ -29,10 +29,13 @@ SEP = sample.SEPARATOR
 EOT = "<|endoftext|>"
 
 
+SHOWN_EOT = f"\n{sample.DOCUMENT_END}\n"  # how a sample that goes on past an end of text shows it
+
+
 def tokens_of(text: str) -> list[str]:
-    """A char model's sample as its tokens: characters, and <|endoftext|> (the vocabulary's last id, never in
-    the training text, but a 20-step model still draws it now and then) as one."""
-    return [piece for part in text.split(EOT) for piece in [EOT, *part]][1:]
+    """A char model's sample, run with --stop_at_eot=False, as its tokens: characters, and the end of text (the
+    vocabulary's last id, never in the training text, but a 20-step model still draws it now and then) as one."""
+    return [piece for part in text.split(SHOWN_EOT) for piece in [SHOWN_EOT, *part]][1:]
 
 
 def samples_of(stdout: str) -> list[str]:
@@ -80,8 +83,8 @@ def bpe_out(tmp_path_factory):
 # --- end to end, char-level ----------------------------------------------------------------------
 
 CLI_RUNS = {  # name: sample.py arguments after --out_dir=<the char model> --device=cpu
-    "seed7": ("--start=ROMEO:", "--num_samples=3", "--max_new_tokens=40", "--seed=7"),
-    "seed7_again": ("--start=ROMEO:", "--num_samples=3", "--max_new_tokens=40", "--seed=7"),
+    "seed7": ("--start=ROMEO:", "--num_samples=3", "--max_new_tokens=40", "--stop_at_eot=False", "--seed=7"),
+    "seed7_again": ("--start=ROMEO:", "--num_samples=3", "--max_new_tokens=40", "--stop_at_eot=False", "--seed=7"),
     "stream": ("--start=JULIET:", "--num_samples=1", "--max_new_tokens=60", "--seed=3", "--stream=True"),
     "batch": ("--start=JULIET:", "--num_samples=1", "--max_new_tokens=60", "--seed=3", "--stream=False"),
     "no_checkpoint": ("--out_dir=/nonexistent/run",),
@@ -105,7 +108,7 @@ def test_samples_are_decoded_in_one_batch(cli):
     assert len(samples) == 3
     for text in samples:
         assert text.startswith("ROMEO:") and len(tokens_of(text)) == len("ROMEO:") + 40
-        assert set(tokens_of(text)) <= VOCAB | {EOT}
+        assert set(tokens_of(text)) <= VOCAB | {SHOWN_EOT} and EOT not in text
     assert len(set(samples)) == 3  # one batch, three different draws
     assert "tokens/s" in result.stderr and "tokens/s" not in result.stdout
 
@@ -161,9 +164,9 @@ def test_padded_vocab_ids_never_reach_decode(char_out):
     # Temperature 100 makes the draws nearly uniform over the model's whole vocabulary: unrestricted,
     # about a third of them would be padded ids, and decoding one would crash.
     code, out, err = sample_here(f"--out_dir={char_out}", "--start=ROMEO:", "--num_samples=4",
-                                 "--max_new_tokens=100", "--temperature=100", "--top_k=None")
+                                 "--max_new_tokens=100", "--temperature=100", "--top_k=None", "--stop_at_eot=False")
     assert code == 0, err
-    assert all(set(tokens_of(s)) <= VOCAB | {EOT} and len(tokens_of(s)) == len("ROMEO:") + 100 for s in samples_of(out))
+    assert all(set(tokens_of(s)) <= VOCAB | {SHOWN_EOT} and len(tokens_of(s)) == len("ROMEO:") + 100 for s in samples_of(out))
 
 
 def test_greedy_ignores_the_seed_and_cache_changes_nothing(char_out):
@@ -266,17 +269,17 @@ def test_bpe_streaming_equals_batch(bpe_out):
 
 
 @pytest.mark.parametrize("num_samples", [4, 1], ids=["batch", "stream"])
-def test_stop_at_eot_ends_each_sample_at_its_first_eot(bpe_out, num_samples):
+def test_a_sample_ends_at_its_first_eot(bpe_out, num_samples):
     # top_k=3 keeps hello, world and <|endoftext|>: every row meets an eot within a few tokens. With
     # the same seed, each stopped sample is the unstopped one cut just before its first eot.
     args = (f"--out_dir={bpe_out}", "--start=hello world", f"--num_samples={num_samples}",
             "--max_new_tokens=30", "--temperature=1", "--top_k=3", "--seed=5")
-    code, full, err = sample_here(*args)
+    code, full, err = sample_here(*args, "--stop_at_eot=False")
     assert code == 0, err
-    code, stopped, err = sample_here(*args, "--stop_at_eot=True")
+    code, stopped, err = sample_here(*args)  # the default where the vocabulary has an end of text
     assert code == 0, err
     for whole, cut in zip(samples_of(full), samples_of(stopped), strict=True):
-        assert EOT not in cut and whole.startswith(cut + EOT)
+        assert EOT not in whole + cut and whole.startswith(cut + SHOWN_EOT)
     if num_samples > 1:
         assert len({len(s) for s in samples_of(stopped)}) > 1  # rows stop at different tokens
 
@@ -312,3 +315,25 @@ def test_save_pretrained_directory_as_init_from(tmp_path):
     assert code == 0, err
     assert [s.startswith("Hello") for s in samples_of(out)] == [True, True]
     assert f"sampling from {tmp_path}" in err
+
+
+def test_a_char_model_that_learned_the_end_of_text_ends_its_samples_there(tmp_path):
+    """Trained on 'hello world' and <|endoftext|> over and over, the greedy sample after 'hello world\\n' is the end of
+    text: the sample ends there, or with --stop_at_eot=False goes on with the end shown as a line, never the
+    literal token; streamed as batched. --help says the same."""
+    from core.data.writer import write_dataset
+
+    tok = CharTokenizer.from_text("hello world\n")
+    ids = (tok.encode("hello world\n") + [tok.eot_token]) * 100
+    write_dataset(tmp_path / "data", tok.meta(), {"train": ids, "val": ids[:200]})
+    train_tiny(tmp_path / "out", tmp_path / "data", block_size=16, max_iters=60, lr_decay_iters=60)
+    base = (f"--out_dir={tmp_path / 'out'}", "--start=hello world\n", "--temperature=0", "--max_new_tokens=30")
+    for stream in ("True", "False"):
+        code, out, err = sample_here(*base, "--num_samples=1", f"--stream={stream}")
+        assert code == 0 and samples_of(out) == ["hello world\n"], err
+        code, out, err = sample_here(*base, "--num_samples=1", f"--stream={stream}", "--stop_at_eot=False")
+        assert code == 0 and samples_of(out)[0].startswith("hello world\n" + SHOWN_EOT + "hello world\n"), out
+        assert EOT not in out
+    help_text = subprocess.run([sys.executable, "sample.py", "--help"], capture_output=True, text=True).stdout
+    line = next(line for line in help_text.splitlines() if "--stop_at_eot" in line)
+    assert "a char vocabulary prepared here has one too" in line and sample.DOCUMENT_END in line

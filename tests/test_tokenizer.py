@@ -3,7 +3,7 @@
     python -m pytest tests/test_tokenizer.py
 
 The corpus is a few modules of this repository (code and docstrings) plus mixed text, so the tests need
-nothing beyond the repo; GPT-2's BPE comes from ../shared/tiktoken_cache (tests.helpers.use_gpt2_bpe).
+nothing beyond the repo; GPT-2's BPE comes from a tiktoken cache (tests.helpers.use_gpt2_bpe).
 """
 import json
 import subprocess

@@ -1,9 +1,9 @@
 """Token data on disk, read: memory-mapped token files and shards -> batches (train.py, eval.py).
 Writing it is core/data/writer.py's (the data/<name>/prepare.py scripts).
 
-A prepared dataset is a folder holding meta.json (tokenizer, vocab_size, dtype, token counts)
-and, per split, either one `{split}.bin` or shards `{split}_000000.bin`, `{split}_000001.bin`, ...:
-raw little-endian token ids of meta's dtype, documents back to back.
+A prepared dataset is a folder holding meta.json (tokenizer, vocab_size, dtype, token counts), or nanoGPT's
+meta.pkl (read_meta_pkl), and, per split, either one `{split}.bin` or shards `{split}_000000.bin`,
+`{split}_000001.bin`, ...: raw little-endian token ids of meta's dtype, documents back to back.
 
     x, y = TokenData("data/shakespeare_char", "train", block_size=256).get_batch(
         64, batch_generator(seed, "train", iter_num, micro_index), device)
@@ -22,13 +22,15 @@ import hashlib
 import json
 import operator
 import os
+import pickle
 import re
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from core.errors import UserError
+from core.errors import UserError, first_line
 
 if TYPE_CHECKING:  # torch is imported where batches are made: prepare.py scripts, which read
     # shard_paths through core/data/writer.py and corpus.py, run without loading it
@@ -43,7 +45,14 @@ DATA_ROOT = Path(__file__).resolve().parents[2] / "data"  # data/<name>/prepare.
 
 
 def read_meta(data_dir: str | os.PathLike) -> dict:
+    """data_dir's meta.json, or nanoGPT's meta.pkl where there is no meta.json (read_meta_pkl)."""
     path = Path(data_dir) / "meta.json"
+    if not path.is_file() and (Path(data_dir) / "meta.pkl").is_file():
+        return read_meta_pkl(Path(data_dir) / "meta.pkl")
+    if not path.is_file() and (Path(data_dir) / "train.bin").is_file():  # nanoGPT's GPT-2 folders hold no meta
+        gpt2 = json.dumps({"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256, "dtype": "uint16"})
+        raise UserError(f"{path} not found, nor nanoGPT's meta.pkl; if the .bin files are nanoGPT's GPT-2 tokens (its "
+                        f"openwebtext, shakespeare), describe them: echo '{gpt2}' > {shlex.quote(str(path))}")
     if not path.is_file():
         raise UserError(f"{path} not found; run the dataset's prepare.py ({_prepare_hint(Path(data_dir))})")
     try:
@@ -54,6 +63,41 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
         raise UserError(f"{path} holds a {type(meta).__name__}, expected a JSON object; "
                         f"re-run the dataset's prepare.py")
     return meta
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only what pickle's own opcodes build (dicts, lists, strings, numbers, ...): a class or function a
+    file names, which unpickling would import and could call with any arguments, is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def _plain(x) -> bool:
+    """Whether x is made of dicts, lists, strings and ints only (what nanoGPT's meta.pkl holds)."""
+    if isinstance(x, (dict, list)):
+        return all(_plain(k) and _plain(v) for k, v in (x.items() if isinstance(x, dict) else enumerate(x)))
+    return type(x) in (str, int)
+
+
+def read_meta_pkl(path: Path) -> dict:
+    """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}: a character vocabulary, beside uint16 train.bin and
+    val.bin) as meta.json's fields. Only plain dicts, lists, strings and ints are unpickled; anything else is
+    refused, since unpickling an object can run any code."""
+    try:
+        with open(path, "rb") as f:
+            meta = _PlainUnpickler(f).load()
+        if not _plain(meta):
+            raise pickle.UnpicklingError("it holds other objects")
+    except Exception as e:  # noqa: BLE001 - any malformed pickle, one line
+        raise UserError(f"{path} is not read: {first_line(e)}; a meta.pkl may hold only plain dicts, lists, strings "
+                        f"and ints (nanoGPT's holds vocab_size, itos and stoi)") from None
+    size, itos, stoi = (meta.get(k) if isinstance(meta, dict) else None for k in ("vocab_size", "itos", "stoi"))
+    if not (type(size) is int and isinstance(itos, dict) and sorted(itos) == list(range(size))
+            and stoi == {c: i for i, c in itos.items()}):
+        raise UserError(f"{path} is not nanoGPT's character vocabulary: vocab_size, itos and stoi do not agree")
+    return {"tokenizer": "char", "vocab_size": size, "itos": [itos[i] for i in range(size)], "stoi": stoi,
+            "dtype": "uint16"}
 
 
 def _prepare_hint(data_dir: Path) -> str:

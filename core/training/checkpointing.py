@@ -121,6 +121,8 @@ def restore(resumed, model: torch.nn.Module, optimizer, scaler, rt: Runtime, log
     if state["model"] is None:  # fsdp: every rank reads its own shards
         with optim.restoring(optimizer, meta["config"].get("optimizer", "adamw")):
             state["rng"] = load_sharded(resumed.path, model, optimizer)
+    elif state["optimizer"] is None:  # a nanoGPT checkpoint whose AdamW state has other shapes than ours
+        log(f"note: {resumed.path} holds no optimizer state this model's parameters fit; the optimizer starts fresh")
     else:
         optim.load_state(optimizer, state["optimizer"])
     if state.get("scaler"):

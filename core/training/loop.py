@@ -22,7 +22,7 @@ def start(cls: type, argv, train) -> None:
     stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
     with alike_on_every_rank():
         cfg = parse_config(cls, argv)
-    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s, cfg.threads)
+    rt = runtime.setup(cfg.device, cfg.dtype, cfg.dist_timeout_s, cfg.threads, cfg.backend)
     try:
         train(cfg, rt, stop)
     except RuntimeError as e:  # torch.OutOfMemoryError included

@@ -47,10 +47,11 @@ def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
     """The config of a run that resumes: cls's defaults replaced by out_dir/config.json (the run's own), then
     argv over them, so `--init_from=resume --out_dir=RUN` is the whole command. The device and process count
     the run resolved for its own machine ("auto" became cuda:0) are resolved again; its dtype is kept, so a
-    resume continues in the precision it trained in (--dtype changes it). No config.json: cls's defaults."""
+    resume continues in the precision it trained in (--dtype changes it). No config.json: the config the ckpt.pt
+    holds (a nanoGPT run's), else cls's defaults."""
     saved = Path(out_dir) / "config.json"
-    if not saved.is_file():
-        return configlib.parse_args(cls, argv)
+    if not saved.is_file():  # a nanoGPT run: the config its ckpt.pt holds
+        return configlib.parse_args(cls, argv, base=_checkpoint_config(cls, Path(out_dir) / checkpoint.CKPT_NAME))
     try:
         run = json.loads(saved.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -59,6 +60,15 @@ def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
         raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
     run = {k: v for k, v in run.items() if k not in ("world_size", "device")}
     return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {saved}"))
+
+
+def _checkpoint_config(cls: type, path: Path):
+    """The config a ckpt.pt holds, as a cls; None where there is none to read (the resume then says why)."""
+    try:
+        run = checkpoint.load_checkpoint(path)["meta"]["config"]
+    except UserError:
+        return None
+    return configlib.from_dict(cls, run, f"in {path}")
 
 
 def check_ranks_agree(cfg: TrainConfig, rt: Runtime) -> None:

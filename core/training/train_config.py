@@ -6,6 +6,7 @@ the same config files, so it lives here rather than in train.py.
 import dataclasses
 import math
 
+from core import runtime
 from core.config import field_help
 from core.errors import UserError
 from core.training import optim, parallel
@@ -47,6 +48,7 @@ class RunConfig:
     threads: int = 0                       # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
     seed: int = 1337                       # weights, dropout, batches and rl.py's replies all follow from it
     dist_timeout_s: float = 600.0          # a dead peer ends the job after this, never a hang
+    backend: str = "auto"                  # torchrun's process group: auto (nccl on CUDA, else gloo) | nccl | gloo
 
     # Not keys: the keys that count (at least 1) and those never negative, a loop's own added; and whether
     # init_from may be 'scratch' and 'auto' (rl.py starts from a chat run).
@@ -71,6 +73,8 @@ class RunConfig:
             raise UserError(f"need 0 <= beta1, beta2 < 1, got {self.beta1}, {self.beta2}")
         if not self.dist_timeout_s > 0:
             raise UserError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
+        if self.backend not in runtime.BACKENDS:
+            raise UserError(f"backend must be one of {', '.join(runtime.BACKENDS)}, got '{self.backend}'")
         resolver.check_init_from(self.init_from, scratch=self.starts_from_scratch)
 
 
@@ -128,6 +132,8 @@ class TrainConfig(RunConfig, ModelKeys):  # its keys: ModelKeys', then RunConfig
     parallel: str = "ddp"                  # ddp: full copies per process; fsdp: sharded (core/training/parallel.py)
     activation_checkpointing: bool = False  # recompute each Block in the backward pass: less memory, more compute
 
+    # nanoGPT's name for a key (docs/from-nanogpt.md): dataset=X is its data/X folder
+    RENAMED = {"dataset": ("data_dir", lambda name: f"data/{name}")}
     POSITIVE = RunConfig.POSITIVE + ("eval_iters", "gradient_accumulation_steps", "batch_size", "block_size",
                                      "n_layer", "n_head", "n_embd", "lr_decay_iters")
     NOT_NEGATIVE = RunConfig.NOT_NEGATIVE + ("checkpoint_interval",)

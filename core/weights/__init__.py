@@ -1,6 +1,7 @@
 """The weights wing: where a model's weights come from, and the formats they travel in.
 
 resolver.py (init_from -> scratch | resume | a run | a transformers folder | a GPT-2 name, decided once),
-checkpoint.py (our checkpoint files, read), hf.py (our recipes <-> transformers classes), hf_export.py (a model ->
-a transformers folder), gguf.py (a transformers folder -> a GGUF file, through llama.cpp's converter).
+checkpoint.py (our checkpoint files, read), nanogpt.py (nanoGPT's ckpt.pt, read as ours), hf.py (our recipes <->
+transformers classes), hf_export.py (a model -> a transformers folder), gguf.py (a transformers folder -> a GGUF
+file, through llama.cpp's converter).
 """

@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_state_dict
 
 from core.errors import UserError, first_line
+from core.weights import nanogpt
 from model import GPT, GPTConfig
 
 FORMAT = "nanogpt-checkpoint/1"
@@ -49,10 +50,11 @@ PREV_NAME = "ckpt.prev.pt"
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint onto the CPU; `state["meta"]` comes back as a dict.
+    """Load a checkpoint onto the CPU; `state["meta"]` comes back as a dict. A nanoGPT ckpt.pt comes back in the
+    same shape (core/weights/nanogpt.py).
 
     Raises UserError for a missing file, a truncated or corrupt one, or a file that
-    is not a checkpoint of this project.
+    is not a checkpoint of this project or nanoGPT's.
     """
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint, e.g. out/ckpt.dcp
@@ -73,8 +75,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                         f"could run any code. It is not a checkpoint written by this project's train.py") from None
     except Exception as e:  # anything else torch.load rejects
         raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)})") from None
+    if isinstance(state, dict) and nanogpt.KEYS <= state.keys():
+        return {"format": FORMAT} | nanogpt.from_nanogpt(state, path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"{path} is not a checkpoint written by this project's train.py")
+        raise UserError(f"{path} is not a checkpoint written by this project's train.py or nanoGPT's")
     try:
         state["meta"] = json.loads(state["meta"])
     except (KeyError, TypeError, json.JSONDecodeError):
@@ -101,14 +105,7 @@ def _verify_archive(path: Path) -> None:
 
 def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], Path]:
     """Load ckpt.pt from out_dir; if it is damaged, say so and fall back to ckpt.prev.pt."""
-    out_dir = Path(out_dir)
-    path, prev = out_dir / CKPT_NAME, out_dir / PREV_NAME
-    if not path.exists() and not prev.exists():
-        other = ""
-        if (out_dir / SHARDED_NAME).exists():
-            other = " (it holds an fsdp checkpoint, ckpt.dcp: resume it with --parallel=fsdp)"
-        raise UserError(f"no checkpoint in {out_dir} (expected {CKPT_NAME}){other}; train first or check --out_dir")
-    return _newest_intact(path, prev, load_checkpoint, lambda state: state["meta"].get("iter_num"), log)
+    return _newest_intact(Path(out_dir), CKPT_NAME, PREV_NAME, load_checkpoint, lambda state: state["meta"], log)
 
 
 def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
@@ -119,9 +116,15 @@ def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return None
 
 
-def _newest_intact(path: Path, prev: Path, load, iter_of, log) -> tuple[Any, Path]:
-    """(load(path), path); if that is damaged or missing and prev exists, (load(prev), prev) with a warning,
-    so a kill or a damaged file never costs more than the newest checkpoint."""
+def _newest_intact(out_dir: Path, name: str, prev_name: str, load, meta_of, log) -> tuple[Any, Path]:
+    """(load(path), path) for out_dir/name; if that is damaged or missing and out_dir/prev_name exists, (load(prev),
+    prev) with a warning, so a kill or a damaged file never costs more than the newest checkpoint."""
+    path, prev = out_dir / name, out_dir / prev_name
+    if not path.exists() and not prev.exists():
+        kind, other, parallel = ("", SHARDED_NAME, "an fsdp") if name == CKPT_NAME else ("sharded ", CKPT_NAME, "a ddp")
+        held = (f" (it holds {parallel} checkpoint, {other}: resume it with --parallel={parallel.split()[1]})"
+                if (out_dir / other).exists() else "")
+        raise UserError(f"no {kind}checkpoint in {out_dir} (expected {name}){held}; train first or check --out_dir")
     try:
         return load(path), path
     except UserError as e:
@@ -131,7 +134,7 @@ def _newest_intact(path: Path, prev: Path, load, iter_of, log) -> tuple[Any, Pat
             state = load(prev)
         except UserError as e_prev:
             raise UserError(f"no intact checkpoint in {path.parent}: {e}; and {e_prev}") from None
-        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {iter_of(state)})")
+        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {meta_of(state).get('iter_num')})")
         return state, prev
 
 
@@ -205,15 +208,7 @@ def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
 def load_latest_sharded(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], Path]:
     """(meta, directory) of the newest intact sharded checkpoint in out_dir: ckpt.dcp, or if it is
     damaged or missing (a kill between two renames), ckpt.prev.dcp, saying so."""
-    out_dir = Path(out_dir)
-    path, prev = out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME
-    if not path.exists() and not prev.exists():
-        other = ""
-        if (out_dir / CKPT_NAME).exists():
-            other = " (it holds a ddp checkpoint, ckpt.pt: resume it with --parallel=ddp)"
-        raise UserError(f"no sharded checkpoint in {out_dir} (expected {SHARDED_NAME}){other}; train first or "
-                        "check --out_dir")
-    return _newest_intact(path, prev, read_sharded_meta, lambda meta: meta.get("iter_num"), log)
+    return _newest_intact(Path(out_dir), SHARDED_NAME, PREV_SHARDED_NAME, read_sharded_meta, lambda meta: meta, log)
 
 
 def read_shards(path: Path, state: dict[str, Any]) -> None:

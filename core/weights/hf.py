@@ -110,14 +110,10 @@ def architecture(c: GPTConfig) -> str:
     arch = _holds(c)
     if arch is not None:
         return arch
-    switches = _switches(c)
+    switches = non_gpt2_fields(c) or ["these switches"]
     raise ConversionError(f"no transformers architecture computes {', '.join(switches)}"
                           f"{' together' if len(switches) > 1 else ''}; "
                           f"nearest that exports: {'; or '.join(nearest_exportable(c))}")
-
-
-def _switches(c: GPTConfig) -> list[str]:
-    return non_gpt2_fields(c) or ["these switches"]
 
 
 def nearest_exportable(c: GPTConfig) -> list[str]:
@@ -268,16 +264,12 @@ def to_transformers(model: GPT, eos_token_id: int | None = None, bos_token_id: i
     hf = getattr(transformers, config.architectures[0])(config)
     state = {name: t.float() for name, t in hf_state_dict(model).items()}
     theirs = hf.state_dict()
-    missing = [n for n in theirs if n not in state and not _is_tied_head(n, config)]
+    missing = [n for n in theirs if n not in state and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     unexpected = [n for n in state if n not in theirs]
     if missing or unexpected:  # a map out of step with transformers: a bug here, never the user's
         raise RuntimeError(f"{config.architectures[0]} map: missing {missing[:3]}, unexpected {unexpected[:3]}")
     hf.load_state_dict(state, strict=False)
     return hf.float().eval()
-
-
-def _is_tied_head(name: str, config) -> bool:
-    return name == "lm_head.weight" and config.tie_word_embeddings
 
 
 # -----------------------------------------------------------------------------
@@ -460,9 +452,30 @@ def folder_tokenizer(directory: str | os.PathLike, config: GPTConfig) -> Tokeniz
 
 
 def from_hub(name: str, override_args: dict | None = None) -> GPT:
-    """GPT-2's weights from the Hugging Face hub (needs the network, or transformers' cache)."""
+    """GPT-2's weights from the Hugging Face hub's cache, or downloaded (check_hub first)."""
     if name not in GPT2_HUB_NAMES:
         raise ValueError(f"{name!r} is neither a directory nor one of {GPT2_HUB_NAMES}")
+    cached = check_hub(name)
     from transformers import GPT2LMHeadModel
 
-    return from_transformers(GPT2LMHeadModel.from_pretrained(name), override_args)
+    return from_transformers(GPT2LMHeadModel.from_pretrained(name, local_files_only=cached), override_args)
+
+
+def check_hub(name: str) -> bool:
+    """Whether the hub model `name` is in the Hugging Face cache (then it loads from there, never asking the hub);
+    if not, that the hub answers one request. A UserError at once otherwise (HF_HUB_OFFLINE set, or no network):
+    transformers would first retry for half a minute, printing each try."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+
+    if all(isinstance(try_to_load_from_cache(name, f), str) for f in ("config.json", "model.safetensors")):
+        return True
+    missing = f"'{name}' is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    use = "or pass a folder written by save_pretrained (--init_from=DIR)"
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{missing} and HF_HUB_OFFLINE is set: download it once with the network, {use}")
+    try:
+        model_info(name, timeout=10)
+    except Exception as e:  # noqa: BLE001 - no network, a proxy's refusal, a hub error: one line
+        raise UserError(f"{missing} and the hub at {constants.ENDPOINT} does not answer ({first_line(e)}); connect "
+                        f"to the network, {use}") from None
+    return False

@@ -121,7 +121,8 @@ def _locate(kind: str, init_from: str, out_dir: Path, training: Training | None)
     if kind == "folder":
         config = hf.folder_config(init_from, training.overrides if training else None)
         return Weights(kind, config, init_from, tokenizer=hf.folder_tokenizer(init_from, config))
-    # hub. The tokenizer first: without the BPE file there is nothing to decode with.
+    # hub. Whether its weights can be had, then the tokenizer: without the BPE file there is nothing to decode with.
+    hf.check_hub(init_from)
     return Weights(kind, GPTConfig(**GPT2_SHAPES[init_from]), init_from,
                    tokenizer=None if training else GPT2Tokenizer())
 
@@ -146,7 +147,8 @@ def _checkpoint(kind: str, directory: Path, training: Training | None) -> Weight
     except (TypeError, ValueError, KeyError) as e:
         raise UserError(f"checkpoint {path} does not fit this model.py ({first_line(e)})") from None
     tokenizer = None if training else tokenizer_from_meta(meta["tokenizer"], source=f"checkpoint {path}")
-    return Weights(kind, config, f"{path} (iter {meta.get('iter_num')})", tokenizer, meta["tokenizer"], state, path)
+    source = f"{path} (iter {meta.get('iter_num')}" + (f"; {meta['nanogpt']})" if "nanogpt" in meta else ")")
+    return Weights(kind, config, source, tokenizer, meta["tokenizer"], state, path)
 
 
 def _exact(out_dir: Path) -> tuple[dict, Path]:
