@@ -172,10 +172,12 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
                 batches.prefetch_after(iter_num, micro)  # read the next batch while the device works
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        # the guard (a non-finite loss stops the run before the update), clip, step, zero the gradients
-        stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
+        # Read before the update, where the guard waits for the device anyway: read after it, the host would wait
+        # for the optimizer step too and leave the device idle until the next launches.
         logging = (iter_num + 1) % cfg.log_interval == 0
         loss = loop.global_mean(loss_sum, rt) if logging else None  # a device collective: only when used
+        # the guard (a non-finite loss stops the run before the update), clip, step, zero the gradients
+        stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
         dt = time.perf_counter() - t0
         seq_len = seq_len_at(iter_num, cfg)  # block_size, or shorter during the sequence-length warm-up
         iter_tokens = rows * seq_len

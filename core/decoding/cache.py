@@ -121,7 +121,8 @@ class StaticCache(nn.Module):
         self.rolling, self.pos = c.pos_embedding == "rope", 0
         for i in range(c.n_layer):
             for kv in "kv":
-                self.register_buffer(f"{kv}{i}", torch.zeros(shape, dtype=like.k.dtype, device=device), persistent=False)
+                self.register_buffer(f"{kv}{i}", torch.zeros(shape, dtype=like.k.dtype, device=device),
+                                     persistent=False)
         self.register_buffer("at", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("slots", torch.arange(shape[2], device=device), persistent=False)  # (max_len,)
         self.register_buffer("rows", torch.arange(batch_size, device=device), persistent=False)  # (B,)
