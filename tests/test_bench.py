@@ -105,7 +105,7 @@ def test_compile_failure_is_reported_not_raised(tmp_path, capsys, monkeypatch):
     with one_thread():
         result = bench.main(tiny_argv(tmp_path, sections="train", compile=True))
     eager, compiled = result["train"]["rows"]
-    assert compiled == {"mode": "compiled", "error": "compile failed: RuntimeError: no C++ compiler"}
+    assert compiled == {"mode": "compiled", "batch_size": 2, "error": "compile failed: RuntimeError: no C++ compiler"}
     assert "compiled_over_eager" not in result["train"]
     assert "compile failed: RuntimeError: no C++ compiler" in capsys.readouterr().out
 
@@ -170,6 +170,29 @@ def test_train_rows_tokens_mfu_and_compile_ratio(tmp_path, monkeypatch):
     assert eager["mfu"] == pytest.approx(flops_per_token * 32 / 0.5 / 1e12, rel=1e-12)
     assert compiled["step_s"] == 0.2 and compiled["tokens_per_s"] == pytest.approx(160.0)
     assert result["compiled_over_eager"] == pytest.approx(2.5)
+
+
+def test_the_micro_batch_sweep_has_a_row_per_size_and_mode_and_oom_is_a_row(tmp_path, monkeypatch, capsys):
+    """train_batch_sizes: each size eager then compiled, tokens/s and MFU of its own batch; a size that runs out of
+    device memory (faked: the step at 4 rows raises torch's OutOfMemoryError) reads OOM, and the sweep goes on."""
+    times = scripted([0.5, 0.25, 1.0, 0.5])
+    monkeypatch.setattr(train, "median_time", lambda fn, *a: fn() or times())
+    monkeypatch.setattr(train.flops, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
+    monkeypatch.setattr(train.torch, "compile", lambda model: model)
+    real_forward = GPT.forward
+
+    def forward(self, idx, *args, **kwargs):
+        if idx.size(0) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (faked)")
+        return real_forward(self, idx, *args, **kwargs)
+    monkeypatch.setattr(GPT, "forward", forward)
+    with one_thread():
+        result = bench.main(tiny_argv(tmp_path, sections="train", compile=True, train_batch_sizes="2,4,8"))
+    rows = [(r["mode"], r["batch_size"], r.get("tokens_per_s", r.get("error"))) for r in result["train"]["rows"]]
+    assert rows == [("eager", 2, 64.0), ("compiled", 2, 128.0), ("eager", 4, "OOM"), ("compiled", 4, "OOM"),
+                    ("eager", 8, 128.0), ("compiled", 8, 256.0)]
+    assert result["train"]["rows"][4]["mfu"] == pytest.approx(result["train"]["flops_per_token"] * 128 / 1e12)
+    assert re.search(r"\|\s*eager\s*\|\s*4\s*\|.*OOM", capsys.readouterr().out)
 
 
 def test_attention_memory_medians_ratios_and_growth(monkeypatch):
