@@ -30,6 +30,7 @@ TINY = dict(
     decode_n_layer=1, decode_n_head=2, decode_n_embd=32, decode_block_size=16, decode_vocab_size=64,
     decode_contexts="4,16", gen_prompt_len=4, gen_new_tokens=20,  # 20 > 16 - 4: the window slides
     bound_models="quickstart", bound_steps=1,  # the step against the bandwidth bound: the 4 x 128 model only
+    fixed_threads="1", fixed_rounds=1, fixed_steps=1,
 )
 
 
@@ -74,7 +75,12 @@ def test_train_attention_decode_in_json_and_table(tmp_path, capsys):
     bound_dtypes = ["float32"] + ["bfloat16"] * cpu.cpu_native_bf16()
     assert [(r["model"].split(" (")[0], r["dtype"]) for r in result["decode"]["bound"]["rows"]] == \
         [("quick start", dtype) for dtype in bound_dtypes]
-    for heading in ("Training step", "Attention memory", "Decoding", "Decoding against the bandwidth bound"):
+    fixed = result["decode"]["fixed"]
+    assert [(r["precision"], r["threads"], r["batch"]) for r in fixed["rows"]] == [("float32", 1, 1), ("int8", 1, 1)]
+    assert all({"eager_cpu_ms", "fixed_cpu_ms"} <= set(r) and "compiled_ms" not in r for r in fixed["rows"])
+    assert fixed["context"] == 8  # decode_block_size // 2
+    for heading in ("Training step", "Attention memory", "Decoding", "Decoding against the bandwidth bound",
+                    "The fixed-shape decode step against the eager one"):
         assert f"### {heading}" in out
     assert re.search(r"\|\s*eager\s*\|", out)
     assert "Data preparation" not in out
@@ -251,6 +257,19 @@ def test_decode_speedups_and_generation_medians(monkeypatch):
     assert parts["all"]["cache_tokens_per_s"] == pytest.approx(20 * 2 / (20 * 0.1 * 2))
 
 
+def test_the_fixed_step_table_gives_each_way_against_eager_and_a_failed_compile_as_its_row():
+    from benchmarks import fixed_step
+    rows = [{"precision": "float32", "threads": 1, "batch": 1, "eager_ms": 9, "eager_cpu_ms": 4.0, "fixed_ms": 9,
+             "fixed_cpu_ms": 5.0, "compiled_ms": 9, "compiled_cpu_ms": 3.0, "compiled_first3_s": 40.0},
+            {"precision": "int8", "threads": 2, "batch": 4, "eager_ms": 9, "eager_cpu_ms": 2.0, "fixed_ms": 9,
+             "fixed_cpu_ms": 1.0, "compiled_error": "Unsupported: packed weights"}]
+    text = fixed_step.table({"context": 512, "rounds": 3, "steps": 10, "device": "cpu", "rows": rows})
+    assert re.search(r"\|\s*float32\s*\|\s*1\s*\|\s*1\s*\|\s*4.000\s*\|\s*5.000\s*\|\s*3.000\s*\|\s*1.25x\s*\|"
+                     r"\s*0.75x\s*\|\s*40.0\s*\|", text)
+    assert re.search(r"\|\s*int8\s*\|.*\|\s*Unsupported: packed weights\s*\|\s*0.50x\s*\|\s*-\s*\|\s*-\s*\|", text)
+    assert "eager CPU ms" in text
+
+
 def test_preset_fills_what_the_command_line_leaves():
     cfg = bench.load_config(["--preset=gpt2", "--batch_size=2"])
     assert (cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size) == (2, 1024, 768, 50304)
@@ -266,6 +285,9 @@ def test_preset_fills_what_the_command_line_leaves():
     (["--gen_window_shift=0"], "gen_window_shift"),
     (["--bound_models=quickstart,gpt3"], "bound_models: unknown gpt3"),
     (["--levers_shape=gpt3"], "levers_shape: unknown 'gpt3'"),
+    (["--train_batch_sizes=8,x"], "train_batch_sizes"),
+    (["--fixed_threads=1,-1"], "fixed_threads must list integers >= 0"),
+    (["--fixed_precisions=float32,int3"], "fixed_precisions: unknown int3"),
 ])
 def test_bad_flags_are_user_errors(argv, fragment):
     with pytest.raises(UserError, match=fragment):

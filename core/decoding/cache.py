@@ -1,4 +1,5 @@
-"""RowCache: a KV cache with each row at its own position, the server's batch (core/serving/engine.py).
+"""Two KV caches beside model.KVCache, answering what GPT.forward asks of it: RowCache, each row at its own
+position, the server's batch (core/serving/engine.py); StaticCache, the fixed-shape step's (decode.py's FixedStep).
 
     cache = RowCache(model.new_kv_cache(16))             # 16 slots, all at position 0
     model(tokens, kv_cache=cache.rows(0, hi))             # slots 0..hi-1, each at its own position (a view)
@@ -6,8 +7,7 @@
 
 It answers what GPT.forward asks of model.KVCache, over its buffers: row b's chunk goes to [pos[b]:pos[b]+T], every
 row reads the first max(pos) + T slots masked to its own keys; rows all at one position (not taken) go the plain
-cache's way, unmasked, generate's floats. A fixed-shape step (a CUDA graph's) is one more answer: positions on the
-device, layer(i) writing at them by index_put and reading all max_len slots masked, keys_seen max_len.
+cache's way, unmasked, generate's floats. StaticCache: see its docstring.
 """
 import copy
 import functools
