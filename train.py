@@ -193,8 +193,10 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
             log(f"iter {iter_num - 1}/{cfg.max_iters}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                 f"{iter_tokens / dt:,.0f} tok/s" + (f", mfu {mfu_avg * 100:.2f}%" if mfu_avg >= 0 else "")
                 + f" | elapsed {format_duration(runlog.elapsed())}, eta {eta()}")
+            # on CUDA the peak memory so far: an allocator count kept on the host, no sync
+            memory = {"peak_mib": torch.cuda.max_memory_allocated(rt.device) / 2**20} if rt.device_type == "cuda" else {}
             runlog.write({"iter": iter_num - 1, "loss": loss, "lr": lr, "ms": dt * 1000,
-                          "tok_per_s": iter_tokens / dt, "mfu": mfu_avg if mfu_avg >= 0 else None})
+                          "tok_per_s": iter_tokens / dt, "mfu": mfu_avg if mfu_avg >= 0 else None} | memory)
 
 
 # -----------------------------------------------------------------------------
