@@ -23,7 +23,6 @@ import torch
 
 from benchmarks import markdown
 from core import runtime
-from core.cpu import PackedLinear
 from core.decoding.decode import inference_model
 from model import GPT, GPTConfig
 
@@ -49,11 +48,11 @@ def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[]
 def decode_weight_bytes(model: GPT) -> int:
     """Bytes of the weights one cached decode step reads: every parameter, at its own dtype, but the
     embedding tables the step only looks one row up in (the position table; the token table when the
-    head is untied, else the head reads it whole), and the matrices cpu.pack_linears packed, at their own
-    bytes. Shared tensors count once."""
+    head is untied or swapped, else the head reads it whole), and the matrices modules swapped in hold
+    (cpu.PackedLinear, quantize.QuantizedLinear: their weight_bytes). Shared tensors count once."""
     c, seen, total = model.config, set(), 0
     lookups = {id(model.transformer.wpe.weight)} if c.pos_embedding == "learned" else set()
-    if model.lm_head.weight is not model.transformer.wte.weight:
+    if getattr(model.lm_head, "weight", None) is not model.transformer.wte.weight:
         lookups.add(id(model.transformer.wte.weight))
     for p in model.parameters():
         if id(p) in seen:
@@ -61,7 +60,7 @@ def decode_weight_bytes(model: GPT) -> int:
         seen.add(id(p))
         rows = p[0].numel() if id(p) in lookups else p.numel()
         total += rows * p.element_size()
-    return total + sum(m.weight_bytes for m in model.modules() if isinstance(m, PackedLinear))
+    return total + sum(getattr(m, "weight_bytes", 0) for m in model.modules())
 
 
 def kv_cache_bytes(config: GPTConfig, context: int, itemsize: int, batch_size: int = 1) -> int:

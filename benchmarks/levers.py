@@ -9,7 +9,8 @@ device the section is skipped.
     python bench.py --sections=levers --threads=1 --levers_compile=True  # also torch.compile's float32 step (minutes)
     python bench.py --sections=levers --threads=1 --levers_profile=True --levers_rounds=1  # also each variant's ops
 
-Variants: "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
+Variants: "int8" is --quantize=int8's model (core/decoding/quantize.py; with --levers_profile, where the time its
+products leave goes); "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
 or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "math
 backend for one query" runs attention through SDPA's math backend instead of the flash kernel; "head copy
 (vocab, C)" reads the float32 head copy laid out untransposed; "bf16 head" computes the logits
@@ -74,15 +75,15 @@ def with_vocab_by_c_head(model: GPT) -> GPT:
 
 def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
     """name: (model, (oneDNN at one row, SDPA's math backend for one query)); every model from the same weights."""
-    def build(dtype, pack=True):
+    def build(dtype, pack=True, quantize="none"):
         torch.manual_seed(0)
         if pack:
-            return inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
+            return inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype), quantize=quantize)
         model = GPT(config).eval().to(dtype=runtime.DTYPES[dtype])  # as inference_model, but for the packing
         keep_float32_head(model)
         return model
     as_decoding = (False, False)  # model.py's kernel choice, flash
-    out = {"float32": (build("float32"), as_decoding)}
+    out = {"float32": (build("float32"), as_decoding), "int8": (build("float32", quantize="int8"), as_decoding)}
     if cpu.cpu_native_bf16():
         plain, packed = build("bfloat16", pack=False), build("bfloat16")
         out |= {"bf16 unpacked, oneDNN": (plain, (True, False)),

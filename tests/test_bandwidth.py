@@ -34,6 +34,19 @@ def test_decode_reads_every_weight_but_the_looked_up_tables(monkeypatch):
     assert any(isinstance(m, PackedLinear) for m in bf16.modules()) == cpu.cpu_packs_bf16()
 
 
+def test_an_int8_step_reads_its_matrices_at_a_byte_each():
+    """quantize.QuantizedLinear's weight_bytes: the Blocks' matrices and the head's quantized copy at one byte a weight
+    and 4 bytes per output for the scale and the bias; the token table, no longer the head, one row."""
+    tied = GPT(GPTConfig(**TINY))
+    linears = [m for m in tied.transformer.h.modules() if isinstance(m, torch.nn.Linear)]
+    rest = sum(p.numel() for p in tied.transformer.h.parameters()) - sum(
+        p.numel() for m in linears for p in m.parameters()) + sum(p.numel() for p in tied.transformer.ln_f.parameters())
+    matrices = sum(m.weight.numel() + 4 * m.out_features * (1 + (m.bias is not None)) for m in linears)
+    int8 = inference_model(tied, runtime.Runtime("cpu", "cpu", "float32"), quantize="int8")
+    C, V = 16, 40
+    assert bandwidth.decode_weight_bytes(int8) == 4 * (rest + C + C) + matrices + V * C + 4 * V
+
+
 def test_kv_bytes_and_the_bound():
     """Keys and values of every layer and kv head over the attended context; grouped-query attention
     reads fewer. The bound is every byte at the bandwidth."""
