@@ -205,7 +205,7 @@ def _next_logits(model: GPT, idx, start, origin, cache, step=None):
 # the fixed-shape step: one token through a StaticCache, compiled, a CUDA graph on CUDA
 
 # Where a CPU decodes through the compiled fixed-shape step: (precision, one thread) rows where bench.py
-# --sections=decode measured it faster than the eager step (docs/performance.md, "decode: the fixed-shape step").
+# --sections=decode measured it faster than the eager step (docs/performance.md, "decode", the fixed-shape step).
 # None yet: until a row is measured faster, a CPU keeps the eager step.
 CPU_FIXED_STEP: frozenset[tuple[str, bool]] = frozenset()
 
