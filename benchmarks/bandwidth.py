@@ -23,7 +23,8 @@ import torch
 
 from benchmarks import markdown
 from core import runtime
-from core.decoding.decode import inference_model
+from core.decoding.cache import StaticCache
+from core.decoding.decode import FixedStep, compile_step, inference_model
 from model import GPT, GPTConfig
 
 
@@ -76,27 +77,51 @@ def bound_s(weight_bytes: int, kv_bytes: int, bandwidth: float) -> float:
     return (weight_bytes + kv_bytes) / bandwidth
 
 
-def cached_step_s(model: GPT, context: int, warmup: int = 3, repeats: int = 20,
-                  synchronize: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
-                  cpu_clock: Callable[[], float] = time.process_time) -> tuple[float, float]:
-    """(wall, CPU) seconds of one cached decode step at batch 1, each the median of `repeats` after `warmup`:
-    token `context` fed after context - 1 cached. CPU seconds are every thread's of this process: on a shared
-    machine the wall time also holds the waits for a core, the CPU time does not."""
+def cached_step(model: GPT, context: int, batch: int = 1, way: str = "eager"):
+    """A function running one cached decode step of `batch` rows: token `context` fed after context - 1 cached,
+    at that position every time. way: "eager", model.KVCache's step (generate's); "fixed", the fixed-shape step over
+    a StaticCache; "compiled", that step through decode.compile_step (on CUDA a CUDA graph)."""
     gen = torch.Generator().manual_seed(0)
     device = model.transformer.wte.weight.device
-    tokens = torch.randint(model.config.vocab_size, (1, context), generator=gen).to(device)  # (1, context)
-    cache = model.new_kv_cache(1)
+    tokens = torch.randint(model.config.vocab_size, (batch, context), generator=gen).to(device)  # (batch, context)
+    cache = model.new_kv_cache(batch) if way == "eager" else StaticCache(model, batch)
+    if context > 1:
+        with torch.no_grad():
+            model(tokens[:, :-1], kv_cache=cache) if way == "eager" else cache.feed(model, tokens[:, :-1])
+    step = FixedStep(model, cache) if way != "eager" else None
+    if way == "compiled":
+        torch.compiler.reset()  # compiled anew: at this thread count, and within compile's limit of recompiles
+        step = compile_step(step, device.type)
+
+    def one_step():
+        cache.pos = context - 1  # the same position every time
+        if step is None:
+            return model(tokens[:, -1:], kv_cache=cache, last_only=True)
+        cache.at.fill_(context - 1)
+        return cache.feed(model, tokens[:, -1:], step)
+    return one_step
+
+
+@torch.no_grad()
+def step_times(step: Callable[[], object], warmup: int = 3, repeats: int = 20,
+               synchronize: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
+               cpu_clock: Callable[[], float] = time.process_time) -> tuple[float, float]:
+    """(wall, CPU) seconds of step(), each the median of `repeats` after `warmup`. CPU seconds are every thread's of
+    this process: on a shared machine the wall time also holds the waits for a core, the CPU time does not."""
     walls, cpus = [], []
-    with torch.no_grad():
-        model(tokens[:, :context - 1], kv_cache=cache, last_only=True)
-        for _ in range(warmup + repeats):
-            cache.pos = context - 1  # the same position every time
-            t0, c0 = clock(), cpu_clock()
-            model(tokens[:, context - 1:], kv_cache=cache, last_only=True)
-            synchronize()
-            walls.append(clock() - t0)
-            cpus.append(cpu_clock() - c0)
+    for _ in range(warmup + repeats):
+        t0, c0 = clock(), cpu_clock()
+        step()
+        synchronize()
+        walls.append(clock() - t0)
+        cpus.append(cpu_clock() - c0)
     return statistics.median(walls[warmup:]), statistics.median(cpus[warmup:])
+
+
+def cached_step_s(model: GPT, context: int, warmup: int = 3, repeats: int = 20,
+                  synchronize: Callable[[], None] = lambda: None, **clocks) -> tuple[float, float]:
+    """(wall, CPU) seconds of generate's cached step at batch 1 (cached_step), the medians of step_times."""
+    return step_times(cached_step(model, context), warmup, repeats, synchronize, **clocks)
 
 
 SHAPES = {  # name: (what the table calls it, GPTConfig, context of the measured step)

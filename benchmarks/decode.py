@@ -123,9 +123,8 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
 
     rows = []
     with torch.no_grad():
-        cache = or_oom(lambda: model.new_kv_cache(B), rt)
         for C in int_list(cfg.decode_contexts, "decode_contexts"):
-            rows.append(or_oom(lambda: decode_row(cfg, model, tokens, cache, C, rt), rt))
+            rows.append(or_oom(lambda: decode_row(cfg, model, tokens, C, rt), rt))
             if rows[-1] == OOM:
                 rows[-1] = {"context": C, "error": OOM}
     generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt), rt)
@@ -139,18 +138,11 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
             "bound": {"error": OOM} if bound == OOM else bound, "fixed": fixed}
 
 
-def decode_row(cfg, model: GPT, tokens: torch.Tensor, cache, C: int, rt: runtime.Runtime) -> dict:
+def decode_row(cfg, model: GPT, tokens: torch.Tensor, C: int, rt: runtime.Runtime) -> dict:
     """Latency of the step that reads C tokens and predicts the next, without and with the KV cache."""
     B = tokens.size(0)
     no_cache_s = median_time(lambda: model(tokens[:, :C], last_only=True), cfg.warmup, cfg.repeats, rt.synchronize)
-    cache.reset()
-    if C > 1:
-        model(tokens[:, :C - 1], kv_cache=cache, last_only=True)  # the cache holds the first C - 1 tokens
-
-    def cached_step() -> None:
-        cache.pos = C - 1  # the explicit position: token C goes in at C - 1, every time
-        model(tokens[:, C - 1:C], kv_cache=cache, last_only=True)
-    cache_s = median_time(cached_step, cfg.warmup, cfg.repeats, rt.synchronize)
+    cache_s = median_time(bandwidth.cached_step(model, C, B), cfg.warmup, cfg.repeats, rt.synchronize)
     return {"context": C, "no_cache_ms": no_cache_s * 1e3, "cache_ms": cache_s * 1e3,
             "no_cache_tokens_per_s": B / no_cache_s, "cache_tokens_per_s": B / cache_s,
             "speedup": no_cache_s / cache_s}

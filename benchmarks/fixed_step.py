@@ -12,16 +12,16 @@ the graph's warm-up and capture) are timed apart. A compile that fails is a row'
     python bench.py --sections=decode                                     # at the end of the decode section
     python bench.py --preset=gpt2 --device=cuda --sections=decode --fixed_batches=1,4,16,64
 """
+import dataclasses
 import statistics
 import time
 
 import torch
 
-from benchmarks import markdown
+from benchmarks import bandwidth, markdown
 from benchmarks.common import OOM, num, or_oom
 from core import runtime
-from core.decoding.cache import StaticCache
-from core.decoding.decode import FixedStep, compile_step, inference_model
+from core.decoding.decode import inference_model
 from core.errors import first_line
 from model import GPT, GPTConfig
 
@@ -32,49 +32,9 @@ def models(config: GPTConfig, precisions: list[str], rt: runtime.Runtime, seed: 
     for precision in precisions:
         torch.manual_seed(seed)
         quantize = precision if precision in ("int8", "int4") else "none"
-        dtype = "float32" if quantize != "none" else precision
-        out[precision] = inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype), quantize=quantize)
+        as_run = dataclasses.replace(rt, dtype="float32" if quantize != "none" else precision)
+        out[precision] = inference_model(GPT(config), as_run, quantize=quantize)
     return out
-
-
-def stepper(model: GPT, batch: int, context: int, way: str, rt: runtime.Runtime):
-    """A function running one cached step at `context` (token context after context - 1 cached), `way`'s way."""
-    tokens = torch.randint(model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
-    tokens = tokens.to(rt.device)
-    with torch.no_grad():
-        if way == "eager":
-            cache = model.new_kv_cache(batch)
-            model(tokens[:, :-1], kv_cache=cache)
-
-            def step():
-                cache.pos = context - 1
-                model(tokens[:, -1:], kv_cache=cache, last_only=True)
-            return step
-        cache = StaticCache(model, batch)
-        cache.feed(model, tokens[:, :-1])
-        fixed = FixedStep(model, cache)
-        if way == "compiled":
-            torch.compiler.reset()  # each row compiles anew: at its thread count, and within compile's limits
-            fixed = compile_step(fixed, rt.device_type)
-
-        def step():
-            cache.pos = context - 1
-            cache.at.fill_(context - 1)
-            cache.feed(model, tokens[:, -1:], fixed)
-        return step
-
-
-def times(step, n: int, synchronize) -> tuple[float, float]:
-    """(wall, CPU) seconds of step, each the median of n calls."""
-    walls, cpus = [], []
-    with torch.no_grad():
-        for _ in range(n):
-            t0, c0 = time.perf_counter(), time.process_time()
-            step()
-            synchronize()
-            walls.append(time.perf_counter() - t0)
-            cpus.append(time.process_time() - c0)
-    return statistics.median(walls), statistics.median(cpus)
 
 
 WAYS = ("eager", "fixed", "compiled")
@@ -85,7 +45,7 @@ def row(model: GPT, batch: int, context: int, rounds: int, steps: int, compile: 
     ways, r = {}, {}
     for way in WAYS[:2 + compile]:
         try:
-            ways[way] = stepper(model, batch, context, way, rt)
+            ways[way] = bandwidth.cached_step(model, context, batch, way)
             t0 = time.perf_counter()
             for _ in range(3):  # compiled: the build, then on CUDA the graph's warm-up and capture
                 with torch.no_grad():
@@ -98,7 +58,7 @@ def row(model: GPT, batch: int, context: int, rounds: int, steps: int, compile: 
     measured = {way: [] for way in ways}
     for _ in range(rounds):
         for way, step in ways.items():
-            measured[way].append(times(step, steps, rt.synchronize))
+            measured[way].append(bandwidth.step_times(step, 0, steps, rt.synchronize))
     for way, rounds_times in measured.items():
         r[f"{way}_ms"] = statistics.median(t[0] for t in rounds_times) * 1e3
         r[f"{way}_cpu_ms"] = statistics.median(t[1] for t in rounds_times) * 1e3

@@ -6,7 +6,6 @@ device the section is skipped.
 
     python bench.py --sections=levers --threads=1                       # GPT-2 small's shape, 5 rounds
     python bench.py --sections=levers --levers_shape=quickstart --levers_rounds=3 --threads=2
-    python bench.py --sections=levers --threads=1 --levers_compile=True  # also torch.compile's float32 step (minutes)
     python bench.py --sections=levers --threads=1 --levers_profile=True --levers_rounds=1  # also each variant's ops
 
 Variants: "int8" is --quantize=int8's model (core/decoding/quantize.py; with --levers_profile, where the time its
@@ -21,7 +20,6 @@ native bfloat16 for the bf16 rows.
 import contextlib
 import dataclasses
 import statistics
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -39,7 +37,6 @@ class Settings:
     levers_shape: str = "gpt2"      # one of benchmarks/bandwidth.py's SHAPES
     levers_rounds: int = 5          # each round: one copy, then every variant's median of levers_steps cached steps
     levers_steps: int = 20
-    levers_compile: bool = False    # also a compiled float32 model: its first calls (the start-up) and its step
     levers_profile: bool = False    # also each variant's ops over levers_steps cached steps (torch.profiler)
 
 
@@ -73,7 +70,7 @@ def with_vocab_by_c_head(model: GPT) -> GPT:
     return model
 
 
-def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
+def variants(config) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
     """name: (model, (oneDNN at one row, SDPA's math backend for one query)); every model from the same weights."""
     def build(dtype, pack=True, quantize="none"):
         torch.manual_seed(0)
@@ -92,24 +89,7 @@ def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
                 "bf16 packed, math backend for one query": (packed, (False, True)),
                 "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), as_decoding),
                 "bf16 packed, bf16 head": (with_bf16_head(build("bfloat16")), as_decoding)}
-    if compile:
-        out["float32 compiled"] = (build("float32"), as_decoding)
-        out["float32 compiled"][0].compile()
     return out
-
-
-def compile_startup(model: GPT, context: int) -> list[float]:
-    """Seconds of a compiled model's first cached steps at three positions: the first compiles, the second
-    compiles again for a dynamic position, the third should not."""
-    cache, times = model.new_kv_cache(1), []
-    tokens = torch.zeros(1, context + 2, dtype=torch.long)
-    with torch.no_grad():
-        for pos in (context - 1, context, context + 1):
-            cache.pos = pos
-            t0 = time.perf_counter()
-            model(tokens[:, pos:pos + 1], kv_cache=cache, last_only=True)
-            times.append(time.perf_counter() - t0)
-    return times
 
 
 @contextlib.contextmanager
@@ -132,13 +112,10 @@ def kernels(onednn: bool, math_query: bool):
 def profile_table(model: GPT, context: int, steps: int) -> str:
     """torch.profiler over `steps` cached steps (the prefill before it): each op with its input shapes and
     its self time per step. The profiler's op times are wall times: on a busy machine they include waits."""
-    tokens = torch.zeros(1, context, dtype=torch.long)
-    cache = model.new_kv_cache(1)
-    model(tokens[:, :-1], kv_cache=cache, last_only=True)
+    step = bandwidth.cached_step(model, context)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
-            cache.pos = context - 1
-            model(tokens[:, -1:], kv_cache=cache, last_only=True)
+            step()
     ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in ops)
     lines = ["| op | input shapes | calls per step | ms per step | share |", "|---|---|---:|---:|---:|"]
@@ -149,8 +126,7 @@ def profile_table(model: GPT, context: int, steps: int) -> str:
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
     name, config, context = bandwidth.SHAPES[cfg.levers_shape]
-    models = variants(config, cfg.levers_compile)
-    startup = compile_startup(models["float32 compiled"][0], context) if cfg.levers_compile else None
+    models = variants(config)
     steps, copies = {k: [] for k in models}, []
     for _ in range(cfg.levers_rounds):
         copies.append(bandwidth.copy_bandwidth(repeats=5))
@@ -170,15 +146,11 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
                      "bound_ms": bandwidth.bound_s(bandwidth.decode_weight_bytes(model), kv, max(copies)) * 1e3})
     return {"shape": name, "context": context, "threads": torch.get_num_threads(), "rounds": cfg.levers_rounds,
             "steps": cfg.levers_steps, "copy_best": max(copies), "copy_worst": min(copies),
-            "compile_startup_s": startup, "profiles": profiles, "rows": rows}
+            "profiles": profiles, "rows": rows}
 
 
 def table(r: dict) -> str:
-    lines = []
-    if r["compile_startup_s"]:
-        lines.append("compiled start-up, s per first step at 3 positions: "
-                     f"{[round(t, 1) for t in r['compile_startup_s']]}")
-    lines += [f"\n{key}: the ops of {r['steps']} cached steps\n\n{text}" for key, text in r["profiles"].items()]
+    lines = [f"\n{key}: the ops of {r['steps']} cached steps\n\n{text}" for key, text in r["profiles"].items()]
     lines += [f"{r['shape']}, context {r['context']}, {r['threads']} thread(s), {r['rounds']} rounds; copy "
               f"{r['copy_best'] / 1e9:.1f} GB/s at best, {r['copy_worst'] / 1e9:.1f} at worst\n",
               "| variant | step ms | step CPU ms | bound ms | step / bound |\n|---|---:|---:|---:|---:|"]
