@@ -5,9 +5,9 @@ position, the server's batch (core/serving/engine.py); StaticCache, the fixed-sh
     model(tokens, kv_cache=cache.rows(0, hi))             # slots 0..hi-1, each at its own position (a view)
     model(chunks, kv_cache=cache.take(slots, lengths))    # ragged chunks of any slots in one forward
 
-It answers what GPT.forward asks of model.KVCache, over its buffers: row b's chunk goes to [pos[b]:pos[b]+T], every
-row reads the first max(pos) + T slots masked to its own keys; rows all at one position (not taken) go the plain
-cache's way, unmasked, generate's floats. StaticCache: see its docstring.
+RowCache answers what GPT.forward asks of model.KVCache, over its buffers: row b's chunk goes to [pos[b]:pos[b]+T],
+every row reads the first max(pos) + T slots masked to its own keys; rows all at one position (not taken) go the
+plain cache's way, unmasked, generate's floats. StaticCache: see its docstring.
 """
 import copy
 import functools

@@ -274,12 +274,14 @@ def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: st
     the weights as cast to the run's dtype (core/decoding/quantize.py); those are never packed, and the head
     then needs neither a float32 copy nor its columns laid out. CPU only, refused in one line elsewhere.
 
-    Where fixed_step_chosen says so (CUDA), generate's one-token step goes through a StaticCache, compiled
-    (FixedSteps, set on the model as model.fixed_steps); the prefill stays the model's own forward.
+    Where fixed_step_chosen says so (CUDA) and compile does not ask for the whole model compiled, generate's one-token
+    step goes through a StaticCache, compiled (FixedSteps, set on the model as model.fixed_steps); the prefill stays
+    the model's own forward.
     """
     quantization.check_quantize(quantize, device=rt.device)
     model = kernels.choose_kernels(model.eval().to(rt.device, rt.ptdtype))
-    fixed = fixed_step_chosen(rt.device_type, rt.dtype if quantize == "none" else quantize, torch.get_num_threads())
+    fixed = not compile and fixed_step_chosen(rt.device_type, rt.dtype if quantize == "none" else quantize,
+                                              torch.get_num_threads())  # --compile: the whole model instead
     if quantize != "none":
         quantization.quantize(model, quantize)
     elif rt.ptdtype != torch.float32:
