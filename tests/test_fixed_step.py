@@ -8,6 +8,8 @@ The models are trained on Shakespeare and sharpened (q and k scaled up): attenti
 wrong slot or a mask one slot off changes the text. 300 tokens past a 32-token context slide the window many times
 (each learned-position refill a prefill through the same cache), and RoPE's rolling cache wraps it.
 """
+import copy
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def both_ways(model, idx, n=300, **settings):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fixed_step_gives_the_plain_caches_greedy_tokens(trained, batch, dtype):
     model, tok = trained
-    model = inference_model(model, runtime.Runtime("cpu", "cpu", dtype))  # bf16: weights cast, float32 head
+    model = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cpu", dtype))  # bf16: cast, float32 head
     plain, fixed = both_ways(model, prompts(tok, batch))
     assert len(set(plain[0, 12:].tolist())) > 8, tok.decode(plain[0].tolist())  # text, not one token repeated
     assert torch.equal(fixed, plain)
@@ -104,23 +106,22 @@ def test_the_choice_of_step(monkeypatch):
 
 def test_inference_model_sets_the_captured_step_on_cuda_only(trained, monkeypatch):
     """inference_model on a CUDA runtime (its device type faked, the tensors on the CPU) sets the fixed steps, whose
-    compile asks for a CUDA graph (mode="reduce-overhead") of the whole step; on the CPU, none."""
+    compile asks for a CUDA graph (mode="reduce-overhead") of the whole step; on the CPU, or under --compile, none."""
     model, _ = trained
-    assert not hasattr(inference_model(model, runtime.Runtime("cpu", "cpu", "float32")), "fixed_steps")
-    cuda = inference_model(model, runtime.Runtime("cpu", "cuda", "float32"))
-    compiled = []
-    monkeypatch.setattr(torch, "compile", lambda step, **kw: compiled.append(kw) or step)
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: compiled.append("replay"))
-    try:
-        cache, step = cuda.fixed_steps.get(3)
-        assert isinstance(cache, StaticCache) and cache.batch_size == 3 and cache.max_len == BLOCK
-        assert compiled == [dict(mode="reduce-overhead", fullgraph=True, dynamic=False)]
-        with torch.no_grad():
-            cache.feed(cuda, torch.zeros(3, 4, dtype=torch.long))
-            assert step(torch.zeros(3, 1, dtype=torch.long)).shape == (3, 1, model.config.vocab_size)
-        assert compiled[-1] == "replay" and cuda.fixed_steps.get(3) == (cache, step) and cache.pos == 0
-    finally:
-        del cuda.fixed_steps
+    assert not hasattr(inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cpu", "float32")), "fixed_steps")
+    compiled = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cuda", "float32"), compile=True)
+    assert not hasattr(compiled, "fixed_steps")  # --compile: the whole model compiled instead
+    cuda = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cuda", "float32"))
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda step, **kw: calls.append(kw) or step)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("replay"))
+    cache, step = cuda.fixed_steps.get(3)
+    assert isinstance(cache, StaticCache) and cache.batch_size == 3 and cache.max_len == BLOCK
+    assert calls == [dict(mode="reduce-overhead", fullgraph=True, dynamic=False)]
+    with torch.no_grad():
+        cache.feed(cuda, torch.zeros(3, 4, dtype=torch.long))
+        assert step(torch.zeros(3, 1, dtype=torch.long)).shape == (3, 1, model.config.vocab_size)
+    assert calls[-1] == "replay" and cuda.fixed_steps.get(3) == (cache, step) and cache.pos == 0
 
 
 @pytest.mark.slow
