@@ -13,13 +13,15 @@
 # Steps, caps in seconds (summary.md gives each one's exit status and time; 124 is its cap):
 #   train 90      train.py config/gpt2_small.py itself, compiled, bf16, 12 iterations of its 40 x 12 x 1024 tokens
 #   resume 50     the same run resumed to iteration 16 (its log.jsonl goes on)
-#   torchrun 70   the same under torchrun --standalone --nproc_per_node=1, 8 iterations
+#   torchrun 70   the same under torchrun (python3 -m torch.distributed.run) --standalone --nproc_per_node=1,
+#                 8 iterations
 #   sweep 80      bench.py's training step at micro-batches 8, 16, 32, 64 x 1024, eager and compiled
 #   decode 100    bench.py's decode section: GPT-2 small's step eager, fixed-shape, and captured as a CUDA graph at
 #                 batch 1 and the server's 4 and 16, bf16; the step against the bandwidth bound
 #   pytest 110    python -m pytest -m gpu
 # summary.md is what docs/performance.md's "On a GPU" takes: train.py's tokens/s, MFU, peak memory and loss, the
-# sweep, and decoding's ms a step eager and captured. Offline: no network, no ../shared.
+# sweep, and decoding's ms a step eager and captured. Offline: no network, no ../shared. OUT_DIR also holds the runs'
+# checkpoints (GBs): keep summary.md and the *.txt, *.json and log.jsonl files.
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_check.sh OUT_DIR [--cpu-dry-run]}
 dry=${2:-}
@@ -66,19 +68,20 @@ common=(config/gpt2_small.py --data_dir="$data" --warmup_iters=2 --eval_interval
 {
     date -u +"%Y-%m-%dT%H:%M:%SZ"
     nvidia-smi 2>&1 || echo "nvidia-smi: not available"
-    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available',
+        torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 } > "$out/environment.txt" 2>&1
 tail -n 2 "$out/environment.txt"
 
-step train 90 python train.py "${common[@]}" --out_dir="$out/run" --max_iters=12 --lr_decay_iters=16
-step resume 50 python train.py --init_from=resume --out_dir="$out/run" --max_iters=16 "${run[@]}"
-step torchrun 70 torchrun --standalone --nproc_per_node=1 train.py "${common[@]}" \
+step train 90 python3 train.py "${common[@]}" --out_dir="$out/run" --max_iters=12 --lr_decay_iters=16
+step resume 50 python3 train.py --init_from=resume --out_dir="$out/run" --max_iters=16 "${run[@]}"
+step torchrun 70 python3 -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${common[@]}" \
     --out_dir="$out/run_torchrun" --max_iters=8 --lr_decay_iters=8
-step sweep 80 python bench.py --preset=gpt2 --sections=train --out="$out/sweep.json" "${bench[@]}"
-step decode 100 python bench.py --preset=gpt2 --sections=decode --out="$out/decode.json" "${bench[@]}"
-step pytest 110 python -m pytest -m gpu -v -rA -p no:cacheprovider --continue-on-collection-errors
+step sweep 80 python3 bench.py --preset=gpt2 --sections=train --out="$out/sweep.json" "${bench[@]}"
+step decode 100 python3 bench.py --preset=gpt2 --sections=decode --out="$out/decode.json" "${bench[@]}"
+step pytest 110 python3 -m pytest -m gpu -v -rA -p no:cacheprovider --continue-on-collection-errors
 
-python - "$out" > "$out/summary.md" <<'EOF'
+python3 - "$out" > "$out/summary.md" <<'EOF'
 """What docs/performance.md's "On a GPU" takes from OUT_DIR: each step's status, train.py's own log, the sweep,
 decoding eager against captured."""
 import json, statistics, sys

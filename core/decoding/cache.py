@@ -141,7 +141,10 @@ class StaticCache(nn.Module):
         T = idx.size(1)
         if self.pos + T > self.max_len and not (self.rolling and T == 1):
             raise ValueError(f"KV cache holds {self.max_len} positions; {self.pos} used, {T} more do not fit")
-        logits = step(idx) if step is not None and T == 1 else model(idx, kv_cache=self, last_only=True)[0]
+        if step is not None and T == 1:  # a fresh (B, 1): a slice of the growing idx has a new stride each position,
+            logits = step(idx.clone(memory_format=torch.contiguous_format))  # which a compiled step guards on
+        else:
+            logits = model(idx, kv_cache=self, last_only=True)[0]
         self.pos += T
         return logits
 
