@@ -1,6 +1,6 @@
 """The decode levers at batch 1, measured side by side: one shape's cached step (benchmarks/bandwidth.py's
-SHAPES) in float32 and in bfloat16 with the Blocks' matrices packed for oneDNN or not, each attention
-kernel, and with a bfloat16 head, alternated round by round in one process, so that a busy machine slows
+SHAPES) in float32, int8, and bfloat16 with the Blocks' matrices packed for oneDNN or not and the head copy laid out
+two ways, alternated round by round in one process, so that a busy machine slows
 them all alike (docs/performance.md, "Decoding against the bandwidth bound"). The CPU's levers: on another
 device the section is skipped.
 
@@ -10,11 +10,9 @@ device the section is skipped.
 
 Variants: "int8" is --quantize=int8's model (core/decoding/quantize.py; with --levers_profile, where the time its
 products leave goes); "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
-or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "math
-backend for one query" runs attention through SDPA's math backend instead of the flash kernel; "head copy
-(vocab, C)" reads the float32 head copy laid out untransposed; "bf16 head" computes the logits
-from the packed bfloat16 head, rounded to bfloat16, then float32 (not what the model does: see
-GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with
+or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "head copy
+(vocab, C)" reads the float32 head copy laid out untransposed. Levers measured here and dropped (SDPA's math backend
+for one query, a bf16 head): docs/lab-notes.md. The bound is bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with
 native bfloat16 for the bf16 rows.
 """
 import contextlib
@@ -22,7 +20,6 @@ import dataclasses
 import statistics
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks import bandwidth
 from benchmarks.common import at_least
@@ -53,16 +50,6 @@ def unavailable(rt: runtime.Runtime) -> str | None:
     return None if rt.device_type == "cpu" else "the decode levers are the CPU's: run it with --device=cpu"
 
 
-def with_bf16_head(model: GPT) -> GPT:
-    """The logits from the bfloat16 head (half the bytes of the float32 copy), packed as the Blocks' matrices
-    are (cpu.PackedLinear), rounded to bfloat16."""
-    linear = torch.nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
-    linear.weight = model.lm_head.weight
-    head = cpu.PackedLinear(linear)
-    model.lm_head.forward = lambda h: head(h.bfloat16()).float()  # h: ln_f's bfloat16 output, cast to float32
-    return model
-
-
 def with_vocab_by_c_head(model: GPT) -> GPT:
     """The float32 head copy as the head is laid out, (vocab, C), read as F.linear reads it (decode.Float32Head
     keeps it transposed, (C, vocab))."""
@@ -70,8 +57,8 @@ def with_vocab_by_c_head(model: GPT) -> GPT:
     return model
 
 
-def variants(config) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
-    """name: (model, (oneDNN at one row, SDPA's math backend for one query)); every model from the same weights."""
+def variants(config) -> dict[str, tuple[GPT, bool]]:
+    """name: (model, whether oneDNN takes the unpacked matrices at one row); every model from the same weights."""
     def build(dtype, pack=True, quantize="none"):
         torch.manual_seed(0)
         if pack:
@@ -79,31 +66,27 @@ def variants(config) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
         model = GPT(config).eval().to(dtype=runtime.DTYPES[dtype])  # as inference_model, but for the packing
         keep_float32_head(model)
         return model
-    as_decoding = (False, False)  # model.py's kernel choice, flash
+    as_decoding = False  # model.py's kernel choice
     out = {"float32": (build("float32"), as_decoding), "int8": (build("float32", quantize="int8"), as_decoding)}
     if cpu.cpu_native_bf16():
         plain, packed = build("bfloat16", pack=False), build("bfloat16")
-        out |= {"bf16 unpacked, oneDNN": (plain, (True, False)),
+        out |= {"bf16 unpacked, oneDNN": (plain, True),
                 "bf16 unpacked, torch's GEMV (oneDNN off)": (plain, as_decoding),
                 "bf16 packed (as decoding now)": (packed, as_decoding),
-                "bf16 packed, math backend for one query": (packed, (False, True)),
-                "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), as_decoding),
-                "bf16 packed, bf16 head": (with_bf16_head(build("bfloat16")), as_decoding)}
+                "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), as_decoding)}
     return out
 
 
 @contextlib.contextmanager
-def kernels(onednn: bool, math_query: bool):
-    """The kernel choices for the block: if onednn, oneDNN for the unpacked matmuls at one row too
+def kernels(onednn: bool):
+    """The kernel choice for the block: if onednn, oneDNN for the unpacked matmuls at one row too
     (cpu.one_row_kernels made a no-op), else model.py's own choice (torch's GEMV at one row); packed
-    matrices call oneDNN either way. SDPA's math backend for attention if math_query, else torch's
-    choice (flash for one query)."""
+    matrices call oneDNN either way."""
     choice = cpu.one_row_kernels
     if onednn:
         cpu.one_row_kernels = lambda x: contextlib.nullcontext()
     try:
-        with sdpa_kernel(SDPBackend.MATH) if math_query else contextlib.nullcontext():
-            yield
+        yield
     finally:
         cpu.one_row_kernels = choice
 
@@ -131,12 +114,12 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     for _ in range(cfg.levers_rounds):
         copies.append(bandwidth.copy_bandwidth(repeats=5))
         for key, (model, on) in models.items():
-            with kernels(*on):
+            with kernels(on):
                 steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.levers_steps))
     profiles = {}
     if cfg.levers_profile:
         for key, (model, on) in models.items():
-            with kernels(*on):
+            with kernels(on):
                 profiles[key] = profile_table(model, context, cfg.levers_steps)
     rows = []
     for key, (model, _) in models.items():
