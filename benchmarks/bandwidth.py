@@ -118,12 +118,6 @@ def step_times(step: Callable[[], object], warmup: int = 3, repeats: int = 20,
     return statistics.median(walls[warmup:]), statistics.median(cpus[warmup:])
 
 
-def cached_step_s(model: GPT, context: int, warmup: int = 3, repeats: int = 20,
-                  synchronize: Callable[[], None] = lambda: None, **clocks) -> tuple[float, float]:
-    """(wall, CPU) seconds of generate's cached step at batch 1 (cached_step), the medians of step_times."""
-    return step_times(cached_step(model, context), warmup, repeats, synchronize, **clocks)
-
-
 SHAPES = {  # name: (what the table calls it, GPTConfig, context of the measured step)
     "quickstart": ("quick start (4 x 128, vocab 65)",
                    GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, dropout=0.0), 64),
@@ -145,7 +139,7 @@ def measure(shapes: list[str], rt: runtime.Runtime, steps: int, seed: int = 0) -
             model = inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype))
             w = decode_weight_bytes(model)
             kv = kv_cache_bytes(config, context, runtime.DTYPES[dtype].itemsize)
-            wall, cpu = cached_step_s(model, context, repeats=steps, synchronize=rt.synchronize)
+            wall, cpu = step_times(cached_step(model, context), repeats=steps, synchronize=rt.synchronize)
             bound = bound_s(w, kv, bandwidth)
             rows.append({"model": name, "dtype": dtype, "context": context, "weight_bytes": w, "kv_bytes": kv,
                          "bound_ms": bound * 1e3, "step_ms": wall * 1e3, "step_cpu_ms": cpu * 1e3,

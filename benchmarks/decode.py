@@ -11,10 +11,10 @@ window as sample.py does (block_size // 2 at a time; see --gen_window_shift). Th
 Then the cached step against the memory-bandwidth bound (benchmarks/bandwidth.py): at batch 1, for the
 CPU quick start's model and GPT-2 small's shape (--bound_models), in float32 and bfloat16 where native. Last, the
 fixed-shape step against the eager one (benchmarks/fixed_step.py), eager and compiled (--compile) at
-decode_block_size // 2, per precision, thread count and batch (the fixed_* flags; --fixed_precisions= skips it).
+decode_block_size // 2, per precision, batch (the fixed_* flags; --fixed_precisions= skips it) and on a CPU at one
+thread and at --threads (0: one per core).
 """
 import dataclasses
-import os
 import statistics
 import time
 
@@ -46,7 +46,6 @@ class Settings:
     bound_models: str = "quickstart,gpt2"  # the step against the bandwidth bound: some of bandwidth.SHAPES; "" none
     bound_steps: int = 20      # cached steps timed per row of the bound table (their median)
     fixed_precisions: str = "auto"  # the fixed step's rows: auto is float32,int8 on a CPU, float32,bfloat16 on CUDA
-    fixed_threads: str = "1,0"  # on a CPU (0: one per core)
     fixed_batches: str = "1"
     fixed_rounds: int = 3      # rounds alternating eager, fixed and compiled
     fixed_steps: int = 10      # steps timed per way per round
@@ -59,7 +58,6 @@ PRESETS = {"gpt2": dict(decode_n_layer=12, decode_n_head=12, decode_n_embd=768, 
 def check(cfg) -> None:
     at_least(cfg, 1, "gen_repeats", "gen_prompt_len", "gen_new_tokens", "bound_steps", "fixed_rounds", "fixed_steps")
     int_list(cfg.fixed_batches, "fixed_batches")
-    fixed_thread_counts(cfg)
     unknown = set(fixed_precisions(cfg, "cpu")) - {"float32", "bfloat16", "int8", "int4"}
     if unknown:
         raise UserError(f"fixed_precisions: unknown {', '.join(sorted(unknown))}; use float32, bfloat16, int8, int4")
@@ -83,16 +81,6 @@ def fixed_precisions(cfg, device_type: str) -> list[str]:
     if cfg.fixed_precisions == "auto":
         return ["float32", "int8"] if device_type == "cpu" else ["float32", "bfloat16"]
     return spec_list(cfg.fixed_precisions)
-
-
-def fixed_thread_counts(cfg) -> list[int]:
-    try:
-        counts = [int(t) for t in spec_list(cfg.fixed_threads)]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 0:
-        raise UserError(f"fixed_threads must list integers >= 0 (0: one per core), got '{cfg.fixed_threads}'")
-    return [t or os.cpu_count() or 1 for t in counts]
 
 
 def model_config(cfg) -> GPTConfig:
@@ -130,7 +118,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt), rt)
     shapes = spec_list(cfg.bound_models)
     bound = or_oom(lambda: bandwidth.measure(shapes, rt, cfg.bound_steps, cfg.seed), rt) if shapes else {"rows": []}
-    fixed = fixed_step.measure(mc, fixed_precisions(cfg, rt.device_type), fixed_thread_counts(cfg),
+    fixed = fixed_step.measure(mc, fixed_precisions(cfg, rt.device_type), sorted({1, torch.get_num_threads()}),
                                int_list(cfg.fixed_batches, "fixed_batches"), mc.block_size // 2, cfg.fixed_rounds,
                                cfg.fixed_steps, cfg.compile, rt, cfg.seed)
     return {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows,

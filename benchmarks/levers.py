@@ -10,10 +10,9 @@ device the section is skipped.
 
 Variants: "int8" is --quantize=int8's model (core/decoding/quantize.py; with --levers_profile, where the time its
 products leave goes); "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
-or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "head copy
-(vocab, C)" reads the float32 head copy laid out untransposed. Levers measured here and dropped (SDPA's math backend
-for one query, a bf16 head): docs/lab-notes.md. The bound is bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with
-native bfloat16 for the bf16 rows.
+or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "head copy (vocab, C)"
+reads the float32 head copy laid out untransposed. Levers dropped: docs/lab-notes.md. The bound is bandwidth.bound_s
+at the fastest copy of all rounds. Needs a CPU with native bfloat16 for the bf16 rows.
 """
 import contextlib
 import dataclasses
@@ -115,7 +114,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         copies.append(bandwidth.copy_bandwidth(repeats=5))
         for key, (model, on) in models.items():
             with kernels(on):
-                steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.levers_steps))
+                steps[key].append(bandwidth.step_times(bandwidth.cached_step(model, context), repeats=cfg.levers_steps))
     profiles = {}
     if cfg.levers_profile:
         for key, (model, on) in models.items():

@@ -54,7 +54,7 @@ if [ "$dry" = "--cpu-dry-run" ]; then
     bench=(--device=cpu --dtype=float32 --compile=False --threads=1 --warmup=1 --repeats=1 --n_layer=1 --n_head=2
            --n_embd=64 --block_size=64 --vocab_size=512 --train_batch_sizes=1,2 --decode_n_layer=1 --decode_n_head=2
            --decode_n_embd=64 --decode_block_size=64 --decode_vocab_size=512 --decode_contexts=32
-           --gen_new_tokens=8 --bound_models=quickstart --bound_steps=2 --fixed_precisions=float32 --fixed_threads=1
+           --gen_new_tokens=8 --bound_models=quickstart --bound_steps=2 --fixed_precisions=float32
            --fixed_batches=1,4 --fixed_rounds=1 --fixed_steps=2)
 else
     run=(--device=cuda --dtype=bfloat16 --compile=True)

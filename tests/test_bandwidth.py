@@ -71,8 +71,8 @@ def test_cached_step_is_the_median_of_the_timed_steps_wall_and_cpu():
     wall = iter([0, 9, 10, 13, 20, 21, 30, 32])
     cpu = iter([0, 0.9, 1.0, 1.3, 2.0, 2.1, 3.0, 3.2])
     model = GPT(GPTConfig(**TINY)).eval()
-    step = bandwidth.cached_step_s(model, context=8, warmup=1, repeats=3, clock=lambda: next(wall),
-                                   cpu_clock=lambda: next(cpu))
+    step = bandwidth.step_times(bandwidth.cached_step(model, context=8), warmup=1, repeats=3, clock=lambda: next(wall),
+                                cpu_clock=lambda: next(cpu))
     assert step == pytest.approx((2.0, 0.2))
 
 
@@ -80,7 +80,7 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
     """A faked bandwidth and step: each row's bound is its bytes / bandwidth and the ratio the step over it;
     bfloat16 rows exactly where the CPU computes it natively, with half the bytes."""
     monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda **kw: 1e9)  # 1 GB/s: the bound in ms is MB read
-    monkeypatch.setattr(bandwidth, "cached_step_s", lambda model, context, repeats, synchronize: (0.05, 0.04))
+    monkeypatch.setattr(bandwidth, "step_times", lambda step, repeats, synchronize: (0.05, 0.04))
     for native in (False, True):
         monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: native)
         r = bandwidth.measure(["quickstart"], runtime.Runtime("cpu", "cpu", "float32"), steps=2)

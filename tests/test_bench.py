@@ -30,7 +30,7 @@ TINY = dict(
     decode_n_layer=1, decode_n_head=2, decode_n_embd=32, decode_block_size=16, decode_vocab_size=64,
     decode_contexts="4,16", gen_prompt_len=4, gen_new_tokens=20,  # 20 > 16 - 4: the window slides
     bound_models="quickstart", bound_steps=1,  # the step against the bandwidth bound: the 4 x 128 model only
-    fixed_threads="1", fixed_rounds=1, fixed_steps=1,
+    fixed_rounds=1, fixed_steps=1,
 )
 
 
@@ -286,7 +286,6 @@ def test_preset_fills_what_the_command_line_leaves():
     (["--bound_models=quickstart,gpt3"], "bound_models: unknown gpt3"),
     (["--levers_shape=gpt3"], "levers_shape: unknown 'gpt3'"),
     (["--train_batch_sizes=8,x"], "train_batch_sizes"),
-    (["--fixed_threads=1,-1"], "fixed_threads must list integers >= 0"),
     (["--fixed_precisions=float32,int3"], "fixed_precisions: unknown int3"),
 ])
 def test_bad_flags_are_user_errors(argv, fragment):
