@@ -116,7 +116,7 @@ def test_inference_model_sets_the_captured_step_on_cuda_only(trained, monkeypatc
     monkeypatch.setattr(torch, "compile", lambda step, **kw: calls.append(kw) or step)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("replay"))
     cache, step = cuda.fixed_steps.get(3)
-    assert isinstance(cache, StaticCache) and cache.at.shape == (3,) and cache.max_len == BLOCK
+    assert isinstance(cache, StaticCache) and cache.batch_size == 3 and cache.max_len == BLOCK
     assert calls == [dict(mode="reduce-overhead", fullgraph=True, dynamic=False)]
     with torch.no_grad():
         cache.feed(cuda, torch.zeros(3, 4, dtype=torch.long))

@@ -128,6 +128,10 @@ class StaticCache(nn.Module):
         self.register_buffer("rows", torch.arange(batch_size, device=device), persistent=False)  # (B,)
 
     @property
+    def batch_size(self) -> int:
+        return self.at.numel()
+
+    @property
     def max_len(self) -> int:
         return self.slots.numel()
 
