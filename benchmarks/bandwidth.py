@@ -77,6 +77,15 @@ def bound_s(weight_bytes: int, kv_bytes: int, bandwidth: float) -> float:
     return (weight_bytes + kv_bytes) / bandwidth
 
 
+def decoding_model(config: GPTConfig, rt: runtime.Runtime, precision: str, seed: int = 0) -> GPT:
+    """GPT(config) from seed as sample.py decodes it (inference_model) on rt's device: precision is a dtype, or a
+    --quantize kind (int8, int4) of float32 weights."""
+    torch.manual_seed(seed)
+    quantize = precision if precision in ("int8", "int4") else "none"
+    dtype = "float32" if quantize != "none" else precision
+    return inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype), quantize=quantize)
+
+
 def cached_step(model: GPT, context: int, batch: int = 1, way: str = "eager"):
     """A function running one cached decode step of `batch` rows: token `context` fed after context - 1 cached,
     at that position every time. way: "eager", model.KVCache's step (generate's); "fixed", the fixed-shape step over
@@ -135,8 +144,7 @@ def measure(shapes: list[str], rt: runtime.Runtime, steps: int, seed: int = 0) -
     for shape in shapes:
         name, config, context = SHAPES[shape]
         for dtype in dtypes:
-            torch.manual_seed(seed)
-            model = inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype))
+            model = decoding_model(config, rt, dtype, seed)
             w = decode_weight_bytes(model)
             kv = kv_cache_bytes(config, context, runtime.DTYPES[dtype].itemsize)
             wall, cpu = step_times(cached_step(model, context), repeats=steps, synchronize=rt.synchronize)

@@ -12,7 +12,6 @@ the graph's warm-up and capture) are timed apart. A compile that fails is a row'
     python bench.py --sections=decode                                     # at the end of the decode section
     python bench.py --preset=gpt2 --device=cuda --sections=decode --fixed_batches=1,4,16,64
 """
-import dataclasses
 import statistics
 import time
 
@@ -21,20 +20,8 @@ import torch
 from benchmarks import bandwidth, markdown
 from benchmarks.common import OOM, num, or_oom
 from core import runtime
-from core.decoding.decode import inference_model
 from core.errors import first_line
 from model import GPT, GPTConfig
-
-
-def models(config: GPTConfig, precisions: list[str], rt: runtime.Runtime, seed: int) -> dict[str, GPT]:
-    """precision -> the model as sample.py decodes it (inference_model), every one from the same weights."""
-    out = {}
-    for precision in precisions:
-        torch.manual_seed(seed)
-        quantize = precision if precision in ("int8", "int4") else "none"
-        as_run = dataclasses.replace(rt, dtype="float32" if quantize != "none" else precision)
-        out[precision] = inference_model(GPT(config), as_run, quantize=quantize)
-    return out
 
 
 WAYS = ("eager", "fixed", "compiled")
@@ -69,7 +56,8 @@ def measure(config: GPTConfig, precisions: list[str], threads: list[int], batche
             rounds: int, steps: int, compile: bool, rt: runtime.Runtime, seed: int) -> dict:
     rows, before = [], torch.get_num_threads()
     try:
-        for precision, model in models(config, precisions, rt, seed).items():
+        for precision in precisions:
+            model = bandwidth.decoding_model(config, rt, precision, seed)  # the same weights
             for t in threads if rt.device_type == "cpu" else [before]:
                 torch.set_num_threads(t)
                 for batch in batches:

@@ -23,7 +23,7 @@ import torch
 from benchmarks import bandwidth
 from benchmarks.common import at_least
 from core import cpu, runtime
-from core.decoding.decode import inference_model, keep_float32_head
+from core.decoding.decode import keep_float32_head
 from core.errors import UserError
 from model import GPT
 
@@ -58,15 +58,15 @@ def with_vocab_by_c_head(model: GPT) -> GPT:
 
 def variants(config) -> dict[str, tuple[GPT, bool]]:
     """name: (model, whether oneDNN takes the unpacked matrices at one row); every model from the same weights."""
-    def build(dtype, pack=True, quantize="none"):
-        torch.manual_seed(0)
+    def build(precision, pack=True):
         if pack:
-            return inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype), quantize=quantize)
-        model = GPT(config).eval().to(dtype=runtime.DTYPES[dtype])  # as inference_model, but for the packing
+            return bandwidth.decoding_model(config, runtime.Runtime("cpu", "cpu", "float32"), precision)
+        torch.manual_seed(0)
+        model = GPT(config).eval().to(dtype=runtime.DTYPES[precision])  # as inference_model, but for the packing
         keep_float32_head(model)
         return model
     as_decoding = False  # model.py's kernel choice
-    out = {"float32": (build("float32"), as_decoding), "int8": (build("float32", quantize="int8"), as_decoding)}
+    out = {"float32": (build("float32"), as_decoding), "int8": (build("int8"), as_decoding)}
     if cpu.cpu_native_bf16():
         plain, packed = build("bfloat16", pack=False), build("bfloat16")
         out |= {"bf16 unpacked, oneDNN": (plain, True),
