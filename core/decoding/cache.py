@@ -109,8 +109,8 @@ class StaticCache(nn.Module):
         logits = cache.feed(model, token, step)         # one token: step(token), e.g. a compiled FixedStep
 
     What GPT.forward asks of it: a chunk is written at pos, the host's count of positions cached; one token at `at`
-    by index, reading max_len keys under a mask. advance moves `at`, and feed moves pos, outside anything compiled:
-    a Python int read in a compiled step is a constant there, and a new one each position would recompile it.
+    by index, reading max_len keys under a mask. advance moves `at` in place, within the step; feed moves pos outside
+    anything compiled: a Python int read in a compiled step is a constant there, and a new one would recompile it.
     Rotary positions roll past max_len one token at a time, as model.KVCache(rolling) does."""
 
     def __init__(self, model, batch_size: int, max_len: int | None = None, dtype=None):
