@@ -172,10 +172,12 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
                 batches.prefetch_after(iter_num, micro)  # read the next batch while the device works
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        # the guard (a non-finite loss stops the run before the update), clip, step, zero the gradients
-        stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
+        # Read before the update, where the guard waits for the device anyway: read after it, the host would wait
+        # for the optimizer step too and leave the device idle until the next launches.
         logging = (iter_num + 1) % cfg.log_interval == 0
         loss = loop.global_mean(loss_sum, rt) if logging else None  # a device collective: only when used
+        # the guard (a non-finite loss stops the run before the update), clip, step, zero the gradients
+        stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
         dt = time.perf_counter() - t0
         seq_len = seq_len_at(iter_num, cfg)  # block_size, or shorter during the sequence-length warm-up
         iter_tokens = rows * seq_len
@@ -191,8 +193,10 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
             log(f"iter {iter_num - 1}/{cfg.max_iters}: loss {loss:.4f}, lr {lr:.2e}, time {dt * 1000:.1f}ms, "
                 f"{iter_tokens / dt:,.0f} tok/s" + (f", mfu {mfu_avg * 100:.2f}%" if mfu_avg >= 0 else "")
                 + f" | elapsed {format_duration(runlog.elapsed())}, eta {eta()}")
+            # on CUDA the peak memory so far: an allocator count kept on the host, no sync
+            memory = {"peak_mib": torch.cuda.max_memory_allocated(rt.device) / 2**20} if rt.device_type == "cuda" else {}
             runlog.write({"iter": iter_num - 1, "loss": loss, "lr": lr, "ms": dt * 1000,
-                          "tok_per_s": iter_tokens / dt, "mfu": mfu_avg if mfu_avg >= 0 else None})
+                          "tok_per_s": iter_tokens / dt, "mfu": mfu_avg if mfu_avg >= 0 else None} | memory)
 
 
 # -----------------------------------------------------------------------------

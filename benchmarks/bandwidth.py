@@ -23,8 +23,8 @@ import torch
 
 from benchmarks import markdown
 from core import runtime
-from core.cpu import PackedLinear
-from core.decoding.decode import inference_model
+from core.decoding.cache import StaticCache
+from core.decoding.decode import FixedStep, compile_step, inference_model
 from model import GPT, GPTConfig
 
 
@@ -49,11 +49,11 @@ def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[]
 def decode_weight_bytes(model: GPT) -> int:
     """Bytes of the weights one cached decode step reads: every parameter, at its own dtype, but the
     embedding tables the step only looks one row up in (the position table; the token table when the
-    head is untied, else the head reads it whole), and the matrices cpu.pack_linears packed, at their own
-    bytes. Shared tensors count once."""
+    head is untied or swapped, else the head reads it whole), and the matrices modules swapped in hold
+    (cpu.PackedLinear, quantize.QuantizedLinear: their weight_bytes). Shared tensors count once."""
     c, seen, total = model.config, set(), 0
     lookups = {id(model.transformer.wpe.weight)} if c.pos_embedding == "learned" else set()
-    if model.lm_head.weight is not model.transformer.wte.weight:
+    if getattr(model.lm_head, "weight", None) is not model.transformer.wte.weight:
         lookups.add(id(model.transformer.wte.weight))
     for p in model.parameters():
         if id(p) in seen:
@@ -61,7 +61,7 @@ def decode_weight_bytes(model: GPT) -> int:
         seen.add(id(p))
         rows = p[0].numel() if id(p) in lookups else p.numel()
         total += rows * p.element_size()
-    return total + sum(m.weight_bytes for m in model.modules() if isinstance(m, PackedLinear))
+    return total + sum(getattr(m, "weight_bytes", 0) for m in model.modules())
 
 
 def kv_cache_bytes(config: GPTConfig, context: int, itemsize: int, batch_size: int = 1) -> int:
@@ -77,26 +77,53 @@ def bound_s(weight_bytes: int, kv_bytes: int, bandwidth: float) -> float:
     return (weight_bytes + kv_bytes) / bandwidth
 
 
-def cached_step_s(model: GPT, context: int, warmup: int = 3, repeats: int = 20,
-                  synchronize: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
-                  cpu_clock: Callable[[], float] = time.process_time) -> tuple[float, float]:
-    """(wall, CPU) seconds of one cached decode step at batch 1, each the median of `repeats` after `warmup`:
-    token `context` fed after context - 1 cached. CPU seconds are every thread's of this process: on a shared
-    machine the wall time also holds the waits for a core, the CPU time does not."""
+def decoding_model(config: GPTConfig, rt: runtime.Runtime, precision: str, seed: int = 0) -> GPT:
+    """GPT(config) from seed as sample.py decodes it (inference_model) on rt's device: precision is a dtype, or a
+    --quantize kind (int8, int4) of float32 weights."""
+    torch.manual_seed(seed)
+    quantize = precision if precision in ("int8", "int4") else "none"
+    dtype = "float32" if quantize != "none" else precision
+    return inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype), quantize=quantize)
+
+
+def cached_step(model: GPT, context: int, batch: int = 1, way: str = "eager"):
+    """A function running one cached decode step of `batch` rows: token `context` fed after context - 1 cached,
+    at that position every time. way: "eager", model.KVCache's step (generate's); "fixed", the fixed-shape step over
+    a StaticCache; "compiled", that step through decode.compile_step (on CUDA a CUDA graph)."""
     gen = torch.Generator().manual_seed(0)
     device = model.transformer.wte.weight.device
-    tokens = torch.randint(model.config.vocab_size, (1, context), generator=gen).to(device)  # (1, context)
-    cache = model.new_kv_cache(1)
+    tokens = torch.randint(model.config.vocab_size, (batch, context), generator=gen).to(device)  # (batch, context)
+    cache = model.new_kv_cache(batch) if way == "eager" else StaticCache(model, batch)
+    if context > 1:
+        with torch.no_grad():
+            model(tokens[:, :-1], kv_cache=cache) if way == "eager" else cache.feed(model, tokens[:, :-1])
+    step = FixedStep(model, cache) if way != "eager" else None
+    if way == "compiled":
+        torch.compiler.reset()  # compiled anew: at this thread count, and within compile's limit of recompiles
+        step = compile_step(step, device.type)
+
+    def one_step():
+        cache.pos = context - 1  # the same position every time
+        if step is None:
+            return model(tokens[:, -1:], kv_cache=cache, last_only=True)
+        cache.at.fill_(context - 1)
+        return cache.feed(model, tokens[:, -1:], step)
+    return one_step
+
+
+@torch.no_grad()
+def step_times(step: Callable[[], object], warmup: int = 3, repeats: int = 20,
+               synchronize: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
+               cpu_clock: Callable[[], float] = time.process_time) -> tuple[float, float]:
+    """(wall, CPU) seconds of step(), each the median of `repeats` after `warmup`. CPU seconds are every thread's of
+    this process: on a shared machine the wall time also holds the waits for a core, the CPU time does not."""
     walls, cpus = [], []
-    with torch.no_grad():
-        model(tokens[:, :context - 1], kv_cache=cache, last_only=True)
-        for _ in range(warmup + repeats):
-            cache.pos = context - 1  # the same position every time
-            t0, c0 = clock(), cpu_clock()
-            model(tokens[:, context - 1:], kv_cache=cache, last_only=True)
-            synchronize()
-            walls.append(clock() - t0)
-            cpus.append(cpu_clock() - c0)
+    for _ in range(warmup + repeats):
+        t0, c0 = clock(), cpu_clock()
+        step()
+        synchronize()
+        walls.append(clock() - t0)
+        cpus.append(cpu_clock() - c0)
     return statistics.median(walls[warmup:]), statistics.median(cpus[warmup:])
 
 
@@ -117,11 +144,10 @@ def measure(shapes: list[str], rt: runtime.Runtime, steps: int, seed: int = 0) -
     for shape in shapes:
         name, config, context = SHAPES[shape]
         for dtype in dtypes:
-            torch.manual_seed(seed)
-            model = inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype))
+            model = decoding_model(config, rt, dtype, seed)
             w = decode_weight_bytes(model)
             kv = kv_cache_bytes(config, context, runtime.DTYPES[dtype].itemsize)
-            wall, cpu = cached_step_s(model, context, repeats=steps, synchronize=rt.synchronize)
+            wall, cpu = step_times(cached_step(model, context), repeats=steps, synchronize=rt.synchronize)
             bound = bound_s(w, kv, bandwidth)
             rows.append({"model": name, "dtype": dtype, "context": context, "weight_bytes": w, "kv_bytes": kv,
                          "bound_ms": bound * 1e3, "step_ms": wall * 1e3, "step_cpu_ms": cpu * 1e3,

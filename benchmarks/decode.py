@@ -8,8 +8,11 @@ context. Then a whole generate() run each way, timed token by token, past the co
 window as sample.py does (block_size // 2 at a time; see --gen_window_shift). The model here
 (decode_*) is also the rolling and serve sections'.
 
-Last, the cached step against the memory-bandwidth bound (benchmarks/bandwidth.py): at batch 1, for the
-CPU quick start's model and GPT-2 small's shape (--bound_models), in float32 and bfloat16 where native.
+Then the cached step against the memory-bandwidth bound (benchmarks/bandwidth.py): at batch 1, for the
+CPU quick start's model and GPT-2 small's shape (--bound_models), in float32 and bfloat16 where native. Last, the
+fixed-shape step against the eager one (benchmarks/fixed_step.py), eager and compiled (--compile) at
+decode_block_size // 2, per precision, batch (the fixed_* flags; --fixed_precisions= skips it) and on a CPU at one
+thread and at --threads (0: one per core).
 """
 import dataclasses
 import statistics
@@ -17,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks import bandwidth, markdown
+from benchmarks import bandwidth, fixed_step, markdown
 from benchmarks.common import OOM, at_least, int_list, median_time, model_text, num, or_oom, spec_list
 from core import runtime
 from core.decoding.decode import generate_stream, inference_model, window_shift
@@ -42,6 +45,10 @@ class Settings:
     gen_repeats: int = 1       # a no-cache run of 500 tokens takes about a minute on 2 CPU cores
     bound_models: str = "quickstart,gpt2"  # the step against the bandwidth bound: some of bandwidth.SHAPES; "" none
     bound_steps: int = 20      # cached steps timed per row of the bound table (their median)
+    fixed_precisions: str = "auto"  # the fixed step's rows: auto is float32,int8 on a CPU, float32,bfloat16 on CUDA
+    fixed_batches: str = "1"
+    fixed_rounds: int = 3      # rounds alternating eager, fixed and compiled
+    fixed_steps: int = 10      # steps timed per way per round
 
 
 PRESETS = {"gpt2": dict(decode_n_layer=12, decode_n_head=12, decode_n_embd=768, decode_block_size=1024,
@@ -49,7 +56,11 @@ PRESETS = {"gpt2": dict(decode_n_layer=12, decode_n_head=12, decode_n_embd=768, 
 
 
 def check(cfg) -> None:
-    at_least(cfg, 1, "gen_repeats", "gen_prompt_len", "gen_new_tokens", "bound_steps")
+    at_least(cfg, 1, "gen_repeats", "gen_prompt_len", "gen_new_tokens", "bound_steps", "fixed_rounds", "fixed_steps")
+    int_list(cfg.fixed_batches, "fixed_batches")
+    unknown = set(fixed_precisions(cfg, "cpu")) - {"float32", "bfloat16", "int8", "int4"}
+    if unknown:
+        raise UserError(f"fixed_precisions: unknown {', '.join(sorted(unknown))}; use float32, bfloat16, int8, int4")
     unknown = set(spec_list(cfg.bound_models)) - set(bandwidth.SHAPES)
     if unknown:
         raise UserError(f"bound_models: unknown {', '.join(sorted(unknown))}; use some of {','.join(bandwidth.SHAPES)}")
@@ -64,6 +75,12 @@ def check(cfg) -> None:
     if cfg.decode_n_embd % cfg.decode_n_head:
         raise UserError(f"decode_n_embd ({cfg.decode_n_embd}) must be divisible by "
                         f"decode_n_head ({cfg.decode_n_head})")
+
+
+def fixed_precisions(cfg, device_type: str) -> list[str]:
+    if cfg.fixed_precisions == "auto":
+        return ["float32", "int8"] if device_type == "cpu" else ["float32", "bfloat16"]
+    return spec_list(cfg.fixed_precisions)
 
 
 def model_config(cfg) -> GPTConfig:
@@ -94,31 +111,26 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
 
     rows = []
     with torch.no_grad():
-        cache = or_oom(lambda: model.new_kv_cache(B), rt)
         for C in int_list(cfg.decode_contexts, "decode_contexts"):
-            rows.append(or_oom(lambda: decode_row(cfg, model, tokens, cache, C, rt), rt))
+            rows.append(or_oom(lambda: decode_row(cfg, model, tokens, C, rt), rt))
             if rows[-1] == OOM:
                 rows[-1] = {"context": C, "error": OOM}
     generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt), rt)
     shapes = spec_list(cfg.bound_models)
     bound = or_oom(lambda: bandwidth.measure(shapes, rt, cfg.bound_steps, cfg.seed), rt) if shapes else {"rows": []}
+    fixed = fixed_step.measure(mc, fixed_precisions(cfg, rt.device_type), sorted({1, torch.get_num_threads()}),
+                               int_list(cfg.fixed_batches, "fixed_batches"), mc.block_size // 2, cfg.fixed_rounds,
+                               cfg.fixed_steps, cfg.compile, rt, cfg.seed)
     return {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows,
             "generation": {"error": OOM} if generation == OOM else generation,
-            "bound": {"error": OOM} if bound == OOM else bound}
+            "bound": {"error": OOM} if bound == OOM else bound, "fixed": fixed}
 
 
-def decode_row(cfg, model: GPT, tokens: torch.Tensor, cache, C: int, rt: runtime.Runtime) -> dict:
+def decode_row(cfg, model: GPT, tokens: torch.Tensor, C: int, rt: runtime.Runtime) -> dict:
     """Latency of the step that reads C tokens and predicts the next, without and with the KV cache."""
     B = tokens.size(0)
     no_cache_s = median_time(lambda: model(tokens[:, :C], last_only=True), cfg.warmup, cfg.repeats, rt.synchronize)
-    cache.reset()
-    if C > 1:
-        model(tokens[:, :C - 1], kv_cache=cache, last_only=True)  # the cache holds the first C - 1 tokens
-
-    def cached_step() -> None:
-        cache.pos = C - 1  # the explicit position: token C goes in at C - 1, every time
-        model(tokens[:, C - 1:C], kv_cache=cache, last_only=True)
-    cache_s = median_time(cached_step, cfg.warmup, cfg.repeats, rt.synchronize)
+    cache_s = median_time(bandwidth.cached_step(model, C, B), cfg.warmup, cfg.repeats, rt.synchronize)
     return {"context": C, "no_cache_ms": no_cache_s * 1e3, "cache_ms": cache_s * 1e3,
             "no_cache_tokens_per_s": B / no_cache_s, "cache_tokens_per_s": B / cache_s,
             "speedup": no_cache_s / cache_s}
@@ -161,8 +173,9 @@ def table(r: dict) -> str:
             [row["context"], num(row["no_cache_ms"], 2), num(row["cache_ms"], 2), num(row["no_cache_tokens_per_s"], 1),
              num(row["cache_tokens_per_s"], 1), f"{row['speedup']:.1f}x"] for row in r["rows"]]
     g = r["generation"]
+    fixed = "\n\n" + fixed_step.table(r["fixed"]) if r["fixed"]["rows"] else ""
     if "error" in g:
-        return head + markdown.table(columns, rows) + f"\n\ngenerate(): {OOM}" + bound_text(r["bound"])
+        return head + markdown.table(columns, rows) + f"\n\ngenerate(): {OOM}" + bound_text(r["bound"]) + fixed
     gen_rows = [[name.replace("_", " "), p["tokens"], num(p["no_cache_s"], 2), num(p["cache_s"], 2),
                  num(p["no_cache_tokens_per_s"], 1), num(p["cache_tokens_per_s"], 1), f"{p['speedup']:.1f}x"]
                 for name, p in g["parts"].items()]
@@ -172,7 +185,7 @@ def table(r: dict) -> str:
               f"block_size {g['block_size']}, median of {g['repeats']} run(s); past the context the window moves "
               f"{g['window_shift']} token(s) at a time and the cache is refilled at each move:\n\n"
             + markdown.table(["part", "tokens", "no cache s", "cache s", "no cache tokens/s", "cache tokens/s",
-                              "speedup"], gen_rows) + bound_text(r["bound"]))
+                              "speedup"], gen_rows) + bound_text(r["bound"]) + fixed)
 
 
 def bound_text(bound: dict) -> str:

@@ -1,34 +1,29 @@
 """The decode levers at batch 1, measured side by side: one shape's cached step (benchmarks/bandwidth.py's
-SHAPES) in float32 and in bfloat16 with the Blocks' matrices packed for oneDNN or not, each attention
-kernel, and with a bfloat16 head, alternated round by round in one process, so that a busy machine slows
+SHAPES) in float32, int8, and bfloat16 with the Blocks' matrices packed for oneDNN or not and the head copy laid out
+two ways, alternated round by round in one process, so that a busy machine slows
 them all alike (docs/performance.md, "Decoding against the bandwidth bound"). The CPU's levers: on another
 device the section is skipped.
 
     python bench.py --sections=levers --threads=1                       # GPT-2 small's shape, 5 rounds
     python bench.py --sections=levers --levers_shape=quickstart --levers_rounds=3 --threads=2
-    python bench.py --sections=levers --threads=1 --levers_compile=True  # also torch.compile's float32 step (minutes)
     python bench.py --sections=levers --threads=1 --levers_profile=True --levers_rounds=1  # also each variant's ops
 
-Variants: "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
-or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "math
-backend for one query" runs attention through SDPA's math backend instead of the flash kernel; "head copy
-(vocab, C)" reads the float32 head copy laid out untransposed; "bf16 head" computes the logits
-from the packed bfloat16 head, rounded to bfloat16, then float32 (not what the model does: see
-GPT._last_logits). The bound is bandwidth.bound_s at the fastest copy of all rounds. Needs a CPU with
-native bfloat16 for the bf16 rows.
+Variants: "int8" is --quantize=int8's model (core/decoding/quantize.py; with --levers_profile, where the time its
+products leave goes); "unpacked" is the bfloat16 model without cpu.pack_linears, through oneDNN's matmul at one row
+or torch's own GEMV (cpu.one_row_kernels, which also serves the matrices too small to pack); "head copy (vocab, C)"
+reads the float32 head copy laid out untransposed. Levers dropped: docs/lab-notes.md. The bound is bandwidth.bound_s
+at the fastest copy of all rounds. Needs a CPU with native bfloat16 for the bf16 rows.
 """
 import contextlib
 import dataclasses
 import statistics
-import time
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks import bandwidth
 from benchmarks.common import at_least
 from core import cpu, runtime
-from core.decoding.decode import inference_model, keep_float32_head
+from core.decoding.decode import keep_float32_head
 from core.errors import UserError
 from model import GPT
 
@@ -38,7 +33,6 @@ class Settings:
     levers_shape: str = "gpt2"      # one of benchmarks/bandwidth.py's SHAPES
     levers_rounds: int = 5          # each round: one copy, then every variant's median of levers_steps cached steps
     levers_steps: int = 20
-    levers_compile: bool = False    # also a compiled float32 model: its first calls (the start-up) and its step
     levers_profile: bool = False    # also each variant's ops over levers_steps cached steps (torch.profiler)
 
 
@@ -55,16 +49,6 @@ def unavailable(rt: runtime.Runtime) -> str | None:
     return None if rt.device_type == "cpu" else "the decode levers are the CPU's: run it with --device=cpu"
 
 
-def with_bf16_head(model: GPT) -> GPT:
-    """The logits from the bfloat16 head (half the bytes of the float32 copy), packed as the Blocks' matrices
-    are (cpu.PackedLinear), rounded to bfloat16."""
-    linear = torch.nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False, device="meta")
-    linear.weight = model.lm_head.weight
-    head = cpu.PackedLinear(linear)
-    model.lm_head.forward = lambda h: head(h.bfloat16()).float()  # h: ln_f's bfloat16 output, cast to float32
-    return model
-
-
 def with_vocab_by_c_head(model: GPT) -> GPT:
     """The float32 head copy as the head is laid out, (vocab, C), read as F.linear reads it (decode.Float32Head
     keeps it transposed, (C, vocab))."""
@@ -72,57 +56,36 @@ def with_vocab_by_c_head(model: GPT) -> GPT:
     return model
 
 
-def variants(config, compile: bool) -> dict[str, tuple[GPT, tuple[bool, bool]]]:
-    """name: (model, (oneDNN at one row, SDPA's math backend for one query)); every model from the same weights."""
-    def build(dtype, pack=True):
-        torch.manual_seed(0)
+def variants(config) -> dict[str, tuple[GPT, bool]]:
+    """name: (model, whether oneDNN takes the unpacked matrices at one row); every model from the same weights."""
+    def build(precision, pack=True):
         if pack:
-            return inference_model(GPT(config), runtime.Runtime("cpu", "cpu", dtype))
-        model = GPT(config).eval().to(dtype=runtime.DTYPES[dtype])  # as inference_model, but for the packing
+            return bandwidth.decoding_model(config, runtime.Runtime("cpu", "cpu", "float32"), precision)
+        torch.manual_seed(0)
+        model = GPT(config).eval().to(dtype=runtime.DTYPES[precision])  # as inference_model, but for the packing
         keep_float32_head(model)
         return model
-    as_decoding = (False, False)  # model.py's kernel choice, flash
-    out = {"float32": (build("float32"), as_decoding)}
+    as_decoding = False  # model.py's kernel choice
+    out = {"float32": (build("float32"), as_decoding), "int8": (build("int8"), as_decoding)}
     if cpu.cpu_native_bf16():
         plain, packed = build("bfloat16", pack=False), build("bfloat16")
-        out |= {"bf16 unpacked, oneDNN": (plain, (True, False)),
+        out |= {"bf16 unpacked, oneDNN": (plain, True),
                 "bf16 unpacked, torch's GEMV (oneDNN off)": (plain, as_decoding),
                 "bf16 packed (as decoding now)": (packed, as_decoding),
-                "bf16 packed, math backend for one query": (packed, (False, True)),
-                "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), as_decoding),
-                "bf16 packed, bf16 head": (with_bf16_head(build("bfloat16")), as_decoding)}
-    if compile:
-        out["float32 compiled"] = (build("float32"), as_decoding)
-        out["float32 compiled"][0].compile()
+                "bf16 packed, head copy (vocab, C)": (with_vocab_by_c_head(build("bfloat16")), as_decoding)}
     return out
 
 
-def compile_startup(model: GPT, context: int) -> list[float]:
-    """Seconds of a compiled model's first cached steps at three positions: the first compiles, the second
-    compiles again for a dynamic position, the third should not."""
-    cache, times = model.new_kv_cache(1), []
-    tokens = torch.zeros(1, context + 2, dtype=torch.long)
-    with torch.no_grad():
-        for pos in (context - 1, context, context + 1):
-            cache.pos = pos
-            t0 = time.perf_counter()
-            model(tokens[:, pos:pos + 1], kv_cache=cache, last_only=True)
-            times.append(time.perf_counter() - t0)
-    return times
-
-
 @contextlib.contextmanager
-def kernels(onednn: bool, math_query: bool):
-    """The kernel choices for the block: if onednn, oneDNN for the unpacked matmuls at one row too
+def kernels(onednn: bool):
+    """The kernel choice for the block: if onednn, oneDNN for the unpacked matmuls at one row too
     (cpu.one_row_kernels made a no-op), else model.py's own choice (torch's GEMV at one row); packed
-    matrices call oneDNN either way. SDPA's math backend for attention if math_query, else torch's
-    choice (flash for one query)."""
+    matrices call oneDNN either way."""
     choice = cpu.one_row_kernels
     if onednn:
         cpu.one_row_kernels = lambda x: contextlib.nullcontext()
     try:
-        with sdpa_kernel(SDPBackend.MATH) if math_query else contextlib.nullcontext():
-            yield
+        yield
     finally:
         cpu.one_row_kernels = choice
 
@@ -131,13 +94,10 @@ def kernels(onednn: bool, math_query: bool):
 def profile_table(model: GPT, context: int, steps: int) -> str:
     """torch.profiler over `steps` cached steps (the prefill before it): each op with its input shapes and
     its self time per step. The profiler's op times are wall times: on a busy machine they include waits."""
-    tokens = torch.zeros(1, context, dtype=torch.long)
-    cache = model.new_kv_cache(1)
-    model(tokens[:, :-1], kv_cache=cache, last_only=True)
+    step = bandwidth.cached_step(model, context)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
-            cache.pos = context - 1
-            model(tokens[:, -1:], kv_cache=cache, last_only=True)
+            step()
     ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in ops)
     lines = ["| op | input shapes | calls per step | ms per step | share |", "|---|---|---:|---:|---:|"]
@@ -148,18 +108,17 @@ def profile_table(model: GPT, context: int, steps: int) -> str:
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
     name, config, context = bandwidth.SHAPES[cfg.levers_shape]
-    models = variants(config, cfg.levers_compile)
-    startup = compile_startup(models["float32 compiled"][0], context) if cfg.levers_compile else None
+    models = variants(config)
     steps, copies = {k: [] for k in models}, []
     for _ in range(cfg.levers_rounds):
         copies.append(bandwidth.copy_bandwidth(repeats=5))
         for key, (model, on) in models.items():
-            with kernels(*on):
-                steps[key].append(bandwidth.cached_step_s(model, context, repeats=cfg.levers_steps))
+            with kernels(on):
+                steps[key].append(bandwidth.step_times(bandwidth.cached_step(model, context), repeats=cfg.levers_steps))
     profiles = {}
     if cfg.levers_profile:
         for key, (model, on) in models.items():
-            with kernels(*on):
+            with kernels(on):
                 profiles[key] = profile_table(model, context, cfg.levers_steps)
     rows = []
     for key, (model, _) in models.items():
@@ -169,15 +128,11 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
                      "bound_ms": bandwidth.bound_s(bandwidth.decode_weight_bytes(model), kv, max(copies)) * 1e3})
     return {"shape": name, "context": context, "threads": torch.get_num_threads(), "rounds": cfg.levers_rounds,
             "steps": cfg.levers_steps, "copy_best": max(copies), "copy_worst": min(copies),
-            "compile_startup_s": startup, "profiles": profiles, "rows": rows}
+            "profiles": profiles, "rows": rows}
 
 
 def table(r: dict) -> str:
-    lines = []
-    if r["compile_startup_s"]:
-        lines.append("compiled start-up, s per first step at 3 positions: "
-                     f"{[round(t, 1) for t in r['compile_startup_s']]}")
-    lines += [f"\n{key}: the ops of {r['steps']} cached steps\n\n{text}" for key, text in r["profiles"].items()]
+    lines = [f"\n{key}: the ops of {r['steps']} cached steps\n\n{text}" for key, text in r["profiles"].items()]
     lines += [f"{r['shape']}, context {r['context']}, {r['threads']} thread(s), {r['rounds']} rounds; copy "
               f"{r['copy_best'] / 1e9:.1f} GB/s at best, {r['copy_worst'] / 1e9:.1f} at worst\n",
               "| variant | step ms | step CPU ms | bound ms | step / bound |\n|---|---:|---:|---:|---:|"]

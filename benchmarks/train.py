@@ -1,9 +1,14 @@
-"""Training step: forward + backward + AdamW step on a fixed random batch.
+"""Training step: forward + backward + AdamW step on a fixed random batch, at each micro-batch of a sweep.
 
 MFU = model.estimate_mfu against flops.peak_flops_with_source (GPU: the datasheet; CPU: a measured
 float32 matmul, so CPU MFU is relative to what a plain matmul reaches here). Compiled: torch.compile
-of the same model; its first step (the build) is timed apart, and a failure is reported in the table.
+of the same model; its first step at each micro-batch (the build) is timed apart, and a failure is reported in
+the table. train_batch_sizes sweeps the micro-batch (the gpt2 preset: 8 to 64 sequences of 1024, what fills a
+GPU), one row per mode and size, peak memory on CUDA; a size that runs out of memory is a row reading OOM.
 The model here (batch_size ... bias) is also the memory section's.
+
+    python bench.py --preset=gpt2 --device=cuda --sections=train          # the sweep, eager and compiled
+    python bench.py --sections=train --train_batch_sizes=2,4,8             # on the CPU
 """
 import dataclasses
 import time
@@ -11,7 +16,7 @@ import time
 import torch
 
 from benchmarks import markdown
-from benchmarks.common import OOM, median_time, mib, model_text, num, or_oom
+from benchmarks.common import OOM, int_list, median_time, mib, model_text, num, or_oom
 from core import kernels, runtime
 from core.errors import UserError, first_line
 from core.training import flops, optim
@@ -29,15 +34,21 @@ class Settings:
     vocab_size: int = 65
     bias: bool = False
     compile: bool = True
+    train_batch_sizes: str = ""  # micro-batches swept (comma-separated); "": batch_size alone
 
 
 PRESETS = {"gpt2": dict(batch_size=8, block_size=1024, n_layer=12, n_head=12, n_embd=768, vocab_size=50304,
-                        bias=True)}
+                        bias=True, train_batch_sizes="8,16,32,64")}
 
 
 def check(cfg) -> None:
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+    batch_sizes(cfg)
+
+
+def batch_sizes(cfg) -> list[int]:
+    return int_list(cfg.train_batch_sizes, "train_batch_sizes") if cfg.train_batch_sizes else [cfg.batch_size]
 
 
 def model_config(cfg) -> GPTConfig:
@@ -52,10 +63,10 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     optimizer = optim.build_optimizer(model, "adamw", 6e-4, 0.1, (0.9, 0.95), rt.device_type)
     scaler = rt.grad_scaler()
     gen = torch.Generator().manual_seed(cfg.seed)
-    x, y = (torch.randint(mc.vocab_size, (cfg.batch_size, mc.block_size), generator=gen).to(rt.device)
-            for _ in range(2))
+    peak, peak_source = flops.peak_flops_with_source(rt)
+    compiled = []  # torch.compile(model), made at the first compiled row
 
-    def step(m: torch.nn.Module) -> None:
+    def step(m: torch.nn.Module, x, y) -> None:
         with rt.autocast():
             loss = m(x, y)[1]  # as train.py: the logits are not held through backward
         scaler.scale(loss).backward()
@@ -63,41 +74,44 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-    peak, peak_source = flops.peak_flops_with_source(rt)
-    tokens = cfg.batch_size * mc.block_size
-
-    def row(mode: str, m: torch.nn.Module, build_s: float | None = None) -> dict:
-        if rt.device_type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        dt = or_oom(lambda: median_time(lambda: step(m), cfg.warmup, cfg.repeats, rt.synchronize), rt)
+    def row(mode: str, m: torch.nn.Module, B: int, x, y, build_s: float | None = None) -> dict:
+        dt = or_oom(lambda: median_time(lambda: step(m, x, y), cfg.warmup, cfg.repeats, rt.synchronize), rt)
         if dt == OOM:
-            optimizer.zero_grad(set_to_none=True)
-            return {"mode": mode, "error": OOM}
-        r = {"mode": mode, "step_s": dt, "tokens_per_s": tokens / dt,
-             "mfu": model.estimate_mfu(cfg.batch_size, dt, peak) if peak else None}
+            return {"mode": mode, "batch_size": B, "error": OOM}
+        r = {"mode": mode, "batch_size": B, "step_s": dt, "tokens_per_s": B * mc.block_size / dt,
+             "mfu": model.estimate_mfu(B, dt, peak) if peak else None}
         if build_s is not None:
             r["build_s"] = build_s
         if rt.device_type == "cuda":
             r["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
         return r
 
-    rows = [row("eager", model)]
-    if cfg.compile:
-        try:
-            compiled = torch.compile(model)
-            t0 = time.perf_counter()
-            if or_oom(lambda: step(compiled), rt) == OOM:  # the first call traces and builds the kernels
-                rows.append({"mode": "compiled", "error": OOM})
-            else:
-                rt.synchronize()
-                rows.append(row("compiled", compiled, time.perf_counter() - t0))
+    def compiled_row(B: int, x, y) -> dict:
+        t0 = time.perf_counter()
+        try:  # the first call at a new shape traces and builds the kernels
+            compiled[:] = compiled or [torch.compile(model)]
+            if or_oom(lambda: step(compiled[0], x, y), rt) == OOM:
+                return {"mode": "compiled", "batch_size": B, "error": OOM}
         except Exception as e:  # noqa: BLE001 - any compiler failure is a result to report, not a crash
-            rows.append({"mode": "compiled", "error": f"compile failed: {type(e).__name__}: {first_line(e)}"})
+            return {"mode": "compiled", "batch_size": B,
+                    "error": f"compile failed: {type(e).__name__}: {first_line(e)}"}
+        rt.synchronize()
+        return row("compiled", compiled[0], B, x, y, time.perf_counter() - t0)
+
+    rows = []
+    for B in batch_sizes(cfg):
+        x, y = (torch.randint(mc.vocab_size, (B, mc.block_size), generator=gen).to(rt.device) for _ in range(2))
+        for mode in ("eager", "compiled")[:1 + cfg.compile]:
+            if rt.device_type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            rows.append(row(mode, model, B, x, y) if mode == "eager" else compiled_row(B, x, y))
+            optimizer.zero_grad(set_to_none=True)  # an OOM's half-made gradients go
+        del x, y
     result = {"model": model_text(mc, cfg.batch_size), "params": model.get_num_params(),
-              "tokens_per_step": tokens, "flops_per_token": model.flops_per_token(),
+              "tokens_per_step": cfg.batch_size * mc.block_size, "flops_per_token": model.flops_per_token(),
               "peak_flops": peak, "peak_flops_source": peak_source, "rows": rows}
-    if len(rows) == 2 and "error" not in rows[0] and "error" not in rows[1]:
-        result["compiled_over_eager"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    if len(rows) >= 2 and "error" not in rows[0] and "error" not in rows[1] and rows[1]["mode"] == "compiled":
+        result["compiled_over_eager"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]  # at the first size
     return result
 
 
@@ -107,16 +121,16 @@ def table(r: dict) -> str:
     rows = []
     for row in r["rows"]:
         if "error" in row:
-            rows.append([row["mode"], "-", row["error"], "-", "-"] + ["-"] * with_memory)
+            rows.append([row["mode"], row["batch_size"], "-", row["error"], "-", "-"] + ["-"] * with_memory)
             continue
         mfu = f"{row['mfu'] * 100:.1f}%" if row["mfu"] is not None else "n/a"
         build = num(row["build_s"], 1) if "build_s" in row else "-"
-        rows.append([row["mode"], build, num(row["step_s"] * 1e3, 1), num(row["tokens_per_s"]), mfu]
+        rows.append([row["mode"], row["batch_size"], build, num(row["step_s"] * 1e3, 1), num(row["tokens_per_s"]), mfu]
                     + ([mib(row["peak_memory_bytes"])] if with_memory else []))
-    text = (f"### Training step (forward + backward + AdamW)\n{r['model']}; {r['params'] / 1e6:.2f}M parameters, "
-            f"{r['tokens_per_step']:,} tokens per step\npeak for MFU: {peak} ({r['peak_flops_source']})\n\n"
-            + markdown.table(["mode", "build s (1st step)", "step ms", "tokens/s", "MFU"]
+    text = (f"### Training step (forward + backward + AdamW)\n{r['model']}; {r['params'] / 1e6:.2f}M parameters; "
+            f"each row a micro-batch of that many sequences\npeak for MFU: {peak} ({r['peak_flops_source']})\n\n"
+            + markdown.table(["mode", "batch", "build s (1st step)", "step ms", "tokens/s", "MFU"]
                              + ["peak memory"] * with_memory, rows))
     if "compiled_over_eager" in r:
-        text += f"\n\ncompiled / eager tokens/s: {r['compiled_over_eager']:.2f}x"
+        text += f"\n\ncompiled / eager tokens/s at batch {r['rows'][0]['batch_size']}: {r['compiled_over_eager']:.2f}x"
     return text

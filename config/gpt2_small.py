@@ -7,6 +7,8 @@ data_dir = "data/fineweb"
 
 # 12 batch * 1024 context * 40 accumulation = 491,520 tokens per iteration (~0.5M, as GPT-3 small).
 # gradient_accumulation_steps counts all processes together: 40 = 5 per GPU on 8 GPUs.
+# batch_size is nanoGPT's 12: the micro-batch that fills a GPU comes from bench.py's sweep (8 to 64 sequences,
+# scripts/gpu_check.sh), not measured yet (docs/performance.md, "On a GPU"); keep batch * accumulation ~0.5M.
 batch_size = 12
 block_size = 1024
 gradient_accumulation_steps = 40

@@ -1,65 +1,142 @@
 #!/usr/bin/env bash
-# The whole GPU check, one command: the gpu-marked tests, then bench.py's GPT-2 preset on CUDA.
+# The whole GPU check, one command, each step capped (timeout), under 9 minutes in all on one H100 or H200:
 #
-#     bash scripts/gpu_check.sh OUT_DIR                 # on a CUDA machine: about 8 min on one H200;
-#                                                       # each step has a hard cap (250 + 150 + 110 + 60 s < 10 min)
-#     bash scripts/gpu_check.sh OUT_DIR --cpu-dry-run   # the same steps on the CPU at tiny sizes (~3 min):
-#                                                       # checks the plumbing; the gpu tests skip
+#     bash scripts/gpu_check.sh OUT_DIR                 # on a CUDA machine
+#     bash scripts/gpu_check.sh OUT_DIR --cpu-dry-run   # the same steps at tiny sizes on the CPU (tests/test_gpu.py)
 #
-# Everything goes to OUT_DIR: environment.txt (GPU, driver, torch), pytest_gpu.txt, bench_gpt2.txt/.json
-# (training tokens/s and MFU eager and compiled, Muon's step, attention memory up to T = 16384, GPT-2-small
-# decoding at batch 1 with and without the KV cache), bench_loop.txt/.json (train.py's iteration against a
-# plain loop), bench_gpt2_decode_b8.txt/.json (decoding at batch 8), and summary.txt (each step's exit status
-# and time): 8 files.
-# Offline: no network and no ../shared needed. GPT-2's BPE (only bench's prepare section uses it, and it
-# is not run here) is read from .cache/tiktoken when that folder exists (git-ignored; copy it with
-# `mkdir -p .cache && cp -r ../shared/tiktoken_cache .cache/tiktoken`).
+# The data travels with the command: GPT-2's BPE of tiny Shakespeare (302k train tokens, 0.6 MB) in gpu_data/
+# (git-ignored; GPU_DATA=DIR names another), made on any machine with the BPE file:
+#
+#     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python data/shakespeare/prepare.py \
+#         --input=../shared/data/tinyshakespeare.txt --out_dir=gpu_data
+#
+# Steps, caps in seconds (summary.md gives each one's exit status and time; 124 is its cap):
+#   train 90      train.py config/gpt2_small.py itself, compiled, bf16, 12 iterations of its 40 x 12 x 1024 tokens
+#   resume 50     the same run resumed to iteration 16 (its log.jsonl goes on)
+#   torchrun 70   the same under torchrun (python3 -m torch.distributed.run) --standalone --nproc_per_node=1,
+#                 8 iterations
+#   sweep 80      bench.py's training step at micro-batches 8, 16, 32, 64 x 1024, eager and compiled
+#   decode 100    bench.py's decode section: GPT-2 small's step eager, fixed-shape, and captured as a CUDA graph at
+#                 batch 1 and the server's 4 and 16, bf16; the step against the bandwidth bound
+#   pytest 110    python -m pytest -m gpu
+# summary.md is what docs/performance.md's "On a GPU" takes: train.py's tokens/s, MFU, peak memory and loss, the
+# sweep, and decoding's ms a step eager and captured. Offline: no network, no ../shared. OUT_DIR also holds the runs'
+# checkpoints (GBs): keep summary.md and the *.txt, *.json and log.jsonl files.
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu_check.sh OUT_DIR [--cpu-dry-run]}
 dry=${2:-}
 cd "$(dirname "$0")/.."
+data=${GPU_DATA:-gpu_data}
+if [ ! -f "$data/train.bin" ]; then
+    echo "error: no $data/train.bin: make it (see the top of scripts/gpu_check.sh), or set GPU_DATA=DIR" >&2
+    exit 2
+fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-[ -d .cache/tiktoken ] && export TIKTOKEN_CACHE_DIR=$PWD/.cache/tiktoken
-summary=$out/summary.txt
-: > "$summary"
+data=$(cd "$data" && pwd)
+status=$out/status.txt
+: > "$status"
 
-step() {  # step NAME TIMEOUT_S COMMAND...: run it, keep its output, record its status; go on either way
+step() {  # step NAME CAP_S COMMAND...: run it, keep its output, record its status; go on either way
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
-    echo "== $name: $*" | tee -a "$summary"
+    echo "== $name: $*"
     timeout "$limit" "$@" > "$out/$name.txt" 2>&1
     local rc=$?
-    echo "   exit $rc after $((SECONDS - t0)) s" | tee -a "$summary"
-    tail -n 5 "$out/$name.txt"
+    echo "$name $rc $((SECONDS - t0))" >> "$status"
+    echo "   exit $rc after $((SECONDS - t0)) s (cap $limit)"
+    tail -n 3 "$out/$name.txt"
 }
 
 if [ "$dry" = "--cpu-dry-run" ]; then
-    device=(--device=cpu --dtype=float32 --threads=1)
-    # tiny sizes; anything given on the command line overrides the preset
-    tiny=(--batch_size=2 --block_size=64 --n_layer=1 --n_head=2 --n_embd=64 --vocab_size=512 --repeats=1 --warmup=1
-          --loop_config=config/train_shakespeare_char_cpu.py --loop_steps=2 --attn_n_head=2 --attn_lengths=256,512
-          --attn_repeats=1 --decode_n_layer=1 --decode_n_head=2 --decode_n_embd=64 --decode_block_size=128
-          --decode_vocab_size=512 --decode_contexts=32,128 --gen_new_tokens=40 --compile=False --muon_shape=n_layer=1)
+    run=(--device=cpu --dtype=float32 --compile=False --threads=1)
+    model=(--n_layer=1 --n_head=2 --n_embd=64 --block_size=64 --batch_size=2 --gradient_accumulation_steps=2)
+    bench=(--device=cpu --dtype=float32 --compile=False --threads=1 --warmup=1 --repeats=1 --n_layer=1 --n_head=2
+           --n_embd=64 --block_size=64 --vocab_size=512 --train_batch_sizes=1,2 --decode_n_layer=1 --decode_n_head=2
+           --decode_n_embd=64 --decode_block_size=64 --decode_vocab_size=512 --decode_contexts=32
+           --gen_new_tokens=8 --bound_models=quickstart --bound_steps=2 --fixed_precisions=float32
+           --fixed_batches=1,4 --fixed_rounds=1 --fixed_steps=2)
 else
-    device=(--device=cuda)
-    tiny=()
+    run=(--device=cuda --dtype=bfloat16 --compile=True)
+    model=()
+    bench=(--device=cuda --dtype=bfloat16 --warmup=3 --repeats=5 --decode_contexts=512 --gen_new_tokens=100
+           --gen_repeats=1 --bound_models=gpt2 --fixed_precisions=bfloat16 --fixed_batches=1,4,16 --fixed_rounds=3)
 fi
+common=(config/gpt2_small.py --data_dir="$data" --warmup_iters=2 --eval_interval=1000 --eval_iters=2 --log_interval=1
+        --overwrite=True "${run[@]}" "${model[@]}")
 
 {
     date -u +"%Y-%m-%dT%H:%M:%SZ"
     nvidia-smi 2>&1 || echo "nvidia-smi: not available"
-    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available',
+        torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 } > "$out/environment.txt" 2>&1
-cat "$out/environment.txt" | tail -n 2
+tail -n 2 "$out/environment.txt"
 
-step pytest_gpu 250 python -m pytest -m gpu -v -rA -p no:cacheprovider --continue-on-collection-errors
-# muon: torch.optim.Muon against BatchedMuon (what every device gets) on GPT-2 small's 48 hidden matrices
-step bench_gpt2 150 python bench.py --preset=gpt2 "${device[@]}" --sections=train,muon,attention,decode \
-    --muon_shape=n_layer=12,n_head=12,n_embd=768 --gen_repeats=1 --out="$out/bench_gpt2.json" "${tiny[@]}"
-# loop: a train.py process per timed chunk (CUDA's start-up each time), so a step of its own, two chunks each
-step bench_loop 110 python bench.py --preset=gpt2 "${device[@]}" --sections=loop --repeats=2 \
-    --out="$out/bench_loop.json" "${tiny[@]}"
-step bench_gpt2_decode_b8 60 python bench.py --preset=gpt2 "${device[@]}" --sections=decode --decode_batch_size=8 \
-    --gen_repeats=1 --out="$out/bench_gpt2_decode_b8.json" "${tiny[@]}"
+step train 90 python3 train.py "${common[@]}" --out_dir="$out/run" --max_iters=12 --lr_decay_iters=16
+step resume 50 python3 train.py --init_from=resume --out_dir="$out/run" --max_iters=16 "${run[@]}"
+step torchrun 70 python3 -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${common[@]}" \
+    --out_dir="$out/run_torchrun" --max_iters=8 --lr_decay_iters=8
+step sweep 80 python3 bench.py --preset=gpt2 --sections=train --out="$out/sweep.json" "${bench[@]}"
+step decode 100 python3 bench.py --preset=gpt2 --sections=decode --out="$out/decode.json" "${bench[@]}"
+step pytest 110 python3 -m pytest -m gpu -v -rA -p no:cacheprovider --continue-on-collection-errors
+
+python3 - "$out" > "$out/summary.md" <<'EOF'
+"""What docs/performance.md's "On a GPU" takes from OUT_DIR: each step's status, train.py's own log, the sweep,
+decoding eager against captured."""
+import json, statistics, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+lines = [f"GPU check: {(out / 'environment.txt').read_text().strip().splitlines()[-1]}", "",
+         "| step | exit | s |", "|---|---:|---:|"]
+lines += [f"| {name} | {rc}{' (cap)' if rc == '124' else ''} | {s} |"
+          for name, rc, s in (line.split() for line in (out / "status.txt").read_text().splitlines())]
+
+
+def log_rows(run: str, first: int, last: int) -> list[dict]:
+    path = out / run / "log.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in records if "loss" in r and first <= r["iter"] <= last]
+
+
+lines += ["", "| train.py, config/gpt2_small.py | iterations | loss first -> last | tokens/s (median) | MFU (last) "
+          "| peak memory |", "|---|---|---|---:|---:|---:|"]
+for name, run, first, last in [("train", "run", 0, 11), ("resumed", "run", 12, 15),
+                               ("torchrun, 1 process", "run_torchrun", 0, 7)]:
+    rows = log_rows(run, first, last)
+    if not rows:
+        lines.append(f"| {name} | none logged | | | | |")
+        continue
+    timed = [r["tok_per_s"] for r in rows if r["iter"] >= first + 2] or [r["tok_per_s"] for r in rows]
+    mfu = [r["mfu"] for r in rows if r.get("mfu") is not None]
+    peak = max((r.get("peak_mib", 0) for r in rows), default=0)
+    lines.append(f"| {name} | {rows[0]['iter']}-{rows[-1]['iter']} | {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} "
+                 f"| {statistics.median(timed):,.0f} | {f'{mfu[-1]:.1%}' if mfu else '-'} | "
+                 f"{f'{peak:,.0f} MiB' if peak else '-'} |")
+
+
+def section(name: str, key: str) -> dict:
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()).get(key, {}) if path.exists() else {}
+
+
+lines += ["", "| micro-batch x 1024 | mode | step ms | tokens/s | MFU | peak memory |", "|---:|---|---:|---:|---:|---:|"]
+for r in section("sweep", "train").get("rows", []):
+    if "error" in r:
+        lines.append(f"| {r['batch_size']} | {r['mode']} | {r['error']} | | | |")
+        continue
+    mfu, peak = r.get("mfu"), r.get("peak_memory_bytes")
+    lines.append(f"| {r['batch_size']} | {r['mode']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
+                 f"{f'{mfu:.1%}' if mfu else '-'} | {f'{peak / 2**20:,.0f} MiB' if peak else '-'} |")
+fixed = section("decode", "decode").get("fixed", {})
+lines += ["", f"| decode, context {fixed.get('context', '?')} | batch | eager ms | fixed-shape ms | captured ms "
+          "| captured: first 3 calls s |", "|---|---:|---:|---:|---:|---:|"]
+for r in fixed.get("rows", []):
+    cell = lambda way: r.get(f"{way}_error") or (f"{r[way + '_ms']:.3f}" if way + "_ms" in r else "-")
+    lines.append(f"| {r['precision']} | {r['batch']} | {cell('eager')} | {cell('fixed')} | {cell('compiled')} | "
+                 f"{r.get('compiled_first3_s', 0):.1f} |")
+print("\n".join(lines))
+EOF
+cat "$out/summary.md"
 echo "results in $out"

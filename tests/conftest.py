@@ -13,7 +13,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA; no GPU on this machine")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):  # the marker, not a keyword: a folder named gpu is one too
             item.add_marker(skip_gpu)
 
 

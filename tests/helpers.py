@@ -279,7 +279,7 @@ def flip_a_weight_bit(path) -> None:
     Path(path).write_bytes(data)
 
 
-TIMINGS = ("ms", "tok_per_s", "mfu", "time", "elapsed_s")  # the fields of a log record that depend on the clock
+TIMINGS = ("ms", "tok_per_s", "mfu", "time", "elapsed_s", "peak_mib")  # fields of a log record the clock (or device) sets
 
 
 def records(out_dir, timings: bool = True) -> list[dict]:

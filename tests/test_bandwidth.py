@@ -34,6 +34,19 @@ def test_decode_reads_every_weight_but_the_looked_up_tables(monkeypatch):
     assert any(isinstance(m, PackedLinear) for m in bf16.modules()) == cpu.cpu_packs_bf16()
 
 
+def test_an_int8_step_reads_its_matrices_at_a_byte_each():
+    """quantize.QuantizedLinear's weight_bytes: the Blocks' matrices and the head's quantized copy at one byte a weight
+    and 4 bytes per output for the scale and the bias; the token table, no longer the head, one row."""
+    tied = GPT(GPTConfig(**TINY))
+    linears = [m for m in tied.transformer.h.modules() if isinstance(m, torch.nn.Linear)]
+    rest = sum(p.numel() for p in tied.transformer.h.parameters()) - sum(
+        p.numel() for m in linears for p in m.parameters()) + sum(p.numel() for p in tied.transformer.ln_f.parameters())
+    matrices = sum(m.weight.numel() + 4 * m.out_features * (1 + (m.bias is not None)) for m in linears)
+    int8 = inference_model(tied, runtime.Runtime("cpu", "cpu", "float32"), quantize="int8")
+    C, V = 16, 40
+    assert bandwidth.decode_weight_bytes(int8) == 4 * (rest + C + C) + matrices + V * C + 4 * V
+
+
 def test_kv_bytes_and_the_bound():
     """Keys and values of every layer and kv head over the attended context; grouped-query attention
     reads fewer. The bound is every byte at the bandwidth."""
@@ -58,8 +71,8 @@ def test_cached_step_is_the_median_of_the_timed_steps_wall_and_cpu():
     wall = iter([0, 9, 10, 13, 20, 21, 30, 32])
     cpu = iter([0, 0.9, 1.0, 1.3, 2.0, 2.1, 3.0, 3.2])
     model = GPT(GPTConfig(**TINY)).eval()
-    step = bandwidth.cached_step_s(model, context=8, warmup=1, repeats=3, clock=lambda: next(wall),
-                                   cpu_clock=lambda: next(cpu))
+    step = bandwidth.step_times(bandwidth.cached_step(model, context=8), warmup=1, repeats=3, clock=lambda: next(wall),
+                                cpu_clock=lambda: next(cpu))
     assert step == pytest.approx((2.0, 0.2))
 
 
@@ -67,7 +80,7 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
     """A faked bandwidth and step: each row's bound is its bytes / bandwidth and the ratio the step over it;
     bfloat16 rows exactly where the CPU computes it natively, with half the bytes."""
     monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda **kw: 1e9)  # 1 GB/s: the bound in ms is MB read
-    monkeypatch.setattr(bandwidth, "cached_step_s", lambda model, context, repeats, synchronize: (0.05, 0.04))
+    monkeypatch.setattr(bandwidth, "step_times", lambda step, repeats, synchronize: (0.05, 0.04))
     for native in (False, True):
         monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: native)
         r = bandwidth.measure(["quickstart"], runtime.Runtime("cpu", "cpu", "float32"), steps=2)
@@ -83,8 +96,8 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
 
 
 def test_the_levers_section_prints_every_variant_and_restores_the_kernels(tmp_path, capsys):
-    """bench.py's levers section at the quick start's shape, one round of one step: a row per variant (the
-    bf16 ones where bf16 is native), and model.py's kernel choice and the flash kernel are theirs again afterwards."""
+    """bench.py's levers section at the quick start's shape, one round of one step: a row per variant (int8 and the
+    bf16 ones where bf16 is native), and model.py's kernel choice is its own again afterwards."""
     import bench
 
     kernel = cpu.one_row_kernels
@@ -92,7 +105,6 @@ def test_the_levers_section_prints_every_variant_and_restores_the_kernels(tmp_pa
                 "--levers_steps=1", f"--out={tmp_path / 'bench.json'}"])
     rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     bf16 = ["bf16 unpacked, oneDNN", "bf16 unpacked, torch's GEMV (oneDNN off)", "bf16 packed (as decoding now)",
-            "bf16 packed, math backend for one query", "bf16 packed, head copy (vocab, C)", "bf16 packed, bf16 head"]
-    assert rows == ["float32"] + bf16 * cpu.cpu_native_bf16()
+            "bf16 packed, head copy (vocab, C)"]
+    assert rows == ["float32", "int8"] + bf16 * cpu.cpu_native_bf16()
     assert cpu.one_row_kernels is kernel and torch.backends.mkldnn.enabled
-    assert torch.backends.cuda.flash_sdp_enabled()

@@ -30,6 +30,7 @@ TINY = dict(
     decode_n_layer=1, decode_n_head=2, decode_n_embd=32, decode_block_size=16, decode_vocab_size=64,
     decode_contexts="4,16", gen_prompt_len=4, gen_new_tokens=20,  # 20 > 16 - 4: the window slides
     bound_models="quickstart", bound_steps=1,  # the step against the bandwidth bound: the 4 x 128 model only
+    fixed_rounds=1, fixed_steps=1,
 )
 
 
@@ -74,7 +75,12 @@ def test_train_attention_decode_in_json_and_table(tmp_path, capsys):
     bound_dtypes = ["float32"] + ["bfloat16"] * cpu.cpu_native_bf16()
     assert [(r["model"].split(" (")[0], r["dtype"]) for r in result["decode"]["bound"]["rows"]] == \
         [("quick start", dtype) for dtype in bound_dtypes]
-    for heading in ("Training step", "Attention memory", "Decoding", "Decoding against the bandwidth bound"):
+    fixed = result["decode"]["fixed"]
+    assert [(r["precision"], r["threads"], r["batch"]) for r in fixed["rows"]] == [("float32", 1, 1), ("int8", 1, 1)]
+    assert all({"eager_cpu_ms", "fixed_cpu_ms"} <= set(r) and "compiled_ms" not in r for r in fixed["rows"])
+    assert fixed["context"] == 8  # decode_block_size // 2
+    for heading in ("Training step", "Attention memory", "Decoding", "Decoding against the bandwidth bound",
+                    "The fixed-shape decode step against the eager one"):
         assert f"### {heading}" in out
     assert re.search(r"\|\s*eager\s*\|", out)
     assert "Data preparation" not in out
@@ -105,7 +111,7 @@ def test_compile_failure_is_reported_not_raised(tmp_path, capsys, monkeypatch):
     with one_thread():
         result = bench.main(tiny_argv(tmp_path, sections="train", compile=True))
     eager, compiled = result["train"]["rows"]
-    assert compiled == {"mode": "compiled", "error": "compile failed: RuntimeError: no C++ compiler"}
+    assert compiled == {"mode": "compiled", "batch_size": 2, "error": "compile failed: RuntimeError: no C++ compiler"}
     assert "compiled_over_eager" not in result["train"]
     assert "compile failed: RuntimeError: no C++ compiler" in capsys.readouterr().out
 
@@ -172,6 +178,29 @@ def test_train_rows_tokens_mfu_and_compile_ratio(tmp_path, monkeypatch):
     assert result["compiled_over_eager"] == pytest.approx(2.5)
 
 
+def test_the_micro_batch_sweep_has_a_row_per_size_and_mode_and_oom_is_a_row(tmp_path, monkeypatch, capsys):
+    """train_batch_sizes: each size eager then compiled, tokens/s and MFU of its own batch; a size that runs out of
+    device memory (faked: the step at 4 rows raises torch's OutOfMemoryError) reads OOM, and the sweep goes on."""
+    times = scripted([0.5, 0.25, 1.0, 0.5])
+    monkeypatch.setattr(train, "median_time", lambda fn, *a: fn() or times())
+    monkeypatch.setattr(train.flops, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
+    monkeypatch.setattr(train.torch, "compile", lambda model: model)
+    real_forward = GPT.forward
+
+    def forward(self, idx, *args, **kwargs):
+        if idx.size(0) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (faked)")
+        return real_forward(self, idx, *args, **kwargs)
+    monkeypatch.setattr(GPT, "forward", forward)
+    with one_thread():
+        result = bench.main(tiny_argv(tmp_path, sections="train", compile=True, train_batch_sizes="2,4,8"))
+    rows = [(r["mode"], r["batch_size"], r.get("tokens_per_s", r.get("error"))) for r in result["train"]["rows"]]
+    assert rows == [("eager", 2, 64.0), ("compiled", 2, 128.0), ("eager", 4, "OOM"), ("compiled", 4, "OOM"),
+                    ("eager", 8, 128.0), ("compiled", 8, 256.0)]
+    assert result["train"]["rows"][4]["mfu"] == pytest.approx(result["train"]["flops_per_token"] * 128 / 1e12)
+    assert re.search(r"\|\s*eager\s*\|\s*4\s*\|.*OOM", capsys.readouterr().out)
+
+
 def test_attention_memory_medians_ratios_and_growth(monkeypatch):
     """Scripted peaks (three repeats each, the middle one the median): naive 4 T^2 * (1, 3, 2) bytes, sdpa
     100 T * (2, 1, 3). Each row holds the medians, naive_over_sdpa their ratio, and the growth exponents
@@ -228,6 +257,19 @@ def test_decode_speedups_and_generation_medians(monkeypatch):
     assert parts["all"]["cache_tokens_per_s"] == pytest.approx(20 * 2 / (20 * 0.1 * 2))
 
 
+def test_the_fixed_step_table_gives_each_way_against_eager_and_a_failed_compile_as_its_row():
+    from benchmarks import fixed_step
+    rows = [{"precision": "float32", "threads": 1, "batch": 1, "eager_ms": 9, "eager_cpu_ms": 4.0, "fixed_ms": 9,
+             "fixed_cpu_ms": 5.0, "compiled_ms": 9, "compiled_cpu_ms": 3.0, "compiled_first3_s": 40.0},
+            {"precision": "int8", "threads": 2, "batch": 4, "eager_ms": 9, "eager_cpu_ms": 2.0, "fixed_ms": 9,
+             "fixed_cpu_ms": 1.0, "compiled_error": "Unsupported: packed weights"}]
+    text = fixed_step.table({"context": 512, "rounds": 3, "steps": 10, "device": "cpu", "rows": rows})
+    assert re.search(r"\|\s*float32\s*\|\s*1\s*\|\s*1\s*\|\s*4.000\s*\|\s*5.000\s*\|\s*3.000\s*\|\s*1.25x\s*\|"
+                     r"\s*0.75x\s*\|\s*40.0\s*\|", text)
+    assert re.search(r"\|\s*int8\s*\|.*\|\s*Unsupported: packed weights\s*\|\s*0.50x\s*\|\s*-\s*\|\s*-\s*\|", text)
+    assert "eager CPU ms" in text
+
+
 def test_preset_fills_what_the_command_line_leaves():
     cfg = bench.load_config(["--preset=gpt2", "--batch_size=2"])
     assert (cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size) == (2, 1024, 768, 50304)
@@ -243,6 +285,8 @@ def test_preset_fills_what_the_command_line_leaves():
     (["--gen_window_shift=0"], "gen_window_shift"),
     (["--bound_models=quickstart,gpt3"], "bound_models: unknown gpt3"),
     (["--levers_shape=gpt3"], "levers_shape: unknown 'gpt3'"),
+    (["--train_batch_sizes=8,x"], "train_batch_sizes"),
+    (["--fixed_precisions=float32,int3"], "fixed_precisions: unknown int3"),
 ])
 def test_bad_flags_are_user_errors(argv, fragment):
     with pytest.raises(UserError, match=fragment):

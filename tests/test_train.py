@@ -418,3 +418,35 @@ def test_bad_seq_len_warmup_is_one_line(args):
                                         r"block_size") as e:
         loop.parse_config(train.TrainConfig, args)
     assert "\n" not in str(e.value)
+
+
+def tensor_reads(monkeypatch, run) -> list[list[str]]:
+    """The tensor reads a host makes (item, bool, float, int, tolist: on a GPU each waits for the device) during
+    run(), split at each AdamW update: one list per stretch between updates, each read named by its caller."""
+    stretches = [[]]
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, _real=real, **kwargs):
+            stretches[-1].append(sys._getframe(1).f_code.co_name)
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    spy_optimizer_steps(monkeypatch, after=lambda optimizer, n: stretches.append([]))
+    run()
+    monkeypatch.undo()
+    return stretches
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("log_interval", [1, 1000])
+def test_the_step_reads_the_device_once_per_iteration(tmp_path, data_dir, monkeypatch, accum, log_interval):
+    """Between two updates train.py's loop reads the device once, the non-finite guard's loss, however many
+    micro-steps it runs; on a logged iteration the mean loss too, read before the update where the guard waits
+    anyway. A read per micro-step (a .item() in the forward, the loader, the loop) would wait on every one."""
+    stretches = tensor_reads(monkeypatch, lambda: train_tiny(
+        tmp_path, data_dir, max_iters=6, eval_interval=1000, log_interval=log_interval,
+        gradient_accumulation_steps=accum, batch_size=8))
+    assert len(stretches) == 7  # before the first update (start-up, the eval at 0), 5 between, after the last
+    between = ["global_mean", "optimizer_step"] if log_interval == 1 else ["optimizer_step"]
+    assert stretches[1:-1] == [between] * 5
+    assert "global_mean" not in stretches[-1]  # the last iteration's mean was read before its update too

@@ -1,18 +1,19 @@
-"""RowCache: a KV cache with each row at its own position, the server's batch (core/serving/engine.py).
+"""Two KV caches beside model.KVCache, answering what GPT.forward asks of it: RowCache, each row at its own
+position, the server's batch (core/serving/engine.py); StaticCache, the fixed-shape step's (decode.py's FixedStep).
 
     cache = RowCache(model.new_kv_cache(16))             # 16 slots, all at position 0
     model(tokens, kv_cache=cache.rows(0, hi))             # slots 0..hi-1, each at its own position (a view)
     model(chunks, kv_cache=cache.take(slots, lengths))    # ragged chunks of any slots in one forward
 
-It answers what GPT.forward asks of model.KVCache, over its buffers: row b's chunk goes to [pos[b]:pos[b]+T], every
-row reads the first max(pos) + T slots masked to its own keys; rows all at one position (not taken) go the plain
-cache's way, unmasked, generate's floats. A fixed-shape step (a CUDA graph's) is one more answer: positions on the
-device, layer(i) writing at them by index_put and reading all max_len slots masked, keys_seen max_len.
+RowCache answers what GPT.forward asks of model.KVCache, over its buffers: row b's chunk goes to [pos[b]:pos[b]+T],
+every row reads the first max(pos) + T slots masked to its own keys; rows all at one position (not taken) go the
+plain cache's way, unmasked, generate's floats. StaticCache: see its docstring.
 """
 import copy
 import functools
 
 import torch
+import torch.nn as nn
 
 from model import KVCache
 
@@ -93,3 +94,85 @@ class RowCache(KVCache):
 
     def reset(self):  # every row back to 0, in place
         self.pos.zero_()
+
+
+
+class StaticCache(nn.Module):
+    """A KV cache whose one-token step has the same shapes at every position, so that torch.compile builds it once
+    and a CUDA graph replays it (core/decoding/decode.py's fixed step): a buffer per layer (through views of one
+    buffer for all layers, inductor copied the whole cache at each step), each row's next slot `at` a tensor on the
+    device, and a step that attends over all max_len slots masked to those written. A module, so that compile takes
+    its buffers for static addresses, which a captured graph writes in place.
+
+        cache = StaticCache(model, batch_size=4)        # max_len: block_size
+        logits = cache.feed(model, prompt)              # a chunk (T > 1): written and read as model.KVCache does
+        logits = cache.feed(model, token, step)         # one token: step(token), e.g. a compiled FixedStep
+
+    What GPT.forward asks of it: a chunk is written at pos, the host's count of positions cached; one token at `at`
+    by index, reading max_len keys under a mask. advance moves `at` in place, within the step; feed moves pos outside
+    anything compiled: a Python int read in a compiled step is a constant there, and a new one would recompile it.
+    Rotary positions roll past max_len one token at a time, as model.KVCache(rolling) does."""
+
+    def __init__(self, model, batch_size: int, max_len: int | None = None, dtype=None):
+        super().__init__()
+        like = model.new_kv_cache(batch_size, 1, dtype)  # the plain cache's dtype and device
+        c, device = model.config, like.k.device
+        shape = (batch_size, c.kv_heads, max_len or c.block_size, c.head_size)
+        self.rolling, self.pos = c.pos_embedding == "rope", 0
+        for i in range(c.n_layer):
+            for kv in "kv":
+                self.register_buffer(f"{kv}{i}", torch.zeros(shape, dtype=like.k.dtype, device=device),
+                                     persistent=False)
+        self.register_buffer("at", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("slots", torch.arange(shape[2], device=device), persistent=False)  # (max_len,)
+        self.register_buffer("rows", torch.arange(batch_size, device=device), persistent=False)  # (B,)
+
+    @property
+    def batch_size(self) -> int:
+        return self.at.numel()
+
+    @property
+    def max_len(self) -> int:
+        return self.slots.numel()
+
+    def feed(self, model, idx: torch.Tensor, step=None) -> torch.Tensor:
+        """idx (B, T), the tokens after the pos cached -> the last one's logits (B, 1, vocab), float32. One token goes
+        through step (a FixedStep) where given."""
+        T = idx.size(1)
+        if self.pos + T > self.max_len and not (self.rolling and T == 1):
+            raise ValueError(f"KV cache holds {self.max_len} positions; {self.pos} used, {T} more do not fit")
+        if step is not None and T == 1:  # a fresh (B, 1): a slice of the growing idx has a new stride each position,
+            logits = step(idx.clone(memory_format=torch.contiguous_format))  # which a compiled step guards on
+        else:
+            logits = model(idx, kv_cache=self, last_only=True)[0]
+        self.pos += T
+        return logits
+
+    def keys_seen(self, T: int) -> int:  # one token reads every slot, masked
+        return self.max_len if T == 1 else self.pos + T
+
+    def positions(self, T: int, device) -> torch.Tensor:  # one token: (B, 1), each row's; a chunk: (T,)
+        return self.at[:, None] if T == 1 else torch.arange(self.pos, self.pos + T, device=device)
+
+    def layer(self, i: int):
+        return functools.partial(self.write, getattr(self, f"k{i}"), getattr(self, f"v{i}"))
+
+    def write(self, k_cache, v_cache, k, v):
+        """k, v (B, nkv, T, hs). A chunk: model.KVCache.write at pos. One token: row b's to slot at[b] (modulo
+        max_len once a rotary cache rolls) -> all max_len slots, and the mask (B, 1, 1, max_len) of those written."""
+        if k.size(2) > 1:
+            return KVCache.write(k_cache, v_cache, self.pos, k, v)
+        slot = self.at % self.max_len  # (B,)
+        k_cache[self.rows, :, slot], v_cache[self.rows, :, slot] = k[:, :, 0], v[:, :, 0]
+        mask = self.slots <= self.at[:, None]  # (B, max_len): every slot once the cache rolls
+        return k_cache, v_cache, mask[:, None, None]  # (B, nkv, max_len, hs) x 2, (B, 1, 1, max_len)
+
+    def advance(self, T: int):
+        self.at += T
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, 1, C)
+        return x[:, -1:]
+
+    def reset(self):
+        self.pos = 0
+        self.at.zero_()

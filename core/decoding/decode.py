@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from core import cpu, kernels
 from core.decoding import quantize as quantization
+from core.decoding.cache import StaticCache
 from core.runtime import Runtime
 from model import GPT
 
@@ -165,7 +166,11 @@ def generate_stream(model: GPT, idx, max_new_tokens, sampling: Sampling | None =
 @torch.no_grad()
 def _stream(model: GPT, idx, max_new_tokens, s: Sampling):
     block_size = model.config.block_size
-    cache = model.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if s.use_cache else None
+    cache, step = None, None
+    if s.use_cache and isinstance(steps := getattr(model, "fixed_steps", None), FixedSteps):
+        cache, step = steps.get(idx.size(0))  # the fixed-shape step (inference_model chose it)
+    elif s.use_cache:
+        cache = model.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens))
     start = max(0, idx.size(1) - block_size)  # the context window is idx[:, start:]
     origin = start  # idx[:, origin] is the cache's position 0
     done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)  # (B,)
@@ -175,7 +180,7 @@ def _stream(model: GPT, idx, max_new_tokens, s: Sampling):
             if cache is not None and not s.rolling_cache:
                 cache.reset()  # every token moved to a new position: the cached keys are stale
                 origin = start
-        logits = _next_logits(model, idx, start, origin, cache)[:, :s.vocab_size]  # (B, vocab)
+        logits = _next_logits(model, idx, start, origin, cache, step)[:, :s.vocab_size]  # (B, vocab)
         token = sample_next(logits, s.temperature, s.top_k, s.top_p, s.generator)  # (B, 1)
         if s.eot_token is not None:
             token = token.masked_fill(done[:, None], s.eot_token)
@@ -185,12 +190,71 @@ def _stream(model: GPT, idx, max_new_tokens, s: Sampling):
         if s.eot_token is not None and bool(done.all()):
             return
 
-def _next_logits(model: GPT, idx, start, origin, cache):
+def _next_logits(model: GPT, idx, start, origin, cache, step=None):
     """Logits (B, vocab) for the token after idx (B, T) seen through the window idx[:, start:];
-    with a cache (position 0 at idx[:, origin]) only the tokens not cached yet go through the model."""
+    with a cache (position 0 at idx[:, origin]) only the tokens not cached yet go through the model,
+    one token through the fixed-shape step where there is one."""
     if cache is None:
         return model(idx[:, start:], last_only=True)[0][:, -1, :]
+    if step is not None:
+        return cache.feed(model, idx[:, origin + cache.pos:], step)[:, -1, :]
     return model(idx[:, origin + cache.pos:], kv_cache=cache, last_only=True)[0][:, -1, :]
+
+
+# -----------------------------------------------------------------------------
+# the fixed-shape step: one token through a StaticCache, compiled, a CUDA graph on CUDA
+
+# Where a CPU decodes through the compiled fixed-shape step: (precision, one thread) rows where bench.py
+# --sections=decode measured it faster than the eager step (docs/performance.md, "decode", the fixed-shape step).
+# None yet: until a row is measured faster, a CPU keeps the eager step.
+CPU_FIXED_STEP: frozenset[tuple[str, bool]] = frozenset()
+
+
+def fixed_step_chosen(device_type: str, precision: str, threads: int) -> bool:
+    """Whether decoding takes the compiled fixed-shape step: on CUDA, where launching a step's ~200 kernels from
+    Python is the step (docs/performance.md, "On a GPU") and a CUDA graph launches them as one; on a CPU where
+    CPU_FIXED_STEP holds (precision, threads == 1); precision: the weights' dtype, or --quantize's kind."""
+    return device_type == "cuda" or (precision, threads == 1) in CPU_FIXED_STEP
+
+
+class FixedStep(nn.Module):
+    """One token through model and cache (a StaticCache): the same shapes at every position, so compiled once."""
+
+    def __init__(self, model: GPT, cache: StaticCache):
+        super().__init__()
+        self.model, self.cache = model, cache  # submodules: compile takes the cache's buffers as static
+
+    def forward(self, token):  # (B, 1) -> logits (B, 1, vocab), float32
+        return self.model(token, kv_cache=self.cache, last_only=True)[0]
+
+
+def compile_step(step: FixedStep, device_type: str):
+    """step compiled whole (fullgraph: a break would leave Python in the step); on CUDA captured as a CUDA graph
+    (mode="reduce-overhead"), each call a new replay whose outputs overwrite the last's, read by then."""
+    if device_type != "cuda":
+        return torch.compile(step, fullgraph=True, dynamic=False)
+    graph = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+    def replay(token):
+        torch.compiler.cudagraph_mark_step_begin()
+        return graph(token)
+    return replay
+
+
+class FixedSteps:
+    """A model's fixed-shape steps, one StaticCache (block_size slots) and one compiled step per batch size, built
+    at the first generate of that size and reused by every later one (a captured graph replays in place)."""
+
+    def __init__(self, model: GPT, device_type: str, compile=compile_step):
+        self.model, self.device_type, self.compile, self.built = model, device_type, compile, {}
+
+    def get(self, batch_size: int) -> tuple[StaticCache, object]:
+        if batch_size not in self.built:
+            cache = StaticCache(self.model, batch_size)
+            self.built[batch_size] = cache, self.compile(FixedStep(self.model, cache), self.device_type)
+        cache, step = self.built[batch_size]
+        cache.reset()
+        return cache, step
 
 
 def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: str = "none") -> GPT:
@@ -209,19 +273,27 @@ def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: st
     quantize ("int8", "int4"; quantize.KINDS) swaps the Blocks' matrices and the head for quantized ones, from
     the weights as cast to the run's dtype (core/decoding/quantize.py); those are never packed, and the head
     then needs neither a float32 copy nor its columns laid out. CPU only, refused in one line elsewhere.
+
+    Where fixed_step_chosen says so (CUDA) and compile does not ask for the whole model compiled, generate's one-token
+    step goes through a StaticCache, compiled (FixedSteps, set on the model as model.fixed_steps); the prefill stays
+    the model's own forward.
     """
     quantization.check_quantize(quantize, device=rt.device)
     model = kernels.choose_kernels(model.eval().to(rt.device, rt.ptdtype))
+    fixed = not compile and fixed_step_chosen(rt.device_type, rt.dtype if quantize == "none" else quantize,
+                                              torch.get_num_threads())  # --compile: the whole model instead
     if quantize != "none":
         quantization.quantize(model, quantize)
     elif rt.ptdtype != torch.float32:
         keep_float32_head(model)
-        if rt.device_type == "cpu" and rt.ptdtype == torch.bfloat16 and not compile and cpu.cpu_packs_bf16():
+        if rt.device_type == "cpu" and rt.ptdtype == torch.bfloat16 and not (compile or fixed) and cpu.cpu_packs_bf16():
             cpu.pack_linears(model)
     elif rt.device_type == "cpu":
         cpu.lay_head_by_columns(model)
     if compile:
         model.compile()
+    if fixed:
+        model.fixed_steps = FixedSteps(model, rt.device_type)
     return model
 
 

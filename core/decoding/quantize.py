@@ -91,6 +91,7 @@ class QuantizedLinear(nn.Module):
             bias = None if linear.bias is None else linear.bias.detach().float()
             q, scales = int8_per_channel(w)
             self.packed = int8_packed(q, scales, bias)
+            self.weight_bytes = q.numel() + 4 * self.out_features * (1 + (bias is not None))  # what a product reads
             # for rows_quantized: the bias or 0 (out,), each output's sum of dequantized weights (out,), and a row
             # holding 0 and INT8_LEVELS, which fixes the range FBGEMM sees to 0..INT8_LEVELS (scale 1, zero point 0)
             self.register_buffer("bias_or_0", torch.zeros(self.out_features) if bias is None else bias)
@@ -105,12 +106,15 @@ class QuantizedLinear(nn.Module):
             q, scales_and_zeros = int4_groupwise(w, INT4_GROUP_SIZE)
             self.register_buffer("q", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # (out16, in / 2) uint8
             self.register_buffer("scales", scales_and_zeros.to(ACTIVATIONS))  # (in / group, out16, 2)
+            self.weight_bytes = q.numel() // 2 + 2 * self.scales.numel()
 
     def forward(self, x):  # (..., in) -> (..., out)
+        if self.kind == "int8" and x.numel() == self.in_features:  # one row: FBGEMM's product alone, bias included
+            y = torch.ops.quantized.linear_dynamic(x if x.dtype == torch.float32 else x.float(), self.packed,
+                                                   INT8_REDUCE_RANGE)  # (..., out), float32
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
-        if self.kind == "int8" and x2.size(0) == 1:  # float32 in and out, the bias included
-            y = torch.ops.quantized.linear_dynamic(x2.float(), self.packed, INT8_REDUCE_RANGE)  # (1, out)
-        elif self.kind == "int8":
+        if self.kind == "int8":
             y = self.rows_quantized(x2.float())  # (M, out)
         else:
             x2 = x2.to(self.scales.dtype)

@@ -1,0 +1,92 @@
+"""The fixed-shape decode step against the eager one: what core/decoding/decode.py's CPU_FIXED_STEP is read from.
+
+One cached step at context `context` (the decode section's model), three ways on the same weights: "eager" is
+generate's step today (model.KVCache, its keys sliced to the position), "fixed" the StaticCache's (all block_size
+slots, masked, the position a tensor) as the model runs it, "compiled" that step through decode.compile_step
+(torch.compile; on CUDA a CUDA graph). Rows: each precision (float32 and int8 on a CPU, float32 and bfloat16 on
+CUDA), each thread count on a CPU, each batch; rounds alternate the three, so load from other processes hits them
+alike; each figure is the median over rounds of a round's median of `steps` steps, wall and CPU time
+(time.process_time, every thread of this process). The compiled step's first three calls (its build, and on CUDA
+the graph's warm-up and capture) are timed apart. A compile that fails is a row's result, not a crash.
+
+    python bench.py --sections=decode                                     # at the end of the decode section
+    python bench.py --preset=gpt2 --device=cuda --sections=decode --fixed_batches=1,4,16,64
+"""
+import statistics
+import time
+
+import torch
+
+from benchmarks import bandwidth, markdown
+from benchmarks.common import OOM, num, or_oom
+from core import runtime
+from core.errors import first_line
+from model import GPT, GPTConfig
+
+
+WAYS = ("eager", "fixed", "compiled")
+
+
+def row(model: GPT, batch: int, context: int, rounds: int, steps: int, compile: bool, rt: runtime.Runtime) -> dict:
+    """One precision, thread count and batch: each way's wall and CPU ms, alternated round by round."""
+    ways, r = {}, {}
+    for way in WAYS[:2 + compile]:
+        try:
+            ways[way] = bandwidth.cached_step(model, context, batch, way)
+            t0 = time.perf_counter()
+            for _ in range(3):  # compiled: the build, then on CUDA the graph's warm-up and capture
+                with torch.no_grad():
+                    ways[way]()
+            rt.synchronize()
+            r[f"{way}_first3_s"] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - a step that cannot compile is a result
+            ways.pop(way, None)
+            r[f"{way}_error"] = OOM if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {first_line(e)}"
+    measured = {way: [] for way in ways}
+    for _ in range(rounds):
+        for way, step in ways.items():
+            measured[way].append(bandwidth.step_times(step, 0, steps, rt.synchronize))
+    for way, rounds_times in measured.items():
+        r[f"{way}_ms"] = statistics.median(t[0] for t in rounds_times) * 1e3
+        r[f"{way}_cpu_ms"] = statistics.median(t[1] for t in rounds_times) * 1e3
+    return r
+
+
+def measure(config: GPTConfig, precisions: list[str], threads: list[int], batches: list[int], context: int,
+            rounds: int, steps: int, compile: bool, rt: runtime.Runtime, seed: int) -> dict:
+    rows, before = [], torch.get_num_threads()
+    try:
+        for precision in precisions:
+            model = bandwidth.decoding_model(config, rt, precision, seed)  # the same weights
+            for t in threads if rt.device_type == "cpu" else [before]:
+                torch.set_num_threads(t)
+                for batch in batches:
+                    r = or_oom(lambda: row(model, batch, context, rounds, steps, compile, rt), rt)
+                    rows.append({"precision": precision, "threads": t, "batch": batch}
+                                | ({"eager_error": OOM} if r == OOM else r))
+                    print(f"  fixed step: {rows[-1]}", flush=True)
+    finally:
+        torch.set_num_threads(before)
+    return {"context": context, "rounds": rounds, "steps": steps, "device": rt.device_type, "rows": rows}
+
+
+def table(r: dict) -> str:
+    cpu = r["device"] == "cpu"
+    clock = "CPU ms" if cpu else "ms"  # on a CPU, CPU time: a shared machine's waits for a core left out
+
+    def cell(x: dict, way: str) -> str:
+        if f"{way}_error" in x:
+            return x[f"{way}_error"]
+        return num(x[f"{way}_cpu_ms" if cpu else f"{way}_ms"], 3) if f"{way}_ms" in x else "-"
+
+    def ratio(x: dict, way: str) -> str:
+        key = "_cpu_ms" if cpu else "_ms"
+        return f"{x[way + key] / x['eager' + key]:.2f}x" if way + key in x and "eager" + key in x else "-"
+    rows = [[x["precision"], x["threads"] if cpu else "-", x["batch"], cell(x, "eager"), cell(x, "fixed"),
+             cell(x, "compiled"), ratio(x, "fixed"), ratio(x, "compiled"),
+             num(x["compiled_first3_s"], 1) if "compiled_first3_s" in x else "-"] for x in r["rows"]]
+    return (f"### The fixed-shape decode step against the eager one\ncontext {r['context']}; {r['rounds']} rounds "
+            f"alternated, each way's median of {r['steps']} steps per round, the median over rounds\n\n"
+            + markdown.table(["precision", "threads", "batch", f"eager {clock}", f"fixed {clock}",
+                              f"compiled {clock}", "fixed / eager", "compiled / eager", "compiled: first 3 calls s"],
+                             rows))
