@@ -112,8 +112,8 @@ def test_splits_never_overlap_and_the_checkers_score():
             shown = [p for p in problems if p.answer is not None]
             assert len(shown) == (len(problems) if split.startswith("demos") or not task.demos else 0), (name, split)
             assert all(task.check(p, p.answer) == 1.0 and task.check(p, p.answer + " ") == 0.0 for p in shown[:50])
-        if task.demos:  # the lengths: demonstrations short, RL's prompts and their held-out twins longer, longer still
-            for split, lengths in (("demos", {3, 4, 5}), ("heldout", {6, 7}), ("longer", {8, 9})):
+        if task.demos:  # the lengths: RL's prompts and their held-out twins between the demonstrations', longer longer
+            for split, lengths in (("demos", {3, 4, 5, 8}), ("heldout", {6, 7}), ("longer", {9, 10})):
                 assert {len(p.key) for p in drawn[split]} == lengths, (name, split)
     for p in tasklib.problems("add", "heldout", 100):
         a, b = map(int, p.prompt.removeprefix("add: ").split("+"))
@@ -144,7 +144,7 @@ def assert_user_error_raised(call, fragment):
 
 def test_chat_tasks_script_writes_each_tasks_demonstrations_and_their_heldout_set(tmp_path):
     """SFT conversations come from each task's demonstrations: reverse's and add's train problems, sort's short
-    ones (3 to 5 letters; its 6 and 7 letter problems have no demonstration), each answer the checker's."""
+    ones (3, 4, 5 and 8 letters; its 6 and 7 letter problems have none), each answer the checker's."""
     spec_path = REPO_ROOT / "data" / "chat" / "tasks.py"
     result = run_script(str(spec_path), f"--out_dir={tmp_path}", "--tasks=reverse,add,sort", "--n_train=300",
                         "--n_heldout=20")
@@ -158,7 +158,7 @@ def test_chat_tasks_script_writes_each_tasks_demonstrations_and_their_heldout_se
     for messages in train:
         task, key = messages[-2]["content"].split(": ", 1)
         assert tasklib.split_of(key) == "train" and task in ("reverse", "add", "sort")
-        assert task != "sort" or 3 <= len(key) <= 5
+        assert task != "sort" or len(key) in (3, 4, 5, 8)
         problem = tasklib.Problem(messages[-2]["content"], messages[-1]["content"], key)
         assert tasklib.TASKS[task].check(problem, {"reverse": key[::-1]}.get(task, messages[-1]["content"])) == 1.0
     assert any(m[0]["role"] == "system" for m in train) and {m[-2]["content"][:4] for m in train} == {"reve", "add:", "sort"}
@@ -232,6 +232,26 @@ def test_the_step_is_the_policy_gradient_over_the_replies(chat_run, tmp_path, mo
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-6)
     tokens = sum(len(prompt) + len(reply) - 1 for prompt, reply in rows)
     assert steps(tmp_path / "rl")[0]["tokens"] == 3 * tokens  # the replies' forward, the step's forward and backward
+
+
+def test_a_prompts_replies_follow_from_its_generator_alone_or_batched_with_others(chat_run):
+    """rl.py samples every prompt of an iteration in one decode, prompts of different lengths side by side: each
+    prompt's replies are those it gets alone from its generator (and so on any number of processes), sampled
+    and greedy; sampled, a prompt's rows differ."""
+    model, tok, _ = resolver.load_model(str(chat_run / "sft"), str(chat_run / "sft"))
+    template = ChatTemplate.for_tokenizer(tok)
+    problems = [rl.problem_at(0, 0, j, ["letter"])[1] for j in range(6)]
+    prompts = [template.render_prompt(tasklib.messages(p)) for p in problems]
+    assert len({len(p) for p in prompts}) > 1  # ragged
+    for temperature in (1.0, 0.0):
+        together = sample_replies(model.eval(), template, prompts, 4, 8, temperature,
+                                  generators=[sampler(3, j) for j in range(6)])
+        alone = [sample_replies(model, template, [p], 4, 8, temperature, generators=[sampler(3, j)])[0]
+                 for j, p in enumerate(prompts)]
+        assert together == alone
+        assert all(r[-1] == template.end_of_turn or len(r) == 8 for group in together for r in group)
+    sampled = sample_replies(model, template, prompts, 4, 8, generators=[sampler(3, j) for j in range(6)])
+    assert sum(len({tuple(r) for r in group}) for group in sampled) > len(prompts)  # the rows of a prompt differ
 
 
 def test_a_known_optimum_is_reached(chat_run, tmp_path):

@@ -15,11 +15,11 @@ train prompt is ever a held-out one, whatever seed or count drew them. reverse a
 (the letters), so a held-out string is held out from both.
 
 reverse, upper and add teach by demonstration: their train problems carry the answer SFT copies. sort and
-palindrome are checked only: demonstrations exist for short strings (Task.demos, 3 to 5 letters), while the
-train and held-out problems are longer (6 and 7 letters) and the longer split longer still (8 and 9), and
-those carry no answer (Problem.answer None): what a model learns there it learns from the checker. The five
-splits: demos and demos_heldout (the short problems, train and held-out keys), train and heldout (make's),
-longer (held-out keys).
+palindrome are checked only: demonstrations exist for some lengths (Task.demos: 3, 4, 5 and 8 letters), while
+the train and held-out problems have the lengths between (6 and 7) and the longer split more than any (9 and
+10), and those carry no answer (Problem.answer None): what a model learns there it learns from the checker.
+The five splits: demos and demos_heldout (Task.demos's problems, train and held-out keys), train and heldout
+(Task.make's), longer (Task.longer's, held-out keys).
 
 Add a task: write make(rng) -> Problem and check(problem, reply) -> reward, and register Task(make, check) in
 TASKS. The tests register one that rewards a fixed letter (tests/test_rl.py).
@@ -91,9 +91,9 @@ def make_add(rng: random.Random) -> Problem:
     return Problem(f"add: {a}+{b}", str(a + b), f"{a}+{b}")
 
 
-def make_sort(rng: random.Random, min_len: int, max_len: int) -> Problem:
+def make_sort(rng: random.Random, lengths: tuple[int, ...]) -> Problem:
     """The letters in alphabetical order: 'sort: dbcab' -> 'abbcd'. One right answer."""
-    text = random_letters(rng, min_len, max_len, spaces=False)
+    text = random_letters(rng, *[rng.choice(lengths)] * 2, spaces=False)
     return Problem(f"sort: {text}", "".join(sorted(text)), text)
 
 
@@ -101,10 +101,10 @@ def check_sort(problem: Problem, reply: str) -> float:
     return float(reply == "".join(sorted(problem.key)))
 
 
-def make_palindrome(rng: random.Random, min_len: int, max_len: int) -> Problem:
+def make_palindrome(rng: random.Random, lengths: tuple[int, ...]) -> Problem:
     """A palindrome that starts with the letters: 'palindrome: abc' -> 'abcba', 'abccba', 'abcxcba', ... Many
     answers; a demonstration shows one of the two shortest, at random."""
-    text = random_letters(rng, min_len, max_len, spaces=False)
+    text = random_letters(rng, *[rng.choice(lengths)] * 2, spaces=False)
     return Problem(f"palindrome: {text}", text + text[len(text) - 1 - rng.randint(0, 1)::-1], text)
 
 
@@ -112,11 +112,11 @@ def check_palindrome(problem: Problem, reply: str) -> float:
     return float(reply == reply[::-1] and reply.startswith(problem.key) and reply.isalpha() and reply.islower())
 
 
-def levels(make: Callable[[random.Random, int, int], Problem], check: Callable[[Problem, str], float]) -> Task:
-    """A checked task on three lengths: demonstrations of 3 to 5 letters, train and held-out problems of 6 and 7,
-    the longer split 8 and 9."""
-    return Task(lambda rng: make(rng, 6, 7), check, demos=lambda rng: make(rng, 3, 5),
-                longer=lambda rng: make(rng, 8, 9))
+def levels(make: Callable[[random.Random, tuple[int, ...]], Problem], check: Callable[[Problem, str], float]) -> Task:
+    """A checked task by length: demonstrations of 3, 4, 5 and 8 letters, train and held-out problems of 6 and 7
+    (between them: a model of learned positions fails past the longest length it was shown), longer ones 9 and 10."""
+    return Task(lambda rng: make(rng, (6, 7)), check, demos=lambda rng: make(rng, (3, 4, 5, 8)),
+                longer=lambda rng: make(rng, (9, 10)))
 
 
 TASKS: dict[str, Task] = {
