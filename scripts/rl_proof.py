@@ -5,17 +5,19 @@ compute, three seeds, on tasks whose harder problems have a checker and no demon
     python scripts/rl_proof.py --seeds=1337 --rl_args=--max_iters=50 --problems=50
     python plot.py passk rl_proof.json --out=docs/rl_passk.png
 
-The tasks are core/data/tasks.py's sort and palindrome: demonstrations of 3 to 5 letters, RL's prompts and the
-held-out problems 6 or 7, the longer split 8 or 9. Runs, from the repo root, one command at a time on one thread:
-data/chat/tasks.py and data/chat/prepare.py (the demonstrations), train.py with config/sft_checked_char.py (the
-SFT every arm starts from), then per seed rl.py config/rl_checked_char.py (REINFORCE), the same with --update=rft
-(fine-tuning on the model's own accepted replies) and train.py continuing the SFT on its demonstrations for as many
-forward and backward tokens as the larger of the two RL runs used (rl.py logs each iteration's; an SFT iteration
-is 12 x 64 tokens forward and backward). Then each model's replies to the first --problems problems of every
-evaluation split, scored by the task's checker as eval.py --task=NAME --task_split=SPLIT scores them: heldout and
-longer greedily (pass@1) and 64 replies each at temperature 1 (pass@k, Chen et al.'s unbiased estimator),
-demos_heldout greedily (the task SFT taught: what an arm forgot). Prints the tables; every number goes to
-rl_proof.json, and a rerun reuses the numbers and finished runs it holds (--fresh starts over).
+The tasks are core/data/tasks.py's sort and palindrome: demonstrations of 3, 4, 5 and 8 letters, RL's prompts and
+the held-out problems 6 or 7, the longer split 9 or 10. Runs, from the repo root, one command at a time on one
+thread: data/chat/tasks.py and data/chat/prepare.py (the demonstrations, in data/chat_checked), train.py with
+config/sft_tasks_char.py on them for 3,000 iterations (the SFT every arm starts from; an out-sft-checked-char that
+holds a checkpoint is reused), then per seed rl.py config/rl_checked_char.py (REINFORCE), the same with
+--update=rft (fine-tuning on the model's own accepted replies) and train.py continuing the SFT on its
+demonstrations for as many forward and backward tokens as the larger of the two RL runs used (rl.py logs each
+iteration's; an SFT iteration is 12 x 64 tokens forward and backward). Then each model's replies to the first
+--problems problems of every evaluation split, scored by the task's checker as eval.py --task=NAME
+--task_split=SPLIT scores them: heldout and longer greedily (pass@1) and 64 replies each at temperature 1 (pass@k,
+Chen et al.'s unbiased estimator), demos_heldout greedily (the task SFT taught: what an arm forgot). Prints the
+tables; every number goes to rl_proof.json, and a rerun reuses the numbers and finished runs it holds (--fresh
+starts over).
 """
 import argparse
 import json
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 BASE = "out-shakespeare-char-cpu"
 DATA = "data/chat_checked"
-SFT = ["config/train_shakespeare_char_cpu.py", "config/sft_checked_char.py"]
+SFT = ["config/train_shakespeare_char_cpu.py", "config/sft_tasks_char.py", f"--data_dir={DATA}"]
 SFT_TOKENS = 2 * 12 * 64  # an SFT iteration's forward and backward tokens (the quick start's batch)
 TASKS = ("sort", "palindrome")
 SPLITS = ("heldout", "longer")
@@ -92,13 +94,16 @@ def main(argv: list[str]) -> None:
 
     def stage(name: str, cmd: list[str], out_dir: str) -> None:  # a run, unless this file records it finished
         if name not in results.get("runs", {}):
-            results.setdefault("runs", {})[name] = {"out_dir": out_dir, "cpu_s": run(cmd)}
+            reuse = name == "SFT" and (Path(out_dir) / "ckpt.pt").exists()
+            results.setdefault("runs", {})[name] = {"out_dir": out_dir, "cpu_s": None if reuse else run(cmd)}
             path.write_text(json.dumps(results, indent=1))
 
-    run(["data/chat/tasks.py", "--tasks=" + ",".join(TASKS), "--n_train=20000", f"--out_dir={DATA}"])
-    run(["data/chat/prepare.py", f"--input={DATA}/tasks_train.jsonl", f"--tokenizer_from={BASE}", "--block_size=64",
-         f"--out_dir={DATA}"])
-    stage("SFT", ["train.py", *SFT, "--overwrite=True"], "out-sft-checked-char")
+    if not (Path(DATA) / "train.bin").exists():
+        run(["data/chat/tasks.py", "--tasks=" + ",".join(TASKS), "--n_train=20000", f"--out_dir={DATA}"])
+        run(["data/chat/prepare.py", f"--input={DATA}/tasks_train.jsonl", f"--tokenizer_from={BASE}",
+             "--block_size=64", f"--out_dir={DATA}"])
+    stage("SFT", ["train.py", *SFT, "--out_dir=out-sft-checked-char", "--max_iters=3000", "--lr_decay_iters=3000",
+                  "--eval_interval=500", "--overwrite=True"], "out-sft-checked-char")
     for seed in args.seeds.split(","):
         rl = ["rl.py", "config/rl_checked_char.py", f"--seed={seed}", "--overwrite=True", *shlex.split(args.rl_args)]
         stage(f"REINFORCE {seed}", [*rl, f"--out_dir=out-rl-reinforce-s{seed}"], f"out-rl-reinforce-s{seed}")
@@ -131,7 +136,8 @@ def tables(results: dict) -> str:
             s = r["scores"][task]
             cells = [c for split in SPLITS for c in (f"{s[split]['greedy']:.1%}", f"{s[split]['pass@k']['8']:.1%}",
                                                      f"{s[split]['pass@k']['64']:.1%}")]
-            out.append(f"| {arm} | {seed} | {r['tokens'] / 1e6:.2f}M | {r['cpu_s']:.0f} | " + " | ".join(cells)
+            cpu = "-" if r["cpu_s"] is None else f"{r['cpu_s']:.0f}"
+            out.append(f"| {arm} | {seed} | {r['tokens'] / 1e6:.2f}M | {cpu} | " + " | ".join(cells)
                        + f" | {s['demos_heldout']['greedy']:.1%} |")
         out.append("")
     return "\n".join(out)
