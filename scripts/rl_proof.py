@@ -25,7 +25,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repo's core/ importable
@@ -41,15 +40,12 @@ SAMPLES = 64
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def run(cmd: list[str]) -> float:
-    """Run `python cmd...` to completion with one thread; its CPU seconds."""
-    before = os.times()
+def run(cmd: list[str]) -> None:
+    """Run `python cmd...` to completion with one thread."""
     result = subprocess.run([sys.executable, *cmd, *(["--threads=1"] if cmd[0] in ("train.py", "rl.py") else [])],
                             capture_output=True, text=True, env=ENV)
     if result.returncode:
         sys.exit(f"failed: python {shlex.join(cmd)}\n{result.stderr[-2000:]}")
-    after = os.times()
-    return (after.children_user - before.children_user) + (after.children_system - before.children_system)
 
 
 def rl_tokens(out_dir: str) -> float:
@@ -94,8 +90,9 @@ def main(argv: list[str]) -> None:
 
     def stage(name: str, cmd: list[str], out_dir: str) -> None:  # a run, unless this file records it finished
         if name not in results.get("runs", {}):
-            reuse = name == "SFT" and (Path(out_dir) / "ckpt.pt").exists()
-            results.setdefault("runs", {})[name] = {"out_dir": out_dir, "cpu_s": None if reuse else run(cmd)}
+            if name != "SFT" or not (Path(out_dir) / "ckpt.pt").exists():
+                run(cmd)
+            results.setdefault("runs", {})[name] = {"out_dir": out_dir}
             path.write_text(json.dumps(results, indent=1))
 
     if not (Path(DATA) / "train.bin").exists():
@@ -117,9 +114,7 @@ def main(argv: list[str]) -> None:
         r["tokens"] = rl_tokens(r["out_dir"]) if name.startswith(("RFT", "REINFORCE")) else \
             SFT_TOKENS * (json.loads((Path(r["out_dir"]) / "config.json").read_text())["max_iters"])
         if r.get("problems") != args.problems:
-            t0 = time.process_time()
             r["scores"], r["problems"] = scores(r["out_dir"], args.problems), args.problems
-            r["eval_cpu_s"] = time.process_time() - t0
             path.write_text(json.dumps(results, indent=1))
     print(tables(results))
 
@@ -128,16 +123,15 @@ def tables(results: dict) -> str:
     """One markdown table per task: each run's compute and its scores, the SFT it started from first."""
     out = []
     for task in TASKS:
-        out += [f"**{task}**", "", "| arm | seed | fwd+bwd tokens | CPU s | " + " | ".join(
+        out += [f"**{task}**", "", "| arm | seed | fwd+bwd tokens | " + " | ".join(
             f"{split} {m}" for split in SPLITS for m in ("pass@1 (greedy)", "pass@8", "pass@64"))
-            + " | demos_heldout (greedy) |", "|---|---|---|---|" + "---|" * (3 * len(SPLITS) + 1)]
+            + " | demos_heldout (greedy) |", "|---|---|---|" + "---|" * (3 * len(SPLITS) + 1)]
         for name, r in results["runs"].items():
             arm, _, seed = name.rpartition(" ") if name != "SFT" else ("SFT (the start)", "", "-")
             s = r["scores"][task]
             cells = [c for split in SPLITS for c in (f"{s[split]['greedy']:.1%}", f"{s[split]['pass@k']['8']:.1%}",
                                                      f"{s[split]['pass@k']['64']:.1%}")]
-            cpu = "-" if r["cpu_s"] is None else f"{r['cpu_s']:.0f}"
-            out.append(f"| {arm} | {seed} | {r['tokens'] / 1e6:.2f}M | {cpu} | " + " | ".join(cells)
+            out.append(f"| {arm} | {seed} | {r['tokens'] / 1e6:.2f}M | " + " | ".join(cells)
                        + f" | {s['demos_heldout']['greedy']:.1%} |")
         out.append("")
     return "\n".join(out)
