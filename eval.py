@@ -6,7 +6,8 @@
     python eval.py --init_from=gpt2 --task=hellaswag                        # after data/hellaswag/prepare.py
     python eval.py --out_dir=out-sft-tasks-char --task=chat --chat_file=data/chat/tasks_heldout.jsonl  # exact answers
     python eval.py --out_dir=out-rl-tasks-char --task=reverse               # a task's 200 held-out problems, greedy
-    python eval.py --out_dir=out-rl-tasks-char --task=reverse --samples=8 --temperature=1   # pass@1 and pass@8
+    python eval.py --out_dir=out-rl-tasks-char --task=reverse --samples=8 --temperature=1   # pass@1 to pass@8
+    python eval.py --out_dir=out-rl-sort-char --task=sort --task_split=longer  # a checked task's longer problems
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
 Perplexity scores each token once, in a fixed order (core/evaluation/perplexity.py explains the windows), so
@@ -14,9 +15,10 @@ two runs evaluated on the same split and block_size compare directly. Bits per b
 over the UTF-8 bytes of the scored text) also compares models whose tokenizers differ, on the same text. On a chat dataset
 (data/chat/prepare.py) it scores the assistant's tokens only, each conversation read from its start.
 --task=chat replies greedily to each conversation of a JSONL file and counts exact answers. --task=NAME, a task of
-core/data/tasks.py (reverse, upper, add), replies to its held-out problems and scores each reply with the task's
-checker, as rl.py does: greedily, or --samples replies per problem at --temperature (the mean reward, pass@1 for an
-exact-match task, and pass@samples). The result is one line on stdout; what was loaded goes to stderr.
+core/data/tasks.py (reverse, upper, add, sort, palindrome), replies to the problems of one of its evaluation splits
+and scores each reply with the task's checker, as rl.py does: greedily, or --samples replies per problem at
+--temperature (the mean reward, pass@1 for a 0/1 checker, and pass@k up to samples, Chen et al.'s unbiased
+estimator). The result is one line on stdout; what was loaded goes to stderr.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -60,7 +62,8 @@ class EvalConfig:
     hellaswag_file: str = "data/hellaswag/hellaswag_val.jsonl"
     max_examples: int = 0            # hellaswag, chat: the first N examples only; 0: all
     chat_file: str = "data/chat/tasks_heldout.jsonl"  # chat: conversations whose last turn is the expected answer
-    task_examples: int = 200         # a checked task: its first N held-out problems (core/data/tasks.py)
+    task_examples: int = 200         # a checked task: its first N problems of task_split (core/data/tasks.py)
+    task_split: str = "heldout"      # a checked task: heldout, longer (sort, palindrome) or demos_heldout
     samples: int = 1                 # a checked task: replies per problem (pass@samples); more than 1 needs temperature
     temperature: float = 0.0         # a checked task: 0 is greedy
     max_new_tokens: int = 32         # a checked task: the longest reply
@@ -172,7 +175,7 @@ def checked_task(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime
         raise UserError(f"this model's tokenizer has no chat tokens (a base model): --task={cfg.task} needs a chat "
                         f"fine-tune (docs/chat.md)")
     tasklib.check_vocabulary([cfg.task], tok.encode, "this model's vocabulary")
-    problems = tasklib.heldout_problems(cfg.task, cfg.task_examples)
+    problems = tasklib.problems(cfg.task, cfg.task_split, cfg.task_examples)
     progress = Progress("problems", rt.is_master)
     r = task_scores(model, template, cfg.task, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens,
                     cfg.seed, rt.device, rt.autocast, rt.rank, rt.world_size, progress,
@@ -180,10 +183,11 @@ def checked_task(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime
     progress.close()
     r = result_or_stop(r, stop)
     if cfg.samples == 1 and cfg.temperature == 0:
-        return (f"{cfg.task} held-out: exact match {r['mean']:.4f} ({round(r['mean'] * r['examples'])}/"
+        return (f"{cfg.task} {cfg.task_split}: exact match {r['mean']:.4f} ({round(r['mean'] * r['examples'])}/"
                 f"{r['examples']}), greedy")
-    return (f"{cfg.task} held-out: mean reward {r['mean']:.4f} (pass@1), pass@{cfg.samples} {r['pass@k']:.4f}, "
-            f"{r['examples']} problems x {cfg.samples} replies at temperature {cfg.temperature}")
+    return (f"{cfg.task} {cfg.task_split}: mean reward {r['mean']:.4f} (pass@1), "
+            + ", ".join(f"pass@{k} {v:.4f}" for k, v in r["pass@k"].items() if k > 1)
+            + f", {r['examples']} problems x {cfg.samples} replies at temperature {cfg.temperature}")
 
 
 def main(argv: Sequence[str]) -> str:

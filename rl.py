@@ -60,7 +60,7 @@ class RLConfig(RunConfig):  # its keys: RunConfig's (those declared again here w
     eval_interval: int = 25                # held-out exact match, then a checkpoint, every N iterations
     eval_examples: int = 100               # held-out problems per task at each eval, greedy
     # the tasks and the replies
-    tasks: str = "reverse,upper"           # comma-separated tasks of core/data/tasks.py: reverse, upper, add
+    tasks: str = "reverse,upper"           # comma-separated tasks of core/data/tasks.py: reverse, upper, add, ...
     prompts_per_iter: int = 16             # problems per iteration, all processes together; the tasks take turns
     samples_per_prompt: int = 8            # replies per problem: the group whose mean reward is the baseline
     temperature: float = 1.0               # > 0: the replies to one prompt must differ to be compared
@@ -68,6 +68,7 @@ class RLConfig(RunConfig):  # its keys: RunConfig's (those declared again here w
     max_new_tokens: int = 16               # the longest reply; one cut here has no end token
     batch_size: int = 0                    # reply rows per forward and backward; 0: all of a process's at once
     # the objective
+    update: str = "reinforce"              # reinforce: the policy gradient; rft: fine-tune on the accepted replies
     std_advantage: bool = False            # also divide each advantage by its group's reward std (GRPO)
     kl_coef: float = 0.0                   # weight of a KL penalty to the starting model on reply tokens; 0: none
     # AdamW, with a cosine schedule from learning_rate to min_lr at max_iters
@@ -91,6 +92,10 @@ class RLConfig(RunConfig):  # its keys: RunConfig's (those declared again here w
                             f"rewards teach nothing; got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"top_k must be at least 1 (or None: no limit), got {self.top_k}")
+        if self.update not in ("reinforce", "rft"):
+            raise UserError(f"update must be reinforce or rft, got {self.update!r}")
+        if self.update == "rft" and self.std_advantage:
+            raise UserError("std_advantage divides REINFORCE's advantages; update=rft weighs each accepted reply 1")
         tasklib.task_names(self.tasks)
 
 
@@ -129,7 +134,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
         f"{rt.dtype} | tasks {', '.join(names)} | {cfg.prompts_per_iter} prompts x {cfg.samples_per_prompt} "
         f"replies per iteration")
     runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if resuming else None)
-    heldout = {name: tasklib.heldout_problems(name, cfg.eval_examples) for name in names}
+    heldout = {name: tasklib.problems(name, "heldout", cfg.eval_examples) for name in names}
     stop.message = "stopping after this iteration; saving"
     stop_requested, last_saved, steps_run, loop_start = False, iter_num if resuming else -1, 0, time.perf_counter()
 
@@ -179,31 +184,34 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
         optim.set_lr(optimizer, lr / cfg.learning_rate)
         t0 = time.perf_counter()
 
-        # 1. replies: this process's prompts, samples_per_prompt replies to each, scored by their task's checker
+        # 1. replies: this process's prompts, samples_per_prompt replies to each in one batched decode, each prompt's
+        # drawn with its own generator, scored by their task's checker
         raw_model.eval()
-        rows, rewards = [], []
-        for j in range(rt.rank, cfg.prompts_per_iter, rt.world_size):
-            name, problem = problem_at(cfg.seed, iter_num, j, names)
-            prompt = template.render_prompt(tasklib.messages(problem))
-            with rt.autocast():
-                replies = sample_replies(raw_model, template, prompt, cfg.samples_per_prompt,
-                                         min(cfg.max_new_tokens, raw_model.config.block_size - len(prompt)),
-                                         temperature=cfg.temperature, top_k=cfg.top_k,
-                                         generator=sampler(cfg.seed, iter_num, j, device=rt.device))
-            rows += [(prompt, reply) for reply in replies]
-            rewards.append([tasklib.TASKS[name].check(problem, reply_text(template, r)) for r in replies])
-        rewards = torch.tensor(rewards, device=rt.device)  # (prompts, samples)
-        # 2. advantages: each reward against its group's
-        advantages = group_advantages(rewards, cfg.std_advantage).flatten()  # (rows,)
+        mine = range(rt.rank, cfg.prompts_per_iter, rt.world_size)
+        problems = [problem_at(cfg.seed, iter_num, j, names) for j in mine]
+        prompts = [template.render_prompt(tasklib.messages(problem)) for _, problem in problems]
+        with rt.autocast():
+            replies = sample_replies(raw_model, template, prompts, cfg.samples_per_prompt, cfg.max_new_tokens,
+                                     cfg.temperature, cfg.top_k, [sampler(cfg.seed, iter_num, j, device=rt.device)
+                                                                  for j in mine])
+        rows = [(prompt, reply) for prompt, group in zip(prompts, replies) for reply in group]
+        rewards = torch.tensor([[tasklib.TASKS[name].check(problem, reply_text(template, r)) for r in group]
+                                for (name, problem), group in zip(problems, replies)], device=rt.device)  # (P, S)
+        # 2. each reply's weight: its advantage against its group (reinforce), or 1 if accepted (rft)
+        weights = reply_weights(rewards, cfg.update, cfg.std_advantage).flatten()  # (rows,)
         x, y = pack(rows, rt.device)  # (rows, T): prompt and reply in, the reply's ids as targets, -1 elsewhere
-        n_tokens = global_sum(float((y >= 0).sum()), rt)  # every process's reply tokens: each weighs the same
+        counted = y[weights != 0] if cfg.update == "rft" else y  # rft: only the accepted replies' tokens count
+        n_tokens = max(1.0, global_sum(float((counted >= 0).sum()), rt))  # every process's: each token weighs the same
+        # the iteration's forward and backward tokens: each row's (x's) through the sampling's forward, the step's
+        # forward and backward, and the KL term's forward
+        tokens = global_sum((3 + (reference is not None)) * float(sum(len(p) + len(r) - 1 for p, r in rows)), rt)
 
         # 3. the step: the policy gradient over every reply token, in chunks of batch_size rows
         raw_model.train()
         chunk = cfg.batch_size or x.size(0)
         loss_sum, kl_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
         for start in range(0, x.size(0), chunk):
-            xs, ys, adv = x[start:start + chunk], y[start:start + chunk], advantages[start:start + chunk]
+            xs, ys, adv = x[start:start + chunk], y[start:start + chunk], weights[start:start + chunk]
             with parallel.micro_step(model, rt, "ddp", last=start + chunk >= x.size(0)):
                 with rt.autocast():
                     logits = model(xs)[0]  # (rows, T, vocab)
@@ -232,7 +240,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
                 f"exact {stats['exact']:.4f}, reply {stats['reply_tokens']:.1f} tokens, loss {stats['loss']:.4f}"
                 + (f", kl {stats['kl']:.5f}" if reference is not None else "")
                 + f", lr {lr:.2e}, time {dt * 1000:.0f}ms")
-            runlog.write({"iter": iter_num - 1, "lr": lr, "ms": dt * 1000}
+            runlog.write({"iter": iter_num - 1, "lr": lr, "ms": dt * 1000, "tokens": tokens}
                          | {k: v for k, v in stats.items() if k != "kl" or reference is not None})
 
 
@@ -274,9 +282,14 @@ def problem_at(seed: int, it: int, index: int, names: list[str]) -> tuple[str, t
     return name, tasklib.draw(name, "train", random.Random(f"{seed}:{it}:{index}"))
 
 
-def group_advantages(rewards: torch.Tensor, by_std: bool) -> torch.Tensor:
-    """rewards (prompts, samples) -> advantages (prompts, samples): each reward minus its group's mean, and with
-    by_std divided by the group's standard deviation (a group of equal rewards stays 0)."""
+def reply_weights(rewards: torch.Tensor, update: str, by_std: bool) -> torch.Tensor:
+    """rewards (prompts, samples) -> each reply's weight in the loss (prompts, samples). reinforce: its advantage,
+    the reward minus its group's mean, with by_std divided by the group's standard deviation (a group of equal
+    rewards stays 0). rft (rejection-sampling fine-tuning): 1 for an accepted reply (reward 1), else 0, so the
+    loss is SFT's on the accepted replies; the rejected ones stay in the batch, weighted 0, so both updates cost
+    the same."""
+    if update == "rft":
+        return (rewards == 1.0).to(rewards.dtype)
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if by_std:
         advantages = advantages / (rewards.std(dim=1, keepdim=True) + 1e-6)

@@ -1,16 +1,23 @@
-"""Proof that RL learns beyond SFT: held-out exact match after SFT, after SFT then RL, and after SFT continued for
-the RL stage's time, for each task and seed (docs/chat.md).
+"""Proof of where RL wins: more SFT, rejection-sampling fine-tuning and REINFORCE from one SFT checkpoint, at equal
+compute, three seeds, on tasks whose harder problems have a checker and no demonstrations (docs/chat.md).
 
     python scripts/rl_proof.py                          # needs the base run: the README's CPU quick start
-    python scripts/rl_proof.py --seeds=1337 --rl_args=--max_iters=100
+    python scripts/rl_proof.py --seeds=1337 --rl_args=--max_iters=50 --problems=50
+    python plot.py passk rl_proof.json --out=docs/rl_passk.png
 
-Runs, from the repo root, one command at a time with one thread (OMP_NUM_THREADS=1, --threads=1), so that wall
-times compare: data/chat/tasks.py and data/chat/prepare.py (docs/chat.md's chat quick start), then per seed
-train.py with config/sft_tasks_char.py, rl.py with config/rl_tasks_char.py from that fine-tune, and train.py
-continuing the fine-tune (a new run from its weights, the same schedule) for as many iterations as the
-fine-tune ran in the RL stage's time (CPU seconds: one thread each, so on a quiet machine the wall time too);
-then eval.py --task=NAME on each task's 200 held-out problems (greedy) for the three models. Prints a markdown
-table; each run's out_dir is out-*-s<seed>.
+The tasks are core/data/tasks.py's sort and palindrome: demonstrations of 3, 4, 5 and 8 letters, RL's prompts and
+the held-out problems 6 or 7, the longer split 9 or 10. Runs, from the repo root, one command at a time on one
+thread: data/chat/tasks.py and data/chat/prepare.py (the demonstrations, in data/chat_checked), train.py with
+config/sft_tasks_char.py on them for 3,000 iterations (the SFT every arm starts from; an out-sft-checked-char that
+holds a checkpoint is reused), then per seed rl.py config/rl_checked_char.py (REINFORCE), the same with
+--update=rft (fine-tuning on the model's own accepted replies) and train.py continuing the SFT on its
+demonstrations for as many forward and backward tokens as the larger of the two RL runs used (rl.py logs each
+iteration's; an SFT iteration is 12 x 64 tokens forward and backward). Then each model's replies to the first
+--problems problems of every evaluation split, scored by the task's checker as eval.py --task=NAME
+--task_split=SPLIT scores them: heldout and longer greedily (pass@1) and 64 replies each at temperature 1 (pass@k,
+Chen et al.'s unbiased estimator), demos_heldout greedily (the task SFT taught: what an arm forgot). Prints the
+tables; every number goes to rl_proof.json, and a rerun reuses the numbers and finished runs it holds (--fresh
+starts over).
 """
 import argparse
 import json
@@ -18,65 +25,116 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repo's core/ importable
+
 BASE = "out-shakespeare-char-cpu"
-SFT = ["config/train_shakespeare_char_cpu.py", "config/sft_tasks_char.py"]
-RL = ["config/rl_tasks_char.py"]
-TASKS = ("reverse", "upper")
+DATA = "data/chat_checked"
+SFT = ["config/train_shakespeare_char_cpu.py", "config/sft_tasks_char.py", f"--data_dir={DATA}"]
+SFT_TOKENS = 2 * 12 * 64  # an SFT iteration's forward and backward tokens (the quick start's batch)
+TASKS = ("sort", "palindrome")
+SPLITS = ("heldout", "longer")
+ARMS = ("more SFT", "RFT", "REINFORCE")
+SAMPLES = 64
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def run(cmd: list[str]) -> tuple[str, float, float]:
-    """Run `python cmd...` to completion with one thread: (stdout, wall s, CPU s)."""
-    t0, before = time.perf_counter(), os.times()
+def run(cmd: list[str]) -> None:
+    """Run `python cmd...` to completion with one thread."""
     result = subprocess.run([sys.executable, *cmd, *(["--threads=1"] if cmd[0] in ("train.py", "rl.py") else [])],
                             capture_output=True, text=True, env=ENV)
-    wall, after = time.perf_counter() - t0, os.times()
     if result.returncode:
         sys.exit(f"failed: python {shlex.join(cmd)}\n{result.stderr[-2000:]}")
-    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
-    return result.stdout, wall, cpu
 
 
-def iterations(out_dir: str) -> int:
-    """The last iteration a run logged."""
-    lines = (Path(out_dir) / "log.jsonl").read_text().splitlines()
-    return max(json.loads(line)["iter"] for line in lines)
+def rl_tokens(out_dir: str) -> float:
+    """The forward and backward tokens of an rl.py run: the sum of its iterations' (logged at every iteration)."""
+    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+    return sum(r["tokens"] for r in records if "tokens" in r)
 
 
-def accuracy(out_dir: str, task: str) -> str:
-    line = run(["eval.py", f"--out_dir={out_dir}", f"--task={task}"])[0]
-    return line.split("exact match ")[1].split(",")[0]  # '0.4150 (83/200)'
+def scores(out_dir: str, problems: int) -> dict:
+    """{task: {split: {"greedy": pass@1, "pass@k": {k: ...}}, "demos_heldout": {"greedy": ...}}} of one model."""
+    import torch
+
+    from core.data import tasks as tasklib
+    from core.data.chat import ChatTemplate
+    from core.evaluation.answers import task_scores
+    from core.weights import resolver
+
+    torch.set_num_threads(1)
+    model, tok, _ = resolver.load_model(out_dir, out_dir)
+    template, out = ChatTemplate.for_tokenizer(tok), {}
+    for task in TASKS:
+        out[task] = {}
+        for split in (*SPLITS, "demos_heldout"):
+            chosen = tasklib.problems(task, split, problems)
+            out[task][split] = {"greedy": task_scores(model.eval(), template, task, chosen)["mean"]}
+            if split != "demos_heldout":
+                passed = task_scores(model, template, task, chosen, SAMPLES, 1.0)["pass@k"]
+                out[task][split]["pass@k"] = {str(k): v for k, v in passed.items()}  # as JSON keeps them
+    return out
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="1337,1338", help="comma-separated: one SFT, RL and continued SFT each")
-    parser.add_argument("--rl_args", default="", help="extra rl.py arguments, e.g. --max_iters=100")
+    parser.add_argument("--seeds", default="1337,1338,1339", help="comma-separated: one run of each arm each")
+    parser.add_argument("--rl_args", default="", help="extra rl.py arguments (both RL arms), e.g. --max_iters=100")
+    parser.add_argument("--problems", type=int, default=200, help="problems per task and evaluation split")
+    parser.add_argument("--results", default="rl_proof.json", help="every number, read back by a rerun")
+    parser.add_argument("--fresh", action="store_true", help="retrain and rescore everything")
     args = parser.parse_args(argv)
-    run(["data/chat/tasks.py"])
-    run(["data/chat/prepare.py", "--input=data/chat/tasks_train.jsonl", f"--tokenizer_from={BASE}", "--block_size=64"])
-    rows = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        sft, rl, more = (f"out-{name}-s{seed}" for name in ("sft-tasks-char", "rl-tasks-char", "sft-more-tasks-char"))
-        _, sft_wall, sft_cpu = run(["train.py", *SFT, f"--seed={seed}", f"--out_dir={sft}", "--overwrite=True"])
-        _, rl_wall, rl_cpu = run(["rl.py", *RL, f"--init_from={sft}", f"--seed={seed}", f"--out_dir={rl}",
-                                  "--overwrite=True", *shlex.split(args.rl_args)])
-        # The fine-tune's pace, for the RL stage's time: CPU seconds, which other processes on the machine do not
-        # stretch as they do wall seconds (each command runs on one thread, so on a quiet machine they are equal).
-        n = max(1, round(rl_cpu / sft_cpu * iterations(sft)))
-        _, more_wall, more_cpu = run(["train.py", *SFT, f"--init_from={sft}", f"--seed={seed}", f"--out_dir={more}",
-                                      f"--max_iters={n}", f"--lr_decay_iters={n}", f"--warmup_iters={min(50, n // 10)}",
-                                      f"--eval_interval={n}", "--overwrite=True"])
-        rows += [(seed, "SFT", f"{sft_wall:.0f} ({sft_cpu:.0f})", sft),
-                 (seed, "SFT, then RL", f"+ {rl_wall:.0f} ({rl_cpu:.0f})", rl),
-                 (seed, f"SFT, then {n} more SFT iterations", f"+ {more_wall:.0f} ({more_cpu:.0f})", more)]
-    print("| seed | model | wall s (CPU s) | " + " | ".join(f"{t}, held-out exact match" for t in TASKS) + " |")
-    print("|---|---|---|" + "---|" * len(TASKS))
-    for seed, name, seconds, out_dir in rows:
-        print(f"| {seed} | {name} | {seconds} | " + " | ".join(accuracy(out_dir, t) for t in TASKS) + " |")
+    path = Path(args.results)
+    results = {} if args.fresh or not path.exists() else json.loads(path.read_text())
+
+    def stage(name: str, cmd: list[str], out_dir: str) -> None:  # a run, unless this file records it finished
+        if name not in results.get("runs", {}):
+            if name != "SFT" or not (Path(out_dir) / "ckpt.pt").exists():
+                run(cmd)
+            results.setdefault("runs", {})[name] = {"out_dir": out_dir}
+            path.write_text(json.dumps(results, indent=1))
+
+    if not (Path(DATA) / "train.bin").exists():
+        run(["data/chat/tasks.py", "--tasks=" + ",".join(TASKS), "--n_train=20000", f"--out_dir={DATA}"])
+        run(["data/chat/prepare.py", f"--input={DATA}/tasks_train.jsonl", f"--tokenizer_from={BASE}",
+             "--block_size=64", f"--out_dir={DATA}"])
+    stage("SFT", ["train.py", *SFT, "--out_dir=out-sft-checked-char", "--max_iters=3000", "--lr_decay_iters=3000",
+                  "--eval_interval=500", "--overwrite=True"], "out-sft-checked-char")
+    for seed in args.seeds.split(","):
+        rl = ["rl.py", "config/rl_checked_char.py", f"--seed={seed}", "--overwrite=True", *shlex.split(args.rl_args)]
+        stage(f"REINFORCE {seed}", [*rl, f"--out_dir=out-rl-reinforce-s{seed}"], f"out-rl-reinforce-s{seed}")
+        stage(f"RFT {seed}", [*rl, "--update=rft", f"--out_dir=out-rl-rft-s{seed}"], f"out-rl-rft-s{seed}")
+        budget = max(rl_tokens(f"out-rl-{arm}-s{seed}") for arm in ("reinforce", "rft"))
+        n = round(budget / SFT_TOKENS)
+        stage(f"more SFT {seed}", ["train.py", *SFT, "--init_from=out-sft-checked-char", f"--seed={seed}",
+                                   f"--out_dir=out-sft-more-s{seed}", f"--max_iters={n}", f"--lr_decay_iters={n}",
+                                   f"--eval_interval={n}", "--overwrite=True"], f"out-sft-more-s{seed}")
+    for name, r in results["runs"].items():
+        r["tokens"] = rl_tokens(r["out_dir"]) if name.startswith(("RFT", "REINFORCE")) else \
+            SFT_TOKENS * (json.loads((Path(r["out_dir"]) / "config.json").read_text())["max_iters"])
+        if r.get("problems") != args.problems:
+            r["scores"], r["problems"] = scores(r["out_dir"], args.problems), args.problems
+            path.write_text(json.dumps(results, indent=1))
+    print(tables(results))
+
+
+def tables(results: dict) -> str:
+    """One markdown table per task: each run's compute and its scores, the SFT it started from first."""
+    out = []
+    for task in TASKS:
+        out += [f"**{task}**", "", "| arm | seed | fwd+bwd tokens | " + " | ".join(
+            f"{split} {m}" for split in SPLITS for m in ("pass@1 (greedy)", "pass@8", "pass@64"))
+            + " | demos_heldout (greedy) |", "|---|---|---|" + "---|" * (3 * len(SPLITS) + 1)]
+        for name, r in results["runs"].items():
+            arm, _, seed = name.rpartition(" ") if name != "SFT" else ("SFT (the start)", "", "-")
+            s = r["scores"][task]
+            cells = [c for split in SPLITS for c in (f"{s[split]['greedy']:.1%}", f"{s[split]['pass@k']['8']:.1%}",
+                                                     f"{s[split]['pass@k']['64']:.1%}")]
+            out.append(f"| {arm} | {seed} | {r['tokens'] / 1e6:.2f}M | " + " | ".join(cells)
+                       + f" | {s['demos_heldout']['greedy']:.1%} |")
+        out.append("")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

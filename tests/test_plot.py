@@ -1,4 +1,4 @@
-"""plot.py: loss curves from log.jsonl, attention maps and their layer x head summaries.
+"""plot.py: loss curves from log.jsonl, rl.py's rewards and pass@k, attention maps and their layer x head summaries.
 
     python -m pytest tests/test_plot.py
 
@@ -9,6 +9,7 @@ against the record it came from. Attention weights are checked against transform
 import json
 import math
 
+import pytest
 import torch
 
 import plot
@@ -246,3 +247,25 @@ def test_an_rl_run_draws_rewards_and_each_tasks_heldout_exact_match(tmp_path):
     assert (tmp_path / "rl" / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_user_error(run_main(plot.main, [str(tmp_path / "rl"), str(write_run(tmp_path / "lm"))]),
                       "is an rl.py run and", "is not; plot rewards and losses separately")
+
+
+def test_rl_proof_results_draw_pass_at_k_per_task_split_and_arm(tmp_path):
+    """scripts/rl_proof.py's results: a panel per task and split, each arm's seeds faint and their mean solid."""
+    def scores(base):
+        return {task: {split: {"greedy": base, "pass@k": {"1": base, "8": base + 0.2, "64": base + 0.4}}
+                       for split in ("heldout", "longer")} | {"demos_heldout": {"greedy": 0.9}}
+                for task in ("sort", "palindrome")}
+
+    runs = {"SFT": {"scores": scores(0.1)}, "RFT 1": {"scores": scores(0.2)}, "RFT 2": {"scores": scores(0.4)}}
+    (tmp_path / "rl_proof.json").write_text(json.dumps({"runs": runs}))
+    fig = plot.plot_passk(json.loads((tmp_path / "rl_proof.json").read_text()))
+    assert [ax.get_title() for ax in fig.axes] == ["sort, heldout", "sort, longer", "palindrome, heldout",
+                                                   "palindrome, longer"]
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[3].get_lines()}
+    assert lines["SFT (1 seed)"] == pytest.approx([0.1, 0.3, 0.5])
+    assert lines["RFT (2 seeds)"] == pytest.approx([0.3, 0.5, 0.7])  # the mean of the two seeds
+    assert list(fig.axes[3].get_lines()[0].get_xdata()) == [1, 8, 64]
+    result = run_main(plot.main, ["passk", str(tmp_path / "rl_proof.json")])
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "rl_passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_user_error(run_main(plot.main, ["passk", str(tmp_path / "none.json")]), "pass scripts/rl_proof.py's results")

@@ -8,6 +8,7 @@ The model is a tiny character chat run: a base trained one step, fine-tuned to a
 random letter. The test tasks are registered as a user would add one (one make, one check): "letter" rewards
 the reply "e" (its optimum: always "e"), "vowel" any vowel, "any" every reply.
 """
+import itertools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import eval as eval_script
 import rl
 from core.data import tasks as tasklib
 from core.data.chat import ChatTemplate
+from core.evaluation.answers import pass_at_k
 from core.decoding.replies import reply_text, sample_replies, sample_seed, sampler
 from core.training import optim
 from core.weights import checkpoint, resolver
@@ -96,39 +98,70 @@ def heldout(out_dir, task="letter") -> dict[int, float]:
 # the tasks
 
 
-def test_train_and_heldout_never_overlap_and_the_checkers_score():
-    for name in ("reverse", "upper", "add"):
-        train = {p.key for p in tasklib.distinct_problems(name, "train", 2000, seed=1)}
-        held = tasklib.heldout_problems(name, 200)
-        assert len({p.key for p in held}) == 200 and not train & {p.key for p in held}
-        assert held == tasklib.heldout_problems(name, 200)  # the same set every time
+def test_splits_never_overlap_and_the_checkers_score():
+    for name in ("reverse", "upper", "add", "sort", "palindrome"):
         task = tasklib.TASKS[name]
-        for p in held[:50]:
-            assert task.check(p, p.answer) == 1.0 and task.check(p, p.answer + " ") == 0.0
-    for p in tasklib.heldout_problems("add", 100):
+        splits = ("train", "heldout") + (("demos", "demos_heldout", "longer") if task.demos else ())
+        drawn = {split: tasklib.distinct_problems(name, split, 2000, seed=1) if split in ("train", "demos") else
+                 tasklib.problems(name, split, 200) for split in splits}
+        for i, a in enumerate(splits):
+            assert not any({p.key for p in drawn[a]} & {p.key for p in drawn[b]} for b in splits[i + 1:]), (name, a)
+        for split in ("heldout", "demos_heldout", "longer") if task.demos else ("heldout",):
+            assert drawn[split] == tasklib.problems(name, split, 200) and len({p.key for p in drawn[split]}) == 200
+        for split, problems in drawn.items():  # answers shown only where demonstrations exist, and accepted
+            shown = [p for p in problems if p.answer is not None]
+            assert len(shown) == (len(problems) if split.startswith("demos") or not task.demos else 0), (name, split)
+            assert all(task.check(p, p.answer) == 1.0 and task.check(p, p.answer + " ") == 0.0 for p in shown[:50])
+        if task.demos:  # the lengths: RL's prompts and their held-out twins between the demonstrations', longer longer
+            for split, lengths in (("demos", {3, 4, 5, 8}), ("heldout", {6, 7}), ("longer", {9, 10})):
+                assert {len(p.key) for p in drawn[split]} == lengths, (name, split)
+    for p in tasklib.problems("add", "heldout", 100):
         a, b = map(int, p.prompt.removeprefix("add: ").split("+"))
         assert p.answer == str(a + b) and 10 <= a <= 999 and 10 <= b <= 999
     assert tasklib.TASKS["reverse"].check(tasklib.Problem("reverse: abc", "cba", "abc"), "abc") == 0.0
     held_share = sum(tasklib.split_of(str(k)) == "heldout" for k in range(10000)) / 10000
     assert 0.08 < held_share < 0.12
+    assert_user_error_raised(lambda: tasklib.problems("reverse", "longer", 5), "task 'reverse' has no longer split")
+    assert_user_error_raised(lambda: tasklib.problems("sort", "train", 5), "not 'train'")
 
 
-def test_chat_tasks_script_writes_the_tasks_train_side_and_their_heldout_set(tmp_path):
+@pytest.mark.parametrize("name, key, right, near_misses", [
+    ("sort", "dbcab", ["abbcd"], ["abcbd", "abcd", "abbbcd", "abbcd ", "ABBCD", "dcbba", "bacbd", ""]),
+    ("palindrome", "abc", ["abcba", "abccba", "abcxcba", "abcbcba"],
+     ["abcab", "abcb", "bcb", "cba", "abc", "abc cba", "abcbA", "abccb", "Abcba", "xabcbax", ""]),
+    ("palindrome", "aba", ["aba", "abaaba", "ababa"], ["abba", "ab", "abab"]),
+])
+def test_the_checkers_accept_every_right_answer_and_reject_near_misses(name, key, right, near_misses):
+    problem = tasklib.Problem(f"{name}: {key}", None, key)
+    assert [tasklib.TASKS[name].check(problem, r) for r in right] == [1.0] * len(right)
+    assert [tasklib.TASKS[name].check(problem, r) for r in near_misses] == [0.0] * len(near_misses)
+
+
+def assert_user_error_raised(call, fragment):
+    with pytest.raises(tasklib.UserError, match=fragment):
+        call()
+
+
+def test_chat_tasks_script_writes_each_tasks_demonstrations_and_their_heldout_set(tmp_path):
+    """SFT conversations come from each task's demonstrations: reverse's and add's train problems, sort's short
+    ones (3, 4, 5 and 8 letters; its 6 and 7 letter problems have none), each answer the checker's."""
     spec_path = REPO_ROOT / "data" / "chat" / "tasks.py"
-    result = run_script(str(spec_path), f"--out_dir={tmp_path}", "--tasks=reverse,add", "--n_train=300",
+    result = run_script(str(spec_path), f"--out_dir={tmp_path}", "--tasks=reverse,add,sort", "--n_train=300",
                         "--n_heldout=20")
     assert result.returncode == 0, result.stderr
     train, held = ([json.loads(line)["messages"] for line in (tmp_path / name).read_text().splitlines()]
                    for name in ("tasks_train.jsonl", "tasks_heldout.jsonl"))
-    assert len(train) == 300 and len(held) == 40
-    expected = [p for name in ("reverse", "add") for p in tasklib.heldout_problems(name, 20)]
+    assert len(train) == 300 and len(held) == 60
+    expected = [p for name in ("reverse", "add", "sort") for p in tasklib.problems(name, "demos_heldout", 20)]
+    assert expected[:20] == tasklib.problems("reverse", "heldout", 20)  # a task without demos: its held-out set
     assert [(m[-2]["content"], m[-1]["content"]) for m in held] == [(p.prompt, p.answer) for p in expected]
     for messages in train:
         task, key = messages[-2]["content"].split(": ", 1)
-        assert tasklib.split_of(key) == "train" and task in ("reverse", "add")
+        assert tasklib.split_of(key) == "train" and task in ("reverse", "add", "sort")
+        assert task != "sort" or len(key) in (3, 4, 5, 8)
         problem = tasklib.Problem(messages[-2]["content"], messages[-1]["content"], key)
         assert tasklib.TASKS[task].check(problem, {"reverse": key[::-1]}.get(task, messages[-1]["content"])) == 1.0
-    assert any(m[0]["role"] == "system" for m in train)
+    assert any(m[0]["role"] == "system" for m in train) and {m[-2]["content"][:4] for m in train} == {"reve", "add:", "sort"}
 
 
 # -----------------------------------------------------------------------------
@@ -142,12 +175,15 @@ def test_pack_makes_only_reply_tokens_targets():
     assert y.tolist() == [[-1, -1, 8, 9], [4, 3, -1, -1]]
 
 
-@pytest.mark.parametrize("std, batch_size", [(False, 0), (True, 0), (False, 24)])
-def test_the_step_is_the_policy_gradient_over_the_replies(chat_run, tmp_path, monkeypatch, std, batch_size):
+@pytest.mark.parametrize("update, std, batch_size", [("reinforce", False, 0), ("reinforce", True, 0),
+                                                     ("reinforce", False, 24), ("rft", False, 0), ("rft", False, 24)])
+def test_the_step_is_the_policy_gradient_over_the_replies(chat_run, tmp_path, monkeypatch, update, std, batch_size):
     """The gradient of rl.py's first step equals REINFORCE's, computed here row by row without padding: each
     reply's reward minus its group's mean (over the group's std with std_advantage), times the gradient of its
-    tokens' log-probabilities, summed over every reply token and divided by their number, negated. With
-    batch_size the 64 rows go through in chunks of 24, 24 and 16, accumulated to the same gradient."""
+    tokens' log-probabilities, summed over every reply token and divided by their number, negated. update=rft is
+    SFT on the accepted replies alone: their tokens' log-probabilities over the accepted replies' tokens, the
+    rejected replies nowhere. With batch_size the 64 rows go through in chunks of 24, 24 and 16, accumulated to the
+    same gradient."""
     grads = []
     real_step = torch.optim.AdamW.step
 
@@ -157,41 +193,65 @@ def test_the_step_is_the_policy_gradient_over_the_replies(chat_run, tmp_path, mo
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    settings = dict(max_iters=1, grad_clip=0, std_advantage=std, tasks="vowel", eval_interval=100, batch_size=batch_size)
+    settings = dict(max_iters=1, grad_clip=0, std_advantage=std, tasks="vowel", eval_interval=100,
+                    batch_size=batch_size, update=update)
     run_rl(chat_run, tmp_path / "rl", **settings)
     cfg = rl.RLConfig(**(RL_TINY | settings))
 
     model, tok, _ = resolver.load_model(str(chat_run / "sft"), str(chat_run / "sft"))
     template = ChatTemplate.for_tokenizer(tok)
-    rows, rewards = [], []
-    model.eval()
-    for j in range(cfg.prompts_per_iter):
-        name, problem = rl.problem_at(cfg.seed, 0, j, ["vowel"])
-        prompt = template.render_prompt(tasklib.messages(problem))
-        replies = sample_replies(model, template, prompt, cfg.samples_per_prompt,
-                                 min(cfg.max_new_tokens, model.config.block_size - len(prompt)),
-                                 temperature=cfg.temperature, generator=sampler(cfg.seed, 0, j))
-        rows += [(prompt, r) for r in replies]
-        rewards.append([tasklib.TASKS[name].check(problem, reply_text(template, r)) for r in replies])
+    problems = [rl.problem_at(cfg.seed, 0, j, ["vowel"])[1] for j in range(cfg.prompts_per_iter)]
+    prompts = [template.render_prompt(tasklib.messages(p)) for p in problems]
+    replies = sample_replies(model.eval(), template, prompts, cfg.samples_per_prompt, cfg.max_new_tokens,
+                             generators=[sampler(cfg.seed, 0, j) for j in range(cfg.prompts_per_iter)])
+    rows = [(prompt, r) for prompt, group in zip(prompts, replies) for r in group]
+    rewards = [[tasklib.TASKS["vowel"].check(p, reply_text(template, r)) for r in group]
+               for p, group in zip(problems, replies)]
     assert 0 < sum(map(sum, rewards)) < len(rows), "the group rewards must differ for the test to mean anything"
     model.train()
-    n_tokens = sum(len(reply) for _, reply in rows)
+    counted = [(prompt, reply) for (prompt, reply), reward in zip(rows, sum(rewards, []))
+               if update == "reinforce" or reward == 1]
+    n_tokens = sum(len(reply) for _, reply in counted)
     objective = 0.0
     for (prompt, reply), reward, group in zip(rows, [r for g in rewards for r in g],
                                               [g for g in rewards for _ in g]):
         mean = sum(group) / len(group)
         spread = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1))
-        advantage = (reward - mean) / (spread + 1e-6 if std else 1.0)
+        weight = (reward - mean) / (spread + 1e-6 if std else 1.0) if update == "reinforce" else reward
+        if weight == 0:
+            continue
         seq = torch.tensor([prompt + reply])
         logits = model(seq[:, :-1])[0][0]  # (T, vocab)
         logp = F.log_softmax(logits, dim=-1)[len(prompt) - 1:].gather(1, torch.tensor(reply)[:, None]).sum()
-        objective = objective + advantage * logp
+        objective = objective + weight * logp
     (-objective / n_tokens).backward()
     expected = optim.build_optimizer(model, "adamw", cfg.learning_rate, 0.0, (0.9, 0.95), "cpu")
     want = [p.grad for g in expected.param_groups for p in g["params"]]
     assert len(want) == len(grads[0])
     for got, exp in zip(grads[0], want):
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-6)
+    tokens = sum(len(prompt) + len(reply) - 1 for prompt, reply in rows)
+    assert steps(tmp_path / "rl")[0]["tokens"] == 3 * tokens  # the replies' forward, the step's forward and backward
+
+
+def test_a_prompts_replies_follow_from_its_generator_alone_or_batched_with_others(chat_run):
+    """rl.py samples every prompt of an iteration in one decode, prompts of different lengths side by side: each
+    prompt's replies are those it gets alone from its generator (and so on any number of processes), sampled
+    and greedy; sampled, a prompt's rows differ."""
+    model, tok, _ = resolver.load_model(str(chat_run / "sft"), str(chat_run / "sft"))
+    template = ChatTemplate.for_tokenizer(tok)
+    problems = [rl.problem_at(0, 0, j, ["letter"])[1] for j in range(6)]
+    prompts = [template.render_prompt(tasklib.messages(p)) for p in problems]
+    assert len({len(p) for p in prompts}) > 1  # ragged
+    for temperature in (1.0, 0.0):
+        together = sample_replies(model.eval(), template, prompts, 4, 8, temperature,
+                                  generators=[sampler(3, j) for j in range(6)])
+        alone = [sample_replies(model, template, [p], 4, 8, temperature, generators=[sampler(3, j)])[0]
+                 for j, p in enumerate(prompts)]
+        assert together == alone
+        assert all(r[-1] == template.end_of_turn or len(r) == 8 for group in together for r in group)
+    sampled = sample_replies(model, template, prompts, 4, 8, generators=[sampler(3, j) for j in range(6)])
+    assert sum(len({tuple(r) for r in group}) for group in sampled) > len(prompts)  # the rows of a prompt differ
 
 
 def test_a_known_optimum_is_reached(chat_run, tmp_path):
@@ -361,13 +421,26 @@ def test_eval_task_reports_greedy_exact_match_and_pass_at_k(chat_run):
         return result.stdout.strip()
 
     greedy = run()
-    assert greedy.startswith("vowel held-out: exact match ") and greedy.endswith("/30), greedy")
+    assert greedy.startswith("vowel heldout: exact match ") and greedy.endswith("/30), greedy")
     sampled = run("--samples=8", "--temperature=1")
-    mean, passk = (float(sampled.split(key)[1].split()[0].strip(",")) for key in ("mean reward ", "pass@8 "))
-    assert 0 < mean < passk <= 1, sampled
+    mean, *passk = (float(sampled.split(key)[1].split()[0].strip(","))
+                    for key in ("mean reward ", "pass@2 ", "pass@4 ", "pass@8 "))
+    assert 0 < mean < passk[0] < passk[1] < passk[2] <= 1, sampled
     assert run("--samples=8", "--temperature=1") == sampled  # seeded
+    assert_user_error(run_main(eval_script.main, [f"--out_dir={chat_run / 'sft'}", "--task=vowel",
+                                                  "--task_split=longer"]), "task 'vowel' has no longer split")
     assert_user_error(run_main(eval_script.main, [f"--out_dir={chat_run / 'sft'}", "--task=vowel", "--samples=4"]),
                       "temperature must be >= 0, and > 0 for more than one sample")
+
+
+def test_pass_at_k_is_the_chance_that_k_of_the_n_replies_hold_an_accepted_one():
+    """Chen et al.'s estimator against counting: of every k-subset of n replies (c accepted), the share holding one."""
+    for n in range(1, 8):
+        for c in range(n + 1):
+            replies = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(replies, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets), abs=1e-12)
 
 
 def test_the_server_and_the_checker_give_eval_py_s_numbers(chat_run, tmp_path):
@@ -378,7 +451,7 @@ def test_the_server_and_the_checker_give_eval_py_s_numbers(chat_run, tmp_path):
     from tests.test_serve import running
 
     n = 30
-    problems = tasklib.heldout_problems("vowel", n)
+    problems = tasklib.problems("vowel", "heldout", n)
     check = tasklib.TASKS["vowel"].check
 
     def eval_py(*args) -> float:
@@ -393,8 +466,8 @@ def test_the_server_and_the_checker_give_eval_py_s_numbers(chat_run, tmp_path):
     model, tok, _ = resolver.load_model(str(chat_run / "sft"), str(chat_run / "sft"))
     template = ChatTemplate.for_tokenizer(tok)
     with one_thread():
-        mine = [reply_text(template, sample_replies(model.eval(), template, template.render_prompt(tasklib.messages(p)),
-                                                    1, 32, temperature=1.0, generator=sampler(0, i))[0])
+        mine = [reply_text(template, sample_replies(model.eval(), template, [template.render_prompt(tasklib.messages(p))],
+                                                    1, 32, generators=[sampler(0, i)])[0][0])
                 for i, p in enumerate(problems)]
     with running(tmp_path, f"--out_dir={chat_run / 'sft'}", "--model_name=tasks") as server:
         client = server.client()
@@ -426,4 +499,4 @@ def test_rl_on_cuda_learns_resumes_and_scores(chat_run, tmp_path, dtype):
     assert abs(parts[2] - whole[2]) <= 2 / 64  # after a step: CUDA's backward may sum in another order
     result = run_main(eval_script.main, [f"--out_dir={tmp_path / 'whole'}", "--task=letter", "--task_examples=20",
                                          "--device=cuda", f"--dtype={dtype}"])
-    assert result.returncode == 0 and "letter held-out: exact match" in result.stdout, result.stderr
+    assert result.returncode == 0 and "letter heldout: exact match" in result.stdout, result.stderr

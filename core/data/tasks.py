@@ -3,16 +3,23 @@
     task = TASKS["add"]
     problem = task.make(random.Random(0))      # Problem(prompt='add: 874+62', answer='936', key='874+62')
     task.check(problem, "936")                 # 1.0: a reward in [0, 1]
-    heldout_problems("add", 200)               # the held-out prompts eval.py --task=add and rl.py score
+    problems("sort", "longer", 200)            # a split's evaluation set: eval.py --task=sort --task_split=longer
 
-data/chat/tasks.py writes SFT conversations from a task's train side, rl.py samples its prompts from the
-same side, and eval.py --task=NAME (and the server, through the chat endpoint) scores the held-out side
+data/chat/tasks.py writes SFT conversations from a task's demonstrations, rl.py samples its prompts from its
+train side, and eval.py --task=NAME (and the server, through the chat endpoint) scores the held-out side
 with the same checker.
 
 The split is a property of the problem, not of the draw: a hash of the problem's key (the string it is
 made from: the letters to reverse, the two numbers to add) puts one key in ten on the held-out side, so no
 train prompt is ever a held-out one, whatever seed or count drew them. reverse and upper share their key
 (the letters), so a held-out string is held out from both.
+
+reverse, upper and add teach by demonstration: their train problems carry the answer SFT copies. sort and
+palindrome are checked only: demonstrations exist for some lengths (Task.demos: 3, 4, 5 and 8 letters), while
+the train and held-out problems have the lengths between (6 and 7) and the longer split more than any (9 and
+10), and those carry no answer (Problem.answer None): what a model learns there it learns from the checker.
+The five splits: demos and demos_heldout (Task.demos's problems, train and held-out keys), train and heldout
+(Task.make's), longer (Task.longer's, held-out keys).
 
 Add a task: write make(rng) -> Problem and check(problem, reply) -> reward, and register Task(make, check) in
 TASKS. The tests register one that rewards a fixed letter (tests/test_rl.py).
@@ -26,21 +33,23 @@ from typing import Callable
 from core.errors import UserError
 
 HELDOUT_EVERY = 10   # one key in ten is held out
-HELDOUT_SEED = 0     # the held-out set everyone scores: the first N distinct held-out problems of this seed
-SPLITS = ("train", "heldout")
+HELDOUT_SEED = 0     # the sets everyone scores: the first N distinct problems of a held-out split from this seed
+SPLITS = ("train", "heldout", "longer", "demos", "demos_heldout")
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
     prompt: str   # the user's message
-    answer: str   # a reference answer: what SFT learns, and what exact_match compares a reply with
+    answer: str | None  # an accepted answer: what SFT learns, what exact_match compares; None: checked only
     key: str      # what the problem is made from; it decides the split
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    make: Callable[[random.Random], Problem]     # one problem, drawn with rng
+    make: Callable[[random.Random], Problem]     # one problem, drawn with rng: the train and held-out splits'
     check: Callable[[Problem, str], float]       # (problem, the model's reply) -> reward in [0, 1]; 1: accepted
+    demos: Callable[[random.Random], Problem] | None = None   # easier problems, the only ones shown with answers
+    longer: Callable[[random.Random], Problem] | None = None  # harder ones, never trained on: the longer split
 
 
 def split_of(key: str) -> str:
@@ -56,12 +65,12 @@ def exact_match(problem: Problem, reply: str) -> float:
 # the tasks
 
 
-def random_letters(rng: random.Random, min_len: int = 3, max_len: int = 6) -> str:
+def random_letters(rng: random.Random, min_len: int = 3, max_len: int = 6, spaces: bool = True) -> str:
     """Lowercase letters, with a space now and then (never first or last, never two together)."""
     n = rng.randint(min_len, max_len)
     chars = [rng.choice(string.ascii_lowercase) for _ in range(n)]
     for i in range(1, n - 1):
-        if rng.random() < 0.15 and chars[i - 1] != " ":
+        if spaces and rng.random() < 0.15 and chars[i - 1] != " ":
             chars[i] = " "
     return "".join(chars)
 
@@ -82,10 +91,40 @@ def make_add(rng: random.Random) -> Problem:
     return Problem(f"add: {a}+{b}", str(a + b), f"{a}+{b}")
 
 
+def make_sort(rng: random.Random, lengths: tuple[int, ...]) -> Problem:
+    """The letters in alphabetical order: 'sort: dbcab' -> 'abbcd'. One right answer."""
+    text = random_letters(rng, *[rng.choice(lengths)] * 2, spaces=False)
+    return Problem(f"sort: {text}", "".join(sorted(text)), text)
+
+
+def check_sort(problem: Problem, reply: str) -> float:
+    return float(reply == "".join(sorted(problem.key)))
+
+
+def make_palindrome(rng: random.Random, lengths: tuple[int, ...]) -> Problem:
+    """A palindrome that starts with the letters: 'palindrome: abc' -> 'abcba', 'abccba', 'abcxcba', ... Many
+    answers; a demonstration shows one of the two shortest, at random."""
+    text = random_letters(rng, *[rng.choice(lengths)] * 2, spaces=False)
+    return Problem(f"palindrome: {text}", text + text[len(text) - 1 - rng.randint(0, 1)::-1], text)
+
+
+def check_palindrome(problem: Problem, reply: str) -> float:
+    return float(reply == reply[::-1] and reply.startswith(problem.key) and reply.isalpha() and reply.islower())
+
+
+def levels(make: Callable[[random.Random, tuple[int, ...]], Problem], check: Callable[[Problem, str], float]) -> Task:
+    """A checked task by length: demonstrations of 3, 4, 5 and 8 letters, train and held-out problems of 6 and 7
+    (between them: a model of learned positions fails past the longest length it was shown), longer ones 9 and 10."""
+    return Task(lambda rng: make(rng, (6, 7)), check, demos=lambda rng: make(rng, (3, 4, 5, 8)),
+                longer=lambda rng: make(rng, (9, 10)))
+
+
 TASKS: dict[str, Task] = {
     "reverse": Task(make_reverse, exact_match),
     "upper": Task(make_upper, exact_match),
     "add": Task(make_add, exact_match),
+    "sort": levels(make_sort, check_sort),
+    "palindrome": levels(make_palindrome, check_palindrome),
 }
 
 
@@ -106,13 +145,20 @@ def task_names(names: str) -> list[str]:
 
 
 def draw(name: str, split: str, rng: random.Random) -> Problem:
-    """One problem of task `name` from `split`: drawn with rng until its key falls on that side."""
+    """One problem of task `name` from `split`: drawn with rng until its key falls on that split's side. A task
+    without demos shows its train problems as demonstrations; one with demos keeps every other answer back."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    task = TASKS[name]
+    make = {"demos": task.demos, "demos_heldout": task.demos, "longer": task.longer}.get(split) or task.make
+    if split == "longer" and task.longer is None:
+        raise UserError(f"task {name!r} has no longer split; {', '.join(n for n, t in TASKS.items() if t.longer)} do")
+    side = "train" if split in ("train", "demos") else "heldout"
     for _ in range(100 * HELDOUT_EVERY):
-        problem = TASKS[name].make(rng)
-        if split_of(problem.key) == split:
-            return problem
+        problem = make(rng)
+        if split_of(problem.key) == side:
+            shown = task.demos is None or split.startswith("demos")
+            return problem if shown else dataclasses.replace(problem, answer=None)
     raise UserError(f"task {name!r} drew no {split} problem in {100 * HELDOUT_EVERY} tries; its keys are too few")
 
 
@@ -131,9 +177,11 @@ def distinct_problems(name: str, split: str, n: int, seed: int | str) -> list[Pr
     return out
 
 
-def heldout_problems(name: str, n: int) -> list[Problem]:
-    """The held-out set: the same n problems for every run, script and machine."""
-    return distinct_problems(name, "heldout", n, HELDOUT_SEED)
+def problems(name: str, split: str, n: int) -> list[Problem]:
+    """A split's evaluation set (heldout, longer, demos_heldout): the same n problems for every run and machine."""
+    if split not in ("heldout", "longer", "demos_heldout"):
+        raise UserError(f"a task is scored on heldout, longer or demos_heldout, not {split!r}")
+    return distinct_problems(name, split, n, HELDOUT_SEED)
 
 
 def messages(problem: Problem, system: str | None = None) -> list[dict]:

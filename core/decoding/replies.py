@@ -1,12 +1,13 @@
 """A chat model's replies: the chat template's prompts (core/data/chat.py) through generate and generate_stream.
 
 sample.py streams a reply (stream_reply), eval.py's held-out conversations take it whole (reply), and rl.py's
-samples and eval.py's checked tasks are n replies from one batched generate (sample_replies).
+samples and eval.py's checked tasks are n replies to each of many prompts from one batched decode (sample_replies).
 """
 import torch
 
 from core.data.chat import ChatTemplate
-from core.decoding.decode import generate, generate_stream
+from core.decoding.cache import RowCache
+from core.decoding.decode import draw, generate_stream, sampling_probs
 
 
 def stream_reply(model, template: ChatTemplate, prompt: list[int], max_new_tokens: int, **sampling):
@@ -31,16 +32,36 @@ def reply(model, template: ChatTemplate, messages, max_new_tokens: int, **sampli
     return template.tok.decode(list(stream_reply(model, template, prompt, budget, **sampling)))
 
 
-def sample_replies(model, template: ChatTemplate, prompt: list[int], n: int, max_new_tokens: int,
-                   **sampling) -> list[list[int]]:
-    """n replies to `prompt` (render_prompt's ids) in one batched generate with the KV cache: each reply's ids
-    up to and including the token that ended it (<|end|>, a role token, <|endoftext|>), or max_new_tokens ids
-    when none did. `sampling`: decode.Sampling's temperature, top_k, top_p, generator."""
-    device = model.transformer.wte.weight.device
-    idx = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # (n, T)
-    rows = generate(model, idx, max_new_tokens, eot_token=template.end_of_turn, vocab_size=template.tok.vocab_size,
-                    **sampling)[:, len(prompt):].tolist()  # (n, <= max_new_tokens)
-    return [_through_stop(row, template.stop_tokens) for row in rows]
+@torch.no_grad()
+def sample_replies(model, template: ChatTemplate, prompts: list[list[int]], n: int, max_new_tokens: int,
+                   temperature: float = 1.0, top_k: int | None = None,
+                   generators: list[torch.Generator] | None = None) -> list[list[list[int]]]:
+    """n replies to each of `prompts` (render_prompt's ids, of any lengths), all in one batched decode with the KV
+    cache (core/decoding/cache.py's ragged path, as the server batches): per prompt, n replies, each its ids up to
+    and including the token that ended it (<|end|>, a role token, <|endoftext|>), or max_new_tokens ids (fewer
+    where the prompt leaves less of block_size) when none did. Prompt i's rows draw their noise from generators[i]
+    (decode.sample_next's exponential race), so its replies follow from that generator and not from the other
+    prompts' draws; temperature 0 is greedy. A row that ends leaves the batch."""
+    device, V = model.transformer.wte.weight.device, template.tok.vocab_size
+    lengths = [len(p) for p in prompts for _ in range(n)]  # (B,)
+    budgets = [min(max_new_tokens, model.config.block_size - length) for length in lengths]
+    cache = RowCache(model.new_kv_cache(len(lengths), max(t + b for t, b in zip(lengths, budgets))))
+    idx = torch.zeros(len(lengths), max(lengths), dtype=torch.long)  # (B, T): the prompts, right-padded
+    for i, prompt in enumerate(prompts):
+        idx[i * n:(i + 1) * n, :len(prompt)] = torch.tensor(prompt)
+    replies, active, chunk = [[] for _ in lengths], list(range(len(lengths))), lengths
+    while active:
+        logits = model(idx.to(device), kv_cache=cache.take(active, chunk), last_only=True)[0][:, -1, :V]  # (rows, V)
+        if temperature == 0:
+            drawn = logits.argmax(dim=-1)
+        else:  # every row's noise is drawn, ended or not, as generate draws it: a row's draws follow its generator
+            noise = torch.cat([torch.empty(n, V, device=device).exponential_(1, generator=g) for g in generators])
+            drawn = draw(sampling_probs(logits, temperature, top_k), noise[active])[:, 0]  # (rows,)
+        for row, token in zip(active, drawn.tolist()):
+            replies[row].append(token)
+        active = [r for r in active if replies[r][-1] not in template.stop_tokens and len(replies[r]) < budgets[r]]
+        idx, chunk = torch.tensor([replies[r][-1:] for r in active], dtype=torch.long), [1] * len(active)
+    return [replies[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
 def sample_seed(seed: int, *path: int) -> int:
@@ -56,11 +77,6 @@ def sample_seed(seed: int, *path: int) -> int:
 def sampler(seed: int, *path: int, device="cpu") -> torch.Generator:
     """A generator seeded with sample_seed(seed, *path)."""
     return torch.Generator(device=device).manual_seed(sample_seed(seed, *path))
-
-
-def _through_stop(ids: list[int], stop: set[int]) -> list[int]:
-    end = next((i for i, t in enumerate(ids) if t in stop), None)
-    return ids if end is None else ids[:end + 1]
 
 
 def reply_text(template: ChatTemplate, ids: list[int]) -> str:

@@ -62,17 +62,18 @@ def task_scores(model, template, name: str, problems: list, samples: int = 1, te
                 max_new_tokens: int = 32, seed: int = 0, device="cpu", autocast=None, rank: int = 0,
                 world_size: int = 1, progress=None, stopped=None) -> dict | None:
     """Each problem's replies scored by task `name`'s checker: one greedy reply (temperature 0), or `samples`
-    replies at a temperature, drawn in one batched generate per problem (replies.sample_replies, as rl.py samples).
+    replies at a temperature, drawn in one batched decode per problem (replies.sample_replies, as rl.py samples).
 
     Returns {"mean": the mean reward over every reply (exact-match accuracy, or pass@1, for a 0/1 checker),
-    "pass@k": the fraction of problems with an accepted reply (reward 1) among their k = samples replies,
-    "examples", "samples"}; None if stopped(), called before each problem, says so. With world_size > 1 each
-    rank replies to every world_size-th problem and the sums are all-reduced. progress(done, total) as in
-    evaluate_split."""
+    "pass@k": {k: the chance that k of a problem's replies hold an accepted one (reward 1), for k = 1, 2, 4, ...
+    up to samples, and samples}, "examples", "samples"}; None if stopped(), called before each problem, says so.
+    With world_size > 1 each rank replies to every world_size-th problem and the sums are all-reduced.
+    progress(done, total) as in evaluate_split."""
     check = TASKS[name].check
+    ks = sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i <= samples} | {samples})
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # (reward, problems with an accepted reply, problems)
+    sums = torch.zeros(2 + len(ks), dtype=torch.float64)  # (reward, problems, pass@k for each k)
     for step in range(math.ceil(len(problems) / world_size)):  # as many stopped() calls on every rank
         if stopped is not None and stopped():
             model.train(was_training)
@@ -83,15 +84,24 @@ def task_scores(model, template, name: str, problems: list, samples: int = 1, te
         if i >= len(problems):
             continue
         prompt = template.render_prompt(messages(problems[i]))
-        budget = min(max_new_tokens, model.config.block_size - len(prompt))
         with autocast() if autocast else contextlib.nullcontext():
-            replies = sample_replies(model, template, prompt, samples, budget, temperature=temperature,
-                                     generator=sampler(seed, i, device=device))
+            replies = sample_replies(model, template, [prompt], samples, max_new_tokens, temperature=temperature,
+                                     generators=[sampler(seed, i, device=device)])[0]
         rewards = [check(problems[i], reply_text(template, r)) for r in replies]
-        sums += torch.tensor([sum(rewards) / samples, float(max(rewards) == 1.0), 1.0], dtype=torch.float64)
+        accepted = sum(r == 1.0 for r in rewards)
+        sums += torch.tensor([sum(rewards) / samples, 1.0] + [pass_at_k(samples, accepted, k) for k in ks],
+                             dtype=torch.float64)
     if world_size > 1:
         sums = sums.to(device)
         dist.all_reduce(sums)
     model.train(was_training)
-    reward, solved, n = sums.tolist()
-    return {"mean": reward / n, "pass@k": solved / n, "examples": int(n), "samples": samples}
+    reward, n, *passed = sums.tolist()
+    return {"mean": reward / n, "pass@k": {k: p / n for k, p in zip(ks, passed)}, "examples": int(n),
+            "samples": samples}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that k replies drawn from n without replacement, c of them accepted, hold an accepted one:
+    1 - C(n-c, k) / C(n, k), the unbiased estimator of pass@k from n samples (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code")."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -49,12 +49,12 @@ def conversation(problem: tasklib.Problem, system: bool) -> dict:
 
 
 def make_sets(cfg: TasksConfig) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) conversations: train keys distinct per task, none on the held-out side."""
+    """(train, held-out) conversations: each task's demonstrations, keys distinct per task, none held out."""
     names = tasklib.task_names(cfg.tasks)
-    heldout = [conversation(p, False) for name in names for p in tasklib.heldout_problems(name, cfg.n_heldout)]
+    heldout = [conversation(p, False) for name in names for p in tasklib.problems(name, "demos_heldout", cfg.n_heldout)]
     rng = random.Random(cfg.seed)
     picks = [rng.choice(names) for _ in range(cfg.n_train)]
-    drawn = {name: tasklib.distinct_problems(name, "train", picks.count(name), f"{cfg.seed}:{name}") for name in names}
+    drawn = {name: tasklib.distinct_problems(name, "demos", picks.count(name), f"{cfg.seed}:{name}") for name in names}
     train = [conversation(drawn[name].pop(), rng.random() < 0.25) for name in picks]
     return train, heldout
 
