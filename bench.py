@@ -1,6 +1,6 @@
 """Performance, measured side by side in one run: training, decoding, attention memory, serving, data preparation.
 
-    python bench.py                                    # CPU sizes: TIME_TBD(bench)
+    python bench.py                                    # CPU sizes: 470 s on 2 idle cores (docs/performance.md)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=1                        # one thread (the default 0: torch's, one per core); see THREADS
     python bench.py --sections=attention,decode        # only some of the SECTIONS below (speedrun is not in the
