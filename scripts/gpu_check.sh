@@ -7,8 +7,8 @@
 # The data travels with the command: GPT-2's BPE of tiny Shakespeare (302k train tokens, 0.6 MB) in gpu_data/
 # (git-ignored; GPU_DATA=DIR names another), made on any machine with the BPE file:
 #
-#     TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python data/shakespeare/prepare.py \
-#         --input=../shared/data/tinyshakespeare.txt --out_dir=gpu_data
+#     TIKTOKEN_CACHE_DIR=path/to/tiktoken_cache python data/shakespeare/prepare.py \
+#         --input=path/to/tinyshakespeare.txt --out_dir=gpu_data
 #
 # Steps, caps in seconds (summary.md gives each one's exit status and time; 124 is its cap):
 #   train 90      train.py config/gpt2_small.py itself, compiled, bf16, 12 iterations of its 40 x 12 x 1024 tokens
