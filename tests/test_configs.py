@@ -20,7 +20,7 @@ from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (REPO_ROOT, cli_args, make_char_dataset, make_chat_dataset, make_gpt2_dataset,
                            needs_transformers, records, run_main, use_gpt2_bpe)
 
-RL_CONFIGS = {"rl_tasks_char.py"}  # rl.py's, not train.py's: tests/test_rl.py runs them
+RL_CONFIGS = {p.name for p in (REPO_ROOT / "config").glob("rl_*.py")}  # rl.py's, not train.py's
 CONFIGS = sorted(p for p in (REPO_ROOT / "config").glob("*.py") if p.name not in RL_CONFIGS)
 # The tokenizer of each dataset a config may name (what its data/<name>/prepare.py writes).
 DATA_KINDS = {"data/shakespeare_char": "char", "data/shakespeare": "gpt2", "data/fineweb": "gpt2",
@@ -55,6 +55,14 @@ def test_config_parses_and_validates(path, tmp_path):
     cfg = config_of(path, tmp_path)  # a UserError here is the bug a new user would meet first
     assert cfg.data_dir in DATA_KINDS, f"{path.name}: add {cfg.data_dir} to DATA_KINDS with its tokenizer"
     assert cfg.out_dir != train.TrainConfig.out_dir, f"{path.name} should write to its own out_dir"
+
+
+@pytest.mark.parametrize("name", sorted(RL_CONFIGS))
+def test_rl_config_parses_and_validates(name, tmp_path):
+    import rl
+    # init_from names an SFT run's out_dir, which exists only once it has trained; tests/test_rl.py trains one
+    cfg = configlib.parse_args(rl.RLConfig, [str(REPO_ROOT / "config" / name), f"--init_from={tmp_path}"])
+    assert cfg.out_dir != rl.RLConfig.out_dir, f"{name} should write to its own out_dir"
 
 
 @pytest.fixture(scope="module")
