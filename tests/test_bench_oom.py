@@ -39,7 +39,7 @@ def test_oom_is_reported_per_row_and_the_run_goes_on(tmp_path, capsys, monkeypat
         bench.main(tiny_argv(tmp_path, sections="train,attention,decode", compile=False))
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["train"]["rows"] == [{"mode": "eager", "error": "OOM"}]
+    assert result["train"]["rows"] == [{"mode": "eager", "batch_size": 2, "error": "OOM"}]
     rows = {row["T"]: row for row in result["attention"]["rows"]}
     assert rows[64]["naive_forward_bytes"] == rows[64]["naive_forward_backward_bytes"] == "OOM"
     assert rows[64]["naive_over_sdpa"] is None

@@ -49,12 +49,12 @@ class WindowSpy:
     def __init__(self, model, monkeypatch):
         self.windows, real = [], decode._next_logits
 
-        def spy(m, idx, start, origin, cache):
+        def spy(m, idx, start, origin, cache, step=None):
             # what the model attends over: idx[:, start:]; with a cache, the cached tokens from origin
             # on (position 0 of the cache) and the new ones after them
             if m is model:
                 self.windows.append(idx[:, start if cache is None else origin:].clone())
-            return real(m, idx, start, origin, cache)
+            return real(m, idx, start, origin, cache, step)
 
         monkeypatch.setattr(decode, "_next_logits", spy)
 
