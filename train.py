@@ -40,7 +40,7 @@ from core.training import checkpointing, flops, loop, optim, parallel, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from core.weights import resolver
-from model import GPT, GPTConfig
+from model import GPT, GPT2_HUB_NAMES, GPTConfig
 
 
 def main(argv) -> None:
@@ -217,10 +217,10 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
         elif w.kind == "folder":  # GPT-2, Llama, Qwen3, ...: its tokenizer must give the dataset's ids the same text
             data_tok = tokenizer_from_meta(data_meta, source=f"{cfg.data_dir}/meta.json")
             check_same_ids(w.tokenizer, data_tok, f"the tokenizer of {cfg.init_from}", f"the dataset in {cfg.data_dir}")
-        elif w.kind == "hub":
-            run_dir.check_gpt2(cfg, data_meta)
         run_dir.check_memory(dataclasses.replace(w.config, block_size=min(cfg.block_size, w.config.block_size)), cfg, rt)
 
+    if cfg.init_from in GPT2_HUB_NAMES:  # refused before the hub is asked: offline, its error would come first
+        run_dir.check_gpt2(cfg, data_meta)
     training = resolver.Training({"dropout": cfg.dropout, "attn_backend": cfg.attn_backend},
                                 lambda: scratch_config(cfg, data_meta), check, cfg.parallel == "fsdp", log)
     w = resolver.resolve(cfg.init_from, cfg.out_dir, training)
