@@ -36,6 +36,13 @@ FP16 = runtime.Runtime("cpu", "cpu", "float16")
 data_dir = char_data_fixture(TEXT)
 
 
+@pytest.fixture(autouse=True)
+def no_peak_measurement(monkeypatch):
+    """train.py's CPU peak for MFU times matmuls in the run's dtype, seconds each where the CPU emulates half
+    precision; no test here reads MFU (tests/test_runtime.py tests the measurement)."""
+    monkeypatch.setattr(train.flops, "cpu_matmul_peak_flops", lambda **kw: 1e12)
+
+
 def run_train(rt, out_dir, data_dir, **overrides):
     """train.train with a directly built Runtime (train.main would refuse half precision on CPU)."""
     cfg = train.TrainConfig(**(TINY_TRAIN | dict(out_dir=str(out_dir), data_dir=str(data_dir)) | overrides))

@@ -197,6 +197,9 @@ def test_cpu_peak_for_mfu_is_measured_in_the_runs_dtype(monkeypatch):
         peak, source = flops.peak_flops_with_source(runtime.Runtime("cpu", "cpu", dtype))
         assert peak > 0 and f"measured {dtype} 1024x1024 matmul" in source
     assert seen == [torch.float32] * 11 + [torch.bfloat16] * 11, seen
+    seen.clear()  # a dtype the CPU only emulates: as many timed matmuls as fit in budget_s, not 10
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append(time.sleep(0.3)) or torch.mm(a, b))
+    assert measure(n=64) > 0 and len(seen) == 1 + 4
 
 
 # Dense peak FLOP/s, NVIDIA datasheets: BF16 and TF32 are quoted "with sparsity" (x2), FP32 is plain.
