@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_many
+from tests.helpers import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 # model.py's imports of core/, each inside the one method of nanoGPT's API on GPT that needs it.
@@ -138,22 +138,37 @@ WINGS_NOT_LOADED = {  # entry -> the project modules (and the modules under them
     "bench.py": (),
     **{str(p.relative_to(ROOT)): () for p in sorted(ROOT.glob("scripts/*.py"))},
 }
-# In a fresh process: import the entry (as a module, not __main__), recording which module first imported each
-# module; print {project module: its importer}.
+# In one fresh process that has imported torch and numpy (no project module), a forked child per entry: import the
+# entry (as a module, not __main__), recording which module first imported each module; print a line
+# {"entry": ..., "importer": {project module: its importer}} per entry.
 LOADED = """
-import builtins, importlib.util, json, sys
+import builtins, importlib.util, json, os, sys, traceback
+import numpy, torch
 sys.path.insert(0, ".")
-importer, real = {}, builtins.__import__
-def tracing(name, globals=None, locals=None, fromlist=(), level=0):
-    before = set(sys.modules)
-    module = real(name, globals, locals, fromlist, level)
-    for new in set(sys.modules) - before:
-        importer.setdefault(new, (globals or {}).get("__name__", "?"))
-    return module
-builtins.__import__ = tracing
-spec = importlib.util.spec_from_file_location("__entry__", sys.argv[1])
-spec.loader.exec_module(importlib.util.module_from_spec(spec))
-print(json.dumps({m: i for m, i in importer.items() if m.split(".")[0] in sys.argv[2].split(",")}))
+wanted, failed = sys.argv[1].split(","), 0
+for entry in sys.argv[2:]:
+    sys.stdout.flush()
+    if os.fork() == 0:
+        importer, real = {}, builtins.__import__
+        def tracing(name, globals=None, locals=None, fromlist=(), level=0):
+            count = len(sys.modules)  # most imports find their module loaded: a set of thousands each is minutes
+            module = real(name, globals, locals, fromlist, level)
+            if len(sys.modules) != count:
+                for new in list(sys.modules)[count:]:  # loaded in order: the new ones are last
+                    importer.setdefault(new, (globals or {}).get("__name__", "?"))
+            return module
+        builtins.__import__ = tracing
+        try:
+            spec = importlib.util.spec_from_file_location("__entry__", entry)
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        loaded = {m: i for m, i in importer.items() if m.split(".")[0] in wanted}
+        print(json.dumps({"entry": entry, "importer": loaded}), flush=True)
+        os._exit(0)
+    failed += os.wait()[1] != 0
+sys.exit(failed)
 """
 
 
@@ -178,11 +193,12 @@ def test_each_script_loads_only_what_its_job_needs():
     entries = [p for p in WINGS_NOT_LOADED if (ROOT / p).is_file()]
     assert set(entries) >= {"train.py", "rl.py", "data/shakespeare_char/prepare.py", "data/chat/tasks.py"}
     wanted = ",".join(("core", "model", "benchmarks", "scripts") + SCRIPTS)
-    results = run_many([["-c", LOADED, entry, wanted] for entry in entries], parallel=3, timeout=300)
-    problems = []
-    for entry, result in zip(entries, results):
-        assert result.returncode == 0 and result.stdout.strip(), f"importing {entry}: {result.stderr[-2000:]}"
-        problems += offences(entry, json.loads(result.stdout.strip().splitlines()[-1]), WINGS_NOT_LOADED[entry])
+    result = run_script("-c", LOADED, wanted, *entries, timeout=300)
+    assert result.returncode == 0, f"importing the entries: {result.stderr[-2000:]}"
+    loaded = {r["entry"]: r["importer"] for r in (json.loads(line) for line in result.stdout.splitlines()
+                                                 if line.startswith('{"entry"'))}
+    assert list(loaded) == entries, result.stdout[-2000:]
+    problems = [p for entry in entries for p in offences(entry, loaded[entry], WINGS_NOT_LOADED[entry])]
     assert problems == [], "\n".join(problems)
 
 
