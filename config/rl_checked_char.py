@@ -1,6 +1,6 @@
 # RL on the checked tasks (sort and palindrome of 6 or 7 letters, core/data/tasks.py) from the SFT on their
-# demonstrations of 3, 4, 5 and 8 letters (docs/chat.md): no demonstration of these lengths exists, only the
-# checker. --update=rft fine-tunes on the accepted replies instead (rejection sampling).
+# demonstrations, of 3, 4, 5 and 8 letters and one in fifty of 6 or 7 (docs/chat.md): RL's prompts come with the
+# checker only. --update=rft fine-tunes on the accepted replies instead (rejection sampling).
 # Before: the base run, then the data and SFT commands of docs/chat.md (the checked tasks' proof)
 # Train:  python rl.py config/rl_checked_char.py
 # Score:  python eval.py --out_dir=out-rl-checked-char --task=sort --task_split=longer

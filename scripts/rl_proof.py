@@ -2,22 +2,22 @@
 compute, three seeds, on tasks whose harder problems have a checker and no demonstrations (docs/chat.md).
 
     python scripts/rl_proof.py                          # needs the base run: the README's CPU quick start
-    python scripts/rl_proof.py --seeds=1337 --rl_args=--max_iters=50 --problems=50
+    python scripts/rl_proof.py --seeds=1337 --rl_args=--max_iters=50 --problems=50 --sampled=20
     python plot.py passk rl_proof.json --out=docs/rl_passk.png
 
-The tasks are core/data/tasks.py's sort and palindrome: demonstrations of 3, 4, 5 and 8 letters, RL's prompts and
-the held-out problems 6 or 7, the longer split 9 or 10. Runs, from the repo root, one command at a time on one
-thread: data/chat/tasks.py and data/chat/prepare.py (the demonstrations, in data/chat_checked), train.py with
-config/sft_tasks_char.py on them for 3,000 iterations (the SFT every arm starts from; an out-sft-checked-char that
-holds a checkpoint is reused), then per seed rl.py config/rl_checked_char.py (REINFORCE), the same with
---update=rft (fine-tuning on the model's own accepted replies) and train.py continuing the SFT on its
-demonstrations for as many forward and backward tokens as the larger of the two RL runs used (rl.py logs each
-iteration's; an SFT iteration is 12 x 64 tokens forward and backward). Then each model's replies to the first
---problems problems of every evaluation split, scored by the task's checker as eval.py --task=NAME
---task_split=SPLIT scores them: heldout and longer greedily (pass@1) and 64 replies each at temperature 1 (pass@k,
-Chen et al.'s unbiased estimator), demos_heldout greedily (the task SFT taught: what an arm forgot). Prints the
-tables; every number goes to rl_proof.json, and a rerun reuses the numbers and finished runs it holds (--fresh
-starts over).
+The tasks are core/data/tasks.py's sort and palindrome: demonstrations of 3, 4, 5 and 8 letters and a few (one in
+fifty) of 6 or 7, RL's prompts and the held-out problems 6 or 7, the longer split 9 or 10. Runs, from the repo
+root, one command at a time on one thread: data/chat/tasks.py and data/chat/prepare.py (the demonstrations, in
+data/chat_checked), train.py with config/sft_tasks_char.py on them for 3,000 iterations (the SFT every arm starts
+from; an out-sft-checked-char that holds a checkpoint is reused), then per seed rl.py config/rl_checked_char.py
+(REINFORCE), the same with --update=rft (fine-tuning on the model's own accepted replies) and train.py continuing
+the SFT on its demonstrations for as many forward and backward tokens as the larger of the two RL runs used (rl.py
+logs each iteration's; an SFT iteration is 12 x 64 tokens forward and backward), at the RL arms' learning rates.
+Then each model's replies to the first --problems problems of every evaluation split, scored by the task's checker
+as eval.py --task=NAME --task_split=SPLIT scores them: heldout and longer greedily (pass@1), and the first
+--sampled of them with 64 replies each at temperature 1 (pass@k, Chen et al.'s unbiased estimator), demos_heldout
+greedily (the task SFT taught: what an arm forgot). Prints the tables; every number goes to rl_proof.json, and a
+rerun reuses the numbers and finished runs it holds (--fresh starts over).
 """
 import argparse
 import json
@@ -37,6 +37,8 @@ TASKS = ("sort", "palindrome")
 SPLITS = ("heldout", "longer")
 ARMS = ("more SFT", "RFT", "REINFORCE")
 SAMPLES = 64
+# more SFT steps as the RL arms do (config/rl_checked_char.py, no warmup): the arms differ in their update only
+RL_LR = ["--learning_rate=3e-4", "--min_lr=3e-5", "--warmup_iters=0"]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -54,7 +56,7 @@ def rl_tokens(out_dir: str) -> float:
     return sum(r["tokens"] for r in records if "tokens" in r)
 
 
-def scores(out_dir: str, problems: int) -> dict:
+def scores(out_dir: str, problems: int, sampled: int) -> dict:
     """{task: {split: {"greedy": pass@1, "pass@k": {k: ...}}, "demos_heldout": {"greedy": ...}}} of one model."""
     import torch
 
@@ -72,7 +74,7 @@ def scores(out_dir: str, problems: int) -> dict:
             chosen = tasklib.problems(task, split, problems)
             out[task][split] = {"greedy": task_scores(model.eval(), template, task, chosen)["mean"]}
             if split != "demos_heldout":
-                passed = task_scores(model, template, task, chosen, SAMPLES, 1.0)["pass@k"]
+                passed = task_scores(model, template, task, chosen[:sampled], SAMPLES, 1.0)["pass@k"]
                 out[task][split]["pass@k"] = {str(k): v for k, v in passed.items()}  # as JSON keeps them
     return out
 
@@ -81,7 +83,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="1337,1338,1339", help="comma-separated: one run of each arm each")
     parser.add_argument("--rl_args", default="", help="extra rl.py arguments (both RL arms), e.g. --max_iters=100")
-    parser.add_argument("--problems", type=int, default=200, help="problems per task and evaluation split")
+    parser.add_argument("--problems", type=int, default=200, help="problems per task and split, scored greedily")
+    parser.add_argument("--sampled", type=int, default=40, help="the first of those also scored at pass@k")
     parser.add_argument("--results", default="rl_proof.json", help="every number, read back by a rerun")
     parser.add_argument("--fresh", action="store_true", help="retrain and rescore everything")
     args = parser.parse_args(argv)
@@ -109,12 +112,13 @@ def main(argv: list[str]) -> None:
         n = round(budget / SFT_TOKENS)
         stage(f"more SFT {seed}", ["train.py", *SFT, "--init_from=out-sft-checked-char", f"--seed={seed}",
                                    f"--out_dir=out-sft-more-s{seed}", f"--max_iters={n}", f"--lr_decay_iters={n}",
-                                   f"--eval_interval={n}", "--overwrite=True"], f"out-sft-more-s{seed}")
+                                   f"--eval_interval={n}", "--overwrite=True", *RL_LR], f"out-sft-more-s{seed}")
     for name, r in results["runs"].items():
         r["tokens"] = rl_tokens(r["out_dir"]) if name.startswith(("RFT", "REINFORCE")) else \
             SFT_TOKENS * (json.loads((Path(r["out_dir"]) / "config.json").read_text())["max_iters"])
-        if r.get("problems") != args.problems:
-            r["scores"], r["problems"] = scores(r["out_dir"], args.problems), args.problems
+        if r.get("problems") != [args.problems, args.sampled]:
+            r["scores"] = scores(r["out_dir"], args.problems, args.sampled)
+            r["problems"] = [args.problems, args.sampled]
             path.write_text(json.dumps(results, indent=1))
     print(tables(results))
 

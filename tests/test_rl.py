@@ -104,17 +104,19 @@ def test_splits_never_overlap_and_the_checkers_score():
         splits = ("train", "heldout") + (("demos", "demos_heldout", "longer") if task.demos else ())
         drawn = {split: tasklib.distinct_problems(name, split, 2000, seed=1) if split in ("train", "demos") else
                  tasklib.problems(name, split, 200) for split in splits}
-        for i, a in enumerate(splits):
-            assert not any({p.key for p in drawn[a]} & {p.key for p in drawn[b]} for b in splits[i + 1:]), (name, a)
+        for a in ("train", "demos") if task.demos else ("train",):  # no key trained on is a held-out one
+            assert not any({p.key for p in drawn[a]} & {p.key for p in drawn[b]} for b in splits
+                           if b in ("heldout", "demos_heldout", "longer")), (name, a)
         for split in ("heldout", "demos_heldout", "longer") if task.demos else ("heldout",):
             assert drawn[split] == tasklib.problems(name, split, 200) and len({p.key for p in drawn[split]}) == 200
         for split, problems in drawn.items():  # answers shown only where demonstrations exist, and accepted
             shown = [p for p in problems if p.answer is not None]
             assert len(shown) == (len(problems) if split.startswith("demos") or not task.demos else 0), (name, split)
             assert all(task.check(p, p.answer) == 1.0 and task.check(p, p.answer + " ") == 0.0 for p in shown[:50])
-        if task.demos:  # the lengths: RL's prompts and their held-out twins between the demonstrations', longer longer
-            for split, lengths in (("demos", {3, 4, 5, 8}), ("heldout", {6, 7}), ("longer", {9, 10})):
+        if task.demos:  # the lengths: RL's prompts and their held-out twins 6 and 7, a few demonstrations there
+            for split, lengths in (("demos", {3, 4, 5, 6, 7, 8}), ("heldout", {6, 7}), ("longer", {9, 10})):
                 assert {len(p.key) for p in drawn[split]} == lengths, (name, split)
+            assert 0.01 < sum(len(p.key) in (6, 7) for p in drawn["demos"]) / 2000 < 0.03, name
     for p in tasklib.problems("add", "heldout", 100):
         a, b = map(int, p.prompt.removeprefix("add: ").split("+"))
         assert p.answer == str(a + b) and 10 <= a <= 999 and 10 <= b <= 999
@@ -144,7 +146,7 @@ def assert_user_error_raised(call, fragment):
 
 def test_chat_tasks_script_writes_each_tasks_demonstrations_and_their_heldout_set(tmp_path):
     """SFT conversations come from each task's demonstrations: reverse's and add's train problems, sort's short
-    ones (3, 4, 5 and 8 letters; its 6 and 7 letter problems have none), each answer the checker's."""
+    ones (3, 4, 5 and 8 letters, and one in fifty of 6 or 7), each answer the checker's."""
     spec_path = REPO_ROOT / "data" / "chat" / "tasks.py"
     result = run_script(str(spec_path), f"--out_dir={tmp_path}", "--tasks=reverse,add,sort", "--n_train=300",
                         "--n_heldout=20")
@@ -158,7 +160,7 @@ def test_chat_tasks_script_writes_each_tasks_demonstrations_and_their_heldout_se
     for messages in train:
         task, key = messages[-2]["content"].split(": ", 1)
         assert tasklib.split_of(key) == "train" and task in ("reverse", "add", "sort")
-        assert task != "sort" or len(key) in (3, 4, 5, 8)
+        assert task != "sort" or 3 <= len(key) <= 8
         problem = tasklib.Problem(messages[-2]["content"], messages[-1]["content"], key)
         assert tasklib.TASKS[task].check(problem, {"reverse": key[::-1]}.get(task, messages[-1]["content"])) == 1.0
     assert any(m[0]["role"] == "system" for m in train) and {m[-2]["content"][:4] for m in train} == {"reve", "add:", "sort"}

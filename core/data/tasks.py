@@ -15,9 +15,10 @@ train prompt is ever a held-out one, whatever seed or count drew them. reverse a
 (the letters), so a held-out string is held out from both.
 
 reverse, upper and add teach by demonstration: their train problems carry the answer SFT copies. sort and
-palindrome are checked only: demonstrations exist for some lengths (Task.demos: 3, 4, 5 and 8 letters), while
-the train and held-out problems have the lengths between (6 and 7) and the longer split more than any (9 and
-10), and those carry no answer (Problem.answer None): what a model learns there it learns from the checker.
+palindrome are checked: their demonstrations (Task.demos) have 3, 4, 5 and 8 letters, and a few (SCARCE: one in
+fifty) 6 or 7, the lengths of the train and held-out problems; those carry no answer (Problem.answer None), nor
+do the longer split's (9 and 10): past the few demonstrations, what a model learns there it learns from the
+checker (demonstrations are costly, a checker is not).
 The five splits: demos and demos_heldout (Task.demos's problems, train and held-out keys), train and heldout
 (Task.make's), longer (Task.longer's, held-out keys).
 
@@ -34,6 +35,7 @@ from core.errors import UserError
 
 HELDOUT_EVERY = 10   # one key in ten is held out
 HELDOUT_SEED = 0     # the sets everyone scores: the first N distinct problems of a held-out split from this seed
+SCARCE = 0.02  # the share of sort's and palindrome's demonstrations at the train problems' lengths (6 and 7)
 SPLITS = ("train", "heldout", "longer", "demos", "demos_heldout")
 
 
@@ -113,9 +115,11 @@ def check_palindrome(problem: Problem, reply: str) -> float:
 
 
 def levels(make: Callable[[random.Random, tuple[int, ...]], Problem], check: Callable[[Problem, str], float]) -> Task:
-    """A checked task by length: demonstrations of 3, 4, 5 and 8 letters, train and held-out problems of 6 and 7
-    (between them: a model of learned positions fails past the longest length it was shown), longer ones 9 and 10."""
-    return Task(lambda rng: make(rng, (6, 7)), check, demos=lambda rng: make(rng, (3, 4, 5, 8)),
+    """A checked task by length: demonstrations of 3, 4, 5 and 8 letters and a few of 6 or 7, train and held-out
+    problems of 6 and 7 (with none there, a model of learned positions scores 0 at both: docs/chat.md), longer ones
+    9 and 10."""
+    return Task(lambda rng: make(rng, (6, 7)), check,
+                demos=lambda rng: make(rng, (6, 7) if rng.random() < SCARCE else (3, 4, 5, 8)),
                 longer=lambda rng: make(rng, (9, 10)))
 
 
