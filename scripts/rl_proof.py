@@ -22,6 +22,7 @@ rerun reuses the numbers and finished runs it holds (--fresh starts over).
 import argparse
 import json
 import os
+import runpy
 import shlex
 import subprocess
 import sys
@@ -37,8 +38,13 @@ TASKS = ("sort", "palindrome")
 SPLITS = ("heldout", "longer")
 ARMS = ("more SFT", "RFT", "REINFORCE")
 SAMPLES = 64
-# more SFT steps as the RL arms do (config/rl_checked_char.py, no warmup): the arms differ in their update only
-RL_LR = ["--learning_rate=3e-4", "--min_lr=3e-5", "--warmup_iters=0"]
+RL_CONFIG = "config/rl_checked_char.py"
+
+
+def rl_learning_rates() -> list[str]:
+    """More SFT steps as the RL arms do (their config's rates, no warmup): the arms differ in their update only."""
+    rl = runpy.run_path(RL_CONFIG)
+    return [f"--learning_rate={rl['learning_rate']}", f"--min_lr={rl['min_lr']}", "--warmup_iters=0"]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -105,14 +111,15 @@ def main(argv: list[str]) -> None:
     stage("SFT", ["train.py", *SFT, "--out_dir=out-sft-checked-char", "--max_iters=3000", "--lr_decay_iters=3000",
                   "--eval_interval=500", "--overwrite=True"], "out-sft-checked-char")
     for seed in args.seeds.split(","):
-        rl = ["rl.py", "config/rl_checked_char.py", f"--seed={seed}", "--overwrite=True", *shlex.split(args.rl_args)]
+        rl = ["rl.py", RL_CONFIG, f"--seed={seed}", "--overwrite=True", *shlex.split(args.rl_args)]
         stage(f"REINFORCE {seed}", [*rl, f"--out_dir=out-rl-reinforce-s{seed}"], f"out-rl-reinforce-s{seed}")
         stage(f"RFT {seed}", [*rl, "--update=rft", f"--out_dir=out-rl-rft-s{seed}"], f"out-rl-rft-s{seed}")
         budget = max(rl_tokens(f"out-rl-{arm}-s{seed}") for arm in ("reinforce", "rft"))
         n = round(budget / SFT_TOKENS)
         stage(f"more SFT {seed}", ["train.py", *SFT, "--init_from=out-sft-checked-char", f"--seed={seed}",
                                    f"--out_dir=out-sft-more-s{seed}", f"--max_iters={n}", f"--lr_decay_iters={n}",
-                                   f"--eval_interval={n}", "--overwrite=True", *RL_LR], f"out-sft-more-s{seed}")
+                                   f"--eval_interval={n}", "--overwrite=True", *rl_learning_rates()],
+              f"out-sft-more-s{seed}")
     for name, r in results["runs"].items():
         r["tokens"] = rl_tokens(r["out_dir"]) if name.startswith(("RFT", "REINFORCE")) else \
             SFT_TOKENS * (json.loads((Path(r["out_dir"]) / "config.json").read_text())["max_iters"])
