@@ -2,12 +2,12 @@
 
 Read it bottom-up, the way the model computes: GPTConfig (the recipe switches as fields) -> reference
 attention and rotary positions -> causal self-attention -> MLP -> Block -> KVCache -> GPT (forward, init,
-parameter count, MFU, and from_pretrained as nanoGPT's users know it).
+parameter count, MFU, and nanoGPT's from_pretrained, generate and configure_optimizers).
 
-Elsewhere: decoding (sampling, generate, the server's per-row cache) in core/decoding/, the optimizer in
-core/training/optim.py, the kernel choices in core/kernels.py and core/cpu.py (acting through Kernels and
-GPT.swap_module below), the transformers interop in core/weights/hf.py. Those homes build on this file; nanoGPT's
-API on GPT (from_pretrained, generate, configure_optimizers) reaches each from inside its method only.
+Elsewhere, each building on this file: decoding (sampling, the server's per-row cache, the compiled step) in
+core/decoding/, the optimizer (Muon beside AdamW) in core/training/optim.py, the kernel choices in core/kernels.py
+and core/cpu.py (acting through Kernels and GPT.swap_module below). The one arrow back: from_pretrained reaches
+the transformers interop, core/weights/hf.py, from inside the method.
 
 Shapes: B batch, T sequence (queries), Tk keys, C = n_embd, nh heads, hs = C // nh head size.
 References: GPT-2 (Radford et al. 2019); "Attention Is All You Need" (Vaswani et al. 2017); nanoGPT (Karpathy),
@@ -612,23 +612,48 @@ class GPT(nn.Module):
         """Outside weights: GPT-2 from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a folder written by
         transformers' save_pretrained or export.py, of any architecture core/weights/hf.py maps (GPT-2, Llama,
         Qwen3, Arcee, Nemotron). Needs transformers. override_args may set dropout and attn_backend."""
-        # An import circle, one of nanoGPT's three methods': core/weights/hf.py builds GPTs, so it imports this file
-        # at its top, and nanoGPT's users call GPT.from_pretrained.
+        # The one import circle: core/weights/hf.py builds GPTs, so it imports this file at its top, and nanoGPT's
+        # users call GPT.from_pretrained.
         from core.weights import hf
         if os.path.isdir(name_or_dir):
             return hf.from_folder(name_or_dir, override_args)
         return hf.from_hub(name_or_dir, override_args)
 
+    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """nanoGPT's: idx (B, T) and max_new_tokens tokens after it -> (B, T + max_new_tokens), each drawn with torch's
-        global RNG (seed it with torch.manual_seed) from softmax(logits / temperature) cut to the top_k, the context
-        the last block_size tokens. Call model.eval() first. core/decoding/decode.py's generate does it, with a KV
-        cache (and takes top_p, a generator, an end-of-text token)."""
-        from core.decoding import decode  # nanoGPT's API: decoding builds on this file, as hf does
-        return decode.generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k)
+        global RNG (seed it with torch.manual_seed) from softmax(logits / temperature) cut to the top_k (0: greedy),
+        the context the last block_size tokens. Call model.eval() first. A KV cache while the context fits; past it
+        each token is a whole forward, as in nanoGPT. core/decoding/decode.py's generate slides the window faster,
+        and takes top_p, a generator, an end-of-text token."""
+        block_size = self.config.block_size
+        cache = self.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens))
+        for _ in range(max_new_tokens):
+            if idx.size(1) > block_size:  # every position moved: nanoGPT's crop, no cache
+                logits = self(idx[:, -block_size:], last_only=True)[0][:, -1, :]  # (B, vocab)
+            else:
+                logits = self(idx[:, cache.pos:], kv_cache=cache, last_only=True)[0][:, -1, :]
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+    def decay_groups(self, weight_decay, leave_out=()):
+        """nanoGPT's two AdamW groups: the >= 2-D weights (matrices, embeddings) decayed by weight_decay, the rest
+        (biases, gains, which set scales and offsets rather than store features) not; in parameters() order, which
+        saved optimizer state is matched by. leave_out: ids of parameters another optimizer takes (Muon's)."""
+        params = [p for p in self.parameters() if p.requires_grad and id(p) not in leave_out]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """nanoGPT's: a torch AdamW over two groups, the >= 2-D weights (matrices, embeddings) decayed by weight_decay
-        and the rest (biases, gains) not, as core/training/optim.py builds it for train.py (fused on CUDA and CPU)."""
-        from core.training import optim  # nanoGPT's API: the optimizer's home builds on this file, as hf does
-        return optim.build_optimizer(self, "adamw", learning_rate, weight_decay, betas, device_type)
+        """nanoGPT's: a torch AdamW over decay_groups, fused (one kernel for every tensor) on CUDA and CPU, where the
+        per-tensor loop is the slower (docs/performance.md, the loop section)."""
+        return torch.optim.AdamW(self.decay_groups(weight_decay), lr=learning_rate, betas=betas,
+                                 fused=device_type in ("cuda", "cpu"))

@@ -14,12 +14,14 @@ docs/performance.md ("Decoding against the bandwidth bound", "Mixed precision on
 """
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import GPT
+if TYPE_CHECKING:  # for the hints only: the device's ground floor (core/runtime.py) stands below the network
+    from model import GPT
 
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow bf16 instructions: AVX512_CORE_BF16 and above.
 _ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "BF16", "AMX", "FP16", "AVX10")
@@ -135,7 +137,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: GPT) -> None:
+def pack_linears(model: "GPT") -> None:
     """Decoding with bfloat16 weights on a CPU that computes them natively: every Block's matrix of
     PACK_MIN_WEIGHTS weights or more handed to oneDNN once, in its blocked layout (PackedLinear); smaller
     ones are faster as they are (one_row_kernels). Those weights then exist only packed, so this is for a
@@ -146,7 +148,7 @@ def pack_linears(model: GPT) -> None:
             model.swap_module(name, PackedLinear(module))
 
 
-def lay_head_by_columns(model: GPT) -> None:
+def lay_head_by_columns(model: "GPT") -> None:
     """Decoding in float32 on a CPU: the head's storage laid out in place as (C, vocab), the same values
     seen as (vocab, C), so F.linear reads it as decode.keep_float32_head's copy is read, faster at 1 to 16
     rows than over the row-major matrix (docs/performance.md, "Decoding against the bandwidth bound"), with

@@ -106,9 +106,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
                     muon_ns_coefficients: str = "quintic"):
     """AdamW (a torch.optim.AdamW), or Muon + AdamW (a MultiOptimizer of "muon" and "adamw").
 
-    AdamW decays only matrices and embeddings (>= 2-D), not biases and gains, which set scales and
-    offsets rather than store features. Every group records its own peak learning rate as
-    "base_lr"; set_lr scales them all by the schedule. muon_ns_steps: Newton-Schulz iterations per
+    AdamW's two groups are the model's own (GPT.decay_groups: >= 2-D weights decayed, the rest not). Every
+    group records its own peak learning rate as "base_lr"; set_lr scales them all by the schedule. muon_ns_steps: Newton-Schulz iterations per
     Muon update (torch's default 5), each three matmuls per matrix: a cost per step, whatever the batch.
     muon_ns_coefficients: NS_COEFFICIENTS (torch's own step holds one polynomial for all steps; BatchedMuon
     takes one per step)."""
@@ -116,13 +115,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     groups = split_params(model)
     muon_ids = {id(p) for _, p in groups["hidden"]} if optimizer == "muon" else set()
-    # Matrices in model.parameters() order: saved optimizer state is matched by position, so it stays fixed.
-    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in muon_ids]
-    adamw_groups = [{"params": matrices, "weight_decay": weight_decay, "base_lr": adamw_lr},
-                    {"params": [p for _, p in groups["vector"]], "weight_decay": 0.0, "base_lr": adamw_lr}]
-    # Fused (one kernel for all tensors) on CUDA and CPU: the per-tensor loop is the slower on both
-    # (docs/performance.md, the loop section).
-    adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=betas, fused=device_type in ("cuda", "cpu"))
+    adamw_groups = [g | {"base_lr": adamw_lr} for g in model.decay_groups(weight_decay, leave_out=muon_ids)]
+    adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=betas, fused=device_type in ("cuda", "cpu"))  # as GPT's
     if optimizer == "adamw":
         return adamw
     check_muon_params(groups["hidden"])
