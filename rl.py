@@ -46,10 +46,11 @@ from core.data.tokenizer import tokenizer_from_meta
 from core.decoding.replies import reply_text, sample_replies, sampler
 from core.errors import UserError, alike_on_every_rank, run_cli
 from core.evaluation.answers import task_scores
-from core.training import checkpointing, loop, optim, parallel, run_dir
+from core.training import checkpointing, loop, optim, parallel, preflight, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import RunConfig
 from core.weights import resolver
+from model import GPT
 
 
 @dataclasses.dataclass
@@ -111,14 +112,14 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
         if cfg.prompts_per_iter % rt.world_size:
             raise UserError(f"prompts_per_iter ({cfg.prompts_per_iter}) must be divisible by the number of "
                             f"processes ({rt.world_size}); it counts prompts across all processes")
-        out_dir = run_dir.check_out_dir(cfg)
-        w, template, started_from = load_policy(cfg, log)
+        out_dir = preflight.check_out_dir(cfg)
+        w, policy, template, started_from = load_policy(cfg, log)
         names = tasklib.task_names(cfg.tasks)
         tasklib.check_vocabulary(names, template.tok.encode, f"the vocabulary of {w.source}")
     resuming = w.kind == "resume"
-    raw_model = w.model.to(rt.device)
+    raw_model = policy.to(rt.device)
     # The KL term's reference: the starting model, fixed (a resume reloads it from the run it started from).
-    reference = None if cfg.kl_coef == 0 else starting_model(started_from, w, rt)
+    reference = None if cfg.kl_coef == 0 else starting_model(started_from, w.kind, policy, rt)
     model = parallel.parallelize(raw_model, rt, "ddp", activation_checkpointing=False, compile=False)
     optimizer = optim.build_optimizer(raw_model, "adamw", cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                       rt.device_type)
@@ -248,15 +249,11 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
 # what train() calls, in the order it calls it
 
 
-def load_policy(cfg: RLConfig, log) -> tuple[resolver.Weights, ChatTemplate, str]:
-    """The model init_from names (a chat run, or this run's checkpoint to resume), its chat template, and the run
-    the policy started from (the KL term's reference). Dropout off: the log-probabilities the step raises are
-    those the replies were sampled with."""
-    def no_scratch():
-        raise UserError("rl.py starts from a chat run: pass --init_from=OUT_DIR of a chat fine-tune (docs/chat.md)")
-
-    w = resolver.resolve(cfg.init_from, cfg.out_dir, resolver.Training({"dropout": 0.0}, no_scratch, lambda w: None,
-                                                                       log=log))
+def load_policy(cfg: RLConfig, log) -> tuple[resolver.Weights, GPT, ChatTemplate, str]:
+    """What init_from names (a chat run, or this run's checkpoint to resume), the policy built from it, its chat
+    template, and the run the policy started from (the KL term's reference). Dropout off: the log-probabilities
+    the step raises are those the replies were sampled with."""
+    w = resolver.locate(cfg.init_from, cfg.out_dir, {"dropout": 0.0}, training=True, log=log)
     if w.kind == "resume":
         log(f"resuming from {w.path} at iter {w.state['meta']['iter_num']}")
     meta = w.tokenizer_meta or w.tokenizer.meta()
@@ -266,12 +263,12 @@ def load_policy(cfg: RLConfig, log) -> tuple[resolver.Weights, ChatTemplate, str
                         f"(docs/chat.md), then start rl.py from that run")
     w.tokenizer_meta = meta
     started_from = w.state["meta"].get("started_from", cfg.init_from) if w.kind == "resume" else cfg.init_from
-    return w, template, started_from
+    return w, resolver.build(w), template, started_from
 
 
-def starting_model(started_from: str, w: resolver.Weights, rt: runtime.Runtime):
+def starting_model(started_from: str, kind: str, policy: GPT, rt: runtime.Runtime):
     """The policy as the run started, frozen: a new run's own weights, or for a resume the run it started from."""
-    model = w.model if w.kind != "resume" else resolver.load_model(started_from, started_from)[0]
+    model = policy if kind != "resume" else resolver.load_model(started_from, started_from)[0]
     return copy.deepcopy(model).to(rt.device).eval().requires_grad_(False)
 
 

@@ -33,10 +33,10 @@ from tqdm import tqdm
 
 from core import config as configlib, runtime
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
-from core.data.tokenizer import check_extends, check_same_ids, tokenizer_from_meta, tokenizer_meta
+from core.data.tokenizer import tokenizer_from_meta, tokenizer_meta
 from core.errors import Stopped, UserError, alike_on_every_rank, run_cli
 from core.evaluation.hellaswag import hellaswag_scores, load_hellaswag, render_examples
-from core.training import checkpointing, flops, loop, optim, parallel, run_dir
+from core.training import checkpointing, flops, loop, optim, parallel, preflight, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from core.weights import resolver
@@ -52,9 +52,9 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     starting = "before training started; nothing was written"  # what a signal during start-up leaves
     stop.check(starting)
     with alike_on_every_rank():
-        run_dir.check_ranks_agree(cfg, rt)  # init_from=auto: each decided alone
+        preflight.check_ranks_agree(cfg, rt)  # init_from=auto: each decided alone
         accum = local_accum_steps(cfg, rt.world_size)
-        out_dir = run_dir.check_out_dir(cfg)
+        out_dir = preflight.check_out_dir(cfg)
         data_meta = read_meta(cfg.data_dir)
     # The data first: a missing file or a block_size longer than the data is found in a second,
     # before a model of that block_size is built.
@@ -64,7 +64,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     resuming = resumed is not None  # the resolver's answer: init_from named this run's own checkpoint
     # A model from weights (a folder, the hub, a base run) has their shape, not the config's: config.json
     # records that, so `--init_from=resume --out_dir=RUN` resumes with the shape the checkpoint holds.
-    if not resuming and (replaced := run_dir.shape_set_aside(cfg, model.config)):
+    if not resuming and (replaced := preflight.shape_set_aside(cfg, model.config)):
         log(f"note: init_from={cfg.init_from} brings its own architecture; not applied: {', '.join(replaced)}")
     cfg = dataclasses.replace(cfg, **{k: getattr(model.config, k) for k in ARCHITECTURE_KEYS})
     stop.check(starting)
@@ -95,7 +95,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
     peak, peak_source = flops.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
-    note = run_dir.gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
+    note = preflight.gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
     if note:
         log(note)
     batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device,
@@ -205,26 +205,19 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
 
 def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
                 log) -> tuple[GPT, dict, resolver.Weights | None]:
-    """The model for cfg.init_from (core/weights/resolver.py), the tokenizer metadata it is trained with, and for
-    init_from=resume the checkpoint it resumes (checkpointing.restore). The training checks run on the
-    architecture before any weight is read, so a run that plainly does not fit in memory stops first."""
-
-    def check(w: resolver.Weights) -> None:
-        if w.kind == "resume":
-            run_dir.check_resume(cfg, w, data_meta, rt, log)
-        elif w.kind == "run":  # a base run: its weights, a new run (e.g. a chat fine-tune)
-            check_extends(w.tokenizer_meta, tokenizer_meta(data_meta), f"init_from={cfg.init_from}")
-        elif w.kind == "folder":  # GPT-2, Llama, Qwen3, ...: its tokenizer must give the dataset's ids the same text
-            data_tok = tokenizer_from_meta(data_meta, source=f"{cfg.data_dir}/meta.json")
-            check_same_ids(w.tokenizer, data_tok, f"the tokenizer of {cfg.init_from}", f"the dataset in {cfg.data_dir}")
-        run_dir.check_memory(dataclasses.replace(w.config, block_size=min(cfg.block_size, w.config.block_size)), cfg, rt)
-
-    if cfg.init_from in GPT2_HUB_NAMES:  # refused before the hub is asked: offline, its error would come first
-        run_dir.check_gpt2(cfg, data_meta)
-    training = resolver.Training({"dropout": cfg.dropout, "attn_backend": cfg.attn_backend},
-                                lambda: scratch_config(cfg, data_meta), check, cfg.parallel == "fsdp", log)
-    w = resolver.resolve(cfg.init_from, cfg.out_dir, training)
-    model = w.model
+    """The model for cfg.init_from, in the resolver's two steps: locate what it names, run the pre-flight checks on
+    its architecture (core/training/preflight.py: nothing read or allocated yet), then build it. Returns it, the
+    tokenizer metadata it is trained with, and for init_from=resume the checkpoint it resumes (checkpointing.restore)."""
+    overrides = {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend}
+    if cfg.init_from == "scratch":
+        w = resolver.Weights("scratch", scratch_config(cfg, data_meta), "scratch", overrides=overrides)
+    else:
+        if cfg.init_from in GPT2_HUB_NAMES:  # refused before the hub is asked: offline, its error would come first
+            preflight.check_gpt2(cfg, data_meta)
+        w = resolver.locate(cfg.init_from, cfg.out_dir, overrides, training=True, sharded=cfg.parallel == "fsdp",
+                            log=log)
+    preflight.check_weights(cfg, w, data_meta, rt, log)
+    model = resolver.build(w)
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
         raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")

@@ -506,7 +506,7 @@ def test_ranks_that_decide_auto_differently_are_refused(tmp_path, data_dir):
     """torchrun, 2 gloo processes, --init_from=auto, each rank given its own out_dir by a config file (as nodes
     whose out_dir is not one shared directory would see it): rank 0's holds a checkpoint, rank 1's does not.
     Rank 0 would resume and rank 1 start afresh; train.py stops both in one line before either trains or
-    writes (run_dir.check_ranks_agree)."""
+    writes (preflight.check_ranks_agree)."""
     train_tiny(tmp_path / "out0", data_dir, max_iters=2, eval_interval=2)
     before = (tmp_path / "out0" / "ckpt.pt").read_bytes()
     per_rank = tmp_path / "per_rank.py"

@@ -23,7 +23,7 @@ from core import runtime
 from core.evaluation import hellaswag, perplexity
 from core.data.loader import TokenData
 from core.data.tokenizer import CharTokenizer
-from core.training import memory, run_dir
+from core.training import memory, preflight
 from core.weights import checkpoint, resolver
 from model import GPTConfig
 from tests.helpers import (assert_user_error, char_data_fixture, cli_args, losses, records, run_main, run_scripts,
@@ -160,10 +160,10 @@ def test_memory_check_counts_fsdp_shards_and_activation_checkpointing(monkeypatc
         monkeypatch.setattr(memory, "available_bytes", lambda device: free)
         cfg.parallel, cfg.activation_checkpointing = parallel, ac
         if fits:
-            run_dir.check_memory(config, cfg, rt)
+            preflight.check_memory(config, cfg, rt)
         else:
             with pytest.raises(memory.UserError, match="training needs about"):
-                run_dir.check_memory(config, cfg, rt)
+                preflight.check_memory(config, cfg, rt)
 
 
 # -----------------------------------------------------------------------------

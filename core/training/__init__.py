@@ -3,6 +3,7 @@
 train_config.py (RunConfig, the keys both loops share; TrainConfig, the schedule, the optimizer it asks for),
 loop.py (the start-up both scripts share, the optimizer step's tail), optim.py (AdamW, Muon), parallel.py (ddp |
 fsdp, activation checkpointing, compile, the CPU's kernels), memory.py (the estimate before allocating), flops.py
-(peak FLOP/s for MFU), runlog.py (log.jsonl), checkpointing.py (saving a run), run_dir.py (the guards of out_dir
-and of a resume).
+(peak FLOP/s for MFU), runlog.py (log.jsonl), checkpointing.py (saving a run), run_dir.py (the config a run starts or resumes
+with, the command that continues it), preflight.py (what a run checks before it trains: out_dir, the weights it
+starts from, memory).
 """

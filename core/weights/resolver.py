@@ -1,18 +1,20 @@
-"""Where a model's weights come from, decided once: init_from names one of
+"""Where a model's weights come from, in two steps: locate what init_from names (the architecture, the tokenizer,
+a checkpoint's contents: everything but the weights), then build the model. A script runs its own checks between
+the two, on the architecture, before any weight is read or allocated. init_from names one of
 
-    scratch    new weights for the config train.py builds (train.py only)
+    scratch    new weights for the config train.py makes (Weights("scratch", config, "scratch"); train.py only)
     resume     the checkpoint in out_dir (training: also its optimizer, RNG and iteration)
     run        a training run's out_dir: its checkpoint's weights, e.g. for a chat fine-tune
     folder     a transformers folder (GPT-2, Llama, Qwen3, ...: core/weights/hf.py), with its tokenizer.json
     hub        a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), with GPT-2's BPE
 
-    w = resolver.resolve("resume", "out-shakespeare-char")
-    w.model, w.tokenizer, w.source                              # on the CPU
-    model, tok, source = resolver.load_model(init_from, out_dir)   # the same, as sample.py, eval.py, ... use it
+    w = resolver.locate("resume", "out-shakespeare-char")       # w.config, w.tokenizer, w.source, w.state
+    model = resolver.build(w)                                    # on the CPU
+    model, tok, source = resolver.load_model(init_from, out_dir) # both steps, as sample.py, eval.py, ... use it
 
-train.py passes a Training: resume then reads the newest intact checkpoint (ckpt.prev.pt when ckpt.pt
-is damaged) and, under fsdp, only its metadata; and Training.check sees the architecture and the
-tokenizer before any weight is read or allocated. Every problem is a UserError, in one line.
+For training (locate(..., training=True)), resume reads the newest intact checkpoint (ckpt.prev.pt when ckpt.pt
+is damaged) and, sharded (fsdp), only its metadata, and the tokenizer stays metadata. Every problem is a
+UserError, in one line.
 """
 import copy
 import dataclasses
@@ -27,25 +29,16 @@ from model import GPT, GPT2_HUB_NAMES, GPT2_SHAPES, GPTConfig
 
 @dataclasses.dataclass
 class Weights:
-    """What init_from resolved to. model is None only while Training.check runs."""
+    """What init_from names, everything but the weights: build() reads them."""
     kind: str                            # scratch | resume | run | folder | hub
     config: GPTConfig                    # the architecture, known before any weight is read
     source: str                          # one line naming where the weights come from
     tokenizer: Tokenizer | None = None   # the one they came with (training reads only a checkpoint's metadata)
     tokenizer_meta: dict | None = None   # resume, run: the checkpoint's saved tokenizer metadata
-    state: dict[str, Any] | None = None  # resume, run: the loaded checkpoint (its "model" None under fsdp)
+    state: dict[str, Any] | None = None  # resume, run: the loaded checkpoint (its "model" None when sharded)
     path: Path | None = None             # resume, run: the checkpoint file or directory
-    model: GPT | None = None
-
-
-@dataclasses.dataclass
-class Training:
-    """What train.py adds to a load."""
-    overrides: dict[str, Any]            # how the model runs (dropout, attn_backend), never its weights
-    scratch: Callable[[], GPTConfig]     # the architecture of new weights
-    check: Callable[[Weights], None]     # the training checks, before any weight is read
-    sharded: bool = False                # fsdp: a resumed model's weights load after sharding
-    log: Callable[[str], None] = print
+    overrides: dict[str, Any] = dataclasses.field(default_factory=lambda: {"dropout": 0.0})  # how the model runs
+    name: str = ""                       # folder, hub: what init_from said
 
 
 def kind_of(init_from: str) -> str | None:
@@ -70,24 +63,49 @@ def check_init_from(init_from: str, scratch: bool = False) -> None:
                         f"directory written by save_pretrained")
 
 
-def resolve(init_from: str, out_dir, training: Training | None = None) -> Weights:
-    """The model init_from names, on the CPU, with its tokenizer and a line naming its source."""
-    check_init_from(init_from, scratch=training is not None)
-    overrides = training.overrides if training else {"dropout": 0.0}
-    w = _locate(kind_of(init_from), init_from, Path(out_dir), training)
+def locate(init_from: str, out_dir, overrides: dict[str, Any] | None = None, training: bool = False,
+           sharded: bool = False, log: Callable[[str], None] = print) -> Weights:
+    """Everything init_from names but the weights: architecture, tokenizer, a line naming the source and, for a
+    checkpoint, its contents. overrides (dropout, attn_backend) say how the model will run, never its weights."""
+    check_init_from(init_from)
+    kind, out_dir = kind_of(init_from), Path(out_dir)
+    overrides = {"dropout": 0.0} if overrides is None else overrides
+    if kind in ("resume", "run"):
+        w = _checkpoint(kind, out_dir if kind == "resume" else Path(init_from), training, sharded, log)
+    elif kind == "folder":
+        config = hf.folder_config(init_from, overrides if training else None)
+        w = Weights(kind, config, init_from, tokenizer=hf.folder_tokenizer(init_from, config))
+    else:  # hub. Whether its weights can be had, then the tokenizer: without the BPE file nothing decodes.
+        hf.check_hub(init_from)
+        w = Weights(kind, GPTConfig(**GPT2_SHAPES[init_from]), init_from, tokenizer=None if training else GPT2Tokenizer())
+    w.overrides, w.name = overrides, init_from
     if w.tokenizer is not None and w.tokenizer.vocab_size > w.config.vocab_size:
         raise UserError(f"{w.source}: the tokenizer has {w.tokenizer.vocab_size} ids but the model only "
                         f"{w.config.vocab_size}; they do not belong together")
-    if training:
-        training.check(w)
-    w.model = _build(w, init_from, overrides)
     return w
 
 
+def build(w: Weights) -> GPT:
+    """The model of w, its weights read (a sharded checkpoint's load after sharding: checkpointing.restore)."""
+    if w.kind == "scratch":
+        return GPT(w.config)
+    if w.kind in ("resume", "run"):
+        try:
+            return checkpoint.model_from_checkpoint(w.state, **w.overrides)
+        except (TypeError, ValueError, KeyError, RuntimeError) as e:
+            raise UserError(f"checkpoint {w.path} does not fit this model.py ({first_line(e)})") from None
+    if w.kind == "folder":
+        return hf.from_folder(w.name, w.overrides)
+    try:
+        return hf.from_hub(w.name, w.overrides)
+    except (OSError, ValueError) as e:  # offline, or no such model on the hub
+        raise UserError(f"could not load GPT-2 weights '{w.name}': {first_line(e)}") from None
+
+
 def load_model(init_from: str, out_dir) -> tuple[GPT, Tokenizer, str]:
-    """resolve() as the scripts use it: (model, tokenizer, one line naming the source)."""
-    w = resolve(init_from, out_dir)
-    return w.model, w.tokenizer, w.source
+    """Both steps, as the scripts use them: (model, tokenizer, one line naming the source)."""
+    w = locate(init_from, out_dir)
+    return build(w), w.tokenizer, w.source
 
 
 def with_end_of_text(model: GPT, tok: Tokenizer) -> tuple[GPT, Tokenizer]:
@@ -112,35 +130,20 @@ def with_end_of_text(model: GPT, tok: Tokenizer) -> tuple[GPT, Tokenizer]:
     return model, tok
 
 
-def _locate(kind: str, init_from: str, out_dir: Path, training: Training | None) -> Weights:
-    """Everything but the weights: architecture, tokenizer, and for a checkpoint its contents."""
-    if kind == "scratch":
-        return Weights(kind, training.scratch(), "scratch")
-    if kind in ("resume", "run"):
-        return _checkpoint(kind, out_dir if kind == "resume" else Path(init_from), training)
-    if kind == "folder":
-        config = hf.folder_config(init_from, training.overrides if training else None)
-        return Weights(kind, config, init_from, tokenizer=hf.folder_tokenizer(init_from, config))
-    # hub. Whether its weights can be had, then the tokenizer: without the BPE file there is nothing to decode with.
-    hf.check_hub(init_from)
-    return Weights(kind, GPTConfig(**GPT2_SHAPES[init_from]), init_from,
-                   tokenizer=None if training else GPT2Tokenizer())
-
-
-def _checkpoint(kind: str, directory: Path, training: Training | None) -> Weights:
-    if training is None:
+def _checkpoint(kind: str, directory: Path, training: bool, sharded: bool, log) -> Weights:
+    if not training:
         state, path = _exact(directory)
     elif kind == "run":  # only the weights are taken, so whichever file the run holds
         path = checkpoint.find_checkpoint(directory)
         state = checkpoint.load_checkpoint(path)
-    elif training.sharded:  # the weights and optimizer load after sharding (checkpointing.restore)
-        meta, path = checkpoint.load_latest_sharded(directory, log=training.log)
+    elif sharded:  # the weights and optimizer load after sharding (checkpointing.restore)
+        meta, path = checkpoint.load_latest_sharded(directory, log=log)
         state = {"meta": meta, "model": None}
     else:
-        state, path = checkpoint.load_latest(directory, log=training.log)
+        state, path = checkpoint.load_latest(directory, log=log)
     meta = state["meta"]
     if not isinstance(meta.get("tokenizer"), dict):
-        use = "it cannot be decoded" if training is None else "it cannot be fine-tuned on a dataset"
+        use = "it cannot be fine-tuned on a dataset" if training else "it cannot be decoded"
         raise UserError(f"checkpoint {path} has no tokenizer metadata; {use}")
     try:
         config = GPTConfig(**meta["model_args"])
@@ -166,20 +169,3 @@ def _exact(out_dir: Path) -> tuple[dict, Path]:
         return checkpoint.load_checkpoint(path), path
     except UserError as e:
         raise UserError(f"{e}{hint}") from None
-
-
-def _build(w: Weights, init_from: str, overrides: dict) -> GPT:
-    """The model of w, its weights read (a resumed fsdp run's after sharding)."""
-    if w.kind == "scratch":
-        return GPT(w.config)
-    if w.kind in ("resume", "run"):
-        try:
-            return checkpoint.model_from_checkpoint(w.state, **overrides)
-        except (TypeError, ValueError, KeyError, RuntimeError) as e:
-            raise UserError(f"checkpoint {w.path} does not fit this model.py ({first_line(e)})") from None
-    if w.kind == "folder":
-        return hf.from_folder(init_from, overrides)
-    try:
-        return hf.from_hub(init_from, overrides)
-    except (OSError, ValueError) as e:  # offline, or no such model on the hub
-        raise UserError(f"could not load GPT-2 weights '{init_from}': {first_line(e)}") from None
