@@ -24,7 +24,6 @@ from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -44,7 +43,7 @@ from core.errors import Stopped, UserError, run_cli
 from core.evaluation.answers import chat_accuracy, load_chat_file, task_scores
 from core.evaluation.hellaswag import evaluate_hellaswag, load_hellaswag, render_examples
 from core.evaluation.perplexity import evaluate_split
-from core.weights import resolver
+from core.weights import nanogpt, resolver
 
 EVALUATIONS = ("perplexity", "hellaswag", "chat")  # and each task with a checker (core/data/tasks.py TASKS)
 
@@ -52,9 +51,9 @@ EVALUATIONS = ("perplexity", "hellaswag", "chat")  # and each task with a checke
 @dataclasses.dataclass
 class EvalConfig:
     init_from: str = "resume"        # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a transformers folder
-    out_dir: str = "out"             # where init_from=resume finds ckpt.pt and config.json
+    out_dir: str = "out"             # where init_from=resume finds ckpt.pt
     task: str = "perplexity"         # perplexity | hellaswag | chat | a task with a checker: reverse, upper, add
-    data_dir: str | None = None      # perplexity: a prepared dataset; None: the run's own (out_dir/config.json)
+    data_dir: str | None = None      # perplexity: a prepared dataset; None: the one the checkpoint's run trained on
     split: str = "val"
     block_size: int | None = None    # window length; None: the model's block_size
     stride: int | None = None        # a new window every stride tokens; None: block_size (non-overlapping)
@@ -88,17 +87,22 @@ class EvalConfig:
         resolver.check_init_from(self.init_from)
 
 
-def run_data_dir(cfg: EvalConfig) -> str:
-    """--data_dir, else the data_dir the checkpoint's run trained on."""
+def run_data_dir(cfg: EvalConfig, w: resolver.Weights) -> str:
+    """--data_dir, else the dataset the checkpoint's run trained on: its config's data_dir, or a nanoGPT run's
+    data/<dataset> beside the run or under the working directory (as its vocabulary is found)."""
     if cfg.data_dir is not None:
         return cfg.data_dir
-    config_path = Path(cfg.out_dir) / "config.json"
-    if resolver.kind_of(cfg.init_from) == "resume" and config_path.is_file():
-        try:
-            return json.loads(config_path.read_text())["data_dir"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass
-    raise UserError("no dataset to evaluate on: pass --data_dir=data/<name> (a folder prepared by its prepare.py)")
+    run = (w.state or {}).get("meta", {}).get("config") or {}
+    if "dataset" in run:  # nanoGPT's
+        places = nanogpt.dataset_dirs(str(run["dataset"]), w.path)
+    else:
+        places = [Path(run["data_dir"])] if isinstance(run.get("data_dir"), str) else []
+    found = next((p for p in places if p.is_dir()), None)
+    if found is not None:
+        return str(found)
+    looked = f"{w.source}'s dataset is not at {' or '.join(map(str, places))}; " if places else ""
+    raise UserError(f"no dataset to evaluate on: {looked}pass --data_dir=data/<name> (a folder prepared by its "
+                    f"prepare.py)")
 
 
 class Progress:
@@ -127,8 +131,7 @@ def result_or_stop(result, stop: runtime.StopFlag):
     return result
 
 
-def perplexity(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime.StopFlag) -> str:
-    data_dir = run_data_dir(cfg)
+def perplexity(cfg: EvalConfig, model, tok, data_dir: str, rt: runtime.Runtime, stop: runtime.StopFlag) -> str:
     check_same_tokenizer(tok.meta(), read_meta(data_dir), data_dir)
     block_size = cfg.block_size or model.config.block_size
     if block_size > model.config.block_size:
@@ -202,15 +205,17 @@ def main(argv: Sequence[str]) -> str:
         if cfg.task == "chat":
             examples = load_chat_file(cfg.chat_file, cfg.max_examples)
         stop.check("before the evaluation; no result")
-        model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
+        w = resolver.locate(cfg.init_from, cfg.out_dir)
+        data_dir = run_data_dir(cfg, w) if cfg.task == "perplexity" else None  # a missing one, before the weights
+        model, tok = resolver.build(w), w.tokenizer
         stop.check("before the evaluation; no result")
         if rt.is_master:
-            print(f"evaluating {source} on {rt.device} in {rt.dtype}", file=sys.stderr)
+            print(f"evaluating {w.source} on {rt.device} in {rt.dtype}", file=sys.stderr)
         # --quantize: the weights cast and quantized as sample.py decodes them; else float weights under autocast
         model = inference_model(model, rt, quantize=cfg.quantize) if cfg.quantize != "none" else model.to(rt.device)
         stop.message = "stopping after this batch; no result"
         if cfg.task == "perplexity":
-            line = perplexity(cfg, model, tok, rt, stop)
+            line = perplexity(cfg, model, tok, data_dir, rt, stop)
         elif cfg.task == "chat":
             line = chat(cfg, model, tok, examples, stop)
         elif cfg.task in tasklib.TASKS:

@@ -30,7 +30,8 @@ from core.training.train_config import TrainConfig
 from core.weights import checkpoint, resolver
 from model import GPT, GPTConfig
 from tests import nanogpt_model
-from tests.helpers import REPO_ROOT, ROMEO_JULIET, assert_user_error, losses, run_main, run_scripts, train_tiny
+from tests.helpers import (REPO_ROOT, ROMEO_JULIET, assert_user_error, losses, run_main, run_scripts, train_tiny,
+                           use_gpt2_bpe)
 
 TEXT = ROMEO_JULIET
 ITERS = 40  # nanoGPT's run: its checkpoint holds iter_num 40
@@ -163,13 +164,32 @@ def test_sample_eval_and_export_read_the_nanogpt_folder(in_nanogpt_dir):
     assert sampled.returncode == 0, sampled.stderr
     assert "nanoGPT's, vocabulary data/shakespeare_char/meta.pkl" in sampled.stderr
     assert sampled.stdout.startswith("ROMEO:") and set(sampled.stdout) <= set(TEXT) | {"-"}
-    scored = run_main(eval_script.main, ["--out_dir=out", "--data_dir=data/shakespeare_char", "--device=cpu",
-                                         "--dtype=float32"])
-    assert scored.returncode == 0 and "loss" in scored.stdout, scored.stderr
+    scored = run_main(eval_script.main, ["--out_dir=out", "--device=cpu", "--dtype=float32"])  # its dataset's own
+    assert scored.returncode == 0 and scored.stdout.startswith("data/shakespeare_char val: loss"), scored.stderr
     exported = run_main(export.main, ["--out_dir=out", "--hf_dir=hf"])  # its logits are checked against ours first
     assert exported.returncode == 0, exported.stderr
     config = json.loads((in_nanogpt_dir / "hf" / "config.json").read_text())
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["activation_function"] == "gelu"
+
+
+def test_eval_finds_a_nanogpt_runs_dataset_beside_it_or_says_where_it_looked(nanogpt_dir, tmp_path, monkeypatch):
+    """eval.py with no --data_dir scores the dataset nanoGPT's config names, found as sample.py finds its vocabulary:
+    data/<dataset> beside the run (here, from another working directory); where there is none, one line naming both
+    places."""
+    monkeypatch.chdir(tmp_path)
+    scored = run_main(eval_script.main, [f"--out_dir={nanogpt_dir / 'out'}", "--device=cpu", "--dtype=float32"])
+    assert scored.returncode == 0, scored.stderr
+    assert scored.stdout.startswith(f"{nanogpt_dir / 'data' / 'shakespeare_char'} val: loss"), scored.stdout
+    # A run on GPT-2's BPE (no meta.pkl to find) whose dataset is in neither place: refused before the weights load.
+    use_gpt2_bpe()
+    state = torch.load(nanogpt_dir / "out" / "ckpt.pt", weights_only=True)
+    state["model_args"] = state["model_args"] | {"vocab_size": 50304}
+    state["config"] = state["config"] | {"dataset": "openwebtext"}
+    (tmp_path / "run" / "out").mkdir(parents=True)
+    torch.save(state, tmp_path / "run" / "out" / "ckpt.pt")
+    failed = run_main(eval_script.main, ["--out_dir=run/out", "--device=cpu"])
+    assert_user_error(failed, "no dataset to evaluate on")
+    assert "run/data/openwebtext or data/openwebtext; pass --data_dir=" in failed.stderr, failed.stderr
 
 
 def test_train_resumes_nanogpts_run_with_its_iteration_optimizer_and_config(in_nanogpt_dir, tmp_path):

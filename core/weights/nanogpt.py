@@ -39,11 +39,16 @@ def from_nanogpt(state: dict, path: Path) -> dict:
             "rng": None}
 
 
+def dataset_dirs(dataset: str, path: Path) -> list[Path]:
+    """Where nanoGPT's run on data/<dataset> keeps it: beside the run (path's out_dir's parent, nanoGPT's own layout),
+    then under the working directory, as nanoGPT's sample.py looks."""
+    return list(dict.fromkeys([path.parent.parent / "data" / dataset, Path("data") / dataset]))
+
+
 def _vocabulary(dataset: str | None, vocab_size: int, path: Path) -> tuple[dict, str]:
     """The tokenizer metadata of nanoGPT's run, and where it came from: its dataset's meta.pkl, else GPT-2's BPE
     (as nanoGPT's sample.py)."""
-    places = [] if dataset is None else list(dict.fromkeys([path.parent.parent / "data" / dataset / "meta.pkl",
-                                                             Path("data") / dataset / "meta.pkl"]))
+    places = [] if dataset is None else [d / "meta.pkl" for d in dataset_dirs(dataset, path)]
     found = next((p for p in places if p.is_file()), None)
     if found is not None:
         return {k: v for k, v in read_meta_pkl(found).items() if k != "dtype"}, f"vocabulary {found}"
