@@ -212,7 +212,7 @@ def main(argv: Sequence[str]) -> str:
         if rt.is_master:
             print(f"evaluating {w.source} on {rt.device} in {rt.dtype}", file=sys.stderr)
         # --quantize: the weights cast and quantized as sample.py decodes them; else float weights under autocast
-        model = inference_model(model, rt, quantize=cfg.quantize) if cfg.quantize != "none" else model.to(rt.device)
+        model = inference_model(model, rt, quantize=cfg.quantize)[0] if cfg.quantize != "none" else model.to(rt.device)
         stop.message = "stopping after this batch; no result"
         if cfg.task == "perplexity":
             line = perplexity(cfg, model, tok, data_dir, rt, stop)

@@ -136,9 +136,9 @@ def run_chat(cfg: SampleConfig, model: GPT, tok: Tokenizer, source: str, rt: run
     if template is None:
         raise UserError(f"{source} has no chat tokens: it is a base model. Fine-tune it on a chat set first "
                         f"(data/chat/prepare.py, then train.py --init_from=its out_dir; see docs/chat.md)")
-    model = inference_model(model, rt, cfg.compile, cfg.quantize)
+    model, fixed = inference_model(model, rt, cfg.compile, cfg.quantize)
     sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, use_cache=cfg.use_cache,
-                    generator=torch.Generator(device=rt.device).manual_seed(cfg.seed))
+                    generator=torch.Generator(device=rt.device).manual_seed(cfg.seed), steps=fixed)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system is not None else []
     if cfg.prompt is not None:
         chat_turn(model, template, messages + [{"role": "user", "content": read_prompt(cfg.prompt)}], cfg, sampling)
@@ -204,7 +204,7 @@ def main(argv: Sequence[str]) -> None:
         print(f"note: kept the prompt's last {len(context)} tokens (--truncate_prompt=True)", file=sys.stderr)
     shown_prompt = tok.decode(context) if text else ""  # not the <|endoftext|> an empty prompt starts from
 
-    model = inference_model(model, rt, cfg.compile, cfg.quantize)
+    model, fixed = inference_model(model, rt, cfg.compile, cfg.quantize)
     print(f"sampling from {source}: {model.get_num_params() / 1e6:.2f}M parameters, "
           f"{tok.meta()['tokenizer']} tokenizer, {rt.device} {rt.dtype}{quantized_note(cfg.quantize)}", file=sys.stderr)
 
@@ -213,7 +213,8 @@ def main(argv: Sequence[str]) -> None:
     idx = torch.tensor([context] * cfg.num_samples, dtype=torch.long, device=rt.device)  # (B, T)
     args = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                 use_cache=cfg.use_cache, generator=generator, eot_token=tok.eot_token if stop else None,
-                window_shift=shift, vocab_size=tok.vocab_size)  # a padded vocabulary's extra ids are never drawn
+                window_shift=shift, vocab_size=tok.vocab_size,  # a padded vocabulary's extra ids are never drawn
+                steps=fixed)
     stream = cfg.stream if cfg.stream is not None else cfg.num_samples == 1
     warmup = ""
     if cfg.compile and cfg.max_new_tokens:

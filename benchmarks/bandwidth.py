@@ -83,7 +83,7 @@ def decoding_model(config: GPTConfig, rt: runtime.Runtime, precision: str, seed:
     torch.manual_seed(seed)
     quantize = precision if precision in ("int8", "int4") else "none"
     dtype = "float32" if quantize != "none" else precision
-    return inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype), quantize=quantize)
+    return inference_model(GPT(config), runtime.Runtime(rt.device, rt.device_type, dtype), quantize=quantize)[0]
 
 
 def cached_step(model: GPT, context: int, batch: int = 1, way: str = "eager"):

@@ -89,11 +89,12 @@ def model_config(cfg) -> GPTConfig:
 
 
 def token_times(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bool, shift: int,
-                rt: runtime.Runtime) -> list[float]:
+                rt: runtime.Runtime, steps=None) -> list[float]:
     """Seconds until each new token of a greedy generate_stream run was ready, token by token."""
     times = []
     t0 = time.perf_counter()
-    for _ in generate_stream(model, prompt, new_tokens, temperature=0.0, use_cache=use_cache, window_shift=shift):
+    for _ in generate_stream(model, prompt, new_tokens, temperature=0.0, use_cache=use_cache, window_shift=shift,
+                             steps=steps):
         rt.synchronize()
         t = time.perf_counter()
         times.append(t - t0)
@@ -104,7 +105,7 @@ def token_times(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bo
 def measure(cfg, rt: runtime.Runtime) -> dict:
     torch.manual_seed(cfg.seed)
     mc = model_config(cfg)
-    model = inference_model(GPT(mc), rt)  # as sample.py: weights cast once, float32 next-token logits
+    model, steps = inference_model(GPT(mc), rt)  # as sample.py: weights cast once, float32 next-token logits
     B = cfg.decode_batch_size
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(mc.vocab_size, (B, mc.block_size), generator=gen).to(rt.device)  # (B, block_size)
@@ -115,7 +116,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
             rows.append(or_oom(lambda: decode_row(cfg, model, tokens, C, rt), rt))
             if rows[-1] == OOM:
                 rows[-1] = {"context": C, "error": OOM}
-    generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt), rt)
+    generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt, steps), rt)
     shapes = spec_list(cfg.bound_models)
     bound = or_oom(lambda: bandwidth.measure(shapes, rt, cfg.bound_steps, cfg.seed), rt) if shapes else {"rows": []}
     fixed = fixed_step.measure(mc, fixed_precisions(cfg, rt.device_type), sorted({1, torch.get_num_threads()}),
@@ -136,7 +137,7 @@ def decode_row(cfg, model: GPT, tokens: torch.Tensor, C: int, rt: runtime.Runtim
             "speedup": no_cache_s / cache_s}
 
 
-def generation_times(cfg, model: GPT, prompt: torch.Tensor, rt: runtime.Runtime) -> dict:
+def generation_times(cfg, model: GPT, prompt: torch.Tensor, rt: runtime.Runtime, steps=None) -> dict:
     """generate() end to end, as sample.py calls it, cache against no cache, split where the window first moves.
 
     Once prompt + generated tokens pass block_size the window of tokens the model sees moves on, by
@@ -148,8 +149,8 @@ def generation_times(cfg, model: GPT, prompt: torch.Tensor, rt: runtime.Runtime)
     shift = window_shift(cfg.gen_window_shift, block)
     inside = min(N, block - P + 1)  # tokens sampled while the whole sequence still fits the window
     for use_cache in (False, True):  # warm-up: a few tokens each way
-        token_times(model, prompt, min(N, 4), use_cache, shift, rt)
-    runs = {mode: [token_times(model, prompt, N, use_cache, shift, rt) for _ in range(cfg.gen_repeats)]
+        token_times(model, prompt, min(N, 4), use_cache, shift, rt, steps)
+    runs = {mode: [token_times(model, prompt, N, use_cache, shift, rt, steps) for _ in range(cfg.gen_repeats)]
             for mode, use_cache in (("no_cache", False), ("cache", True))}
     spans = {"inside_context": (0, inside), "past_context": (inside, N), "all": (0, N)}
     if inside == N:  # everything fits the window: the other two rows would be empty or repeat this one

@@ -1,4 +1,4 @@
-"""The fixed-shape decode step against the eager one: what core/decoding/decode.py's CPU_FIXED_STEP is read from.
+"""The fixed-shape decode step against the eager one, the measurement a CPU's choice of step is to be read from.
 
 One cached step at context `context` (the decode section's model), three ways on the same weights: "eager" is
 generate's step today (model.KVCache, its keys sliced to the position), "fixed" the StaticCache's (all block_size

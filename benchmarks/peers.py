@@ -165,7 +165,7 @@ def prepare(engine: str, given: str, model: GPT, rt, hf_dir: Path, tmp: Path):
     """The engine's own form of the model: ours quantized (a copy: quantize replaces its Linears), a
     CTranslate2 folder, a GGUF file."""
     if engine == "ours":  # float32 weights, as the peers are given; int8 and int4 quantize from them
-        return inference_model(copy.deepcopy(model), dataclasses.replace(rt, dtype="float32"), quantize=given)
+        return inference_model(copy.deepcopy(model), dataclasses.replace(rt, dtype="float32"), quantize=given)[0]
     if engine == "ctranslate2":
         import ctranslate2
 

@@ -50,7 +50,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     torch.manual_seed(0)
     base = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257)).eval()
     f32 = dataclasses.replace(rt, dtype="float32")
-    rows = [(f"ours, {q}", rate(inference_model(copy.deepcopy(base), f32, quantize=q), cfg.torchao_tokens))
+    rows = [(f"ours, {q}", rate(inference_model(copy.deepcopy(base), f32, quantize=q)[0], cfg.torchao_tokens))
             for q in ("none", "int8", "int4")]
     for config in (Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig()):
         model = copy.deepcopy(base)

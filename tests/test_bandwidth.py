@@ -28,7 +28,7 @@ def test_decode_reads_every_weight_but_the_looked_up_tables(monkeypatch):
     blocks = sum(p.numel() for p in untied.transformer.h.parameters()) + sum(p.numel() for p in untied.transformer.ln_f.parameters())
     assert bandwidth.decode_weight_bytes(untied) == 4 * (blocks + V * C + C)  # + the head whole, + one wte row
     monkeypatch.setattr(cpu, "PACK_MIN_WEIGHTS", 0)  # pack every matrix, however small
-    bf16 = inference_model(GPT(GPTConfig(**TINY)), runtime.Runtime("cpu", "cpu", "bfloat16"))
+    bf16 = inference_model(GPT(GPTConfig(**TINY)), runtime.Runtime("cpu", "cpu", "bfloat16"))[0]
     assert bandwidth.decode_weight_bytes(bf16) * 2 == bandwidth.decode_weight_bytes(tied)
     # where bf16 is native the Blocks' matrices are packed (cpu.pack_linears), and still counted
     assert any(isinstance(m, PackedLinear) for m in bf16.modules()) == cpu.cpu_packs_bf16()
@@ -42,7 +42,7 @@ def test_an_int8_step_reads_its_matrices_at_a_byte_each():
     rest = sum(p.numel() for p in tied.transformer.h.parameters()) - sum(
         p.numel() for m in linears for p in m.parameters()) + sum(p.numel() for p in tied.transformer.ln_f.parameters())
     matrices = sum(m.weight.numel() + 4 * m.out_features * (1 + (m.bias is not None)) for m in linears)
-    int8 = inference_model(tied, runtime.Runtime("cpu", "cpu", "float32"), quantize="int8")
+    int8 = inference_model(tied, runtime.Runtime("cpu", "cpu", "float32"), quantize="int8")[0]
     C, V = 16, 40
     assert bandwidth.decode_weight_bytes(int8) == 4 * (rest + C + C) + matrices + V * C + 4 * V
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from core import runtime
-from core.decoding import decode
 from core.decoding.cache import StaticCache
 from core.decoding.decode import FixedSteps, generate, inference_model
 from core.weights.resolver import load_model
@@ -44,11 +43,7 @@ def both_ways(model, idx, n=300, **settings):
     """generate's tokens through the plain KV cache, then through the fixed-shape step (uncompiled)."""
     with one_thread():
         plain = generate(model, idx, n, temperature=0.0, **settings)
-        model.fixed_steps = FixedSteps(model, "cpu", **EAGER)
-        try:
-            fixed = generate(model, idx, n, temperature=0.0, **settings)
-        finally:
-            del model.fixed_steps
+        fixed = generate(model, idx, n, temperature=0.0, steps=FixedSteps(model, "cpu", **EAGER), **settings)
     return plain, fixed
 
 
@@ -56,7 +51,7 @@ def both_ways(model, idx, n=300, **settings):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fixed_step_gives_the_plain_caches_greedy_tokens(trained, batch, dtype):
     model, tok = trained
-    model = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cpu", dtype))  # bf16: cast, float32 head
+    model, _ = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cpu", dtype))  # bf16: cast, f32 head
     plain, fixed = both_ways(model, prompts(tok, batch))
     assert len(set(plain[0, 12:].tolist())) > 8, tok.decode(plain[0].tolist())  # text, not one token repeated
     assert torch.equal(fixed, plain)
@@ -95,51 +90,39 @@ def test_the_step_is_the_same_shapes_at_every_position(trained):
         cache.feed(model, torch.zeros(2, 26, dtype=torch.long))
 
 
-def test_the_choice_of_step(monkeypatch):
-    """CUDA takes the fixed-shape step; a CPU only where CPU_FIXED_STEP holds its (precision, one thread) row."""
-    assert decode.fixed_step_chosen("cuda", "bfloat16", 16) and decode.fixed_step_chosen("cuda", "float32", 1)
-    assert not any(decode.fixed_step_chosen("cpu", p, t) for p in ("float32", "bfloat16", "int8") for t in (1, 2))
-    monkeypatch.setattr(decode, "CPU_FIXED_STEP", frozenset({("int8", True)}))
-    assert decode.fixed_step_chosen("cpu", "int8", 1)
-    assert not decode.fixed_step_chosen("cpu", "int8", 2) and not decode.fixed_step_chosen("cpu", "float32", 1)
-
-
-def test_inference_model_sets_the_captured_step_on_cuda_only(trained, monkeypatch):
-    """inference_model on a CUDA runtime (its device type faked, the tensors on the CPU) sets the fixed steps, whose
+def test_inference_model_returns_the_captured_step_on_cuda_only(trained, monkeypatch):
+    """inference_model on a CUDA runtime (its device type faked, the tensors on the CPU) returns the fixed steps, whose
     compile asks for a CUDA graph (mode="reduce-overhead") of the whole step; on the CPU, or under --compile, none."""
     model, _ = trained
-    assert not hasattr(inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cpu", "float32")), "fixed_steps")
-    compiled = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cuda", "float32"), compile=True)
-    assert not hasattr(compiled, "fixed_steps")  # --compile: the whole model compiled instead
-    cuda = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cuda", "float32"))
+    assert inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cpu", "float32"))[1] is None
+    compiled, steps = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cuda", "float32"), compile=True)
+    assert steps is None and not hasattr(compiled, "fixed_steps")  # --compile: the whole model compiled instead
+    cuda, steps = inference_model(copy.deepcopy(model), runtime.Runtime("cpu", "cuda", "float32"))
+    assert isinstance(steps, FixedSteps) and not hasattr(cuda, "fixed_steps")  # returned, not set on the model
     calls = []
     monkeypatch.setattr(torch, "compile", lambda step, **kw: calls.append(kw) or step)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("replay"))
-    cache, step = cuda.fixed_steps.get(3)
+    cache, step = steps.get(3)
     assert isinstance(cache, StaticCache) and cache.batch_size == 3 and cache.max_len == BLOCK
     assert calls == [dict(mode="reduce-overhead", fullgraph=True, dynamic=False)]
     with torch.no_grad():
         cache.feed(cuda, torch.zeros(3, 4, dtype=torch.long))
         assert step(torch.zeros(3, 1, dtype=torch.long)).shape == (3, 1, model.config.vocab_size)
-    assert calls[-1] == "replay" and cuda.fixed_steps.get(3) == (cache, step) and cache.pos == 0
+    assert calls[-1] == "replay" and steps.get(3) == (cache, step) and cache.pos == 0
 
 
 @pytest.mark.slow
 def test_the_compiled_step_builds_once_and_keeps_the_tokens(trained):
-    """torch.compile(fullgraph=True) of the step, as a CPU row of CPU_FIXED_STEP would run it: after the first
-    build no position, refill or new generate recompiles it (set_stance fails on one), and the tokens are the plain
-    cache's."""
+    """torch.compile(fullgraph=True) of the step on a CPU: after the first build no position, refill or new generate
+    recompiles it (set_stance fails on one), and the tokens are the plain cache's."""
     model, tok = trained
     if model.config.pos_embedding != "learned":
         pytest.skip("one compile is enough; learned positions refill the cache as the window slides")
     idx = prompts(tok, 1)
     with one_thread():
         plain = generate(model, idx, 60, temperature=0.0)
-        model.fixed_steps = FixedSteps(model, "cpu")
-        try:
-            generate(model, idx, 2, temperature=0.0)  # builds it
-            with torch.compiler.set_stance("fail_on_recompile"):
-                fixed = generate(model, idx, 60, temperature=0.0)
-        finally:
-            del model.fixed_steps
+        steps = FixedSteps(model, "cpu")
+        generate(model, idx, 2, temperature=0.0, steps=steps)  # builds it
+        with torch.compiler.set_stance("fail_on_recompile"):
+            fixed = generate(model, idx, 60, temperature=0.0, steps=steps)
     assert torch.equal(fixed, plain)

@@ -107,16 +107,14 @@ def test_the_captured_step_gives_the_plain_steps_greedy_tokens(tmp_path, data_di
     after the first generate of a batch size nothing is compiled again (set_stance fails on a recompile)."""
     train(tmp_path, data_dir, dtype="bfloat16", compile=False, max_iters=150, lr_decay_iters=150, eval_interval=150)
     model, tok, _ = load_model("resume", str(tmp_path))
-    model = inference_model(model, runtime.Runtime("cuda:0", "cuda", dtype))
-    steps = model.fixed_steps
+    model, steps = inference_model(model, runtime.Runtime("cuda:0", "cuda", dtype))
+    assert steps is not None
     for batch in (1, 4):
         idx = torch.tensor([tok.encode("First Citizen:"[i:] + "Before"[:i]) for i in range(batch)], device="cuda")
-        generate(model, idx, 2, temperature=0.0)  # builds and captures it
+        generate(model, idx, 2, temperature=0.0, steps=steps)  # builds and captures it
         with torch.compiler.set_stance("fail_on_recompile"):
-            captured = generate(model, idx, 300, temperature=0.0)
-        del model.fixed_steps
+            captured = generate(model, idx, 300, temperature=0.0, steps=steps)
         plain = generate(model, idx, 300, temperature=0.0)
-        model.fixed_steps = steps
         assert torch.equal(captured, plain)
         assert "Citizen" in tok.decode(plain[0].tolist())
 

@@ -128,7 +128,7 @@ def test_bf16_decoding_through_sample_inference_path(trained):
     the texts part for good, and where that happens depends on the CPU's kernels (74% equal positions
     under ATEN_CPU_CAPABILITY=avx2 here, 100% under default)."""
     from core.weights.checkpoint import model_from_checkpoint
-    model = inference_model(model_from_checkpoint(trained), BF16)
+    model = inference_model(model_from_checkpoint(trained), BF16)[0]
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
     assert model.new_kv_cache(2).k.dtype == torch.bfloat16
     stoi = trained["meta"]["tokenizer"]["stoi"]
@@ -175,7 +175,7 @@ def test_float32_decoding_reads_the_head_by_columns_with_the_same_floats(trained
     values, the tied token table the same tensor (no second copy), logits equal to the row-major head's to
     1e-5, and greedy text the same."""
     from core.weights.checkpoint import model_from_checkpoint
-    model = inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
+    model = inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))[0]
     reference = model_from_checkpoint(trained).eval()
     head = model.lm_head.weight
     assert head.stride() == (1, head.size(0)) and type(model.lm_head) is torch.nn.Linear  # no float32 copy
@@ -205,7 +205,7 @@ def test_one_bf16_row_decodes_without_onednn_to_the_same_floats(trained, monkeyp
     GEMV, twice as fast at one row), and the logits are the very floats the oneDNN path gives, at every
     position of a cached greedy run. Two rows, or float32 weights, keep oneDNN; the flag is restored."""
     from core.weights.checkpoint import model_from_checkpoint
-    model = inference_model(model_from_checkpoint(trained), BF16)
+    model = inference_model(model_from_checkpoint(trained), BF16)[0]
     stoi = trained["meta"]["tokenizer"]["stoi"]
     idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
     context = generate(model, idx, model.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
@@ -216,7 +216,7 @@ def test_one_bf16_row_decodes_without_onednn_to_the_same_floats(trained, monkeyp
     seen.clear()
     with torch.no_grad():
         model(context.expand(2, -1)[:, :1], kv_cache=model.new_kv_cache(2), last_only=True)  # two rows
-        fp32 = inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))
+        fp32 = inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu", "float32"))[0]
         fp32.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *_: seen.append(torch.backends.mkldnn.enabled))
         fp32(context[:, :1], kv_cache=fp32.new_kv_cache(1), last_only=True)
     assert seen == [True, True]
@@ -234,11 +234,11 @@ def test_bf16_decoding_packs_the_blocks_matrices_to_the_same_floats(trained, mon
     prefill of two rows. The parameter count is the unpacked model's."""
     from core.weights.checkpoint import model_from_checkpoint
     assert not any(isinstance(m, PackedLinear) for m in inference_model(model_from_checkpoint(trained),
-                                                                                BF16).modules())  # all small
+                                                                                BF16)[0].modules())  # all small
     plain = model_from_checkpoint(trained).eval().bfloat16()
     keep_float32_head(plain)
     monkeypatch.setattr(cpu, "PACK_MIN_WEIGHTS", plain.transformer.h[0].mlp.c_fc.weight.numel())
-    packed = inference_model(model_from_checkpoint(trained), BF16)
+    packed = inference_model(model_from_checkpoint(trained), BF16)[0]
     for block in packed.transformer.h:
         assert [isinstance(m, PackedLinear) for m in (block.mlp.c_fc, block.mlp.c_proj, block.attn.c_attn,
                                                      block.attn.c_proj)] == [True, True, False, False]
@@ -268,14 +268,14 @@ def test_bf16_decoding_packs_nothing_where_bf16_is_not_native(trained, monkeypat
     monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: True)
     model = model_from_checkpoint(trained)
     monkeypatch.setattr(model, "compile", lambda: None)  # the choice, not the compile
-    assert not packed_any(inference_model(model, BF16, compile=True))
+    assert not packed_any(inference_model(model, BF16, compile=True)[0])
     assert not packed_any(inference_model(model_from_checkpoint(trained), runtime.Runtime("cpu", "cpu",
-                                                                                                   "float32")))
+                                                                                                   "float32"))[0])
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")  # ARM with BF16
-    assert not packed_any(inference_model(model_from_checkpoint(trained), BF16))
+    assert not packed_any(inference_model(model_from_checkpoint(trained), BF16)[0])
     monkeypatch.setattr(cpu, "cpu_native_bf16", lambda: False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert not packed_any(inference_model(model_from_checkpoint(trained), BF16))
+    assert not packed_any(inference_model(model_from_checkpoint(trained), BF16)[0])
 
 
 def test_every_training_and_decoding_model_carries_the_cpus_kernel_choices():
@@ -289,7 +289,7 @@ def test_every_training_and_decoding_model_carries_the_cpus_kernel_choices():
     fp32 = runtime.Runtime("cpu", "cpu", "float32")
     assert chosen(parallel.parallelize(GPT(config), fp32, "ddp", activation_checkpointing=False, compile=False)) == \
         {kernels.DeviceKernels}
-    assert chosen(inference_model(GPT(config), fp32)) == {kernels.DeviceKernels}
+    assert chosen(inference_model(GPT(config), fp32)[0]) == {kernels.DeviceKernels}
 
 
 def test_short_bf16_training_attention_takes_the_math_backend(monkeypatch):

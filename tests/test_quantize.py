@@ -127,7 +127,7 @@ def greedy(model, prompt, n):
 
 def loaded(out_dir, kind):
     model, tok, _ = load_model("resume", str(out_dir))
-    return inference_model(model, FLOAT32, quantize=kind), tok
+    return inference_model(model, FLOAT32, quantize=kind)[0], tok
 
 
 def test_int8_greedy_text_equals_float32s(trained):

@@ -1,8 +1,8 @@
 """Decoding: a trained model as it generates, on any device.
 
-    model = inference_model(model, rt)                               # eval, weights cast once, CPU layouts
-    out = generate(model, idx, 100, temperature=0.8, top_k=200)      # (B, T + 100)
-    for token in generate_stream(model, idx, 100, Sampling(...)):    # (B, 1) each, as soon as it is drawn
+    model, steps = inference_model(model, rt)                        # eval, weights cast once, CPU layouts
+    out = generate(model, idx, 100, temperature=0.8, top_k=200, steps=steps)      # (B, T + 100)
+    for token in generate_stream(model, idx, 100, Sampling(...), steps):          # (B, 1) each, as soon as drawn
 
 Read in order: how a token is drawn (sample_next: temperature, top-k, top-p; the exponential race that lets rows
 of many generators share one call), the one check of those settings, the context window's rule past block_size
@@ -140,16 +140,18 @@ def window_shift(requested: int | None, block_size: int) -> int:
 
 
 @torch.no_grad()
-def generate(model: GPT, idx, max_new_tokens, sampling: Sampling | None = None, **settings) -> torch.Tensor:
+def generate(model: GPT, idx, max_new_tokens, sampling: Sampling | None = None, steps: "FixedSteps | None" = None,
+             **settings) -> torch.Tensor:
     """Continue idx (B, T) by up to max_new_tokens -> (B, T + new). Call model.eval() first (inference_model does).
 
     How tokens are drawn is one Sampling value, or its fields by name (temperature=0.8, top_k=200, ...).
-    With eot_token, rows that emitted it are padded with it, and generation ends once all have.
+    With eot_token, rows that emitted it are padded with it, and generation ends once all have. steps: the
+    fixed-shape step inference_model chose (None: the model's own forward with a KVCache).
     """
-    return torch.cat([idx, *generate_stream(model, idx, max_new_tokens, sampling, **settings)], dim=1)
+    return torch.cat([idx, *generate_stream(model, idx, max_new_tokens, sampling, steps, **settings)], dim=1)
 
 def generate_stream(model: GPT, idx, max_new_tokens, sampling: Sampling | None = None,
-                    **settings) -> Iterator[torch.Tensor]:
+                    steps: "FixedSteps | None" = None, **settings) -> Iterator[torch.Tensor]:
     """Like generate, but yields each new token as a (B, 1) tensor as soon as it is sampled."""
     s = sampling or Sampling(**settings)
     check_sampling_args(s.temperature, s.top_k, s.top_p)
@@ -161,14 +163,14 @@ def generate_stream(model: GPT, idx, max_new_tokens, sampling: Sampling | None =
     if s.rolling_cache and (model.config.pos_embedding != "rope" or s.window_shift != 1):
         raise ValueError("rolling_cache needs pos_embedding='rope' and window_shift=1: learned positions make "
                          "every cached key stale when the window moves")
-    return _stream(model, idx, max_new_tokens, s)
+    return _stream(model, idx, max_new_tokens, s, steps)
 
 @torch.no_grad()
-def _stream(model: GPT, idx, max_new_tokens, s: Sampling):
+def _stream(model: GPT, idx, max_new_tokens, s: Sampling, steps):
     block_size = model.config.block_size
     cache, step = None, None
-    if s.use_cache and isinstance(steps := getattr(model, "fixed_steps", None), FixedSteps):
-        cache, step = steps.get(idx.size(0))  # the fixed-shape step (inference_model chose it)
+    if s.use_cache and steps is not None:
+        cache, step = steps.get(idx.size(0))
     elif s.use_cache:
         cache = model.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens))
     start = max(0, idx.size(1) - block_size)  # the context window is idx[:, start:]
@@ -204,17 +206,10 @@ def _next_logits(model: GPT, idx, start, origin, cache, step=None):
 # -----------------------------------------------------------------------------
 # the fixed-shape step: one token through a StaticCache, compiled, a CUDA graph on CUDA
 
-# Where a CPU decodes through the compiled fixed-shape step: (precision, one thread) rows where bench.py
-# --sections=decode measured it faster than the eager step (docs/performance.md, "decode", the fixed-shape step).
-# None yet: until a row is measured faster, a CPU keeps the eager step.
-CPU_FIXED_STEP: frozenset[tuple[str, bool]] = frozenset()
-
-
-def fixed_step_chosen(device_type: str, precision: str, threads: int) -> bool:
+def fixed_step_chosen(device_type: str) -> bool:
     """Whether decoding takes the compiled fixed-shape step: on CUDA, where launching a step's ~200 kernels from
-    Python is the step (docs/performance.md, "On a GPU") and a CUDA graph launches them as one; on a CPU where
-    CPU_FIXED_STEP holds (precision, threads == 1); precision: the weights' dtype, or --quantize's kind."""
-    return device_type == "cuda" or (precision, threads == 1) in CPU_FIXED_STEP
+    Python is the step (docs/performance.md, "On a GPU") and a CUDA graph launches them as one."""
+    return device_type == "cuda"
 
 
 class FixedStep(nn.Module):
@@ -257,44 +252,39 @@ class FixedSteps:
         return cache, step
 
 
-def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: str = "none") -> GPT:
-    """The model as it decodes: on the device, in eval mode, its weights cast once to the run's dtype.
-
-    Not autocast: it keeps float32 weights and casts each one again at every token (with --compile
-    too). The next token's logits are computed in float32 all the same (GPT.forward's last_only), by
-    a float32 copy of the head made here once (keep_float32_head), and the KV cache takes the
-    weights' dtype. A float32 model on a CPU has its head's storage laid out by columns instead
-    (cpu.lay_head_by_columns): the same floats, read faster one row at a time. A bfloat16 model on an
-    x86 CPU that computes it natively hands its Blocks' large matrices to oneDNN once (cpu.pack_linears),
-    so that a product at one row reads each weight once; not under --compile, which traces the plain
-    model, and not on ARM, where it was never measured. The CPU's kernel choices per call come with it
-    (kernels.choose_kernels).
-
-    quantize ("int8", "int4"; quantize.KINDS) swaps the Blocks' matrices and the head for quantized ones, from
-    the weights as cast to the run's dtype (core/decoding/quantize.py); those are never packed, and the head
-    then needs neither a float32 copy nor its columns laid out. CPU only, refused in one line elsewhere.
-
-    Where fixed_step_chosen says so (CUDA) and compile does not ask for the whole model compiled, generate's one-token
-    step goes through a StaticCache, compiled (FixedSteps, set on the model as model.fixed_steps); the prefill stays
-    the model's own forward.
-    """
+def inference_model(model: GPT, rt: Runtime, compile: bool = False,
+                    quantize: str = "none") -> tuple[GPT, FixedSteps | None]:
+    """The model as it decodes, and the fixed-shape steps to decode one token with where they are chosen
+    (fixed_step_chosen: CUDA; None elsewhere, and under compile, which compiles the whole model instead; the
+    prefill stays the model's own forward): on the device, in eval mode, with the CPU's kernel choices
+    (kernels.choose_kernels), its weights cast once to the run's dtype and laid out for decoding (lay_out).
+    Not autocast: it keeps float32 weights and casts each one again at every token (with --compile too)."""
     quantization.check_quantize(quantize, device=rt.device)
     model = kernels.choose_kernels(model.eval().to(rt.device, rt.ptdtype))
-    fixed = not compile and fixed_step_chosen(rt.device_type, rt.dtype if quantize == "none" else quantize,
-                                              torch.get_num_threads())  # --compile: the whole model instead
+    fixed = not compile and fixed_step_chosen(rt.device_type)
+    lay_out(model, rt, quantize, traced=compile or fixed)
+    if compile:
+        model.compile()
+    return model, FixedSteps(model, rt.device_type) if fixed else None
+
+
+def lay_out(model: GPT, rt: Runtime, quantize: str, traced: bool) -> None:
+    """The weights of a model that only decodes, laid out for it. The next token's logits are computed in float32
+    whatever the weights (GPT.forward's last_only), by a float32 copy of the head made here once (keep_float32_head);
+    a float32 model on a CPU has its head's storage laid out by columns instead (cpu.lay_head_by_columns), the same
+    floats read faster one row at a time. A bfloat16 model on an x86 CPU that computes it natively hands its Blocks'
+    large matrices to oneDNN once (cpu.pack_linears), so that a product at one row reads each weight once; not where
+    the step is traced (compiled), nor on ARM, where it was never measured. quantize ("int8", "int4") swaps the
+    Blocks' matrices and the head for quantized ones (core/decoding/quantize.py), never packed, and the head then
+    needs neither a float32 copy nor its columns laid out."""
     if quantize != "none":
         quantization.quantize(model, quantize)
     elif rt.ptdtype != torch.float32:
         keep_float32_head(model)
-        if rt.device_type == "cpu" and rt.ptdtype == torch.bfloat16 and not (compile or fixed) and cpu.cpu_packs_bf16():
+        if rt.device_type == "cpu" and rt.ptdtype == torch.bfloat16 and not traced and cpu.cpu_packs_bf16():
             cpu.pack_linears(model)
     elif rt.device_type == "cpu":
         cpu.lay_head_by_columns(model)
-    if compile:
-        model.compile()
-    if fixed:
-        model.fixed_steps = FixedSteps(model, rt.device_type)
-    return model
 
 
 def keep_float32_head(model: GPT) -> None:
