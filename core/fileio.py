@@ -14,13 +14,13 @@ from typing import Iterator
 from core.errors import UserError, is_disk_full
 
 
-def format_bytes(n: int) -> str:
-    """'651.2 kB', '1.4 GB': a size as a person reads it."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+def format_bytes(n: float) -> str:
+    """'512 B', '651.2 KiB', '1.4 GiB': a size as a person reads it, in powers of 1024 as `df -h` and `free -h`."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:

@@ -641,7 +641,7 @@ def test_a_really_full_disk_is_one_line_and_resume_is_exact(tmp_path, small_disk
     out = small_disk / "out"
     result = run_main(train.main, train_argv(out_dir=out, data_dir=data_dir, **SHORT_RUN))
     assert_user_error(result, f"no space left to write {out / 'ckpt.pt'} (No space left on device", "it needs about",
-                      "kB is free",
+                      "KiB is free",
                       f"the last intact checkpoint, {out / 'ckpt.pt'} (iter 2), is untouched")
     assert temp_files(out) == []
     assert load_checkpoint(out / "ckpt.pt")["meta"]["iter_num"] == 2
@@ -664,7 +664,7 @@ def test_a_really_full_disk_while_preparing_or_exporting_is_one_line(tmp_path, s
         (tmp_path / "book.txt").write_text(TEXT * 10)  # 50,000 characters: 100 kB of uint16 ids
         result = run_script("data/text/prepare.py", f"--input={tmp_path / 'book.txt'}", "--tokenizer=char",
                             f"--out_dir={small_disk / 'data'}")
-        assert_user_error(result, f"no space left to write {small_disk / 'data'}", "kB is free",
+        assert_user_error(result, f"no space left to write {small_disk / 'data'}", "KiB is free",
                           "the dataset's earlier files are as they were")
         assert sorted(os.listdir(small_disk / "data")) == []
     else:
@@ -672,7 +672,7 @@ def test_a_really_full_disk_while_preparing_or_exporting_is_one_line(tmp_path, s
         import export
         train_tiny(tmp_path / "run", data_dir, max_iters=2, n_embd=64, n_head=2)  # ~0.1 MB of weights
         result = run_main(export.main, [f"--out_dir={tmp_path / 'run'}", f"--hf_dir={small_disk / 'hf'}"])
-        assert_user_error(result, f"no space left to write {small_disk / 'hf'}", "it needs about", "kB is free",
+        assert_user_error(result, f"no space left to write {small_disk / 'hf'}", "it needs about", "KiB is free",
                           "nothing was written there")
     assert sorted(os.listdir(small_disk)) == (["data", "filler"] if what == "prepare" else ["filler"])
 
@@ -688,7 +688,7 @@ def test_a_full_disk_in_a_library_writer_is_one_line(tmp_path, data_dir, monkeyp
             raise no_space(self.name)
 
     monkeypatch.setattr(writer, "open", lambda path, mode: FullFile(path, mode), raising=False)
-    with pytest.raises(UserError, match=r"no space left to write .*train.bin .*it needs about 2.0 kB"):
+    with pytest.raises(UserError, match=r"no space left to write .*train.bin .*it needs about 2.0 KiB"):
         writer.write_tokens(tmp_path / "train.bin", list(range(1000)))
     assert os.listdir(tmp_path) == []
     monkeypatch.undo()

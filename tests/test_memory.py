@@ -8,6 +8,7 @@ import torch
 
 import train
 from benchmarks import common, memory as bench_memory
+from core.fileio import format_bytes
 from core.training import memory
 from core.weights import resolver
 from model import GPT, GPT2_SHAPES, GPTConfig
@@ -88,7 +89,7 @@ def test_gpt2_fit_table_per_gpu(monkeypatch):
 def test_available_bytes_reads_this_machine():
     free = memory.available_bytes("cpu")
     assert free is not None and 2**26 < free < 2**50
-    assert memory.format_bytes(3 * 2**30) == "3.0 GiB" and memory.format_bytes(512) == "512 B"
+    assert format_bytes(3 * 2**30) == "3.0 GiB" and format_bytes(512) == "512 B" and format_bytes(2000) == "2.0 KiB"
 
 
 def test_out_of_memory_errors_are_recognised():

@@ -16,6 +16,7 @@ import os
 import torch
 
 from core.errors import UserError, first_line
+from core.fileio import format_bytes
 from core.training.optim import OPTIMIZERS
 from model import GPT
 
@@ -112,14 +113,6 @@ def available_bytes(device: str) -> int | None:
         except (ValueError, OSError, AttributeError):
             return None
     return None
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def check_fits(est: MemoryEstimate, device: str, processes_sharing: int = 1, what: str = "") -> None:

@@ -16,7 +16,6 @@ from model import CHOICES, RECIPE_SWITCHES, GPTConfig
 # The model keys are GPTConfig's fields, each with GPTConfig's default, except vocab_size: None there
 # is the dataset's meta.json vocab_size. A field added to GPTConfig is a key here with nothing to edit.
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(GPTConfig))
-RECIPE_KEYS = RECIPE_SWITCHES  # the modern recipe's switches (docs/recipe.md)
 # The keys a resumed run must share with its checkpoint: all but how the model runs (block_size may shrink).
 ARCHITECTURE_KEYS = tuple(k for k in MODEL_KEYS if k not in ("block_size", "dropout", "attn_backend"))
 
