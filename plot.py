@@ -6,7 +6,6 @@
     python plot.py out-a --x=elapsed                             # against wall time (log.jsonl's elapsed_s)
     python plot.py speedrun/1337/nanogpt speedrun/1337/ours --x=seconds --target=1.88   # bench.py's speedrun logs
     python plot.py out-rl-tasks-char                             # an rl.py run -> out-rl-tasks-char/rewards.png
-    python plot.py passk rl_proof.json                           # scripts/rl_proof.py's pass@k -> rl_passk.png
     python plot.py attention --out_dir=out-shakespeare-char-cpu --prompt="ROMEO: But soft" --layer=1
     python plot.py attention --init_from=gpt2 --prompt="The cat sat on the mat because it" --summary=entropy
 
@@ -19,8 +18,7 @@ twice the later record wins.
 
 Rewards (rl.py's runs, whose records hold a reward): the mean reward of each iteration's replies (faint) and
 its moving mean over the last 10 logged iterations, the held-out exact match of each task at each eval, the
-mean reply length, and the learning rate, against iterations. pass@k (scripts/rl_proof.py's results): each
-task's and split's pass@k against k, one color per arm, each seed faint and their mean solid.
+mean reply length, and the learning rate, against iterations.
 
 Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
 key columns), from the naive attention backend (the fused kernel never forms them); and beside
@@ -62,12 +60,6 @@ class LossPlotConfig:
     def validate(self) -> None:
         if self.x not in ("iter", "tokens", "elapsed", *TIMES):
             raise UserError(f"x must be 'iter', 'tokens', 'elapsed', 'seconds' or 'cpu_seconds', got '{self.x}'")
-
-
-@dataclasses.dataclass
-class PassKConfig:
-    out: str | None = None   # the PNG; None: rl_passk.png beside the results
-    title: str | None = None
 
 
 @dataclasses.dataclass
@@ -330,53 +322,6 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
     return fig
 
 
-def plot_passk(results: dict, title: str | None = None):
-    """scripts/rl_proof.py's results: a panel per task (rows) and split (columns), pass@k against k, a color per
-    arm (runs named "ARM SEED"), each seed faint and the mean over seeds solid."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    arms: dict[str, list[dict]] = {}
-    for name, run in results["runs"].items():
-        arms.setdefault(name.rpartition(" ")[0] or name, []).append(run["scores"])
-    first = next(iter(arms.values()))[0]
-    panels = [(task, split) for task in first for split in first[task] if "pass@k" in first[task][split]]
-    splits = sorted({split for _, split in panels}, key=[s for _, s in panels].index)
-    fig, axes = plt.subplots(len(first), len(splits), squeeze=False, sharex=True, sharey=True,
-                             figsize=(4.5 * len(splits), 3.2 * len(first)), layout="constrained")
-    for i, task in enumerate(first):
-        for j, split in enumerate(splits):
-            ax = axes[i][j]
-            for c, (arm, runs) in enumerate(arms.items()):
-                curves = [run[task][split]["pass@k"] for run in runs]
-                ks = [int(k) for k in curves[0]]
-                for curve in curves:
-                    ax.plot(ks, list(curve.values()), color=f"C{c}", lw=0.8, alpha=0.3)
-                ax.plot(ks, [sum(v) / len(v) for v in zip(*(c.values() for c in curves))], color=f"C{c}", lw=1.8,
-                        marker="o", ms=3, label=f"{arm} ({len(runs)} seed{'s' * (len(runs) > 1)})")
-            ax.set_xscale("log", base=2)
-            ax.set_ylim(0, 1.02)
-            ax.grid(alpha=0.3)
-            ax.set_title(f"{task}, {split}", fontsize=10)
-            ax.set_xlabel("k (replies per problem)" if i == len(first) - 1 else "")
-            ax.set_ylabel("pass@k" if j == 0 else "")
-    axes[0][0].legend(fontsize=8, loc="upper left")
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-def passk_main(argv: Sequence[str]) -> Path:
-    files = [a for a in argv if not a.startswith("-")]
-    cfg = parse_args(PassKConfig, [a for a in argv if a.startswith("-")])
-    if len(files) != 1 or not Path(files[0]).is_file():
-        raise UserError("pass scripts/rl_proof.py's results: python plot.py passk rl_proof.json [--out=passk.png]")
-    out = Path(cfg.out) if cfg.out else Path(files[0]).with_name("rl_passk.png")
-    save(plot_passk(json.loads(Path(files[0]).read_text()), cfg.title), out)
-    return out
-
-
 def loss_main(argv: Sequence[str]) -> Path:
     dirs = [a for a in argv if not a.startswith("-")]
     cfg = parse_args(LossPlotConfig, [a for a in argv if a.startswith("-")])
@@ -531,15 +476,12 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
 USAGE = """usage: python plot.py OUT_DIR [OUT_DIR ...] [--key=value ...]   loss curves of one or more runs
                                                                 (rl.py's runs: rewards and held-out exact match)
        python plot.py attention [--key=value ...]              attention maps (python plot.py attention --help)
-       python plot.py passk rl_proof.json [--out=PNG]          scripts/rl_proof.py's pass@k per arm
 loss curves' """
 
 
 def main(argv: Sequence[str]):
     if argv and argv[0] == "attention":
         return attention_main(argv[1:])
-    if argv and argv[0] == "passk":
-        return passk_main(argv[1:])
     if any(a in ("-h", "--help") for a in argv):  # the subcommand and the out_dirs, which parse_args cannot list
         print(USAGE + config_help(LossPlotConfig))
         sys.exit(0)
