@@ -210,31 +210,23 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     for i, (run, label) in enumerate(zip(runs, run_labels(runs))):
         color = f"C{i}"
         at = run.tokens_seen if x == "tokens" else (lambda s: s)  # the x of iteration s
-        if x == "elapsed":  # each record at its wall time since the run started
-            run = dataclasses.replace(run, steps={s["elapsed_s"]: s for s in run.steps.values()},
-                                      evals={e["elapsed_s"]: e for e in run.evals.values()})
-        step_it, evals = list(run.steps), list(run.evals)
-        if key:  # the x of an evaluation is its training time so far; steps carry none
-            step_it = []  # (x is a time here, so `at` is already the identity)
-            run = dataclasses.replace(run, evals={e[key]: e for e in run.evals.values()})
-            evals = list(run.evals)
-        if step_it:
-            ax.plot([at(s) for s in step_it], [run.steps[s]["loss"] for s in step_it], color=color, lw=0.8,
-                    alpha=0.35)
-        if evals:
-            ax.plot([at(s) for s in evals], [run.evals[s]["val_loss"] for s in evals], color=color, lw=1.8,
-                    marker="o", ms=3, label=label)
-            trained = [s for s in evals if "train_loss" in run.evals[s]]
-            ax.plot([at(s) for s in trained], [run.evals[s]["train_loss"] for s in trained], color=color,
-                    lw=1.2, ls="--")
-        else:
-            ax.plot([], [], color=color, lw=1.8, label=label)
+        if x == "elapsed" or key:  # each record at its time: wall time since the start, or training time so far
+            stamp = key or "elapsed_s"  # (steps carry no training time)
+            run = dataclasses.replace(run, steps={} if key else {s[stamp]: s for s in run.steps.values()},
+                                      evals={e[stamp]: e for e in run.evals.values()})
+        steps, evals = run.steps, run.evals
+        if steps:
+            ax.plot([at(s) for s in steps], [r["loss"] for r in steps.values()], color=color, lw=0.8, alpha=0.35)
+        ax.plot([at(s) for s in evals], [r["val_loss"] for r in evals.values()], color=color, lw=1.8, marker="o",
+                ms=3, label=label)  # drawn when empty too: the run keeps its legend entry
+        trained = [s for s in evals if "train_loss" in evals[s]]
+        ax.plot([at(s) for s in trained], [evals[s]["train_loss"] for s in trained], color=color, lw=1.2, ls="--")
         if hellaswag:
-            hs = [s for s in evals if "hellaswag_acc_norm" in run.evals[s]]
-            axes[1].plot([at(s) for s in hs], [run.evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
+            hs = [s for s in evals if "hellaswag_acc_norm" in evals[s]]
+            axes[1].plot([at(s) for s in hs], [evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
                          lw=1.5, marker="o", ms=3)
-        lr = run.evals if key else run.steps or run.evals
-        ax_lr.plot([at(s) for s in lr], [lr[s]["lr"] for s in lr], color=color, lw=1.2)
+        lr = steps or evals
+        ax_lr.plot([at(s) for s in lr], [r["lr"] for r in lr.values()], color=color, lw=1.2)
     ax.set_ylabel("loss (cross-entropy, nats/token)")
     if target is not None:
         ax.axhline(target, color="black", ls=":", lw=1)
@@ -373,19 +365,14 @@ def mean_distance(att):
     averaged over queries 1..T-1 (query 0 can only attend to itself)."""
     import torch
 
-    T = att.size(-1)
-    pos = torch.arange(T)
-    dist = (pos[:, None] - pos[None, :]).clamp(min=0).to(att.dtype)  # (T, T): i - j on and below the diagonal
-    return (att * dist).sum(-1)[..., 1:].mean(-1)
+    pos = torch.arange(att.size(-1), dtype=att.dtype)
+    return (att * (pos[:, None] - pos)).sum(-1)[..., 1:].mean(-1)  # i - j; keys after the query have weight 0
 
 
 def entropy(att):
     """(..., T, T) -> (...): entropy of each query's attention in nats, averaged over queries 1..T-1;
     0 is one key, log(i + 1) is uniform over all i + 1 visible keys."""
-    import torch
-
-    plogp = torch.where(att > 0, att * att.clamp(min=1e-30).log(), torch.zeros_like(att))
-    return (-plogp.sum(-1))[..., 1:].mean(-1)
+    return -att.xlogy(att).sum(-1)[..., 1:].mean(-1)  # xlogy: 0 log 0 is 0
 
 
 def token_labels(tok, ids: list[int]) -> list[str]:

@@ -83,6 +83,8 @@ def test_two_runs_overlay_with_their_differences_in_the_labels(tmp_path):
         assert list(line.get_ydata()) == [r["val_loss"] for r in run.evals.values()]
     lr_lines = ax_lr.get_lines()
     assert [list(line.get_ydata()) for line in lr_lines] == [[r["lr"] for r in run.steps.values()] for run in (a, b)]
+    unevaluated = plot.plot_losses([plot.read_log(write_run(tmp_path / "run-c", evals=()))]).axes[0]
+    assert unevaluated.get_legend().get_texts()[0].get_text().startswith("run-c")  # a run yet to evaluate is named
 
 
 def test_hellaswag_gets_a_panel_when_a_run_logged_it(tmp_path):
@@ -124,11 +126,14 @@ def test_tokens_seen_count_the_shorter_windows_of_sequence_length_warm_up(tmp_pa
 
 
 def test_against_wall_time_from_each_records_elapsed_s(tmp_path):
-    """--x=elapsed puts every record (steps and evals) at its elapsed_s; a log written without it is one line."""
+    """--x=elapsed puts every record (steps and evals) at its elapsed_s; a log written without it is one line.
+    --x=seconds puts the evals at their train_s, and leaves out the steps (which carry none)."""
     out = write_run(tmp_path / "a")
     stamped = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    (out / "log.jsonl").write_text("".join(json.dumps(r | {"elapsed_s": 2.0 * r["iter"] + ("val_loss" in r)}) + "\n"
-                                           for r in stamped))
+    (out / "log.jsonl").write_text("".join(json.dumps(r | {"elapsed_s": 2.0 * r["iter"] + ("val_loss" in r)} | (
+        {"train_s": r["iter"] / 2} if "val_loss" in r else {})) + "\n" for r in stamped))
+    ax = plot.plot_losses([plot.read_log(out)], x="seconds").axes[0]
+    assert [list(line.get_xdata()) for line in ax.get_lines()] == [[0.0, 7.5, 15.0]] * 2  # val and train loss
     fig = plot.plot_losses([plot.read_log(out)], x="elapsed")
     ax, ax_lr = fig.axes[:2]
     assert ax_lr.get_xlabel() == "seconds since the run started (wall clock)"
