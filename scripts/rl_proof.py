@@ -23,13 +23,13 @@ import argparse
 import itertools
 import json
 import os
-import runpy
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repo's core/ importable
+from core.config import read_config_file  # noqa: E402
 
 BASE = "out-shakespeare-char-cpu"
 DATA = "data/chat_checked"
@@ -44,7 +44,7 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 def rl_learning_rates() -> list[str]:
     """More SFT steps as the RL arms do (their config's rates, no warmup): the arms differ in their update only."""
-    rl = runpy.run_path(RL_CONFIG)
+    rl = read_config_file(RL_CONFIG)
     return [f"--learning_rate={rl['learning_rate']}", f"--min_lr={rl['min_lr']}", "--warmup_iters=0"]
 
 
