@@ -102,7 +102,6 @@ class RunHistory:
     def tokens_seen(self, it: int) -> int:
         """Tokens trained in the iterations before `it`: it x tokens_per_iter, except that under
         sequence-length warm-up the first windows are shorter (core.training.train_config.seq_len_at)."""
-        it = max(it, 0)
         if not self.seq_len_warmup:
             return it * self.tokens_per_iter
         prefix = self._warmup_prefix
