@@ -6,7 +6,6 @@
     python plot.py out-a --x=elapsed                             # against wall time (log.jsonl's elapsed_s)
     python plot.py speedrun/1337/nanogpt speedrun/1337/ours --x=seconds --target=1.88   # bench.py's speedrun logs
     python plot.py out-rl-tasks-char                             # an rl.py run -> out-rl-tasks-char/rewards.png
-    python plot.py passk rl_proof.json                           # scripts/rl_proof.py's pass@k -> rl_passk.png
     python plot.py attention --out_dir=out-shakespeare-char-cpu --prompt="ROMEO: But soft" --layer=1
     python plot.py attention --init_from=gpt2 --prompt="The cat sat on the mat because it" --summary=entropy
 
@@ -19,8 +18,7 @@ twice the later record wins.
 
 Rewards (rl.py's runs, whose records hold a reward): the mean reward of each iteration's replies (faint) and
 its moving mean over the last 10 logged iterations, the held-out exact match of each task at each eval, the
-mean reply length, and the learning rate, against iterations. pass@k (scripts/rl_proof.py's results): each
-task's and split's pass@k against k, one color per arm, each seed faint and their mean solid.
+mean reply length, and the learning rate, against iterations.
 
 Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
 key columns), from the naive attention backend (the fused kernel never forms them); and beside
@@ -65,12 +63,6 @@ class LossPlotConfig:
 
 
 @dataclasses.dataclass
-class PassKConfig:
-    out: str | None = None   # the PNG; None: rl_passk.png beside the results
-    title: str | None = None
-
-
-@dataclasses.dataclass
 class AttentionConfig:
     init_from: str = "resume"    # 'resume' (out_dir/ckpt.pt), a GPT-2 name, or a save_pretrained directory
     out_dir: str = "out"
@@ -110,7 +102,6 @@ class RunHistory:
     def tokens_seen(self, it: int) -> int:
         """Tokens trained in the iterations before `it`: it x tokens_per_iter, except that under
         sequence-length warm-up the first windows are shorter (core.training.train_config.seq_len_at)."""
-        it = max(it, 0)
         if not self.seq_len_warmup:
             return it * self.tokens_per_iter
         prefix = self._warmup_prefix
@@ -218,31 +209,23 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     for i, (run, label) in enumerate(zip(runs, run_labels(runs))):
         color = f"C{i}"
         at = run.tokens_seen if x == "tokens" else (lambda s: s)  # the x of iteration s
-        if x == "elapsed":  # each record at its wall time since the run started
-            run = dataclasses.replace(run, steps={s["elapsed_s"]: s for s in run.steps.values()},
-                                      evals={e["elapsed_s"]: e for e in run.evals.values()})
-        step_it, evals = list(run.steps), list(run.evals)
-        if key:  # the x of an evaluation is its training time so far; steps carry none
-            step_it = []  # (x is a time here, so `at` is already the identity)
-            run = dataclasses.replace(run, evals={e[key]: e for e in run.evals.values()})
-            evals = list(run.evals)
-        if step_it:
-            ax.plot([at(s) for s in step_it], [run.steps[s]["loss"] for s in step_it], color=color, lw=0.8,
-                    alpha=0.35)
-        if evals:
-            ax.plot([at(s) for s in evals], [run.evals[s]["val_loss"] for s in evals], color=color, lw=1.8,
-                    marker="o", ms=3, label=label)
-            trained = [s for s in evals if "train_loss" in run.evals[s]]
-            ax.plot([at(s) for s in trained], [run.evals[s]["train_loss"] for s in trained], color=color,
-                    lw=1.2, ls="--")
-        else:
-            ax.plot([], [], color=color, lw=1.8, label=label)
+        if x == "elapsed" or key:  # each record at its time: wall time since the start, or training time so far
+            stamp = key or "elapsed_s"  # (steps carry no training time)
+            run = dataclasses.replace(run, steps={} if key else {s[stamp]: s for s in run.steps.values()},
+                                      evals={e[stamp]: e for e in run.evals.values()})
+        steps, evals = run.steps, run.evals
+        if steps:
+            ax.plot([at(s) for s in steps], [r["loss"] for r in steps.values()], color=color, lw=0.8, alpha=0.35)
+        ax.plot([at(s) for s in evals], [r["val_loss"] for r in evals.values()], color=color, lw=1.8, marker="o",
+                ms=3, label=label)  # drawn when empty too: the run keeps its legend entry
+        trained = [s for s in evals if "train_loss" in evals[s]]
+        ax.plot([at(s) for s in trained], [evals[s]["train_loss"] for s in trained], color=color, lw=1.2, ls="--")
         if hellaswag:
-            hs = [s for s in evals if "hellaswag_acc_norm" in run.evals[s]]
-            axes[1].plot([at(s) for s in hs], [run.evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
+            hs = [s for s in evals if "hellaswag_acc_norm" in evals[s]]
+            axes[1].plot([at(s) for s in hs], [evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
                          lw=1.5, marker="o", ms=3)
-        lr = run.evals if key else run.steps or run.evals
-        ax_lr.plot([at(s) for s in lr], [lr[s]["lr"] for s in lr], color=color, lw=1.2)
+        lr = steps or evals
+        ax_lr.plot([at(s) for s in lr], [r["lr"] for r in lr.values()], color=color, lw=1.2)
     ax.set_ylabel("loss (cross-entropy, nats/token)")
     if target is not None:
         ax.axhline(target, color="black", ls=":", lw=1)
@@ -330,53 +313,6 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
     return fig
 
 
-def plot_passk(results: dict, title: str | None = None):
-    """scripts/rl_proof.py's results: a panel per task (rows) and split (columns), pass@k against k, a color per
-    arm (runs named "ARM SEED"), each seed faint and the mean over seeds solid."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    arms: dict[str, list[dict]] = {}
-    for name, run in results["runs"].items():
-        arms.setdefault(name.rpartition(" ")[0] or name, []).append(run["scores"])
-    first = next(iter(arms.values()))[0]
-    panels = [(task, split) for task in first for split in first[task] if "pass@k" in first[task][split]]
-    splits = sorted({split for _, split in panels}, key=[s for _, s in panels].index)
-    fig, axes = plt.subplots(len(first), len(splits), squeeze=False, sharex=True, sharey=True,
-                             figsize=(4.5 * len(splits), 3.2 * len(first)), layout="constrained")
-    for i, task in enumerate(first):
-        for j, split in enumerate(splits):
-            ax = axes[i][j]
-            for c, (arm, runs) in enumerate(arms.items()):
-                curves = [run[task][split]["pass@k"] for run in runs]
-                ks = [int(k) for k in curves[0]]
-                for curve in curves:
-                    ax.plot(ks, list(curve.values()), color=f"C{c}", lw=0.8, alpha=0.3)
-                ax.plot(ks, [sum(v) / len(v) for v in zip(*(c.values() for c in curves))], color=f"C{c}", lw=1.8,
-                        marker="o", ms=3, label=f"{arm} ({len(runs)} seed{'s' * (len(runs) > 1)})")
-            ax.set_xscale("log", base=2)
-            ax.set_ylim(0, 1.02)
-            ax.grid(alpha=0.3)
-            ax.set_title(f"{task}, {split}", fontsize=10)
-            ax.set_xlabel("k (replies per problem)" if i == len(first) - 1 else "")
-            ax.set_ylabel("pass@k" if j == 0 else "")
-    axes[0][0].legend(fontsize=8, loc="upper left")
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-def passk_main(argv: Sequence[str]) -> Path:
-    files = [a for a in argv if not a.startswith("-")]
-    cfg = parse_args(PassKConfig, [a for a in argv if a.startswith("-")])
-    if len(files) != 1 or not Path(files[0]).is_file():
-        raise UserError("pass scripts/rl_proof.py's results: python plot.py passk rl_proof.json [--out=passk.png]")
-    out = Path(cfg.out) if cfg.out else Path(files[0]).with_name("rl_passk.png")
-    save(plot_passk(json.loads(Path(files[0]).read_text()), cfg.title), out)
-    return out
-
-
 def loss_main(argv: Sequence[str]) -> Path:
     dirs = [a for a in argv if not a.startswith("-")]
     cfg = parse_args(LossPlotConfig, [a for a in argv if a.startswith("-")])
@@ -428,19 +364,14 @@ def mean_distance(att):
     averaged over queries 1..T-1 (query 0 can only attend to itself)."""
     import torch
 
-    T = att.size(-1)
-    pos = torch.arange(T)
-    dist = (pos[:, None] - pos[None, :]).clamp(min=0).to(att.dtype)  # (T, T): i - j on and below the diagonal
-    return (att * dist).sum(-1)[..., 1:].mean(-1)
+    pos = torch.arange(att.size(-1), dtype=att.dtype)
+    return (att * (pos[:, None] - pos)).sum(-1)[..., 1:].mean(-1)  # i - j; keys after the query have weight 0
 
 
 def entropy(att):
     """(..., T, T) -> (...): entropy of each query's attention in nats, averaged over queries 1..T-1;
     0 is one key, log(i + 1) is uniform over all i + 1 visible keys."""
-    import torch
-
-    plogp = torch.where(att > 0, att * att.clamp(min=1e-30).log(), torch.zeros_like(att))
-    return (-plogp.sum(-1))[..., 1:].mean(-1)
+    return -att.xlogy(att).sum(-1)[..., 1:].mean(-1)  # xlogy: 0 log 0 is 0
 
 
 def token_labels(tok, ids: list[int]) -> list[str]:
@@ -531,15 +462,12 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
 USAGE = """usage: python plot.py OUT_DIR [OUT_DIR ...] [--key=value ...]   loss curves of one or more runs
                                                                 (rl.py's runs: rewards and held-out exact match)
        python plot.py attention [--key=value ...]              attention maps (python plot.py attention --help)
-       python plot.py passk rl_proof.json [--out=PNG]          scripts/rl_proof.py's pass@k per arm
 loss curves' """
 
 
 def main(argv: Sequence[str]):
     if argv and argv[0] == "attention":
         return attention_main(argv[1:])
-    if argv and argv[0] == "passk":
-        return passk_main(argv[1:])
     if any(a in ("-h", "--help") for a in argv):  # the subcommand and the out_dirs, which parse_args cannot list
         print(USAGE + config_help(LossPlotConfig))
         sys.exit(0)

@@ -42,9 +42,9 @@ from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.evaluation.perplexity import evaluate_split  # noqa: E402
 from core.fileio import write_json  # noqa: E402
-from core.training import optim
-from core.training.train_config import RECIPE_KEYS, TrainConfig, get_lr, make_optimizer  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from core.training import optim  # noqa: E402
+from core.training.train_config import TrainConfig, get_lr, make_optimizer  # noqa: E402
+from model import GPT, RECIPE_SWITCHES, GPTConfig  # noqa: E402
 
 MODERN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "modern.py"
 # The ReLU² recipe (LayerNorm, biases), measured best but computed by no transformers class, and the
@@ -169,7 +169,7 @@ def train_variant(name: str, cfg: TrainConfig, cmp: CompareConfig, rt: runtime.R
 
 def variant_overrides(cfg: TrainConfig) -> dict:
     base = TrainConfig()
-    keys = RECIPE_KEYS + ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
+    keys = RECIPE_SWITCHES + ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
     return {k: getattr(cfg, k) for k in keys if getattr(cfg, k) != getattr(base, k)}
 
 
@@ -279,11 +279,10 @@ def main(argv: Sequence[str]) -> None:
     mine, rest = split_argv(argv)
     cmp = configlib.parse_args(CompareConfig, mine)
     base = configlib.parse_args(TrainConfig, rest)
-    torch.set_num_threads(cmp.threads)
     results_dir = Path(cmp.results_dir)
     (results_dir / "variants").mkdir(parents=True, exist_ok=True)
     names = variant_names(cmp)
-    rt = runtime.setup(base.device, base.dtype, base.dist_timeout_s)
+    rt = runtime.setup(base.device, base.dtype, base.dist_timeout_s, cmp.threads)
     try:
         if rt.dtype == "float16":  # its step has no loss scaling (train.py's GradScaler)
             raise UserError("compare_recipe trains in float32 or bfloat16; pass --dtype=float32 or --dtype=bfloat16")

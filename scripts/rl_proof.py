@@ -3,7 +3,6 @@ compute, three seeds, on tasks whose harder problems have a checker and no demon
 
     python scripts/rl_proof.py                          # needs the base run: the README's CPU quick start
     python scripts/rl_proof.py --seeds=1337 --rl_args=--max_iters=50 --problems=50 --sampled=20
-    python plot.py passk rl_proof.json --out=docs/rl_passk.png
 
 The tasks are core/data/tasks.py's sort and palindrome: demonstrations of 3, 4, 5 and 8 letters and a few (one in
 fifty) of 6 or 7, RL's prompts and the held-out problems 6 or 7, the longer split 9 or 10. Runs, from the repo
@@ -16,19 +15,21 @@ logs each iteration's; an SFT iteration is 12 x 64 tokens forward and backward),
 Then each model's replies to the first --problems problems of every evaluation split, scored by the task's checker
 as eval.py --task=NAME --task_split=SPLIT scores them: heldout and longer greedily (pass@1), and the first
 --sampled of them with 64 replies each at temperature 1 (pass@k, Chen et al.'s unbiased estimator), demos_heldout
-greedily (the task SFT taught: what an arm forgot). Prints the tables; every number goes to rl_proof.json, and a
-rerun reuses the numbers and finished runs it holds (--fresh starts over).
+greedily (the task SFT taught: what an arm forgot). Prints the tables and draws pass@k against k (--plot: a panel per
+task and split, a color per arm, each seed faint and the mean over seeds solid); every number goes to rl_proof.json,
+and a rerun reuses the numbers and finished runs it holds (--fresh starts over).
 """
 import argparse
+import itertools
 import json
 import os
-import runpy
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make the repo's core/ importable
+from core.config import read_config_file  # noqa: E402
 
 BASE = "out-shakespeare-char-cpu"
 DATA = "data/chat_checked"
@@ -36,16 +37,15 @@ SFT = ["config/train_shakespeare_char_cpu.py", "config/sft_tasks_char.py", f"--d
 SFT_TOKENS = 2 * 12 * 64  # an SFT iteration's forward and backward tokens (the quick start's batch)
 TASKS = ("sort", "palindrome")
 SPLITS = ("heldout", "longer")
-ARMS = ("more SFT", "RFT", "REINFORCE")
 SAMPLES = 64
 RL_CONFIG = "config/rl_checked_char.py"
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def rl_learning_rates() -> list[str]:
     """More SFT steps as the RL arms do (their config's rates, no warmup): the arms differ in their update only."""
-    rl = runpy.run_path(RL_CONFIG)
+    rl = read_config_file(RL_CONFIG)
     return [f"--learning_rate={rl['learning_rate']}", f"--min_lr={rl['min_lr']}", "--warmup_iters=0"]
-ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def run(cmd: list[str]) -> None:
@@ -93,6 +93,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sampled", type=int, default=40, help="the first of those also scored at pass@k")
     parser.add_argument("--results", default="rl_proof.json", help="every number, read back by a rerun")
     parser.add_argument("--fresh", action="store_true", help="retrain and rescore everything")
+    parser.add_argument("--plot", default="rl_passk.png", help="the PNG of pass@k against k")
     args = parser.parse_args(argv)
     path = Path(args.results)
     results = {} if args.fresh or not path.exists() else json.loads(path.read_text())
@@ -128,6 +129,8 @@ def main(argv: list[str]) -> None:
             r["problems"] = [args.problems, args.sampled]
             path.write_text(json.dumps(results, indent=1))
     print(tables(results))
+    plot_passk(results, Path(args.plot))
+    print(f"wrote {args.plot}")
 
 
 def tables(results: dict) -> str:
@@ -146,6 +149,38 @@ def tables(results: dict) -> str:
                        + f" | {s['demos_heldout']['greedy']:.1%} |")
         out.append("")
     return "\n".join(out)
+
+
+def plot_passk(results: dict, path: Path):
+    """A panel per task (rows) and split (columns), pass@k against k, a color per arm (runs named "ARM SEED"),
+    each seed faint and the mean over seeds solid; written to path, and returned."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    arms: dict[str, list[dict]] = {}
+    for name, run in results["runs"].items():
+        arms.setdefault(name.rpartition(" ")[0] or name, []).append(run["scores"])
+    fig, axes = plt.subplots(len(TASKS), len(SPLITS), squeeze=False, sharex=True, sharey=True,
+                             figsize=(4.5 * len(SPLITS), 3.2 * len(TASKS)), layout="constrained")
+    for (i, task), (j, split) in itertools.product(enumerate(TASKS), enumerate(SPLITS)):
+        ax = axes[i][j]
+        for c, (arm, runs) in enumerate(arms.items()):
+            curves = [run[task][split]["pass@k"] for run in runs]
+            ks = [int(k) for k in curves[0]]
+            for curve in curves:
+                ax.plot(ks, list(curve.values()), color=f"C{c}", lw=0.8, alpha=0.3)
+            ax.plot(ks, [sum(v) / len(v) for v in zip(*(c.values() for c in curves))], color=f"C{c}", lw=1.8,
+                    marker="o", ms=3, label=f"{arm} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{task}, {split}", fontsize=10)
+        ax.set_xlabel("k (replies per problem)" if i == len(TASKS) - 1 else "")
+        ax.set_ylabel("pass@k" if j == 0 else "")
+    axes[0][0].legend(fontsize=8, loc="upper left")
+    fig.savefig(path, dpi=110)
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""plot.py: loss curves from log.jsonl, rl.py's rewards and pass@k, attention maps and their layer x head summaries.
+"""plot.py: loss curves from log.jsonl, rl.py's rewards, attention maps and their layer x head summaries;
+scripts/rl_proof.py's pass@k picture.
 
     python -m pytest tests/test_plot.py
 
@@ -6,6 +7,7 @@ Logs are written here by hand in train.py's format (JsonLog), so each value draw
 against the record it came from. Attention weights are checked against transformers' own
 (output_attentions) on a model whose query/key weights are scaled up, so heads differ and are sharp.
 """
+import importlib.util
 import json
 import math
 
@@ -15,7 +17,8 @@ import torch
 import plot
 from core.weights.hf import to_transformers
 from model import GPT, GPTConfig
-from tests.helpers import assert_user_error, make_char_dataset, needs_transformers, run_main, train_tiny
+from tests.helpers import (REPO_ROOT, assert_user_error, make_char_dataset, needs_transformers, run_main,
+                           train_tiny)
 
 
 def write_run(out_dir, lr=1e-3, batch_size=4, iters=range(0, 30, 3), evals=(0, 15, 30), extra_lines=(), **config):
@@ -80,6 +83,8 @@ def test_two_runs_overlay_with_their_differences_in_the_labels(tmp_path):
         assert list(line.get_ydata()) == [r["val_loss"] for r in run.evals.values()]
     lr_lines = ax_lr.get_lines()
     assert [list(line.get_ydata()) for line in lr_lines] == [[r["lr"] for r in run.steps.values()] for run in (a, b)]
+    unevaluated = plot.plot_losses([plot.read_log(write_run(tmp_path / "run-c", evals=()))]).axes[0]
+    assert unevaluated.get_legend().get_texts()[0].get_text().startswith("run-c")  # a run yet to evaluate is named
 
 
 def test_hellaswag_gets_a_panel_when_a_run_logged_it(tmp_path):
@@ -121,11 +126,14 @@ def test_tokens_seen_count_the_shorter_windows_of_sequence_length_warm_up(tmp_pa
 
 
 def test_against_wall_time_from_each_records_elapsed_s(tmp_path):
-    """--x=elapsed puts every record (steps and evals) at its elapsed_s; a log written without it is one line."""
+    """--x=elapsed puts every record (steps and evals) at its elapsed_s; a log written without it is one line.
+    --x=seconds puts the evals at their train_s, and leaves out the steps (which carry none)."""
     out = write_run(tmp_path / "a")
     stamped = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    (out / "log.jsonl").write_text("".join(json.dumps(r | {"elapsed_s": 2.0 * r["iter"] + ("val_loss" in r)}) + "\n"
-                                           for r in stamped))
+    (out / "log.jsonl").write_text("".join(json.dumps(r | {"elapsed_s": 2.0 * r["iter"] + ("val_loss" in r)} | (
+        {"train_s": r["iter"] / 2} if "val_loss" in r else {})) + "\n" for r in stamped))
+    ax = plot.plot_losses([plot.read_log(out)], x="seconds").axes[0]
+    assert [list(line.get_xdata()) for line in ax.get_lines()] == [[0.0, 7.5, 15.0]] * 2  # val and train loss
     fig = plot.plot_losses([plot.read_log(out)], x="elapsed")
     ax, ax_lr = fig.axes[:2]
     assert ax_lr.get_xlabel() == "seconds since the run started (wall clock)"
@@ -250,22 +258,20 @@ def test_an_rl_run_draws_rewards_and_each_tasks_heldout_exact_match(tmp_path):
 
 
 def test_rl_proof_results_draw_pass_at_k_per_task_split_and_arm(tmp_path):
-    """scripts/rl_proof.py's results: a panel per task and split, each arm's seeds faint and their mean solid."""
+    """scripts/rl_proof.py's picture: a panel per task and split, each arm's seeds faint and their mean solid."""
     def scores(base):
         return {task: {split: {"greedy": base, "pass@k": {"1": base, "8": base + 0.2, "64": base + 0.4}}
                        for split in ("heldout", "longer")} | {"demos_heldout": {"greedy": 0.9}}
                 for task in ("sort", "palindrome")}
 
+    spec = importlib.util.spec_from_file_location("rl_proof", REPO_ROOT / "scripts" / "rl_proof.py")
+    spec.loader.exec_module(rl_proof := importlib.util.module_from_spec(spec))
     runs = {"SFT": {"scores": scores(0.1)}, "RFT 1": {"scores": scores(0.2)}, "RFT 2": {"scores": scores(0.4)}}
-    (tmp_path / "rl_proof.json").write_text(json.dumps({"runs": runs}))
-    fig = plot.plot_passk(json.loads((tmp_path / "rl_proof.json").read_text()))
+    fig = rl_proof.plot_passk({"runs": runs}, tmp_path / "rl_passk.png")
     assert [ax.get_title() for ax in fig.axes] == ["sort, heldout", "sort, longer", "palindrome, heldout",
                                                    "palindrome, longer"]
     lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[3].get_lines()}
     assert lines["SFT (1 seed)"] == pytest.approx([0.1, 0.3, 0.5])
     assert lines["RFT (2 seeds)"] == pytest.approx([0.3, 0.5, 0.7])  # the mean of the two seeds
     assert list(fig.axes[3].get_lines()[0].get_xdata()) == [1, 8, 64]
-    result = run_main(plot.main, ["passk", str(tmp_path / "rl_proof.json")])
-    assert result.returncode == 0, result.stderr
     assert (tmp_path / "rl_passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert_user_error(run_main(plot.main, ["passk", str(tmp_path / "none.json")]), "pass scripts/rl_proof.py's results")

@@ -604,7 +604,8 @@ def test_compare_recipe_trains_evaluates_and_reports(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     runs = {n: json.loads((tmp_path / "variants" / f"{n}.json").read_text()) for n in ("classic", "muon", "modern")}
     assert [it for it, _ in runs["classic"]["curve"]] == [0, 2, 4]
-    assert runs["modern"]["overrides"]["optimizer"] == "muon"
+    assert runs["modern"]["overrides"] == {"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
+                                           "qk_norm": True, "tie_embeddings": False, "optimizer": "muon"}
     assert runs["classic"]["curve"][0][1] == pytest.approx(math.log(len(set(TEXT))), abs=0.3)
     table = (tmp_path / "table.md").read_text()  # benchmarks.markdown.table: cells padded to line up
     assert re.search(r"^\| +modern \|", table, re.M) and (tmp_path / "val_loss.png").stat().st_size > 1000
