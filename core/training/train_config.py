@@ -11,7 +11,7 @@ from core.config import field_help
 from core.errors import UserError
 from core.training import optim, parallel
 from core.weights import resolver
-from model import CHOICES, RECIPE_SWITCHES, GPTConfig
+from model import CHOICES, GPTConfig
 
 # The model keys are GPTConfig's fields, each with GPTConfig's default, except vocab_size: None there
 # is the dataset's meta.json vocab_size. A field added to GPTConfig is a key here with nothing to edit.
