@@ -17,8 +17,8 @@
 
 Each section is a module of benchmarks/ whose docstring says how it measures: its Settings (its flags),
 check(cfg), measure(cfg, rt) and table(result); a new one is that file and a line in SECTIONS. Every ratio
-compares figures from the same run. The tables go to stdout in Markdown and, with the machine's description,
-to --out (JSON), rewritten after each section; a figure that runs out of device memory reads "OOM".
+compares figures from the same run. The tables go to stdout in Markdown and, with the machine's description, to
+--out (JSON), rewritten after each section; a figure that runs out of device memory reads "OOM".
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line

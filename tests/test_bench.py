@@ -277,6 +277,11 @@ def test_preset_fills_what_the_command_line_leaves():
     assert bench.load_config([]).block_size == 256
 
 
+def test_the_default_run_leaves_out_the_sections_that_take_minutes():
+    """`python bench.py` (docs/performance.md's whole run): every section but speedrun and peers, in run order."""
+    assert bench.General().sections == "train,loop,muon,attention,decode,prepare,rolling,memory,serve"
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--preset=gpt3"], "unknown preset"),
     (["--sections=train,speed"], "speed"),
