@@ -21,7 +21,7 @@ from benchmarks import attention, common, decode, train
 from core import cpu, runtime
 from core.errors import UserError
 from model import GPT, GPTConfig
-from tests.helpers import cli_args, one_thread, use_gpt2_bpe
+from tests.helpers import REPO_ROOT, cli_args, one_thread, use_gpt2_bpe
 
 TINY = dict(
     device="cpu", dtype="float32", warmup=1, repeats=1,
@@ -280,6 +280,15 @@ def test_preset_fills_what_the_command_line_leaves():
 def test_the_default_run_leaves_out_the_sections_that_take_minutes():
     """`python bench.py` (docs/performance.md's whole run): every section but speedrun and peers, in run order."""
     assert bench.General().sections == "train,loop,muon,attention,decode,prepare,rolling,memory,serve"
+
+
+def test_the_docs_name_only_sections_that_exist():
+    """Every `--sections=...` in the README, docs/ and bench.py's modules names a section of SECTIONS (the docs'
+    command check sees that bench.py takes --sections, not what it names)."""
+    files = [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md"), REPO_ROOT / "bench.py",
+             *(REPO_ROOT / "benchmarks").glob("*.py")]
+    named = {name for f in files for spec in re.findall(r"--sections=([\w,]+)", f.read_text()) for name in spec.split(",")}
+    assert {"speedrun", "peers", "decode"} <= named and named <= set(bench.SECTIONS), named - set(bench.SECTIONS)
 
 
 @pytest.mark.parametrize("argv, fragment", [
