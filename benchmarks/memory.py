@@ -3,9 +3,8 @@
 The training section's model under parallel=ddp and fsdp in 1, 2 and 4 gloo processes spawned on the
 CPU: after one AdamW step, the bytes each process holds for parameters, gradients and optimizer state
 (a DTensor counts its local shard; state_bytes). Then one process's peak memory and step time for
-forward + backward with and without activation checkpointing (peak measured as in the attention
-section). Last, a computed (not measured) table of which GPT-2 fits on which GPU
-(gpu_training_memory).
+forward + backward with and without activation checkpointing (peak memory as common.py measures it).
+Last, a computed (not measured) table of which GPT-2 fits on which GPU (gpu_training_memory).
 """
 import json
 import tempfile
