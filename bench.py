@@ -16,10 +16,9 @@
         --device=cuda --dtype=bfloat16                 # the same training model, flag by flag
 
 Each section is a module of benchmarks/ whose docstring says how it measures: its Settings (its flags),
-check(cfg), measure(cfg, rt) and table(result), and unavailable(rt) where a device or package may be missing (the
-section is then one line); a new one is that file and a line in SECTIONS. Every ratio
-compares figures from the same run. The tables go to stdout in Markdown and, with the machine's description,
-to --out (JSON), rewritten after each section; a figure that runs out of device memory reads "OOM".
+check(cfg), measure(cfg, rt) and table(result); a new one is that file and a line in SECTIONS. Every ratio
+compares figures from the same run. The tables go to stdout in Markdown and, with the machine's description, to
+--out (JSON), rewritten after each section; a figure that runs out of device memory reads "OOM".
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -35,8 +34,7 @@ from typing import Sequence
 
 import torch
 
-from benchmarks import (attention, cuda_attention, decode, levers, loop, memory, muon, peers, prepare, rolling, serve,
-                        speedrun, torchao, train)
+from benchmarks import attention, decode, loop, memory, muon, peers, prepare, rolling, serve, speedrun, train
 from benchmarks.common import at_least, merged_config, merged_presets, spec_list, with_preset
 from core import runtime
 from core.config import parse_args, to_dict
@@ -45,7 +43,7 @@ from core.fileio import write_json
 
 SECTIONS = {"train": train, "loop": loop, "muon": muon, "attention": attention, "decode": decode,  # in run order
             "prepare": prepare, "rolling": rolling, "memory": memory, "serve": serve, "speedrun": speedrun,
-            "peers": peers, "levers": levers, "cuda_attention": cuda_attention, "torchao": torchao}
+            "peers": peers}
 
 
 @dataclasses.dataclass
@@ -130,10 +128,6 @@ def run(cfg, rt: runtime.Runtime) -> dict:
           f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
     for name, module in SECTIONS.items():
         if name not in spec_list(cfg.sections):
-            continue
-        if why := getattr(module, "unavailable", lambda rt: None)(rt):  # a device or a package this machine lacks
-            result[name] = {"unavailable": why}
-            print(f"\n{name}: skipped, {why}", flush=True)
             continue
         t0 = time.perf_counter()
         result[name] = module.measure(cfg, rt)

@@ -2,9 +2,7 @@
 
 Without grad (forward) and with grad (forward + backward), over a range of context lengths T:
 model.scaled_dot_product_attention (the naive reference, which forms the (B, nh, T, T) scores) against
-torch's fused F.scaled_dot_product_attention. CUDA: torch.cuda.max_memory_allocated. CPU: the
-allocation and free events that torch.profiler(profile_memory=True) records from torch's CPU
-allocator, summed in time order, the peak of that running total (kernels' scratch buffers included).
+torch's fused F.scaled_dot_product_attention; peak memory as common.py measures it.
 """
 import dataclasses
 import math

@@ -117,14 +117,12 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
 
 def table(r: dict) -> str:
     rows = [["plain loop (nanoGPT's)", num(r["plain_ms"], 2), "1.00x"],
-            ["train.py", num(r["train_py_ms"], 2), f"{r['train_py_over_plain']:.2f}x"]]
-    if "recipe_ms" in r:  # Muon's Newton-Schulz runs in bf16 only where bf16 is native (core/training/optim.py)
-        rows.append([f"train.py + {r['recipe_config']} (Newton-Schulz in {r['muon_newton_schulz']})",
-                     num(r["recipe_ms"], 2), f"{r['recipe_ms'] / r['plain_ms']:.2f}x"])
-    text = (f"### Training iteration: train.py against a plain loop, and the modern recipe\n{r['config']}: {r['model']}, "
+            ["train.py", num(r["train_py_ms"], 2), f"{r['train_py_over_plain']:.2f}x"],
+            # Muon's Newton-Schulz runs in bf16 only where bf16 is native (core/training/optim.py)
+            [f"train.py + {r['recipe_config']} (Newton-Schulz in {r['muon_newton_schulz']})", num(r["recipe_ms"], 2),
+             f"{r['recipe_ms'] / r['plain_ms']:.2f}x"]]
+    return (f"### Training iteration: train.py against a plain loop, and the modern recipe\n{r['config']}: {r['model']}, "
             f"accumulation {r['accum']}; median of {r['chunks']} chunks of {r['steps_per_chunk']} iterations each, "
-            f"alternating\n\n" + markdown.table(["loop", "ms / iteration", "vs plain"], rows))
-    if "recipe_ms" in r:
-        text += (f"\n\n{r['recipe_config']} / classic train.py: {r['recipe_over_train_py']:.2f}x "
-                 f"(median over chunks of each against the one before it)")
-    return text
+            f"alternating\n\n" + markdown.table(["loop", "ms / iteration", "vs plain"], rows)
+            + f"\n\n{r['recipe_config']} / classic train.py: {r['recipe_over_train_py']:.2f}x "
+              "(median over chunks of each against the one before it)")

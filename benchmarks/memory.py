@@ -3,9 +3,8 @@
 The training section's model under parallel=ddp and fsdp in 1, 2 and 4 gloo processes spawned on the
 CPU: after one AdamW step, the bytes each process holds for parameters, gradients and optimizer state
 (a DTensor counts its local shard; state_bytes). Then one process's peak memory and step time for
-forward + backward with and without activation checkpointing (peak measured as in the attention
-section). Last, a computed (not measured) table of which GPT-2 fits on which GPU
-(gpu_training_memory).
+forward + backward with and without activation checkpointing (peak memory as common.py measures it).
+Last, a computed (not measured) table of which GPT-2 fits on which GPU (gpu_training_memory).
 """
 import json
 import tempfile
@@ -113,16 +112,10 @@ def activation_checkpointing_rows(cfg, rt: runtime.Runtime, mc: GPTConfig) -> li
 
 def gpu_training_memory(config, how: str, world_size: int, micro_batch: int,
                         activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes per GPU to train `config` with AdamW on micro_batch sequences of block_size tokens, as
-    train.py runs it on CUDA with dtype=bfloat16 under parallel=`how` (docs/sharding.md, "Which GPT-2 fits where"):
-    core.training.memory.estimate_training_memory with float32 weights, gradients and AdamW moments (16 bytes per
-    parameter: ddp all of it on every GPU, fsdp 1/world_size), bf16 compute (autocast under ddp, fsdp's
-    MixedPrecisionPolicy), fused attention (sdpa never stores the (T, T) scores), one micro-step per
-    optimizer step (accumulation under fsdp keeps every Block gathered), and a gathered Block's gradient
-    in float32, as core/parallel.shard reduces it.
-    Not counted: the CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation (~1-3 GB; hence
-    FITS_FRACTION), and under fsdp the root's gathered embeddings (the wte/head matrix and wpe,
-    unsharded from the first forward to the last backward: ~0.5 GB for GPT-2 XL)."""
+    """Bytes per GPU to train `config` with AdamW on micro_batch sequences of block_size tokens, as train.py runs
+    it on CUDA with dtype=bfloat16 under parallel=`how`: float32 weights, gradients and moments (fsdp: 1/world_size
+    of them), bf16 compute, one micro-step per optimizer step. What it counts and what it leaves out (hence
+    FITS_FRACTION): docs/sharding.md, "Which GPT-2 fits where"."""
     return estimate_training_memory(config, micro_batch, "adamw", param_dtype=torch.float32,
                                     compute_dtype=torch.bfloat16, shards=world_size if how == "fsdp" else 1,
                                     activation_checkpointing=activation_checkpointing)

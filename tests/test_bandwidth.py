@@ -93,18 +93,3 @@ def test_measure_puts_each_step_against_its_bound(monkeypatch):
     assert r["rows"][1]["bound_ms"] == pytest.approx(f32["bound_ms"] / 2)
     text = bandwidth.table(r)
     assert "copy bandwidth 1.0 GB/s" in text and re.search(rf"\| +{f32['step_over_bound']:.2f}x \|", text)
-
-
-def test_the_levers_section_prints_every_variant_and_restores_the_kernels(tmp_path, capsys):
-    """bench.py's levers section at the quick start's shape, one round of one step: a row per variant (int8 and the
-    bf16 ones where bf16 is native), and model.py's kernel choice is its own again afterwards."""
-    import bench
-
-    kernel = cpu.one_row_kernels
-    bench.main(["--sections=levers", "--device=cpu", "--threads=1", "--levers_shape=quickstart", "--levers_rounds=1",
-                "--levers_steps=1", f"--out={tmp_path / 'bench.json'}"])
-    rows = [line.split(" | ")[0][2:] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-    bf16 = ["bf16 unpacked, oneDNN", "bf16 unpacked, torch's GEMV (oneDNN off)", "bf16 packed (as decoding now)",
-            "bf16 packed, head copy (vocab, C)"]
-    assert rows == ["float32", "int8"] + bf16 * cpu.cpu_native_bf16()
-    assert cpu.one_row_kernels is kernel and torch.backends.mkldnn.enabled

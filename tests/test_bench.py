@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import bench
-from benchmarks import attention, common, cuda_attention, decode, levers, torchao, train
+from benchmarks import attention, common, decode, train
 from core import cpu, runtime
 from core.errors import UserError
 from model import GPT, GPTConfig
-from tests.helpers import cli_args, one_thread, use_gpt2_bpe
+from tests.helpers import REPO_ROOT, cli_args, one_thread, use_gpt2_bpe
 
 TINY = dict(
     device="cpu", dtype="float32", warmup=1, repeats=1,
@@ -277,6 +277,20 @@ def test_preset_fills_what_the_command_line_leaves():
     assert bench.load_config([]).block_size == 256
 
 
+def test_the_default_run_leaves_out_the_sections_that_take_minutes():
+    """`python bench.py` (docs/performance.md's whole run): every section but speedrun and peers, in run order."""
+    assert bench.General().sections == "train,loop,muon,attention,decode,prepare,rolling,memory,serve"
+
+
+def test_the_docs_name_only_sections_that_exist():
+    """Every `--sections=...` in the README, docs/ and bench.py's modules names a section of SECTIONS (the docs'
+    command check sees that bench.py takes --sections, not what it names)."""
+    files = [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md"), REPO_ROOT / "bench.py",
+             *(REPO_ROOT / "benchmarks").glob("*.py")]
+    named = {name for f in files for spec in re.findall(r"--sections=([\w,]+)", f.read_text()) for name in spec.split(",")}
+    assert {"speedrun", "peers", "decode"} <= named and named <= set(bench.SECTIONS), named - set(bench.SECTIONS)
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--preset=gpt3"], "unknown preset"),
     (["--sections=train,speed"], "speed"),
@@ -284,54 +298,12 @@ def test_preset_fills_what_the_command_line_leaves():
     (["--attn_lengths=256,x"], "attn_lengths"),
     (["--gen_window_shift=0"], "gen_window_shift"),
     (["--bound_models=quickstart,gpt3"], "bound_models: unknown gpt3"),
-    (["--levers_shape=gpt3"], "levers_shape: unknown 'gpt3'"),
     (["--train_batch_sizes=8,x"], "train_batch_sizes"),
     (["--fixed_precisions=float32,int3"], "fixed_precisions: unknown int3"),
 ])
 def test_bad_flags_are_user_errors(argv, fragment):
     with pytest.raises(UserError, match=fragment):
         bench.load_config(argv)
-
-
-def test_a_section_this_machine_cannot_run_is_one_line(tmp_path, capsys, monkeypatch):
-    """cuda_attention on a CPU, torchao without the package: each says why in one line, and the run goes on."""
-    find_spec = torchao.importlib.util.find_spec
-    monkeypatch.setattr(torchao.importlib.util, "find_spec", lambda name: None if name == "torchao" else find_spec(name))
-    result = bench.main(tiny_argv(tmp_path, sections="cuda_attention,torchao"))
-    lines = capsys.readouterr().out.splitlines()
-    assert "cuda_attention: skipped, needs a CUDA device (--device=cuda)" in lines
-    assert "torchao: skipped, needs torchao (pip install torchao==0.18.0); it is not one of this project's " \
-           "dependencies" in lines
-    assert result["cuda_attention"] == {"unavailable": "needs a CUDA device (--device=cuda)"}
-    assert levers.unavailable(runtime.Runtime("cuda:0", "cuda", "float32")).startswith("the decode levers are the CPU's")
-    assert not {"levers", "cuda_attention", "torchao"} & set(bench.General().sections.split(","))
-
-
-def test_the_cuda_attention_section_runs_each_way_on_a_tiny_model(monkeypatch):
-    """Its plumbing on the CPU (on CUDA it is the same code at GPT-2 small's shape): a row per dtype, batch and way,
-    the same tokens both ways, and a training step each way."""
-    monkeypatch.setattr(cuda_attention, "GPT2", GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=160, vocab_size=64))
-    with one_thread():
-        r = cuda_attention.measure(None, runtime.setup("cpu", "float32"))
-    assert [(x["dtype"], x["batch"], x["way"]) for x in r["decoding"]] == [
-        (dtype, batch, way) for dtype in ("bfloat16", "float32") for batch in (1, 8) for way in cuda_attention.WAYS]
-    assert [x["same"] for x in r["decoding"]] == ["-", True] * 4
-    assert list(r["training"]) == list(cuda_attention.WAYS) and all(ms > 0 for ms in r["training"].values())
-
-
-def test_the_cuda_attention_and_torchao_tables():
-    way = [{"dtype": "bfloat16", "batch": 8, "way": "torch's choice", "first_ms": 9.5, "second_ms": 7.25, "same": "-"},
-           {"dtype": "bfloat16", "batch": 8, "way": "without cuDNN", "first_ms": 6.0, "second_ms": 6.125, "same": True}]
-    assert cuda_attention.table({"decoding": way, "training": {"torch's choice": 120.0, "without cuDNN": 131.25}}) == (
-        "| dtype | batch | backends | first pass ms/step | second pass ms/step | same tokens |\n"
-        "|---|---:|---|---:|---:|---|\n"
-        "| bfloat16 | 8 | torch's choice | 9.50 | 7.25 | - |\n"
-        "| bfloat16 | 8 | without cuDNN | 6.00 | 6.12 | True |\n\n"
-        "| training step, bf16 autocast, 8 x 1024, forward + backward | ms |\n|---|---:|\n"
-        "| torch's choice | 120.0 |\n| without cuDNN | 131.2 |")
-    assert torchao.table({"threads": 1, "rows": [("ours, int8", 20.04), ("torchao Int8WeightOnlyConfig, eager", 9.96)]}) == (
-        "| decoding, 1 thread(s) | tokens/s |\n|---|---:|\n| ours, int8 | 20.0 |\n"
-        "| torchao Int8WeightOnlyConfig, eager | 10.0 |")
 
 
 def test_generation_inside_the_context_has_one_row():

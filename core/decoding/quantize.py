@@ -27,7 +27,7 @@ activations to 8 bits and was never measured here.
 What stays as it was: the token and position embeddings (a tied head gets its own quantized copy, the
 table stays float), the norms and attention itself. torchao is not a dependency: its int8 configs
 (weight-only, and with dynamic activations) decoded slower than these kernels, eager or compiled
-(bench.py --sections=torchao). The speed beside CTranslate2's and llama.cpp's is in docs/performance.md
+(docs/lab-notes.md). The speed beside CTranslate2's and llama.cpp's is in docs/performance.md
 ("peers"), the quality in docs/evaluation.md ("Quantized weights").
 """
 import warnings
