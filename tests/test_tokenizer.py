@@ -15,7 +15,6 @@ import pytest
 
 from core.data.chat import CHAT_TOKENS, ChatTemplate, with_chat_tokens
 import core.data.corpus
-import core.data.corpus_tokenizer
 from core.data.loader import TokenData
 from core.data.tokenizer import EOT, BPETokenizer, GPT2Tokenizer, check_extends, tokenizer_from_meta, train_bpe
 from tests.helpers import REPO_ROOT, assert_user_error, needs_transformers, run_main, train_tiny, use_gpt2_bpe
@@ -210,8 +209,8 @@ def test_a_prepending_tokenizer_encodes_each_document_in_one_call():
     chars = sorted(set("▁Hello world.\nNext line ab x=1def f():中文。下一行"))
     backend = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, merges=[]))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    assert not core.data.corpus_tokenizer.chunks_encode_whole(HFTokenizer(backend.to_str()))
-    assert core.data.corpus_tokenizer.chunks_encode_whole(train_bpe(iter(corpus_texts()), 300, RESERVED, progress=False))
+    assert not core.data.corpus.chunks_encode_whole(HFTokenizer(backend.to_str()))
+    assert core.data.corpus.chunks_encode_whole(train_bpe(iter(corpus_texts()), 300, RESERVED, progress=False))
 
 
 def test_a_separator_line_splits_a_file_into_documents(tmp_path):

@@ -1,5 +1,5 @@
 """The web corpora (data/openwebtext, data/fineweb): a Hugging Face dataset, or local parquet/json/jsonl/txt
-files -> whole-document train/val -> the tokenizer of core/data/corpus_tokenizer.py (a BPE trained on the
+files -> whole-document train/val -> the tokenizer of core/data/corpus.py (a BPE trained on the
 train split, streamed) -> encoding in datasets' worker processes -> `{split}_NNNNNN.bin` shards ->
 tokenizer.json and meta.json (core/data/writer.py).
 """
@@ -16,10 +16,9 @@ from typing import Iterator
 
 import numpy as np
 
-from core.data.corpus_tokenizer import check_tokenizer_spec, document_affixes, document_joiner, make_tokenizer
-from core.data.sources import script_out_dir
+from core.data.corpus import check_tokenizer_spec, document_marks, make_tokenizer
 from core.data.tokenizer import Tokenizer, tokenizer_from_meta
-from core.data.writer import ShardWriter, token_dtype, write_meta
+from core.data.writer import ShardWriter, script_out_dir, token_dtype, write_meta
 from core.errors import UserError, first_line
 
 
@@ -84,8 +83,8 @@ def load_text_dataset(hub_name: str, hub_config: str | None, data_files: str | N
 def _worker_tokenizer(meta_json: str) -> tuple[Tokenizer, list[int], list[int]]:
     """The tokenizer and the ids put before and after each document, built once per worker process."""
     tok = tokenizer_from_meta(json.loads(meta_json))
-    prefix, suffix = document_affixes(tok)
-    return tok, prefix, suffix + document_joiner(tok)
+    prefix, suffix, joiner = document_marks(tok)
+    return tok, prefix, suffix + joiner
 
 
 def _tokenize_batch(batch: dict, meta_json: str) -> dict:

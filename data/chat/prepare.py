@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 from core.config import parse_args  # noqa: E402
 from core.data.chat import ChatTemplate, with_chat_tokens  # noqa: E402
 from core.data.loader import read_meta  # noqa: E402
-from core.data.sources import script_out_dir  # noqa: E402
+from core.data.writer import script_out_dir  # noqa: E402
 from core.data.tokenizer import GPT2Tokenizer, tokenizer_from_meta, tokenizer_meta  # noqa: E402
 from core.data.writer import write_tokens  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402

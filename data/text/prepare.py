@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 
 from core.config import parse_args  # noqa: E402
 from core.data.corpus import prepare_corpus  # noqa: E402
-from core.data.corpus_tokenizer import check_tokenizer_spec  # noqa: E402
-from core.data.sources import script_out_dir  # noqa: E402
+from core.data.corpus import check_tokenizer_spec  # noqa: E402
+from core.data.writer import script_out_dir  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 
 
