@@ -69,9 +69,9 @@ class ShardWriter:
     """Stream token ids into `{split}_000000.bin`, `{split}_000001.bin`, ... of `shard_tokens` ids each.
 
     Shards are written into a hidden staging folder and moved into place only when the whole split
-    is done (leaving the `with` block without an exception, or commit()), replacing any older
-    `{split}.bin` / shards. An interrupted prepare leaves the previous files as they were, and never
-    a partial set that looks complete."""
+    is done (the `with` block left without an exception), replacing any older `{split}.bin` / shards.
+    An interrupted prepare leaves the previous files as they were, and never a partial set that looks
+    complete."""
 
     def __init__(self, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype=np.uint16):
         if shard_tokens < 1:
@@ -106,7 +106,15 @@ class ShardWriter:
         self._file.close()
         self._file = None
 
-    def commit(self) -> list[Path]:
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            if self._file is not None:
+                self._file.close()
+            shutil.rmtree(self.staging, ignore_errors=True)
+            return
         if self._file is not None:
             self._close_shard()
         stale = shard_paths(self.out_dir, self.split) + [self.out_dir / f"{self.split}.bin"]
@@ -118,22 +126,6 @@ class ShardWriter:
                 path.unlink()
         fsync_dir(self.out_dir)
         self.staging.rmdir()
-        return final
-
-    def abort(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        shutil.rmtree(self.staging, ignore_errors=True)
-
-    def __enter__(self) -> "ShardWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 def write_dataset(out_dir: str | os.PathLike, tokenizer_meta: dict, splits: dict[str, Iterable[int]],
