@@ -12,7 +12,6 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -99,32 +98,23 @@ def _tokenize_batch(batch: dict, meta_json: str) -> dict:
     return {"ids": ids, "len": [len(d) for d in ids]}
 
 
-def tokenize_documents(ds, tok: Tokenizer, num_proc: int, desc: str = "tokenizing"):
-    """Each document of `ds` (column `text`) into columns `ids` (uint16 or uint32, with its marks) and `len`."""
+def write_split(part, tok: Tokenizer, out_dir: Path, split: str, cfg: WebPrepareConfig) -> int:
+    """The documents of `part` tokenized in cfg.num_proc workers (column `ids`, each with its marks, and `len`),
+    then concatenated into `{split}_*.bin` shards; returns the token count."""
     import datasets
-
-    features = datasets.Features({"ids": datasets.List(datasets.Value(np.dtype(token_dtype(tok)).name)),
-                                  "len": datasets.Value("int64")})
-    return ds.map(_tokenize_batch, batched=True, remove_columns=ds.column_names, features=features,
-                  fn_kwargs={"meta_json": json.dumps(tok.meta(), sort_keys=True)},
-                  num_proc=min(num_proc, max(1, len(ds))), desc=desc)
-
-
-def dataset_texts(ds, batch_size: int = 1024) -> Iterator[str]:
-    """The `text` column of a datasets.Dataset, a batch at a time from its memory-mapped Arrow files."""
-    for batch in ds.select_columns(["text"]).iter(batch_size=batch_size):
-        yield from batch["text"]
-
-
-def write_token_shards(tokenized, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype) -> int:
-    """Concatenate the `ids` of a tokenized dataset into `{split}_*.bin` shards; return the token count."""
     import pyarrow.compute as pc
     from tqdm import tqdm
 
-    total = pc.sum(tokenized.with_format("arrow")["len"]).as_py() or 0
-    with ShardWriter(out_dir, split, shard_tokens, dtype) as writer, \
-            tqdm(total=total, unit="tok", unit_scale=True, desc=f"writing {split}", disable=None) as bar:
-        for table in tokenized.with_format("arrow").iter(batch_size=4096):
+    dtype = token_dtype(tok)
+    features = datasets.Features({"ids": datasets.List(datasets.Value(np.dtype(dtype).name)),
+                                  "len": datasets.Value("int64")})
+    tokenized = part.map(_tokenize_batch, batched=True, remove_columns=part.column_names, features=features,
+                         fn_kwargs={"meta_json": json.dumps(tok.meta(), sort_keys=True)},
+                         num_proc=min(cfg.num_proc, max(1, len(part))), desc=f"tokenizing {split}").with_format("arrow")
+    with ShardWriter(out_dir, split, cfg.shard_tokens, dtype) as writer, \
+            tqdm(total=pc.sum(tokenized["len"]).as_py() or 0, unit="tok", unit_scale=True, desc=f"writing {split}",
+                 disable=None) as bar:
+        for table in tokenized.iter(batch_size=4096):
             ids = table.column("ids").combine_chunks().flatten().to_numpy()
             writer.write(ids)
             bar.update(ids.size)
@@ -142,12 +132,12 @@ def prepare_web_corpus(cfg: WebPrepareConfig, hub_name: str, hub_config: str | N
         raise UserError(f"the source has {len(ds)} document(s); a train and a val split need at least 2")
     start = time.perf_counter()
     splits = ds.train_test_split(test_size=cfg.val_fraction, seed=cfg.seed, shuffle=True)
-    if trained:
-        tok = make_tokenizer(cfg.tokenizer, dataset_texts(splits["train"]))
+    if trained:  # streamed: a batch of the train split's texts at a time from its memory-mapped Arrow files
+        train = splits["train"].select_columns(["text"])
+        tok = make_tokenizer(cfg.tokenizer, (text for batch in train.iter(batch_size=1024) for text in batch["text"]))
     meta = {"source": cfg.data_files or (hub_name + (f":{hub_config}" if hub_config else ""))}
     for split, part in (("train", splits["train"]), ("val", splits["test"])):
-        tokenized = tokenize_documents(part, tok, cfg.num_proc, desc=f"tokenizing {split}")
-        meta[f"{split}_tokens"] = write_token_shards(tokenized, out_dir, split, cfg.shard_tokens, token_dtype(tok))
+        meta[f"{split}_tokens"] = write_split(part, tok, out_dir, split, cfg)
         meta[f"{split}_documents"] = len(part)
     meta = write_meta(out_dir, tok, meta)
     seconds = time.perf_counter() - start
