@@ -127,23 +127,25 @@ class ChatTemplate:
         if messages[-1]["role"] != "assistant":
             raise UserError(f"a training conversation must end with an assistant turn, this one ends with "
                             f"{messages[-1]['role']}")
-        ids, mask = [], []
-        for i, m in enumerate(messages):
-            body = self._encode(m["content"], i) + [self.end_of_turn]
-            learn = int(m["role"] == "assistant")
-            ids += [self.role_id[m["role"]]] + body
-            mask += [0] + [learn] * len(body)
-        return ids, mask
+        return self._turns(messages)
 
     def render_prompt(self, messages) -> list[int]:
         """The conversation so far, ending in a user turn, then <|assistant|>: what the model continues."""
         self.check(messages)
         if messages[-1]["role"] != "user":
             raise UserError(f"a prompt must end with a user message, this one ends with {messages[-1]['role']}")
-        ids = []
+        return self._turns(messages)[0] + [self.role_id["assistant"]]
+
+    def _turns(self, messages) -> tuple[list[int], list[int]]:
+        ids, mask = [], []
         for i, m in enumerate(messages):
-            ids += [self.role_id[m["role"]]] + self._encode(m["content"], i) + [self.end_of_turn]
-        return ids + [self.role_id["assistant"]]
+            try:
+                body = self.tok.encode(m["content"]) + [self.end_of_turn]  # ordinary tokens only: never a special id
+            except UserError as e:  # a character vocabulary names what it lacks
+                raise UserError(f"message {i}: {e}") from None
+            ids += [self.role_id[m["role"]]] + body
+            mask += [0] + [int(m["role"] == "assistant")] * len(body)
+        return ids, mask
 
     def fit_prompt(self, messages, max_len: int) -> tuple[list[int], int]:
         """render_prompt's ids in at most max_len tokens: the oldest user/assistant exchanges are left out
@@ -156,12 +158,6 @@ class ChatTemplate:
                 return ids, dropped
         raise UserError(f"the last message alone is {len(ids)} tokens with the template, longer than the {max_len} "
                         f"the model can take with room for a reply; shorten it")
-
-    def _encode(self, text: str, index: int) -> list[int]:
-        try:
-            return self.tok.encode(text)  # ordinary tokens only: never a special id
-        except UserError as e:  # a character vocabulary names what it lacks
-            raise UserError(f"message {index}: {e}") from None
 
 
 def _short(value, limit: int = 60) -> str:

@@ -131,8 +131,7 @@ def text_source(input_path: str | None, out_dir: str | os.PathLike, url: str, ti
 
 
 def prepare_text_corpus(cfg: TextPrepareConfig, tokenizer: str, script_file: str) -> dict:
-    """A one-file corpus (tiny Shakespeare: --input, else input.txt beside the script, else downloaded)
-    through prepare_corpus: one document, so train/val are its first 90% and last 10% of characters."""
+    """Tiny Shakespeare's one document (text_source) through prepare_corpus: its last 10% of characters are val."""
     out_dir = script_out_dir(cfg.out_dir, script_file)
     path = text_source(cfg.input, out_dir, SHAKESPEARE_URL)
     return prepare_corpus([str(path)], tokenizer, out_dir, val_fraction=0.1)
@@ -159,8 +158,7 @@ class Segment:
 
 
 def input_files(patterns: list[str]) -> list[Path]:
-    """The files the --input values name (globs expanded, sorted), each once; a UserError for a pattern
-    that matches nothing or a path that is not a file."""
+    """The files the --input values name (globs expanded, sorted), each once."""
     files: list[Path] = []
     for pattern in patterns:
         if not glob.has_magic(pattern) and not Path(pattern).exists():
@@ -264,11 +262,8 @@ _CUT = re.compile(r"\S\n(?=\S)")
 
 
 def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, BinaryIO], dtype) -> dict:
-    """Each segment's ids appended to its split's file; returns the token counts per split.
-
-    Documents in a split follow each other with what the tokenizer's post-processor puts around a text
-    (a folder's BOS/EOS); where it puts nothing, <|endoftext|> between them (GPT-2's BPE, a trained BPE,
-    a char vocabulary)."""
+    """Each segment's ids, with its document's marks (document_marks), appended to its split's file; returns the
+    token counts per split."""
     from tqdm import tqdm
 
     prefix, suffix, joiner = document_marks(tok)
@@ -292,12 +287,9 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
 
 def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, val_fraction: float = 0.1,
                    seed: int = 1337, separator: str | None = None) -> dict:
-    """Text files -> documents -> whole-document train/val -> tokenizer -> train.bin, val.bin (uint16, or
-    uint32 past 65,536 ids), tokenizer.json (for a BPE or a folder's tokenizer) and meta.json, written last.
-
-    Streams: the files are read a line at a time (once to find the documents, once to train a BPE, once
-    to encode), and ids go to disk as each piece is encoded. Every check (files, tokenizer, empty input)
-    comes before anything is written, and the files appear whole or not at all."""
+    """Text files -> documents -> whole-document train/val -> tokenizer -> train.bin, val.bin, meta.json (written
+    last). Streams: the files are read a line at a time (to find the documents, to train a BPE, to encode). Every
+    check (files, tokenizer, empty input) comes before anything is written, and the files appear whole or not at all."""
     check_tokenizer_spec(tokenizer)
     files = input_files(inputs)
     chars: set[str] = set()
@@ -315,17 +307,13 @@ def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike
         paths = {split: stack.enter_context(atomic_path(out_dir / f"{split}.bin")) for split in ("train", "val")}
         handles = {split: stack.enter_context(open(p, "wb")) for split, p in paths.items()}
         counts = encode_segments(tok, segments, handles, dtype)
-        for f in handles.values():
-            f.close()
     for split in ("train", "val"):
         for stale in shard_paths(out_dir, split):  # from an earlier sharded prepare into this folder
             stale.unlink()
     meta = {"train_tokens": counts["train"], "val_tokens": counts["val"],
             "train_documents": sum(s.split == "train" for s in segments),
             "val_documents": sum(s.split == "val" for s in segments), "source": [str(p) for p in files]}
-    if separator is not None:
-        meta["separator"] = separator
-    meta = write_meta(out_dir, tok, meta)
+    meta = write_meta(out_dir, tok, meta | ({} if separator is None else {"separator": separator}))
     split_how = "whole documents" if len(docs) > 1 else "the last characters of its one document"
     print(f"{tok.meta()['tokenizer']} vocab_size {tok.vocab_size}: {meta['train_tokens']:,} train and "
           f"{meta['val_tokens']:,} val tokens ({meta['dtype']}; val: {split_how}) to {out_dir} in "

@@ -43,32 +43,23 @@ def _gpt2_backend():
     return backend
 
 
-def _char_backend(itos: list[str]):
-    """A character vocabulary as a `tokenizers` Tokenizer: a BPE model with no merges splits text into
-    characters and looks each up; Fuse joins the decoded characters with nothing between them."""
-    from tokenizers import Tokenizer as Backend, decoders, models
-
-    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(itos)}, merges=[]))
-    backend.decoder = decoders.Fuse()
-    return backend
-
-
 def hf_backend(tok: Tokenizer, extra_special_tokens: tuple[str, ...] = ()):
     """Our tokenizer as a `tokenizers` Tokenizer with the same ids; extra special tokens (a chat
     template's) get the ids after the vocabulary's."""
-    from tokenizers import AddedToken, Tokenizer as Backend
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models
 
     if isinstance(tok, HFTokenizer):
         backend = Backend.from_str(tok.json)
     elif isinstance(tok, GPT2Tokenizer):
         backend = _gpt2_backend()
-    elif isinstance(tok, CharTokenizer):
-        backend = _char_backend(tok.itos)
+    elif isinstance(tok, CharTokenizer):  # a BPE with no merges looks up each character; Fuse joins them back
+        backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(tok.itos)}, merges=[]))
+        backend.decoder = decoders.Fuse()
     else:
         raise UserError(f"no Hugging Face form for tokenizer {type(tok).__name__}")
     own = sorted(getattr(tok, "special_tokens", {}).items(), key=lambda kv: kv[1])  # e.g. a chat template's markers
-    for name in [n for n, _ in own] + list(extra_special_tokens):
-        backend.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+    names = [n for n, _ in own] + list(extra_special_tokens)
+    backend.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names])
     wrong = {n: i for n, i in own if backend.token_to_id(n) != i}
     if wrong:  # tokenizers numbers added tokens in order, so a gap in our ids cannot be written
         raise UserError(f"special tokens {wrong} do not follow the vocabulary without gaps; tokenizer.json cannot "
