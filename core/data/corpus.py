@@ -117,17 +117,21 @@ def text_source(input_path: str | None, out_dir: str | os.PathLike, url: str, ti
     if local.is_file():
         return local
     print(f"downloading {url} to {local}")
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            data = r.read()
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise UserError(f"could not download {url} ({reason}); "
-                        f"pass a local copy with --input=path/to/input.txt") from None
+    data = download(url, timeout, local.name)
     local.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(local) as tmp:
         tmp.write_bytes(data)
     return local
+
+
+def download(url: str, timeout: float, file_name: str) -> bytes:
+    """`url`'s bytes; without network, a UserError that says how to pass a local copy of `file_name`."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(f"could not download {url} ({getattr(e, 'reason', e)}); "
+                        f"pass a local copy with --input=path/to/{file_name}") from None
 
 
 def prepare_text_corpus(cfg: TextPrepareConfig, tokenizer: str, script_file: str) -> dict:
