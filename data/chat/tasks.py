@@ -59,11 +59,6 @@ def make_sets(cfg: TasksConfig) -> tuple[list[dict], list[dict]]:
     return train, heldout
 
 
-def write_jsonl(path: Path, convs: list[dict]) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text("".join(json.dumps(c) + "\n" for c in convs))
-
-
 def main(argv: Sequence[str]) -> tuple[Path, Path]:
     cfg = parse_args(TasksConfig, argv)
     out_dir = script_out_dir(cfg.out_dir, __file__)
@@ -71,7 +66,8 @@ def main(argv: Sequence[str]) -> tuple[Path, Path]:
     train, heldout = make_sets(cfg)
     paths = out_dir / "tasks_train.jsonl", out_dir / "tasks_heldout.jsonl"
     for path, convs in zip(paths, (train, heldout)):
-        write_jsonl(path, convs)
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(c) + "\n" for c in convs))
     print(f"wrote {len(train)} train and {len(heldout)} held-out conversations to {paths[0]} and {paths[1]}")
     return paths
 
