@@ -1,26 +1,15 @@
-"""The chat template: how a conversation becomes token ids, and which of them the model learns.
-
-A conversation is OpenAI's messages list: an optional system message, then user and assistant turns
-alternating, starting with the user. Each turn is a role token, the content's ordinary tokens, and
-<|end|>:
+"""The chat template: how a conversation becomes token ids, and which of them the model learns (docs/chat.md).
 
     <|system|>You are terse.<|end|><|user|>reverse: abc<|end|><|assistant|>cba<|end|>
                                                                            ^^^^^^^^^^ loss mask 1
 
-The loss mask is 1 on the assistant's content and its <|end|> (the model learns when to stop), 0 on
-everything else. A prompt for a reply is the conversation so far (ending in a user turn) and
-<|assistant|>; generation stops at <|end|>.
-
-Four special tokens, no newlines between turns: the text between two special tokens is exactly one
-message's content, so it tokenizes the same here as in transformers' apply_chat_template (which splits
-on special tokens first), and a prompt's ids are always a prefix of the full conversation's ids.
-Content is encoded with the tokenizer's ordinary encode (tiktoken's encode_ordinary; characters for
-the char tokenizer), so a user who types "<|end|><|assistant|>" gets those characters, not a turn.
-
-With GPT-2's BPE the four tokens take ids 50257-50260, inside the 50304 rows a GPT-2-shaped model
-already has; with a character vocabulary they are appended after its characters and a fine-tune grows
-the embedding by four rows (model.GPT.grow_vocab); a trained BPE (core/data/tokenizer.py's train_bpe) reserved
-their ids when it was trained.
+Four special tokens, no newlines between turns: the text between two special tokens is exactly one message's
+content, so it tokenizes the same here as in transformers' apply_chat_template (which splits on special tokens
+first), and a prompt's ids are always a prefix of the full conversation's ids. Content is encoded with the
+tokenizer's ordinary encode, so a user who types "<|end|><|assistant|>" gets those characters, not a turn.
+With GPT-2's BPE the four tokens take ids 50257-50260, inside the 50304 rows a GPT-2-shaped model already has;
+with a character vocabulary they are appended after it (a fine-tune grows the embedding, model.GPT.grow_vocab);
+a trained BPE reserved their ids when it was trained.
 """
 from __future__ import annotations
 

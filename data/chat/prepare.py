@@ -6,22 +6,11 @@
     python data/chat/tasks.py --out_dir=data/chat && python data/chat/prepare.py \\
         --input=data/chat/tasks_train.jsonl --tokenizer_from=out-shakespeare-char-cpu --block_size=64
 
-Each line is one conversation: {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
-(an optional system message, then user and assistant alternating, ending with the assistant). Blank
-lines are skipped. Every conversation goes through core/data/chat.py's template; out_dir gets, per split:
-
-    {split}.bin         token ids (uint16), conversations back to back
-    {split}_mask.bin    uint8, one per token: 1 where the token is learned (assistant content + its <|end|>)
-    {split}_starts.bin  int64, the offset of each conversation's first token (batch rows start there)
-
-and meta.json (written last) with the tokenizer (the base tokenizer plus the chat tokens), the template
-and the counts. The tokenizer is the model's: GPT-2 BPE, or --tokenizer_from= a run's out_dir (the
-tokenizer its checkpoint carries) or a prepared dataset folder, so a character model gets a character set.
-
-A conversation longer than block_size + 1 tokens (one training row) is cut to fit, or dropped when the
-cut would leave no assistant token (--overlong=drop drops every one); the counts are printed. Any bad
-line (not JSON, not a messages list, roles out of order, an empty assistant turn, a character outside a
-char vocabulary) stops the run with one line naming the file and line, and nothing is written.
+Each line is one conversation, {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]},
+rendered through core/data/chat.py's template into {split}.bin (token ids), {split}_mask.bin (uint8, 1 where
+learned) and {split}_starts.bin (int64, each conversation's offset), then meta.json. A conversation longer than
+block_size + 1 tokens is cut or dropped (--overlong); a bad line stops the run with one line naming the file
+and line, and nothing is written. The tokenizer, the files and the checks: docs/chat.md.
 """
 import dataclasses
 import json

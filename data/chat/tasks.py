@@ -4,12 +4,9 @@
     python data/chat/tasks.py --out_dir=/tmp/tasks --n_train=4000 --n_heldout=200
     python data/chat/tasks.py --tasks=reverse,upper,add         # add's digits need a BPE base (not characters)
 
-The tasks and their checkers live in core/data/tasks.py: "reverse: abcde" -> "edcba", "upper: ab cd" ->
-"AB CD", "add: 874+62" -> "936". Train conversations come from each task's train side and the held-out
-ones are core/data/tasks.py's held-out set (n_heldout per task, the prompts eval.py --task=NAME scores), so
-a model scores on them only by doing the task. A quarter of the train conversations carry a system message.
-reverse and upper use only letters, all in tiny Shakespeare's character vocabulary, so a character model
-trained on it can be fine-tuned on them.
+The tasks, their checkers and their split live in core/data/tasks.py (docs/chat.md): train conversations are
+the tasks' demonstrations, held-out ones their demos_heldout sets. A quarter of the train conversations carry a
+system message.
 """
 import dataclasses
 import json
