@@ -83,9 +83,7 @@ class ChatTemplate:
     # checking
 
     def check(self, messages) -> None:
-        """A UserError (one line) unless `messages` is an OpenAI messages list in a valid order:
-        an optional system message first, then user and assistant alternating from a user turn,
-        no assistant turn empty."""
+        """A UserError (one line) unless `messages` is an OpenAI messages list in a valid order."""
         if not isinstance(messages, list) or not messages:
             raise UserError(f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, "
                             f"got {_short(messages)}")

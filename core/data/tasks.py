@@ -156,17 +156,15 @@ def draw(name: str, split: str, rng: random.Random) -> Problem:
 
 def distinct_problems(name: str, split: str, n: int, seed: int | str) -> list[Problem]:
     """n problems of one split with n distinct keys, drawn from seed."""
-    rng, seen, out = random.Random(seed), set(), []
+    rng, by_key = random.Random(seed), {}
     for _ in range(1000 * n):
-        if len(out) == n:
+        if len(by_key) == n:
             break
         problem = draw(name, split, rng)
-        if problem.key not in seen:
-            seen.add(problem.key)
-            out.append(problem)
-    if len(out) < n:
+        by_key.setdefault(problem.key, problem)
+    if len(by_key) < n:
         raise UserError(f"task {name!r} has fewer than {n} distinct {split} problems")
-    return out
+    return list(by_key.values())
 
 
 def problems(name: str, split: str, n: int) -> list[Problem]:

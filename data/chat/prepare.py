@@ -113,10 +113,7 @@ def parse_line(line: str) -> list:
 
 def fit_block(convs: list[tuple[list[int], list[int]]], block_size: int,
               overlong: str) -> tuple[list[tuple[list[int], list[int]]], int, int]:
-    """Conversations of at most block_size + 1 tokens (one training row): (kept, how many cut, dropped).
-
-    A cut keeps the first block_size + 1 tokens when they hold an assistant token to learn; otherwise,
-    or with overlong='drop', the conversation is dropped."""
+    """Conversations of at most block_size + 1 tokens (one training row): (kept, how many cut, dropped)."""
     limit, kept, cut, dropped = block_size + 1, [], 0, 0
     for ids, mask in convs:
         if len(ids) <= limit:
