@@ -23,7 +23,7 @@ from core.errors import UserError
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE (50257 ids)
 GPT2_EOT = 50256
 GPT2_VOCAB = 50257  # ordinary ids 0..50256; a model's 50304 rows leave 50257..50303 free for special tokens
-END_OF_TEXT = "<|endoftext|>"  # GPT-2's name; a character vocabulary holds it as a special token after the characters
+END_OF_TEXT = EOT = "<|endoftext|>"  # GPT-2's name; a char vocabulary holds it as a special token after its characters
 
 
 class Tokenizer(Protocol):
@@ -238,7 +238,6 @@ class HFTokenizer:
 # GGUF of a model trained with it can name its split rather than carry an unknown one.
 SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
-EOT = "<|endoftext|>"
 BYTE_ALPHABET = 256
 
 
