@@ -97,6 +97,26 @@ def test_exported_folder_gives_the_same_ids(bpe, tmp_path):
     assert auto.decode(bpe.encode(MIXED)) == MIXED and auto.eos_token == EOT
 
 
+
+def test_a_folders_end_and_start_ids_come_from_its_configs_in_order(bpe, tmp_path):
+    """load_hf_tokenizer's eos and bos: generation_config.json's id (a list's first), else config.json's, else
+    the token tokenizer_config.json names (text or {"content": text}) where tokenizer.json holds it."""
+    from core.data.hf_tokenizer import load_hf_tokenizer
+    from core.data.tokenizer import reserved_tokens
+
+    (tmp_path / "tokenizer.json").write_text(bpe.json, encoding="utf-8")
+    end = reserved_tokens(bpe.json)["<|end|>"]
+    write = lambda name, data: (tmp_path / name).write_text(json.dumps(data))  # noqa: E731
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (None, None)
+    write("tokenizer_config.json", {"eos_token": {"content": EOT}, "bos_token": "<|end|>", "unk_token": "none"})
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (bpe.eot_token, end)
+    write("tokenizer_config.json", {"eos_token": "not a token", "bos_token": "<|end|>"})
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (None, end)
+    write("config.json", {"eos_token_id": 7, "bos_token_id": None})
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (7, end)
+    write("generation_config.json", {"eos_token_id": [5, 7], "bos_token_id": 3})
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (5, 3)
+
 # --- data/text/prepare.py ---------------------------------------------------------------------------
 
 

@@ -105,26 +105,20 @@ def load_hf_tokenizer(directory) -> HFTokenizer:
     return tok
 
 
-def _special_ids(directory, tok: HFTokenizer) -> tuple[int | None, int | None]:
-    ids = {}
-    for name in ("generation_config.json", "config.json"):
-        path = directory / name
-        if path.is_file():
-            data = json.loads(path.read_text())
-            for key in ("eos_token_id", "bos_token_id"):
-                value = data.get(key)
-                value = value[0] if isinstance(value, list) and value else value
-                if isinstance(value, int) and key not in ids:
-                    ids[key] = value
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        data = json.loads(config.read_text())
-        for key, field in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):
-            text = data.get(field)
-            text = text.get("content") if isinstance(text, dict) else text
-            if key not in ids and isinstance(text, str) and tok.backend.token_to_id(text) is not None:
-                ids[key] = tok.backend.token_to_id(text)
-    return ids.get("eos_token_id"), ids.get("bos_token_id")
+def _special_ids(directory: Path, tok: HFTokenizer) -> tuple[int | None, int | None]:
+    """(eos, bos): generation_config.json's id (a list's first), else config.json's, else the token that
+    tokenizer_config.json names where tokenizer.json holds it."""
+    configs = [json.loads(p.read_text()) if p.is_file() else {} for p in
+               (directory / name for name in ("generation_config.json", "config.json", "tokenizer_config.json"))]
+    found = []
+    for kind in ("eos", "bos"):
+        ids = [c.get(f"{kind}_token_id") for c in configs[:2]]
+        text = configs[2].get(f"{kind}_token")
+        text = text.get("content") if isinstance(text, dict) else text
+        ids = [i[0] if isinstance(i, list) and i else i for i in ids]
+        ids.append(tok.backend.token_to_id(text) if isinstance(text, str) else None)
+        found.append(next((i for i in ids if isinstance(i, int)), None))
+    return found[0], found[1]
 
 
 def load_tokenizer_json(path) -> HFTokenizer:
