@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import core.data.corpus_tokenizer
+import core.data.corpus
 from core.data.loader import TokenData
-import core.data.sources
 from core.data.tokenizer import EOT, CharTokenizer, GPT2Tokenizer, tokenizer_from_meta, train_bpe
 from core.errors import UserError
 from tests.helpers import NO_SHAKESPEARE, SHAKESPEARE, assert_user_error, run_scripts, use_gpt2_bpe
@@ -105,13 +104,13 @@ def test_bpe_prepare_small_input(tmp_path, gpt2):
 
 def test_input_txt_beside_the_output_is_used(tmp_path, monkeypatch):
     (tmp_path / "input.txt").write_text("abcabcabcabc")
-    monkeypatch.setattr(core.data.sources.urllib.request, "urlopen", lambda *a, **k: pytest.fail("must not download"))
+    monkeypatch.setattr(core.data.corpus.urllib.request, "urlopen", lambda *a, **k: pytest.fail("must not download"))
     meta = load_script("shakespeare_char").main([f"--out_dir={tmp_path}"])
     assert meta["itos"] == ["a", "b", "c"]
 
 
 def test_download_is_saved_beside_the_output(tmp_path, monkeypatch):
-    monkeypatch.setattr(core.data.sources.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"downloaded text"))
+    monkeypatch.setattr(core.data.corpus.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"downloaded text"))
     meta = load_script("shakespeare_char").main([f"--out_dir={tmp_path}"])
     assert (tmp_path / "input.txt").read_text() == "downloaded text"
     assert meta["vocab_size"] == len(set("downloaded text")) + 1  # the characters, then <|endoftext|>
@@ -121,7 +120,7 @@ def test_no_network_says_how_to_pass_a_local_file(tmp_path, monkeypatch):
     def offline(url, timeout):
         raise urllib.error.URLError("Temporary failure in name resolution")
 
-    monkeypatch.setattr(core.data.sources.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(core.data.corpus.urllib.request, "urlopen", offline)
     with pytest.raises(UserError, match=r"could not download .*name resolution.*--input=path/to/input.txt"):
         load_script("shakespeare_char").main([f"--out_dir={tmp_path}"])
     assert list(tmp_path.iterdir()) == []
@@ -207,7 +206,7 @@ def test_web_corpus_trains_its_bpe_on_the_train_split_streamed(tmp_path, gpt2, m
         seen.append(inspect.isgenerator(texts))
         return train_bpe(texts, *a, **k)
 
-    monkeypatch.setattr(core.data.corpus_tokenizer, "train_bpe", recording_train_bpe)
+    monkeypatch.setattr(core.data.corpus, "train_bpe", recording_train_bpe)
     out = tmp_path / "bpe"
     meta = load_script("openwebtext").main([*args, f"--out_dir={out}", "--tokenizer=bpe:300"])
     assert seen == [True]
@@ -216,7 +215,7 @@ def test_web_corpus_trains_its_bpe_on_the_train_split_streamed(tmp_path, gpt2, m
     assert (out / "tokenizer.json").read_text(encoding="utf-8") == meta["tokenizer_json"]
     check_web_output(out, docs, tok, meta)
     train = [tok.decode(d) for d in web_documents(out, "train", tok.eot_token)]
-    again = train_bpe(iter(train), 300, core.data.corpus_tokenizer.bpe_reserved(), progress=False)
+    again = train_bpe(iter(train), 300, core.data.corpus.BPE_RESERVED, progress=False)
     assert again.json == meta["tokenizer_json"]  # the train documents, in the order they were written, and no more
     assert TokenData(out, "train", block_size=4, vocab_size=300).num_tokens == meta["train_tokens"]
 

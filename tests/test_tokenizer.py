@@ -15,7 +15,6 @@ import pytest
 
 from core.data.chat import CHAT_TOKENS, ChatTemplate, with_chat_tokens
 import core.data.corpus
-import core.data.corpus_tokenizer
 from core.data.loader import TokenData
 from core.data.tokenizer import EOT, BPETokenizer, GPT2Tokenizer, check_extends, tokenizer_from_meta, train_bpe
 from tests.helpers import REPO_ROOT, assert_user_error, needs_transformers, run_main, train_tiny, use_gpt2_bpe
@@ -97,6 +96,26 @@ def test_exported_folder_gives_the_same_ids(bpe, tmp_path):
     assert bpe.eot_token in auto("a<|endoftext|>b")["input_ids"] and bpe.eot_token not in bpe.encode("a<|endoftext|>b")
     assert auto.decode(bpe.encode(MIXED)) == MIXED and auto.eos_token == EOT
 
+
+
+def test_a_folders_end_and_start_ids_come_from_its_configs_in_order(bpe, tmp_path):
+    """load_hf_tokenizer's eos and bos: generation_config.json's id (a list's first), else config.json's, else
+    the token tokenizer_config.json names (text or {"content": text}) where tokenizer.json holds it."""
+    from core.data.hf_tokenizer import load_hf_tokenizer
+    from core.data.tokenizer import reserved_tokens
+
+    (tmp_path / "tokenizer.json").write_text(bpe.json, encoding="utf-8")
+    end = reserved_tokens(bpe.json)["<|end|>"]
+    write = lambda name, data: (tmp_path / name).write_text(json.dumps(data))  # noqa: E731
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (None, None)
+    write("tokenizer_config.json", {"eos_token": {"content": EOT}, "bos_token": "<|end|>", "unk_token": "none"})
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (bpe.eot_token, end)
+    write("tokenizer_config.json", {"eos_token": "not a token", "bos_token": "<|end|>"})
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (None, end)
+    write("config.json", {"eos_token_id": 7, "bos_token_id": None})
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (7, end)
+    write("generation_config.json", {"eos_token_id": [5, 7], "bos_token_id": 3})
+    assert (load_hf_tokenizer(tmp_path).eot_token, load_hf_tokenizer(tmp_path).bos_token) == (5, 3)
 
 # --- data/text/prepare.py ---------------------------------------------------------------------------
 
@@ -210,8 +229,8 @@ def test_a_prepending_tokenizer_encodes_each_document_in_one_call():
     chars = sorted(set("▁Hello world.\nNext line ab x=1def f():中文。下一行"))
     backend = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, merges=[]))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    assert not core.data.corpus_tokenizer.chunks_encode_whole(HFTokenizer(backend.to_str()))
-    assert core.data.corpus_tokenizer.chunks_encode_whole(train_bpe(iter(corpus_texts()), 300, RESERVED, progress=False))
+    assert not core.data.corpus.chunks_encode_whole(HFTokenizer(backend.to_str()))
+    assert core.data.corpus.chunks_encode_whole(train_bpe(iter(corpus_texts()), 300, RESERVED, progress=False))
 
 
 def test_a_separator_line_splits_a_file_into_documents(tmp_path):

@@ -21,7 +21,7 @@ import export  # noqa: E402
 import serve  # noqa: E402
 from core.data.hf_tokenizer import load_hf_tokenizer  # noqa: E402
 from core.data.tokenizer import END_OF_TEXT, CharTokenizer, GPT2Tokenizer, encode_prompt, train_bpe  # noqa: E402
-from core.data.corpus_tokenizer import bpe_reserved  # noqa: E402
+from core.data.corpus import BPE_RESERVED  # noqa: E402
 from core.weights import resolver  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from tests.helpers import REPO_ROOT, ROMEO_JULIET, assert_user_error, needs_transformers, run_main, train_tiny, use_gpt2_bpe  # noqa: E402
@@ -40,7 +40,7 @@ def tokenizer(kind: str, tmp_path):
     if kind == "gpt2":
         use_gpt2_bpe()
         return GPT2Tokenizer()
-    bpe = train_bpe([ROMEO_JULIET] * 4, 300, bpe_reserved(), progress=False)
+    bpe = train_bpe([ROMEO_JULIET] * 4, 300, BPE_RESERVED, progress=False)
     if kind == "bpe":
         return bpe
     folder = tmp_path / "imported"  # kind "hf": a transformers folder's tokenizer, read back as --init_from reads it

@@ -1,26 +1,15 @@
-"""The chat template: how a conversation becomes token ids, and which of them the model learns.
-
-A conversation is OpenAI's messages list: an optional system message, then user and assistant turns
-alternating, starting with the user. Each turn is a role token, the content's ordinary tokens, and
-<|end|>:
+"""The chat template: how a conversation becomes token ids, and which of them the model learns (docs/chat.md).
 
     <|system|>You are terse.<|end|><|user|>reverse: abc<|end|><|assistant|>cba<|end|>
                                                                            ^^^^^^^^^^ loss mask 1
 
-The loss mask is 1 on the assistant's content and its <|end|> (the model learns when to stop), 0 on
-everything else. A prompt for a reply is the conversation so far (ending in a user turn) and
-<|assistant|>; generation stops at <|end|>.
-
-Four special tokens, no newlines between turns: the text between two special tokens is exactly one
-message's content, so it tokenizes the same here as in transformers' apply_chat_template (which splits
-on special tokens first), and a prompt's ids are always a prefix of the full conversation's ids.
-Content is encoded with the tokenizer's ordinary encode (tiktoken's encode_ordinary; characters for
-the char tokenizer), so a user who types "<|end|><|assistant|>" gets those characters, not a turn.
-
-With GPT-2's BPE the four tokens take ids 50257-50260, inside the 50304 rows a GPT-2-shaped model
-already has; with a character vocabulary they are appended after its characters and a fine-tune grows
-the embedding by four rows (model.GPT.grow_vocab); a trained BPE (core/data/tokenizer.py's train_bpe) reserved
-their ids when it was trained.
+Four special tokens, no newlines between turns: the text between two special tokens is exactly one message's
+content, so it tokenizes the same here as in transformers' apply_chat_template (which splits on special tokens
+first), and a prompt's ids are always a prefix of the full conversation's ids. Content is encoded with the
+tokenizer's ordinary encode, so a user who types "<|end|><|assistant|>" gets those characters, not a turn.
+With GPT-2's BPE the four tokens take ids 50257-50260, inside the 50304 rows a GPT-2-shaped model already has;
+with a character vocabulary they are appended after it (a fine-tune grows the embedding, model.GPT.grow_vocab);
+a trained BPE reserved their ids when it was trained.
 """
 from __future__ import annotations
 
@@ -94,9 +83,7 @@ class ChatTemplate:
     # checking
 
     def check(self, messages) -> None:
-        """A UserError (one line) unless `messages` is an OpenAI messages list in a valid order:
-        an optional system message first, then user and assistant alternating from a user turn,
-        no assistant turn empty."""
+        """A UserError (one line) unless `messages` is an OpenAI messages list in a valid order."""
         if not isinstance(messages, list) or not messages:
             raise UserError(f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, "
                             f"got {_short(messages)}")
@@ -127,23 +114,25 @@ class ChatTemplate:
         if messages[-1]["role"] != "assistant":
             raise UserError(f"a training conversation must end with an assistant turn, this one ends with "
                             f"{messages[-1]['role']}")
-        ids, mask = [], []
-        for i, m in enumerate(messages):
-            body = self._encode(m["content"], i) + [self.end_of_turn]
-            learn = int(m["role"] == "assistant")
-            ids += [self.role_id[m["role"]]] + body
-            mask += [0] + [learn] * len(body)
-        return ids, mask
+        return self._turns(messages)
 
     def render_prompt(self, messages) -> list[int]:
         """The conversation so far, ending in a user turn, then <|assistant|>: what the model continues."""
         self.check(messages)
         if messages[-1]["role"] != "user":
             raise UserError(f"a prompt must end with a user message, this one ends with {messages[-1]['role']}")
-        ids = []
+        return self._turns(messages)[0] + [self.role_id["assistant"]]
+
+    def _turns(self, messages) -> tuple[list[int], list[int]]:
+        ids, mask = [], []
         for i, m in enumerate(messages):
-            ids += [self.role_id[m["role"]]] + self._encode(m["content"], i) + [self.end_of_turn]
-        return ids + [self.role_id["assistant"]]
+            try:
+                body = self.tok.encode(m["content"]) + [self.end_of_turn]  # ordinary tokens only: never a special id
+            except UserError as e:  # a character vocabulary names what it lacks
+                raise UserError(f"message {i}: {e}") from None
+            ids += [self.role_id[m["role"]]] + body
+            mask += [0] + [int(m["role"] == "assistant")] * len(body)
+        return ids, mask
 
     def fit_prompt(self, messages, max_len: int) -> tuple[list[int], int]:
         """render_prompt's ids in at most max_len tokens: the oldest user/assistant exchanges are left out
@@ -156,12 +145,6 @@ class ChatTemplate:
                 return ids, dropped
         raise UserError(f"the last message alone is {len(ids)} tokens with the template, longer than the {max_len} "
                         f"the model can take with room for a reply; shorten it")
-
-    def _encode(self, text: str, index: int) -> list[int]:
-        try:
-            return self.tok.encode(text)  # ordinary tokens only: never a special id
-        except UserError as e:  # a character vocabulary names what it lacks
-            raise UserError(f"message {index}: {e}") from None
 
 
 def _short(value, limit: int = 60) -> str:

@@ -1,7 +1,8 @@
 """Any text files to token files (data/text/prepare.py, and tiny Shakespeare's two scripts): files ->
-documents -> whole-document train/val -> a tokenizer (char, GPT-2's BPE, a BPE trained on the train split,
-a folder's tokenizer.json; core/data/corpus_tokenizer.py) -> streamed encoding -> train.bin, val.bin,
-meta.json (core/data/writer.py).
+documents -> whole-document train/val -> a tokenizer -> streamed encoding -> train.bin, val.bin, meta.json
+(core/data/writer.py). The tokenizer (--tokenizer: char, GPT-2's BPE, a BPE trained on the train split, a
+folder's tokenizer.json), checked before any reading, and the ids that mark each document (a folder's BOS/EOS,
+else <|endoftext|>) are core/data/web.py's too.
 """
 from __future__ import annotations
 
@@ -10,20 +11,96 @@ import dataclasses
 import glob
 import os
 import re
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
 
-from core.data.corpus_tokenizer import (check_tokenizer_spec, chunks_encode_whole, document_affixes, document_joiner,
-                                        make_tokenizer)
+from core.data.chat import CHAT_TOKENS
 from core.data.loader import shard_paths
-from core.data.sources import SHAKESPEARE_URL, script_out_dir, text_source
-from core.data.tokenizer import Tokenizer
-from core.data.writer import NOTHING_REPLACED, checked_ids, token_dtype, write_array, write_meta
+from core.data.tokenizer import (EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, HFTokenizer, Tokenizer,
+                                 check_bpe_vocab, train_bpe)
+from core.data.writer import NOTHING_REPLACED, checked_ids, script_out_dir, token_dtype, write_array, write_meta
 from core.errors import UserError
 from core.fileio import atomic_path, space_for
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+BPE_RESERVED = (EOT, *CHAT_TOKENS)  # what a trained BPE reserves as special tokens
+
+
+# -----------------------------------------------------------------------------
+# the tokenizer a corpus is prepared with, and each document's marks
+
+
+def check_tokenizer_spec(spec: str, char: bool = True) -> None:
+    """A UserError now, before any reading, unless `spec` is char (where `char`), gpt2, bpe:VOCAB or a path."""
+    kinds = ("char, " if char else "") + "gpt2, bpe:VOCAB, a transformers folder or a tokenizer.json"
+    if spec == "char" and not char:
+        raise UserError(f"--tokenizer=char is for data/text/prepare.py; this corpus takes {kinds}")
+    if spec in ("char", "gpt2"):
+        return
+    if spec.startswith("bpe:"):
+        vocab = spec[len("bpe:"):]
+        if not vocab.isdigit():
+            raise UserError(f"--tokenizer=bpe:VOCAB takes a whole number of ids, e.g. bpe:8192; got {spec!r}")
+        check_bpe_vocab(int(vocab), BPE_RESERVED)
+        return
+    if not Path(spec).exists():
+        raise UserError(f"--tokenizer={spec}: expected {kinds}; no such file or folder")
+
+
+def make_tokenizer(spec: str, train_texts: Iterable[str] = (), chars: set[str] | None = None) -> Tokenizer:
+    """The tokenizer `spec` names; a BPE is trained on `train_texts` (the train split, a lazy iterable read only
+    for bpe:VOCAB); a char vocabulary is `chars`."""
+    if spec == "char":
+        return CharTokenizer.from_text("".join(chars or ()))
+    if spec == "gpt2":
+        return GPT2Tokenizer()
+    if spec.startswith("bpe:"):
+        texts = iter(train_texts)
+        print(f"training a byte-level BPE of {spec[4:]} ids on the train split", file=sys.stderr)
+        start = time.perf_counter()
+        tok = train_bpe(texts, int(spec[4:]), BPE_RESERVED, progress=sys.stderr.isatty())
+        if tok.vocab_size < int(spec[4:]):
+            print(f"the train split has only enough distinct pairs for {tok.vocab_size} ids", file=sys.stderr)
+        print(f"trained the BPE in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+        return tok
+    from core.data.hf_tokenizer import load_tokenizer_json  # transformers folders only
+
+    return load_tokenizer_json(spec)
+
+
+def chunks_encode_whole(tok: Tokenizer) -> bool:
+    """Whether encoding text in pieces cut at "x\n" | "y" gives the ids of the whole. True for char,
+    GPT-2 and trained BPEs; False for a folder's tokenizer that prepends to every call (SentencePiece's
+    "▁" in Llama 2 and TinyLlama), which then encodes each document in one call."""
+    if isinstance(tok, CharTokenizer):  # any cut: and the probes may hold characters it lacks
+        return True
+    probes = ("Hello world.\nNext line", "a\nb", "x = 1\ndef f():", "中文。\n下一行")
+    return all(tok.encode(p) == tok.encode(p[:p.index("\n") + 1]) + tok.encode(p[p.index("\n") + 1:])
+               for p in probes)
+
+
+def document_marks(tok: Tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """(prefix, suffix, joiner): the ids a folder's tokenizer.json post-processor puts before and after a text
+    (Llama 3: its <|begin_of_text|> before), found by encoding a probe with and without them; and where it marks
+    nothing (our own tokenizers), <|endoftext|> to end a document, as in GPT-2's own training data."""
+    prefix, suffix = [], []
+    if isinstance(tok, HFTokenizer) and not isinstance(tok, BPETokenizer):
+        plain = tok.backend.encode("a", add_special_tokens=False).ids
+        full = tok.backend.encode("a", add_special_tokens=True).ids
+        i = next(i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain)
+        prefix, suffix = full[:i], full[i + len(plain):]
+    marked = prefix or suffix or tok.eot_token is None
+    return prefix, suffix, [] if marked else [tok.eot_token]
+
+
+# -----------------------------------------------------------------------------
+# files -> documents -> train/val -> token files
 
 
 @dataclasses.dataclass
@@ -32,9 +109,33 @@ class TextPrepareConfig:
     out_dir: str | None = None  # default: the prepare.py script's own folder
 
 
+def text_source(input_path: str | None, out_dir: str | os.PathLike, url: str, timeout: float = 10.0) -> Path:
+    """The file to read: `input_path`; else `out_dir`/input.txt; else `url` downloaded and saved there."""
+    if input_path is not None:
+        return Path(input_path)
+    local = Path(out_dir) / "input.txt"
+    if local.is_file():
+        return local
+    print(f"downloading {url} to {local}")
+    data = download(url, timeout, local.name)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(local) as tmp:
+        tmp.write_bytes(data)
+    return local
+
+
+def download(url: str, timeout: float, file_name: str) -> bytes:
+    """`url`'s bytes; without network, a UserError that says how to pass a local copy of `file_name`."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(f"could not download {url} ({getattr(e, 'reason', e)}); "
+                        f"pass a local copy with --input=path/to/{file_name}") from None
+
+
 def prepare_text_corpus(cfg: TextPrepareConfig, tokenizer: str, script_file: str) -> dict:
-    """A one-file corpus (tiny Shakespeare: --input, else input.txt beside the script, else downloaded)
-    through prepare_corpus: one document, so train/val are its first 90% and last 10% of characters."""
+    """Tiny Shakespeare's one document (text_source) through prepare_corpus: its last 10% of characters are val."""
     out_dir = script_out_dir(cfg.out_dir, script_file)
     path = text_source(cfg.input, out_dir, SHAKESPEARE_URL)
     return prepare_corpus([str(path)], tokenizer, out_dir, val_fraction=0.1)
@@ -61,8 +162,7 @@ class Segment:
 
 
 def input_files(patterns: list[str]) -> list[Path]:
-    """The files the --input values name (globs expanded, sorted), each once; a UserError for a pattern
-    that matches nothing or a path that is not a file."""
+    """The files the --input values name (globs expanded, sorted), each once."""
     files: list[Path] = []
     for pattern in patterns:
         if not glob.has_magic(pattern) and not Path(pattern).exists():
@@ -166,15 +266,11 @@ _CUT = re.compile(r"\S\n(?=\S)")
 
 
 def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, BinaryIO], dtype) -> dict:
-    """Each segment's ids appended to its split's file; returns the token counts per split.
-
-    Documents in a split follow each other with what the tokenizer's post-processor puts around a text
-    (a folder's BOS/EOS); where it puts nothing, <|endoftext|> between them (GPT-2's BPE, a trained BPE,
-    a char vocabulary)."""
+    """Each segment's ids, with its document's marks (document_marks), appended to its split's file; returns the
+    token counts per split."""
     from tqdm import tqdm
 
-    prefix, suffix = document_affixes(tok)
-    joiner = document_joiner(tok)
+    prefix, suffix, joiner = document_marks(tok)
     whole = chunks_encode_whole(tok)
     counts = {split: 0 for split in files}
     with tqdm(total=sum(s.end - s.begin for s in segments), unit="char", unit_scale=True, desc="tokenizing",
@@ -195,12 +291,9 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
 
 def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, val_fraction: float = 0.1,
                    seed: int = 1337, separator: str | None = None) -> dict:
-    """Text files -> documents -> whole-document train/val -> tokenizer -> train.bin, val.bin (uint16, or
-    uint32 past 65,536 ids), tokenizer.json (for a BPE or a folder's tokenizer) and meta.json, written last.
-
-    Streams: the files are read a line at a time (once to find the documents, once to train a BPE, once
-    to encode), and ids go to disk as each piece is encoded. Every check (files, tokenizer, empty input)
-    comes before anything is written, and the files appear whole or not at all."""
+    """Text files -> documents -> whole-document train/val -> tokenizer -> train.bin, val.bin, meta.json (written
+    last). Streams: the files are read a line at a time (to find the documents, to train a BPE, to encode). Every
+    check (files, tokenizer, empty input) comes before anything is written, and the files appear whole or not at all."""
     check_tokenizer_spec(tokenizer)
     files = input_files(inputs)
     chars: set[str] = set()
@@ -218,17 +311,13 @@ def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike
         paths = {split: stack.enter_context(atomic_path(out_dir / f"{split}.bin")) for split in ("train", "val")}
         handles = {split: stack.enter_context(open(p, "wb")) for split, p in paths.items()}
         counts = encode_segments(tok, segments, handles, dtype)
-        for f in handles.values():
-            f.close()
     for split in ("train", "val"):
         for stale in shard_paths(out_dir, split):  # from an earlier sharded prepare into this folder
             stale.unlink()
     meta = {"train_tokens": counts["train"], "val_tokens": counts["val"],
             "train_documents": sum(s.split == "train" for s in segments),
             "val_documents": sum(s.split == "val" for s in segments), "source": [str(p) for p in files]}
-    if separator is not None:
-        meta["separator"] = separator
-    meta = write_meta(out_dir, tok, meta)
+    meta = write_meta(out_dir, tok, meta | ({} if separator is None else {"separator": separator}))
     split_how = "whole documents" if len(docs) > 1 else "the last characters of its one document"
     print(f"{tok.meta()['tokenizer']} vocab_size {tok.vocab_size}: {meta['train_tokens']:,} train and "
           f"{meta['val_tokens']:,} val tokens ({meta['dtype']}; val: {split_how}) to {out_dir} in "

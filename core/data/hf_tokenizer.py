@@ -43,32 +43,23 @@ def _gpt2_backend():
     return backend
 
 
-def _char_backend(itos: list[str]):
-    """A character vocabulary as a `tokenizers` Tokenizer: a BPE model with no merges splits text into
-    characters and looks each up; Fuse joins the decoded characters with nothing between them."""
-    from tokenizers import Tokenizer as Backend, decoders, models
-
-    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(itos)}, merges=[]))
-    backend.decoder = decoders.Fuse()
-    return backend
-
-
 def hf_backend(tok: Tokenizer, extra_special_tokens: tuple[str, ...] = ()):
     """Our tokenizer as a `tokenizers` Tokenizer with the same ids; extra special tokens (a chat
     template's) get the ids after the vocabulary's."""
-    from tokenizers import AddedToken, Tokenizer as Backend
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models
 
     if isinstance(tok, HFTokenizer):
         backend = Backend.from_str(tok.json)
     elif isinstance(tok, GPT2Tokenizer):
         backend = _gpt2_backend()
-    elif isinstance(tok, CharTokenizer):
-        backend = _char_backend(tok.itos)
+    elif isinstance(tok, CharTokenizer):  # a BPE with no merges looks up each character; Fuse joins them back
+        backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(tok.itos)}, merges=[]))
+        backend.decoder = decoders.Fuse()
     else:
         raise UserError(f"no Hugging Face form for tokenizer {type(tok).__name__}")
     own = sorted(getattr(tok, "special_tokens", {}).items(), key=lambda kv: kv[1])  # e.g. a chat template's markers
-    for name in [n for n, _ in own] + list(extra_special_tokens):
-        backend.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+    names = [n for n, _ in own] + list(extra_special_tokens)
+    backend.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names])
     wrong = {n: i for n, i in own if backend.token_to_id(n) != i}
     if wrong:  # tokenizers numbers added tokens in order, so a gap in our ids cannot be written
         raise UserError(f"special tokens {wrong} do not follow the vocabulary without gaps; tokenizer.json cannot "
@@ -114,26 +105,20 @@ def load_hf_tokenizer(directory) -> HFTokenizer:
     return tok
 
 
-def _special_ids(directory, tok: HFTokenizer) -> tuple[int | None, int | None]:
-    ids = {}
-    for name in ("generation_config.json", "config.json"):
-        path = directory / name
-        if path.is_file():
-            data = json.loads(path.read_text())
-            for key in ("eos_token_id", "bos_token_id"):
-                value = data.get(key)
-                value = value[0] if isinstance(value, list) and value else value
-                if isinstance(value, int) and key not in ids:
-                    ids[key] = value
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        data = json.loads(config.read_text())
-        for key, field in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):
-            text = data.get(field)
-            text = text.get("content") if isinstance(text, dict) else text
-            if key not in ids and isinstance(text, str) and tok.backend.token_to_id(text) is not None:
-                ids[key] = tok.backend.token_to_id(text)
-    return ids.get("eos_token_id"), ids.get("bos_token_id")
+def _special_ids(directory: Path, tok: HFTokenizer) -> tuple[int | None, int | None]:
+    """(eos, bos): generation_config.json's id (a list's first), else config.json's, else the token that
+    tokenizer_config.json names where tokenizer.json holds it."""
+    configs = [json.loads(p.read_text()) if p.is_file() else {} for p in
+               (directory / name for name in ("generation_config.json", "config.json", "tokenizer_config.json"))]
+    found = []
+    for kind in ("eos", "bos"):
+        ids = [c.get(f"{kind}_token_id") for c in configs[:2]]
+        text = configs[2].get(f"{kind}_token")
+        text = text.get("content") if isinstance(text, dict) else text
+        ids = [i[0] if isinstance(i, list) and i else i for i in ids]
+        ids.append(tok.backend.token_to_id(text) if isinstance(text, str) else None)
+        found.append(next((i for i in ids if isinstance(i, int)), None))
+    return found[0], found[1]
 
 
 def load_tokenizer_json(path) -> HFTokenizer:

@@ -82,8 +82,7 @@ def _plain(x) -> bool:
 
 def read_meta_pkl(path: Path) -> dict:
     """nanoGPT's meta.pkl ({"vocab_size", "itos", "stoi"}: a character vocabulary, beside uint16 train.bin and
-    val.bin) as meta.json's fields. Only plain dicts, lists, strings and ints are unpickled; anything else is
-    refused, since unpickling an object can run any code."""
+    val.bin) as meta.json's fields, unpickled by _PlainUnpickler."""
     try:
         with open(path, "rb") as f:
             meta = _PlainUnpickler(f).load()
@@ -248,8 +247,7 @@ class TokenData:
         if not 1 <= T <= self.block_size:
             raise ValueError(f"seq_len must be in [1, block_size={self.block_size}], got {seq_len}")
         if self.starts is not None:
-            x, y = self._chat_batch(batch_size, generator, T)
-            return _to_device(x, y, device)
+            return _to_device(*self._chat_batch(batch_size, generator, T), device)
         flat = torch.randint(int(self._ends[-1]), (batch_size,), generator=generator).numpy()
         file_idx = np.searchsorted(self._ends, flat, side="right")
         starts = flat - (self._ends[file_idx] - self.windows[file_idx])

@@ -1,29 +1,17 @@
-"""Tasks whose answers a program can check: a prompt generator and a checker, one pair per task.
+"""Tasks whose answers a program can check: a prompt generator and a checker, one pair per task (docs/chat.md).
 
     task = TASKS["add"]
     problem = task.make(random.Random(0))      # Problem(prompt='add: 874+62', answer='936', key='874+62')
     task.check(problem, "936")                 # 1.0: a reward in [0, 1]
     problems("sort", "longer", 200)            # a split's evaluation set: eval.py --task=sort --task_split=longer
 
-data/chat/tasks.py writes SFT conversations from a task's demonstrations, rl.py samples its prompts from its
-train side, and eval.py --task=NAME (and the server, through the chat endpoint) scores the held-out side
-with the same checker.
-
-The split is a property of the problem, not of the draw: a hash of the problem's key (the string it is
-made from: the letters to reverse, the two numbers to add) puts one key in ten on the held-out side, so no
-train prompt is ever a held-out one, whatever seed or count drew them. reverse and upper share their key
-(the letters), so a held-out string is held out from both.
-
-reverse, upper and add teach by demonstration: their train problems carry the answer SFT copies. sort and
-palindrome are checked: their demonstrations (Task.demos) have 3, 4, 5 and 8 letters, and a few (SCARCE: one in
-fifty) 6 or 7, the lengths of the train and held-out problems; those carry no answer (Problem.answer None), nor
-do the longer split's (9 and 10): past the few demonstrations, what a model learns there it learns from the
-checker (demonstrations are costly, a checker is not).
-The five splits: demos and demos_heldout (Task.demos's problems, train and held-out keys), train and heldout
-(Task.make's), longer (Task.longer's, held-out keys).
-
-Add a task: write make(rng) -> Problem and check(problem, reply) -> reward, and register Task(make, check) in
-TASKS. The tests register one that rewards a fixed letter (tests/test_rl.py).
+The split is a property of the problem, not of the draw: a hash of the problem's key (the string it is made
+from) puts one key in ten on the held-out side, so no train prompt is ever a held-out one, whatever seed or
+count drew them. reverse, upper and add teach by demonstration: their train problems carry the answer SFT
+copies. sort and palindrome are checked (levels): past a few demonstrations, their problems carry no answer
+(Problem.answer None), and what a model learns there it learns from the checker. The five splits: demos and
+demos_heldout (Task.demos's problems, train and held-out keys), train and heldout (Task.make's), longer
+(Task.longer's, held-out keys).
 """
 import dataclasses
 import random
@@ -168,17 +156,15 @@ def draw(name: str, split: str, rng: random.Random) -> Problem:
 
 def distinct_problems(name: str, split: str, n: int, seed: int | str) -> list[Problem]:
     """n problems of one split with n distinct keys, drawn from seed."""
-    rng, seen, out = random.Random(seed), set(), []
+    rng, by_key = random.Random(seed), {}
     for _ in range(1000 * n):
-        if len(out) == n:
+        if len(by_key) == n:
             break
         problem = draw(name, split, rng)
-        if problem.key not in seen:
-            seen.add(problem.key)
-            out.append(problem)
-    if len(out) < n:
+        by_key.setdefault(problem.key, problem)
+    if len(by_key) < n:
         raise UserError(f"task {name!r} has fewer than {n} distinct {split} problems")
-    return out
+    return list(by_key.values())
 
 
 def problems(name: str, split: str, n: int) -> list[Problem]:

@@ -23,7 +23,7 @@ from core.errors import UserError
 GPT2_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE (50257 ids)
 GPT2_EOT = 50256
 GPT2_VOCAB = 50257  # ordinary ids 0..50256; a model's 50304 rows leave 50257..50303 free for special tokens
-END_OF_TEXT = "<|endoftext|>"  # GPT-2's name; a character vocabulary holds it as a special token after the characters
+END_OF_TEXT = EOT = "<|endoftext|>"  # GPT-2's name; a char vocabulary holds it as a special token after its characters
 
 
 class Tokenizer(Protocol):
@@ -35,18 +35,6 @@ class Tokenizer(Protocol):
     def encode_with_specials(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def meta(self) -> dict: ...
-
-
-def split_specials(text: str, names: dict[str, int], encode) -> list[int]:
-    """`text`'s ids: each special token name in `names` ({name: id}, the longest first where two overlap)
-    as its id, the text between through `encode`: what transformers does before its pre-tokenizer."""
-    if not names:
-        return encode(text)
-    pattern = "(" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + ")"
-    ids: list[int] = []
-    for i, piece in enumerate(re.split(pattern, text)):  # odd pieces are the names matched
-        ids += [names[piece]] if i % 2 else encode(piece) if piece else []
-    return ids
 
 
 def check_special_tokens(special: dict, n_ordinary: int, source: str = "metadata") -> dict[str, int]:
@@ -64,18 +52,14 @@ def check_special_tokens(special: dict, n_ordinary: int, source: str = "metadata
 
 
 class _Specials:
-    """What both tokenizers share about special tokens: the vocabulary grows to hold them, decode
-    writes their names, and meta() records them."""
+    """Special tokens in char and GPT-2 vocabularies: ids after the ordinary ones, decoded as their names."""
 
     def _init_specials(self, special: dict | None, n_ordinary: int) -> None:
-        self.n_ordinary = n_ordinary
         self.special_tokens = check_special_tokens(special or {}, n_ordinary)
         self.special_names = {i: name for name, i in self.special_tokens.items()}
         self.vocab_size = max([n_ordinary] + [i + 1 for i in self.special_tokens.values()])
 
     def decode(self, ids: list[int]) -> str:
-        if not self.special_names:
-            return self._decode_ordinary(ids)
         # Runs of ordinary ids decode together: a BPE character can span several ids.
         out, run = [], []
         for i in ids:
@@ -87,16 +71,20 @@ class _Specials:
         return "".join(out) + self._decode_ordinary(run)
 
     def encode_with_specials(self, text: str) -> list[int]:
+        """Each special token's name as its id (the longest first where two overlap), the text between through
+        encode: what transformers does before its pre-tokenizer."""
         names = self.special_tokens | ({} if self.eot_token is None else {END_OF_TEXT: self.eot_token})
-        return split_specials(text, names, self.encode)
+        pattern = "(" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + ")"
+        ids: list[int] = []
+        for k, piece in enumerate(re.split(pattern, text) if names else [text]):  # odd pieces: the names matched
+            ids += [names[piece]] if k % 2 else self.encode(piece) if piece else []
+        return ids
 
     def _meta_specials(self) -> dict:
         return {"special_tokens": self.special_tokens} if self.special_tokens else {}
 
     @property
-    def bos_token(self) -> int | None:
-        """GPT-2's convention: the token that separates documents also starts one (GPT-2's own folder
-        names <|endoftext|> its bos token, and encode_prompt starts an empty prompt from it)."""
+    def bos_token(self) -> int | None:  # GPT-2's convention: the token that separates documents also starts one
         return self.eot_token
 
 
@@ -141,8 +129,7 @@ class CharTokenizer(_Specials):
 
 @functools.lru_cache(maxsize=1)
 def gpt2_encoding():
-    """GPT-2's BPE as a tiktoken encoding, loaded once per process (GPT2Tokenizer, and its tokenizer.json
-    export in core/data/hf_tokenizer.py)."""
+    """GPT-2's BPE as a tiktoken encoding, loaded once per process."""
     try:
         import tiktoken
         return tiktoken.get_encoding(GPT2_ENCODING)
@@ -251,7 +238,6 @@ class HFTokenizer:
 # GGUF of a model trained with it can name its split rather than carry an unknown one.
 SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
-EOT = "<|endoftext|>"
 BYTE_ALPHABET = 256
 
 
@@ -345,7 +331,6 @@ def check_same_ids(tok: Tokenizer, other: Tokenizer, what: str, other_what: str)
 
 
 def _is_special(tok: Tokenizer, i: int) -> bool:
-    """Whether id i is a special token of tok (one that encode never produces)."""
     if isinstance(tok, HFTokenizer):
         added = tok.backend.get_added_tokens_decoder().get(i)
         return added is not None and added.special

@@ -1,5 +1,5 @@
 """The web corpora (data/openwebtext, data/fineweb): a Hugging Face dataset, or local parquet/json/jsonl/txt
-files -> whole-document train/val -> the tokenizer of core/data/corpus_tokenizer.py (a BPE trained on the
+files -> whole-document train/val -> the tokenizer of core/data/corpus.py (a BPE trained on the
 train split, streamed) -> encoding in datasets' worker processes -> `{split}_NNNNNN.bin` shards ->
 tokenizer.json and meta.json (core/data/writer.py).
 """
@@ -12,14 +12,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from core.data.corpus_tokenizer import check_tokenizer_spec, document_affixes, document_joiner, make_tokenizer
-from core.data.sources import script_out_dir
+from core.data.corpus import check_tokenizer_spec, document_marks, make_tokenizer
 from core.data.tokenizer import Tokenizer, tokenizer_from_meta
-from core.data.writer import ShardWriter, token_dtype, write_meta
+from core.data.writer import ShardWriter, script_out_dir, token_dtype, write_meta
 from core.errors import UserError, first_line
 
 
@@ -84,8 +82,8 @@ def load_text_dataset(hub_name: str, hub_config: str | None, data_files: str | N
 def _worker_tokenizer(meta_json: str) -> tuple[Tokenizer, list[int], list[int]]:
     """The tokenizer and the ids put before and after each document, built once per worker process."""
     tok = tokenizer_from_meta(json.loads(meta_json))
-    prefix, suffix = document_affixes(tok)
-    return tok, prefix, suffix + document_joiner(tok)
+    prefix, suffix, joiner = document_marks(tok)
+    return tok, prefix, suffix + joiner
 
 
 def _tokenize_batch(batch: dict, meta_json: str) -> dict:
@@ -100,32 +98,23 @@ def _tokenize_batch(batch: dict, meta_json: str) -> dict:
     return {"ids": ids, "len": [len(d) for d in ids]}
 
 
-def tokenize_documents(ds, tok: Tokenizer, num_proc: int, desc: str = "tokenizing"):
-    """Each document of `ds` (column `text`) into columns `ids` (uint16 or uint32, with its marks) and `len`."""
+def write_split(part, tok: Tokenizer, out_dir: Path, split: str, cfg: WebPrepareConfig) -> int:
+    """The documents of `part` tokenized in cfg.num_proc workers (column `ids`, each with its marks, and `len`),
+    then concatenated into `{split}_*.bin` shards; returns the token count."""
     import datasets
-
-    features = datasets.Features({"ids": datasets.List(datasets.Value(np.dtype(token_dtype(tok)).name)),
-                                  "len": datasets.Value("int64")})
-    return ds.map(_tokenize_batch, batched=True, remove_columns=ds.column_names, features=features,
-                  fn_kwargs={"meta_json": json.dumps(tok.meta(), sort_keys=True)},
-                  num_proc=min(num_proc, max(1, len(ds))), desc=desc)
-
-
-def dataset_texts(ds, batch_size: int = 1024) -> Iterator[str]:
-    """The `text` column of a datasets.Dataset, a batch at a time from its memory-mapped Arrow files."""
-    for batch in ds.select_columns(["text"]).iter(batch_size=batch_size):
-        yield from batch["text"]
-
-
-def write_token_shards(tokenized, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype) -> int:
-    """Concatenate the `ids` of a tokenized dataset into `{split}_*.bin` shards; return the token count."""
     import pyarrow.compute as pc
     from tqdm import tqdm
 
-    total = pc.sum(tokenized.with_format("arrow")["len"]).as_py() or 0
-    with ShardWriter(out_dir, split, shard_tokens, dtype) as writer, \
-            tqdm(total=total, unit="tok", unit_scale=True, desc=f"writing {split}", disable=None) as bar:
-        for table in tokenized.with_format("arrow").iter(batch_size=4096):
+    dtype = token_dtype(tok)
+    features = datasets.Features({"ids": datasets.List(datasets.Value(np.dtype(dtype).name)),
+                                  "len": datasets.Value("int64")})
+    tokenized = part.map(_tokenize_batch, batched=True, remove_columns=part.column_names, features=features,
+                         fn_kwargs={"meta_json": json.dumps(tok.meta(), sort_keys=True)},
+                         num_proc=min(cfg.num_proc, max(1, len(part))), desc=f"tokenizing {split}").with_format("arrow")
+    with ShardWriter(out_dir, split, cfg.shard_tokens, dtype) as writer, \
+            tqdm(total=pc.sum(tokenized["len"]).as_py() or 0, unit="tok", unit_scale=True, desc=f"writing {split}",
+                 disable=None) as bar:
+        for table in tokenized.iter(batch_size=4096):
             ids = table.column("ids").combine_chunks().flatten().to_numpy()
             writer.write(ids)
             bar.update(ids.size)
@@ -143,12 +132,12 @@ def prepare_web_corpus(cfg: WebPrepareConfig, hub_name: str, hub_config: str | N
         raise UserError(f"the source has {len(ds)} document(s); a train and a val split need at least 2")
     start = time.perf_counter()
     splits = ds.train_test_split(test_size=cfg.val_fraction, seed=cfg.seed, shuffle=True)
-    if trained:
-        tok = make_tokenizer(cfg.tokenizer, dataset_texts(splits["train"]))
+    if trained:  # streamed: a batch of the train split's texts at a time from its memory-mapped Arrow files
+        train = splits["train"].select_columns(["text"])
+        tok = make_tokenizer(cfg.tokenizer, (text for batch in train.iter(batch_size=1024) for text in batch["text"]))
     meta = {"source": cfg.data_files or (hub_name + (f":{hub_config}" if hub_config else ""))}
     for split, part in (("train", splits["train"]), ("val", splits["test"])):
-        tokenized = tokenize_documents(part, tok, cfg.num_proc, desc=f"tokenizing {split}")
-        meta[f"{split}_tokens"] = write_token_shards(tokenized, out_dir, split, cfg.shard_tokens, token_dtype(tok))
+        meta[f"{split}_tokens"] = write_split(part, tok, out_dir, split, cfg)
         meta[f"{split}_documents"] = len(part)
     meta = write_meta(out_dir, tok, meta)
     seconds = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""Writing token files in the format core/data/loader.py reads: `{split}.bin` whole or not at all,
+"""Writing token files in the format core/data/loader.py reads, into an output folder checked before any work: `{split}.bin` whole or not at all,
 `{split}_NNNNNN.bin` shards staged and moved into place a split at a time, and meta.json last (its token
 counts vouch for the token files), with tokenizer.json beside it for a BPE or a folder's tokenizer. A token
 id that does not fit the file's dtype is an error, never wrapped.
@@ -16,6 +16,20 @@ from core.data.loader import shard_paths
 from core.data.tokenizer import HFTokenizer, Tokenizer
 from core.errors import UserError
 from core.fileio import atomic_path, fsync_dir, space_for, write_json
+
+
+def script_out_dir(out_dir: str | None, script_file: str) -> Path:
+    """--out_dir, or by default the folder of the prepare.py that is running. Checked now, without
+    creating anything: a folder that cannot be made (a path through a file, no permission) is an
+    error before any download or tokenizing, not after."""
+    path = Path(out_dir) if out_dir is not None else Path(script_file).resolve().parent
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"cannot write to the output folder '{path}': {existing} is a file; choose another --out_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to the output folder '{path}': {existing} is not writable; "
+                        f"choose another --out_dir")
+    return path
 
 
 def checked_ids(ids, dtype, where: str) -> np.ndarray:
@@ -55,9 +69,9 @@ class ShardWriter:
     """Stream token ids into `{split}_000000.bin`, `{split}_000001.bin`, ... of `shard_tokens` ids each.
 
     Shards are written into a hidden staging folder and moved into place only when the whole split
-    is done (leaving the `with` block without an exception, or commit()), replacing any older
-    `{split}.bin` / shards. An interrupted prepare leaves the previous files as they were, and never
-    a partial set that looks complete."""
+    is done (the `with` block left without an exception), replacing any older `{split}.bin` / shards.
+    An interrupted prepare leaves the previous files as they were, and never a partial set that looks
+    complete."""
 
     def __init__(self, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype=np.uint16):
         if shard_tokens < 1:
@@ -92,7 +106,15 @@ class ShardWriter:
         self._file.close()
         self._file = None
 
-    def commit(self) -> list[Path]:
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            if self._file is not None:
+                self._file.close()
+            shutil.rmtree(self.staging, ignore_errors=True)
+            return
         if self._file is not None:
             self._close_shard()
         stale = shard_paths(self.out_dir, self.split) + [self.out_dir / f"{self.split}.bin"]
@@ -104,22 +126,6 @@ class ShardWriter:
                 path.unlink()
         fsync_dir(self.out_dir)
         self.staging.rmdir()
-        return final
-
-    def abort(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        shutil.rmtree(self.staging, ignore_errors=True)
-
-    def __enter__(self) -> "ShardWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 def write_dataset(out_dir: str | os.PathLike, tokenizer_meta: dict, splits: dict[str, Iterable[int]],

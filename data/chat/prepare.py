@@ -6,22 +6,11 @@
     python data/chat/tasks.py --out_dir=data/chat && python data/chat/prepare.py \\
         --input=data/chat/tasks_train.jsonl --tokenizer_from=out-shakespeare-char-cpu --block_size=64
 
-Each line is one conversation: {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
-(an optional system message, then user and assistant alternating, ending with the assistant). Blank
-lines are skipped. Every conversation goes through core/data/chat.py's template; out_dir gets, per split:
-
-    {split}.bin         token ids (uint16), conversations back to back
-    {split}_mask.bin    uint8, one per token: 1 where the token is learned (assistant content + its <|end|>)
-    {split}_starts.bin  int64, the offset of each conversation's first token (batch rows start there)
-
-and meta.json (written last) with the tokenizer (the base tokenizer plus the chat tokens), the template
-and the counts. The tokenizer is the model's: GPT-2 BPE, or --tokenizer_from= a run's out_dir (the
-tokenizer its checkpoint carries) or a prepared dataset folder, so a character model gets a character set.
-
-A conversation longer than block_size + 1 tokens (one training row) is cut to fit, or dropped when the
-cut would leave no assistant token (--overlong=drop drops every one); the counts are printed. Any bad
-line (not JSON, not a messages list, roles out of order, an empty assistant turn, a character outside a
-char vocabulary) stops the run with one line naming the file and line, and nothing is written.
+Each line is one conversation, {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]},
+rendered through core/data/chat.py's template into {split}.bin (token ids), {split}_mask.bin (uint8, 1 where
+learned) and {split}_starts.bin (int64, each conversation's offset), then meta.json. A conversation longer than
+block_size + 1 tokens is cut or dropped (--overlong); a bad line stops the run with one line naming the file
+and line, and nothing is written. The tokenizer, the files and the checks: docs/chat.md.
 """
 import dataclasses
 import json
@@ -37,11 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 from core.config import parse_args  # noqa: E402
 from core.data.chat import ChatTemplate, with_chat_tokens  # noqa: E402
 from core.data.loader import read_meta  # noqa: E402
-from core.data.sources import script_out_dir  # noqa: E402
 from core.data.tokenizer import GPT2Tokenizer, tokenizer_from_meta, tokenizer_meta  # noqa: E402
-from core.data.writer import write_tokens  # noqa: E402
+from core.data.writer import script_out_dir, token_dtype, write_dataset, write_tokens  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
-from core.fileio import write_json  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -126,10 +113,7 @@ def parse_line(line: str) -> list:
 
 def fit_block(convs: list[tuple[list[int], list[int]]], block_size: int,
               overlong: str) -> tuple[list[tuple[list[int], list[int]]], int, int]:
-    """Conversations of at most block_size + 1 tokens (one training row): (kept, how many cut, dropped).
-
-    A cut keeps the first block_size + 1 tokens when they hold an assistant token to learn; otherwise,
-    or with overlong='drop', the conversation is dropped."""
+    """Conversations of at most block_size + 1 tokens (one training row): (kept, how many cut, dropped)."""
     limit, kept, cut, dropped = block_size + 1, [], 0, 0
     for ids, mask in convs:
         if len(ids) <= limit:
@@ -152,17 +136,6 @@ def split_conversations(convs: list, val_fraction: float, seed: int) -> tuple[li
     return [c for i, c in enumerate(convs) if i not in val], [c for i, c in enumerate(convs) if i in val]
 
 
-def write_split(out_dir: Path, split: str, convs: list, dtype) -> dict:
-    """{split}.bin, {split}_mask.bin and {split}_starts.bin; returns the split's counts for meta.json."""
-    ids = [t for c, _ in convs for t in c]
-    mask = [m for _, ms in convs for m in ms]
-    starts = np.cumsum([0] + [len(c) for c, _ in convs[:-1]])
-    tokens = write_tokens(out_dir / f"{split}.bin", ids, dtype)
-    write_tokens(out_dir / f"{split}_mask.bin", mask, np.uint8)
-    write_tokens(out_dir / f"{split}_starts.bin", starts, np.int64)
-    return {f"{split}_tokens": tokens, f"{split}_conversations": len(convs), f"{split}_learned_tokens": int(sum(mask))}
-
-
 def main(argv: Sequence[str]) -> dict:
     # --input may be given several times: gather them into one comma-separated value.
     inputs = [a.partition("=")[2] for a in argv if a.startswith("--input=")]
@@ -177,17 +150,19 @@ def main(argv: Sequence[str]) -> dict:
     if cut or dropped:
         print(f"{cut + dropped} conversation(s) longer than block_size + 1 = {cfg.block_size + 1} tokens: "
               f"{cut} cut to fit, {dropped} dropped")
-    train, val = split_conversations(convs, cfg.val_fraction, cfg.seed)
-    dtype = np.uint16 if tok_meta["vocab_size"] <= 1 << 16 else np.uint32
+    splits = dict(zip(("train", "val"), split_conversations(convs, cfg.val_fraction, cfg.seed)))
+    extra = {"chat": template.meta(), "block_size": cfg.block_size, "source": paths, "cut": cut, "dropped": dropped}
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {**tok_meta, "dtype": np.dtype(dtype).name, "chat": template.meta(), "block_size": cfg.block_size,
-            "source": paths, "cut": cut, "dropped": dropped}
-    for split, part in (("train", train), ("val", val)):
-        meta |= write_split(out_dir, split, part, dtype)
-    write_json(out_dir / "meta.json", meta)  # last: its counts vouch for the files
+    for split, part in splits.items():  # the mask and the starts before meta.json, whose counts vouch for them
+        mask = [m for _, ms in part for m in ms]
+        write_tokens(out_dir / f"{split}_mask.bin", mask, np.uint8)
+        write_tokens(out_dir / f"{split}_starts.bin", np.cumsum([0] + [len(c) for c, _ in part[:-1]]), np.int64)
+        extra |= {f"{split}_conversations": len(part), f"{split}_learned_tokens": int(sum(mask))}
+    meta = write_dataset(out_dir, tok_meta, {split: [t for c, _ in part for t in c] for split, part in splits.items()},
+                         token_dtype(template.tok), **extra)
     print(f"{meta['train_conversations']:,} train / {meta['val_conversations']:,} val conversations: "
           f"{meta['train_tokens']:,} / {meta['val_tokens']:,} tokens ({meta['train_learned_tokens']:,} / "
-          f"{meta['val_learned_tokens']:,} learned), vocab_size {tok_meta['vocab_size']}, to {out_dir} "
+          f"{meta['val_learned_tokens']:,} learned), vocab_size {meta['vocab_size']}, to {out_dir} "
           f"in {time.perf_counter() - start:.1f}s")
     return meta
 

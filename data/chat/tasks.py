@@ -4,12 +4,9 @@
     python data/chat/tasks.py --out_dir=/tmp/tasks --n_train=4000 --n_heldout=200
     python data/chat/tasks.py --tasks=reverse,upper,add         # add's digits need a BPE base (not characters)
 
-The tasks and their checkers live in core/data/tasks.py: "reverse: abcde" -> "edcba", "upper: ab cd" ->
-"AB CD", "add: 874+62" -> "936". Train conversations come from each task's train side and the held-out
-ones are core/data/tasks.py's held-out set (n_heldout per task, the prompts eval.py --task=NAME scores), so
-a model scores on them only by doing the task. A quarter of the train conversations carry a system message.
-reverse and upper use only letters, all in tiny Shakespeare's character vocabulary, so a character model
-trained on it can be fine-tuned on them.
+The tasks, their checkers and their split live in core/data/tasks.py (docs/chat.md): train conversations are
+the tasks' demonstrations, held-out ones their demos_heldout sets. A quarter of the train conversations carry a
+system message.
 """
 import dataclasses
 import json
@@ -22,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 
 from core.config import parse_args  # noqa: E402
 from core.data import tasks as tasklib  # noqa: E402
-from core.data.sources import script_out_dir  # noqa: E402
+from core.data.writer import script_out_dir  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.fileio import atomic_path  # noqa: E402
 
@@ -59,11 +56,6 @@ def make_sets(cfg: TasksConfig) -> tuple[list[dict], list[dict]]:
     return train, heldout
 
 
-def write_jsonl(path: Path, convs: list[dict]) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text("".join(json.dumps(c) + "\n" for c in convs))
-
-
 def main(argv: Sequence[str]) -> tuple[Path, Path]:
     cfg = parse_args(TasksConfig, argv)
     out_dir = script_out_dir(cfg.out_dir, __file__)
@@ -71,7 +63,8 @@ def main(argv: Sequence[str]) -> tuple[Path, Path]:
     train, heldout = make_sets(cfg)
     paths = out_dir / "tasks_train.jsonl", out_dir / "tasks_heldout.jsonl"
     for path, convs in zip(paths, (train, heldout)):
-        write_jsonl(path, convs)
+        with atomic_path(path) as tmp:
+            tmp.write_text("".join(json.dumps(c) + "\n" for c in convs))
     print(f"wrote {len(train)} train and {len(heldout)} held-out conversations to {paths[0]} and {paths[1]}")
     return paths
 

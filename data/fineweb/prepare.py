@@ -6,10 +6,8 @@ shards and meta.json beside this file. It is the corpus llm.c and the GPT-2 spee
     python data/fineweb/prepare.py --data_files=fw/*.parquet      # local files with a `text` column
     python data/fineweb/prepare.py --tokenizer=bpe:32768          # a BPE trained on the train split
 
---tokenizer is data/text/prepare.py's (gpt2 | bpe:VOCAB | a transformers folder or tokenizer.json; no char),
-with its document marks, tokenizer.json and uint16/uint32 choice; the val split is whole documents.
-With GPT-2's BPE every document ends with <|endoftext|> (50256). About 10B tokens: ~20 GB of .bin in 200 MB shards,
-plus the download and its tokenized copy in the Hugging Face cache (--cache_dir).
+--tokenizer is data/openwebtext/prepare.py's. About 10B tokens: ~20 GB of .bin in 200 MB shards, plus the
+download and its tokenized copy in the Hugging Face cache (--cache_dir).
 """
 import dataclasses
 import sys

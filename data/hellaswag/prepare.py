@@ -8,8 +8,6 @@ The file comes from the dataset's authors (Zellers et al. 2019, https://github.c
 the copy build-nanogpt and llm.c read. Each line is one example: ctx, 4 endings, the label of the right one.
 """
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -17,7 +15,8 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make the repo's core/ importable
 
 from core.config import parse_args  # noqa: E402
-from core.data.sources import script_out_dir  # noqa: E402
+from core.data.corpus import download  # noqa: E402
+from core.data.writer import script_out_dir  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 from core.evaluation.hellaswag import parse_hellaswag  # noqa: E402
 from core.fileio import atomic_path  # noqa: E402
@@ -40,12 +39,7 @@ def fetch(cfg: HellaSwagPrepareConfig) -> bytes:
         except OSError as e:
             raise UserError(f"--input file '{cfg.input}' cannot be read: {e.strerror}") from None
     print(f"downloading {URL}")
-    try:
-        with urllib.request.urlopen(URL, timeout=cfg.timeout_s) as r:
-            return r.read()
-    except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"could not download {URL} ({getattr(e, 'reason', e)}); "
-                        f"pass a local copy with --input=path/to/{FILE_NAME}") from None
+    return download(URL, cfg.timeout_s, FILE_NAME)
 
 
 def main(argv: Sequence[str]) -> Path:

@@ -6,12 +6,9 @@
     python data/openwebtext/prepare.py --tokenizer=bpe:32768               # a BPE trained on the train split
     python data/openwebtext/prepare.py --tokenizer=path/to/hf_folder       # that model's tokenizer, to fine-tune it
 
---tokenizer is data/text/prepare.py's (gpt2 | bpe:VOCAB | a transformers folder or tokenizer.json; no char):
-the same tokenizers, the same marks around each document, tokenizer.json beside meta.json for a BPE or a
-folder's, uint16 shards or uint32 past 65,536 ids. The val split is whole documents.
-With GPT-2's BPE every document ends with <|endoftext|> (50256): about 9.0B train and 4.4M val tokens, ~18 GB of .bin.
-The Hugging Face cache (--cache_dir) also holds the download (nanoGPT reports 54 GB for it) and a
-tokenized copy about the size of the .bin files.
+--tokenizer is data/text/prepare.py's (gpt2 | bpe:VOCAB | a transformers folder or tokenizer.json; no char), with
+its marks around each document; the val split is whole documents. In GPT-2's BPE: about 9.0B train and 4.4M val
+tokens, ~18 GB of .bin, and the download and a tokenized copy in the Hugging Face cache (docs/training.md).
 """
 import dataclasses
 import sys

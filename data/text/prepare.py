@@ -5,22 +5,9 @@
     python data/text/prepare.py --input=a.txt --input=b.txt --tokenizer=gpt2         # GPT-2's BPE (tiktoken)
     python data/text/prepare.py --input=corpus.txt --separator='<|endoftext|>' --tokenizer=path/to/hf_folder
 
---input takes files or globs (quote them), several times or comma-separated. A document is one file, or
-with --separator=LINE the lines between two lines that are exactly LINE (those lines are dropped). The
-val split is whole documents (--val_fraction of them, at least one, chosen by --seed); a corpus of one
-document gives its last --val_fraction of characters instead, as nanoGPT splits Shakespeare.
-
---tokenizer:
-    char        the corpus's characters (all of them, train and val)
-    gpt2        GPT-2's BPE; <|endoftext|> between documents
-    bpe:VOCAB   a byte-level BPE of VOCAB ids trained here on the train split (core/data/tokenizer.py's train_bpe:
-                Llama 3's split, <|endoftext|> and the chat tokens reserved); <|endoftext|> between documents
-    DIR         a transformers folder's tokenizer.json (or a tokenizer.json file): each document gets what its
-                post-processor adds (Llama 3: <|begin_of_text|> first), for fine-tuning that model
-                (train.py --init_from=DIR)
-
-Input is read a line at a time, never whole; token files are uint16, or uint32 past 65,536 ids.
-Written atomically, meta.json last; any bad input stops with one line before anything is written.
+--input takes files or globs (quote them), several times or comma-separated. A document is one file, or with
+--separator=LINE the lines between two lines that are exactly LINE; the val split is whole documents. The
+tokenizers, the marks between documents, the streaming and the files: docs/tokenizers.md.
 """
 import dataclasses
 import sys
@@ -31,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 
 from core.config import parse_args  # noqa: E402
 from core.data.corpus import prepare_corpus  # noqa: E402
-from core.data.corpus_tokenizer import check_tokenizer_spec  # noqa: E402
-from core.data.sources import script_out_dir  # noqa: E402
+from core.data.corpus import check_tokenizer_spec  # noqa: E402
+from core.data.writer import script_out_dir  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 
 
