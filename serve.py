@@ -34,10 +34,8 @@ from pathlib import Path
 from typing import Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException
 import torch
 
 from core import runtime
@@ -47,11 +45,11 @@ from core.data.tokenizer import Tokenizer
 from core.decoding.decode import inference_model, window_shift
 from core.decoding.quantize import check_quantize, quantized_note
 from core.errors import UserError, first_line, run_cli
-from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineDied, EngineSettings
+from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineSettings
 from core.serving.metrics import Metrics
-from core.serving.openai import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
-                                 ServedModel, TokenizeRequest, api_error, check_length, check_model, check_params,
-                                 crash, engine_dead_body, engine_died, engine_request, error, http_error, invalid,
+from core.serving.openai import (CHAT, COMPLETION, HANDLERS, APIError, ChatRequest, CompletionRequest,
+                                 DetokenizeRequest, ErrorResponse, ServedModel, TokenizeRequest, check_length,
+                                 check_model, check_params, encode, engine_dead_body, engine_request, error,
                                  messages_of, prompts_of, reply)
 from core.serving.process import EngineProcess
 from core.weights import resolver
@@ -179,10 +177,7 @@ async def tokenizer_info(request: Request):
 async def tokenize(req: TokenizeRequest, request: Request):
     served = served_model(request)
     check_model(served, req.model)
-    try:
-        ids = served.tok.encode_with_specials(req.prompt)  # as vLLM: lm_eval reads eos_token_id from this
-    except UserError as e:
-        raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
+    ids = encode(served.tok, req.prompt)  # as vLLM: lm_eval reads eos_token_id from this
     return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size}
 
 
@@ -206,7 +201,7 @@ async def completions(req: CompletionRequest, request: Request):
         raise APIError(400, "echo with stream is not supported; leave one out", "echo")
     reqs = [engine_request(served, req, p, max_tokens, False, req.logprobs, req.echo, seed)
             for p in prompts_of(served, req)]
-    return await reply(served, req, reqs, stops, chat=False)
+    return await reply(served, req, reqs, stops, COMPLETION)
 
 
 @v1.post("/chat/completions")
@@ -227,7 +222,7 @@ async def chat_completions(req: ChatRequest, request: Request):
     max_tokens, stops, seed = check_params(served, req, default_max=default)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     reqs = [engine_request(served, req, prompt, max_tokens, True, logprobs, False, seed)]
-    return await reply(served, req, reqs, stops, chat=True)
+    return await reply(served, req, reqs, stops, CHAT)
 
 
 router.include_router(v1)
@@ -328,14 +323,11 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
             engine = BatchEngine(model, settings, metrics)
     except RuntimeError as e:
         raise UserError(f"{first_line(e)}; try a smaller --max_batch, or --engine=thread") from None
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, exception_handlers=HANDLERS)
     app.state.served = ServedModel(engine, tok, ChatTemplate.for_tokenizer(tok), name, device, model.config.block_size,
                                    cfg.max_tokens_limit, cfg.max_n, cfg.api_key or os.environ.get(API_KEY_ENV) or None,
                                    int(time.time()), metrics)
     app.state.engine = engine
-    for kind, handler in ((APIError, api_error), (RequestValidationError, invalid), (HTTPException, http_error),
-                          (EngineDied, engine_died), (Exception, crash)):
-        app.add_exception_handler(kind, handler)
     app.add_middleware(RequestBody, max_bytes=cfg.max_body_bytes)
     app.include_router(router)
     return app

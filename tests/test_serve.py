@@ -932,6 +932,8 @@ def test_model_retrieve_tokenizer_endpoints_and_metrics(base):
     t = httpx.post(base.url + "/tokenize", json={"prompt": "ROMEO:", "add_special_tokens": False}).json()
     assert t == {"tokens": tok.encode("ROMEO:"), "count": 6, "max_model_len": BLOCK_SIZE}
     assert httpx.post(base.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "ROMEO:"}
+    assert_error(httpx.post(base.url + "/tokenize", json={"prompt": "ROMEO 🙂"}), 400, "prompt", "cannot be encoded")
+    assert complete(base, prompt="", max_tokens=1).usage.prompt_tokens == 1  # an empty prompt: <|endoftext|>
 
 
 def scrape(server: Server) -> dict[str, float]:
@@ -1219,7 +1221,7 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
     async def read(at_once: bool):
         served = SimpleNamespace(engine=Engine(), metrics=Metrics())
         req = EngineRequest(prompt=[0], n=1, max_tokens=len(ids), sampling=None)
-        got = pieces(served, [req], lambda: ChoiceText(tok, [], set(), len(ids)), choices := [])
+        got = pieces(served, [req], lambda prompt: ChoiceText(tok, [], set(), len(ids)), choices := [])
         steps = [[RowStep(t, None)] for t in ids]
         first = asyncio.ensure_future(got.__anext__())
         await asyncio.sleep(0)  # pieces has submitted its request
@@ -1229,7 +1231,7 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
         while not at_once and len(out) < len(ids):  # a client that keeps up: each step once the last is read
             served.engine.handle.out.put_nowait(steps[len(out)])
             out.append(await got.__anext__())
-        return out, choices[0].generated.finish
+        return out, choices[0].finish
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a loop of its own: Playwright's may hold this thread
         assert pool.submit(asyncio.run, read(at_once=True)).result() == ([(0, "abcde")], "length")
@@ -1279,18 +1281,19 @@ CMPL = 'data: {"id": "cmpl-ID", "object": "text_completion", "created": T, "mode
 CHAT = 'data: {"id": "chatcmpl-ID", "object": "chat.completion.chunk", "created": T, "model": "m", "choices": ['
 HI = ('{"tokens":["h","i","<|endoftext|>"],"token_logprobs":[-0.5,-0.5,-0.5],'
       '"top_logprobs":[{"h":-0.5},{"i":-0.5},{"<|endoftext|>":-0.5}],"text_offset":[0,1,2]}')
-WIRE = {  # (path, body) -> the reply's bytes, its id's random part and its time written ID and T
-    ("/v1/completions", '{"prompt": "ih", "n": 2, "logprobs": 1}'):
+WIRE = {  # (name, path, body) -> the reply's bytes, its id's random part and its time written ID and T
+    ("completion", "/v1/completions", '{"prompt": "ih", "n": 2, "logprobs": 1}'):
         '{"id":"cmpl-ID","object":"text_completion","created":T,"model":"m","choices":['
         '{"index":0,"text":"hi","logprobs":' + HI + ',"finish_reason":"stop"},'
         '{"index":1,"text":"hi","logprobs":' + HI + ',"finish_reason":"stop"}],'
         '"usage":{"prompt_tokens":2,"completion_tokens":6,"total_tokens":8}}',
-    ("/v1/completions", '{"prompt": "ih", "echo": true, "logprobs": 1, "max_tokens": 1}'):
+    ("completion echo", "/v1/completions", '{"prompt": "ih", "echo": true, "logprobs": 1, "max_tokens": 1}'):
         '{"id":"cmpl-ID","object":"text_completion","created":T,"model":"m","choices":[{"index":0,"text":"ihh",'
         '"logprobs":{"tokens":["i","h","h"],"token_logprobs":[null,-0.5,-0.5],"top_logprobs":[null,{"h":-0.5},'
         '{"h":-0.5}],"text_offset":[0,1,2]},"finish_reason":"length"}],'
         '"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}',
-    ("/v1/completions", '{"prompt": "ih", "stream": true, "logprobs": 0, "stream_options": {"include_usage": true}}'):
+    ("completion streamed", "/v1/completions",
+     '{"prompt": "ih", "stream": true, "logprobs": 0, "stream_options": {"include_usage": true}}'):
         CMPL + '{"index": 0, "text": "h", "logprobs": {"tokens": ["h"], "token_logprobs": [-0.5], '
                '"top_logprobs": [{}], "text_offset": [0]}, "finish_reason": null}], "usage": null}\n\n'
         + CMPL + '{"index": 0, "text": "i", "logprobs": {"tokens": ["i"], "token_logprobs": [-0.5], '
@@ -1299,14 +1302,14 @@ WIRE = {  # (path, body) -> the reply's bytes, its id's random part and its time
                  '"top_logprobs": [{}], "text_offset": [0]}, "finish_reason": "stop"}], "usage": null}\n\n'
         + CMPL + '], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}\n\n'
         'data: [DONE]\n\n',
-    ("/v1/chat/completions", "{" + ASK_HI + ', "logprobs": true, "top_logprobs": 1}'):
+    ("chat", "/v1/chat/completions", "{" + ASK_HI + ', "logprobs": true, "top_logprobs": 1}'):
         '{"id":"chatcmpl-ID","object":"chat.completion","created":T,"model":"m","choices":[{"index":0,'
         '"message":{"role":"assistant","content":"hi"},"logprobs":{"content":['
         '{"token":"h","logprob":-0.5,"bytes":[104],"top_logprobs":[{"token":"h","logprob":-0.5,"bytes":[104]}]},'
         '{"token":"i","logprob":-0.5,"bytes":[105],"top_logprobs":[{"token":"i","logprob":-0.5,"bytes":[105]}]}]},'
         '"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}',
-    ("/v1/chat/completions", "{" + ASK_HI + ', "stream": true, "logprobs": true, '
-                             '"stream_options": {"include_usage": true, "continuous_usage_stats": true}}'):
+    ("chat streamed", "/v1/chat/completions", "{" + ASK_HI + ', "stream": true, "logprobs": true, '
+     '"stream_options": {"include_usage": true, "continuous_usage_stats": true}}'):
         CHAT + '{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}'
                '], "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}}\n\n'
         + CHAT + '{"index": 0, "delta": {"content": "h"}, "logprobs": {"content": [{"token": "h", "logprob": -0.5, '
@@ -1319,7 +1322,7 @@ WIRE = {  # (path, body) -> the reply's bytes, its id's random part and its time
                  '"usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}\n\n'
         + CHAT + '], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}\n\n'
         'data: [DONE]\n\n',
-    ("/v1/chat/completions", "{" + ASK_HI + ', "stream": true, "n": 2}'):  # each choice's role first
+    ("chat streamed n=2", "/v1/chat/completions", "{" + ASK_HI + ', "stream": true, "n": 2}'):  # roles first
         "".join(CHAT + f'{{"index": {i}, "delta": {delta}, "logprobs": null, "finish_reason": {finish}}}]}}\n\n'
                 for delta, finish in (('{"role": "assistant", "content": ""}', "null"), ('{"content": "h"}', "null"),
                                       ('{"content": "i"}', "null"), ("{}", '"stop"')) for i in (0, 1))
@@ -1327,14 +1330,14 @@ WIRE = {  # (path, body) -> the reply's bytes, its id's random part and its time
 }
 
 
-@pytest.mark.parametrize("path, body", WIRE)
-def test_each_reply_shape_is_openais_byte_for_byte(path, body, monkeypatch):
+@pytest.mark.parametrize("name, path, body", [pytest.param(*key, id=key[0]) for key in WIRE])
+def test_each_reply_shape_is_openais_byte_for_byte(name, path, body, monkeypatch):
     """Whole and streamed, completion and chat, through the app: key order, spacing, every chunk."""
     monkeypatch.setattr(serve, "BatchEngine", ScriptedEngine)
     model = GPT(GPTConfig(block_size=16, vocab_size=WIRE_TOK.vocab_size, n_layer=1, n_head=1, n_embd=8))
     with TestClient(serve.build_app(model, WIRE_TOK, serve.ServeConfig(engine="thread"), "m", "cpu")) as client:
         got = client.post(path, content=body).text
-    assert re.sub(r'("created": ?)\d+', r"\1T", re.sub(r"(cmpl-)[0-9a-f]{24}", r"\1ID", got)) == WIRE[path, body]
+    assert re.sub(r'("created": ?)\d+', r"\1T", re.sub(r"(cmpl-)[0-9a-f]{24}", r"\1ID", got)) == WIRE[name, path, body]
 
 
 # -----------------------------------------------------------------------------
