@@ -10,12 +10,8 @@ Any OpenAI client works, and vLLM's request extensions and metrics: OpenAI(base_
 api_key=...). The model's name is its out_dir's folder name (or init_from), unless --model_name says otherwise.
 
 Requests are batched continuously by core/serving/engine.py's BatchEngine (on a CPU in a process of its own,
-core/serving/process.py's EngineProcess): one forward per step decodes the next token of every running
-request, each with its own seeded generator, so a request's text is what decode.generate gives it alone.
-Every request field is implemented or refused with a 400 that names it: the request models, their checks
-and errors, and the replies' shapes are core/serving/openai.py's; the metrics core/serving/metrics.py's.
-Here: ServeConfig, the routes at module level over app.state.served (an openai.ServedModel), build_app, and
-the command (check_port, bind_port, serve, main).
+core/serving/process.py's EngineProcess); the request models, their checks and errors, and the replies are
+core/serving/openai.py's. Here: ServeConfig, the routes over app.state.served, build_app, and the command.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -31,7 +27,7 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Annotated, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
@@ -101,10 +97,13 @@ def served_model(request: Request) -> ServedModel:
     return request.app.state.served
 
 
-async def check_key(request: Request) -> None:  # async: a plain def would run in a worker thread
+Served = Annotated[ServedModel, Depends(served_model)]  # each route's model
+
+
+async def check_key(served: Served, request: Request) -> None:  # async: a plain def would run in a worker thread
     """On the /v1 routes only, as vLLM's --api-key: they generate. The tokenizer's routes, /metrics, /health and
     the page stay open (docs/serving.md, "Errors and access")."""
-    api_key = served_model(request).api_key
+    api_key = served.api_key
     if api_key is None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -128,8 +127,7 @@ async def page():
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])
-async def health(request: Request):
-    served = served_model(request)
+async def health(served: Served):
     if served.engine.failure is not None:  # a load balancer stops sending here; the server is about to exit
         return ErrorResponse(engine_dead_body(served.engine.failure), status_code=503)
     return {"status": "ok", "model": served.name, "chat": served.template is not None,
@@ -139,8 +137,7 @@ async def health(request: Request):
 
 
 @router.api_route("/metrics", methods=["GET", "HEAD"])
-async def metrics(request: Request):
-    served = served_model(request)
+async def metrics(served: Served):
     return Response(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -151,21 +148,19 @@ def model_card(served: ServedModel) -> dict:
 
 
 @v1.get("/models")
-async def models(request: Request):
-    return {"object": "list", "data": [model_card(served_model(request))]}
+async def models(served: Served):
+    return {"object": "list", "data": [model_card(served)]}
 
 
 @v1.get("/models/{model_id:path}")
-async def model_info(model_id: str, request: Request):
-    served = served_model(request)
+async def model_info(model_id: str, served: Served):
     check_model(served, model_id)
     return model_card(served)
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(request: Request):
+async def tokenizer_info(served: Served):
     """vLLM's: what a client (lm-eval's remote tokenizer) needs to tokenize as the server does."""
-    served = served_model(request)
     name = lambda i: None if i is None else served.tok.decode([i])  # noqa: E731
     eot, bos = served.tok.eot_token, served.tok.bos_token
     return {"tokenizer_class": type(served.tok).__name__, "eos_token": name(eot), "eos_token_id": eot,
@@ -174,16 +169,14 @@ async def tokenizer_info(request: Request):
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, request: Request):
-    served = served_model(request)
+async def tokenize(req: TokenizeRequest, served: Served):
     check_model(served, req.model)
     ids = encode(served.tok, req.prompt)  # as vLLM: lm_eval reads eos_token_id from this
     return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size}
 
 
 @router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, request: Request):
-    served = served_model(request)
+async def detokenize(req: DetokenizeRequest, served: Served):
     check_model(served, req.model)
     if any(not 0 <= i < served.tok.vocab_size for i in req.tokens):
         raise APIError(400, f"tokens holds ids outside 0..{served.tok.vocab_size - 1}", "tokens")
@@ -191,8 +184,7 @@ async def detokenize(req: DetokenizeRequest, request: Request):
 
 
 @v1.post("/completions")
-async def completions(req: CompletionRequest, request: Request):
-    served = served_model(request)
+async def completions(req: CompletionRequest, served: Served):
     check_model(served, req.model)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
@@ -205,8 +197,7 @@ async def completions(req: CompletionRequest, request: Request):
 
 
 @v1.post("/chat/completions")
-async def chat_completions(req: ChatRequest, request: Request):
-    served = served_model(request)
+async def chat_completions(req: ChatRequest, served: Served):
     check_model(served, req.model)
     if served.template is None:
         raise APIError(400, f"model '{served.name}' has no chat template (a base model, its tokenizer has no chat "
@@ -337,16 +328,10 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
 # the command
 
 
-def check_port(host: str, port: int) -> None:
-    """One line, before the model loads, when another program holds host:port."""
-    if port != 0:
-        bind_port(host, port).close()
-
-
 def bind_port(host: str, port: int) -> socket.socket:
     """A socket bound to host:port, for uvicorn to serve on (serve), or one line when another program holds it:
     uvicorn's own bind would print its log's report and exit 1, also when the port is taken while the model
-    loads, after check_port found it free."""
+    loads, after main's first bind found it free."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
@@ -378,17 +363,16 @@ def serve(app, host: str, port: int) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
 
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(ServeConfig, argv)
-    check_port(cfg.host, cfg.port)
+    if cfg.port != 0:  # one line, before the model loads, when another program holds the port
+        bind_port(cfg.host, cfg.port).close()
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     threads = torch.get_num_threads()  # what the engine computes with
     if engine_kind(cfg, rt.device) == "process":
