@@ -267,7 +267,7 @@ ENGINE_DEATH_EXIT_S = 5.0
 
 async def exit_when_the_engine_dies(app) -> None:
     """As vLLM's API server does: once the engine is dead, say so in one line, then stop uvicorn (main exits 1)."""
-    engine = app.state.engine
+    engine = app.state.served.engine
     while engine.failure is None:
         await asyncio.sleep(0.2)
     print(f"error: {engine.failure}; /health answers 503, and the server exits in {ENGINE_DEATH_EXIT_S:.0f} s "
@@ -318,7 +318,6 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     app.state.served = ServedModel(engine, tok, ChatTemplate.for_tokenizer(tok), name, device, model.config.block_size,
                                    cfg.max_tokens_limit, cfg.max_n, cfg.api_key or os.environ.get(API_KEY_ENV) or None,
                                    int(time.time()), metrics)
-    app.state.engine = engine
     app.add_middleware(RequestBody, max_bytes=cfg.max_body_bytes)
     app.include_router(router)
     return app
@@ -352,7 +351,7 @@ def serve(app, host: str, port: int) -> None:
         def handle_exit(self, sig, frame):
             # uvicorn's own handler also re-raises the signal once shut down, so the process would die of
             # it (or print a KeyboardInterrupt): a requested, finished shutdown exits 0 instead.
-            app.state.engine.stop()
+            app.state.served.engine.stop()
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
             self.should_exit = True
@@ -392,7 +391,7 @@ def main(argv: Sequence[str]) -> None:
         print(f"warning: serving on {cfg.host} without an API key: anyone who can reach it can use the model; "
               f"pass --api_key=... or set {API_KEY_ENV}", file=sys.stderr)
     serve(app, cfg.host, cfg.port)
-    if app.state.engine.failure is not None:  # said in one line when it died (exit_when_the_engine_dies)
+    if app.state.served.engine.failure is not None:  # said in one line when it died (exit_when_the_engine_dies)
         sys.exit(1)
 
 

@@ -6,6 +6,7 @@ is a 400 that names it (extra="forbid"). A request's checks raise APIError; what
 """
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import secrets
@@ -158,7 +159,7 @@ HANDLERS = {APIError: api_error, RequestValidationError: invalid, HTTPException:
 
 
 # -----------------------------------------------------------------------------
-# the served model
+# checking a request
 
 
 @dataclasses.dataclass
@@ -175,10 +176,6 @@ class ServedModel:
     api_key: str | None
     created: int
     metrics: Metrics
-
-
-# -----------------------------------------------------------------------------
-# checking a request
 
 
 def check_model(served: ServedModel, model: str | None) -> None:
@@ -348,15 +345,10 @@ class ChoiceText:
 
 def completion_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]]) -> dict:
     """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
-    out, offset = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0
-    for token, sc in scored:
-        text = tok.decode([token])
-        out["tokens"].append(text)
-        out["token_logprobs"].append(None if sc is None else sc.logprob)
-        out["top_logprobs"].append(None if sc is None else {tok.decode([i]): lp for i, lp in sc.top})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
+    tokens = [tok.decode([token]) for token, _ in scored]
+    return {"tokens": tokens, "token_logprobs": [None if sc is None else sc.logprob for _, sc in scored],
+            "top_logprobs": [None if sc is None else {tok.decode([i]): lp for i, lp in sc.top} for _, sc in scored],
+            "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1]}
 
 
 def chat_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]], stop_ids: set[int]) -> list[dict]:
