@@ -297,9 +297,8 @@ def engine_kind(cfg: ServeConfig, device: str) -> str:
 
 def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: str,
               threads: int | None = None) -> FastAPI:
-    """The ASGI app over one engine (a BatchEngine in a thread, or in a process of its own: --engine): the routes
-    above, errors in OpenAI's shape, the key, the body limit. A character vocabulary prepared without
-    <|endoftext|> is served with it appended, as export.py writes it (lm_eval needs an end-of-text id)."""
+    """The routes above over one engine (--engine). A character vocabulary prepared without <|endoftext|> is
+    served with it appended, as export.py writes it (lm_eval needs an end-of-text id)."""
     model, tok = resolver.with_end_of_text(model, tok)
     try:
         shift = window_shift(cfg.window_shift, model.config.block_size)
@@ -328,9 +327,8 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
 
 
 def bind_port(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, for uvicorn to serve on (serve), or one line when another program holds it:
-    uvicorn's own bind would print its log's report and exit 1, also when the port is taken while the model
-    loads, after main's first bind found it free."""
+    """A socket bound to host:port, or one line when another program holds it (also when it was taken while the
+    model loaded): uvicorn's own bind would print its log's report and exit 1."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
