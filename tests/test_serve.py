@@ -722,7 +722,7 @@ def test_non_loopback_bind_without_a_key_warns_once(char_out, monkeypatch):
     assert warned.returncode == 0 and [line for line in warned.stderr.splitlines()
                                        if line.startswith("warning:")] == [warned.stderr.splitlines()[-1]]
     assert "0.0.0.0" in warned.stderr and "--api_key" in warned.stderr
-    for quiet in (args + ["--api_key=s3cret"], args[:-1], args[:-1] + ["--host=::1"]):
+    for quiet in (args + ["--api_key=s3cret"], args[:-1], args[:-1] + ["--host=::1"], args[:-1] + ["--host=localhost"]):
         assert "warning" not in run_main(serve.main, quiet).stderr
     assert "--api_key is empty" in run_main(serve.main, args + ["--api_key=''"]).stderr
 
