@@ -7,9 +7,10 @@ one KV cache (core/decoding/cache.py's RowCache, max_batch slots: a request's n 
     handle = engine.submit(EngineRequest(prompt=ids, n=1, max_tokens=50, sampling=Sampling(temperature=0)), loop)
     async for event in handle.events(): ...     # PromptScores once (with echo), then one list[RowStep] per step
 
-The decoding math is decode.py's, not a second copy (sampling_probs and draw with each request's own generator,
-slide_window, the chunked feed), so a request's text is what decode.generate gives it alone (tests/test_engine.py),
-up to the rounding of batched matmuls; the server's logit rules (adjust_logits) are the engine's alone.
+The decoding math is decode.py's, not a second copy (sampling_probs and draw, each request's rows from its own
+generator; slide_window; uncached tokens fed as _next_logits feeds them), so a request's text is what
+decode.generate gives it alone (tests/test_engine.py), up to the rounding of batched matmuls; the server's logit
+rules (adjust_logits) are the engine's alone.
 EngineProcess (core/serving/process.py) runs a BatchEngine in a process of its own behind the same caller's side.
 """
 import asyncio
