@@ -10,12 +10,8 @@ Any OpenAI client works, and vLLM's request extensions and metrics: OpenAI(base_
 api_key=...). The model's name is its out_dir's folder name (or init_from), unless --model_name says otherwise.
 
 Requests are batched continuously by core/serving/engine.py's BatchEngine (on a CPU in a process of its own,
-core/serving/process.py's EngineProcess): one forward per step decodes the next token of every running
-request, each with its own seeded generator, so a request's text is what decode.generate gives it alone.
-Every request field is implemented or refused with a 400 that names it: the request models, their checks
-and errors, and the replies' shapes are core/serving/openai.py's; the metrics core/serving/metrics.py's.
-Here: ServeConfig, the routes at module level over app.state.served (an openai.ServedModel), build_app, and
-the command (check_port, bind_port, serve, main).
+core/serving/process.py's EngineProcess); the request models, their checks and errors, and the replies are
+core/serving/openai.py's. Here: ServeConfig, the routes over app.state.served, build_app, and the command.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -31,13 +27,11 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Annotated, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException
 import torch
 
 from core import runtime
@@ -47,11 +41,11 @@ from core.data.tokenizer import Tokenizer
 from core.decoding.decode import inference_model, window_shift
 from core.decoding.quantize import check_quantize, quantized_note
 from core.errors import UserError, first_line, run_cli
-from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineDied, EngineSettings
+from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineSettings
 from core.serving.metrics import Metrics
-from core.serving.openai import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
-                                 ServedModel, TokenizeRequest, api_error, check_length, check_model, check_params,
-                                 crash, engine_dead_body, engine_died, engine_request, error, http_error, invalid,
+from core.serving.openai import (CHAT, COMPLETION, HANDLERS, APIError, ChatRequest, CompletionRequest,
+                                 DetokenizeRequest, ErrorResponse, ServedModel, TokenizeRequest, check_length,
+                                 check_model, check_params, encode, engine_dead_body, engine_request, error,
                                  messages_of, prompts_of, reply)
 from core.serving.process import EngineProcess
 from core.weights import resolver
@@ -103,10 +97,13 @@ def served_model(request: Request) -> ServedModel:
     return request.app.state.served
 
 
-async def check_key(request: Request) -> None:  # async: a plain def would run in a worker thread
+Served = Annotated[ServedModel, Depends(served_model)]  # each route's model
+
+
+async def check_key(served: Served, request: Request) -> None:  # async: a plain def would run in a worker thread
     """On the /v1 routes only, as vLLM's --api-key: they generate. The tokenizer's routes, /metrics, /health and
     the page stay open (docs/serving.md, "Errors and access")."""
-    api_key = served_model(request).api_key
+    api_key = served.api_key
     if api_key is None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -130,8 +127,7 @@ async def page():
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])
-async def health(request: Request):
-    served = served_model(request)
+async def health(served: Served):
     if served.engine.failure is not None:  # a load balancer stops sending here; the server is about to exit
         return ErrorResponse(engine_dead_body(served.engine.failure), status_code=503)
     return {"status": "ok", "model": served.name, "chat": served.template is not None,
@@ -141,8 +137,7 @@ async def health(request: Request):
 
 
 @router.api_route("/metrics", methods=["GET", "HEAD"])
-async def metrics(request: Request):
-    served = served_model(request)
+async def metrics(served: Served):
     return Response(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -153,21 +148,19 @@ def model_card(served: ServedModel) -> dict:
 
 
 @v1.get("/models")
-async def models(request: Request):
-    return {"object": "list", "data": [model_card(served_model(request))]}
+async def models(served: Served):
+    return {"object": "list", "data": [model_card(served)]}
 
 
 @v1.get("/models/{model_id:path}")
-async def model_info(model_id: str, request: Request):
-    served = served_model(request)
+async def model_info(model_id: str, served: Served):
     check_model(served, model_id)
     return model_card(served)
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(request: Request):
+async def tokenizer_info(served: Served):
     """vLLM's: what a client (lm-eval's remote tokenizer) needs to tokenize as the server does."""
-    served = served_model(request)
     name = lambda i: None if i is None else served.tok.decode([i])  # noqa: E731
     eot, bos = served.tok.eot_token, served.tok.bos_token
     return {"tokenizer_class": type(served.tok).__name__, "eos_token": name(eot), "eos_token_id": eot,
@@ -176,19 +169,14 @@ async def tokenizer_info(request: Request):
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, request: Request):
-    served = served_model(request)
+async def tokenize(req: TokenizeRequest, served: Served):
     check_model(served, req.model)
-    try:
-        ids = served.tok.encode_with_specials(req.prompt)  # as vLLM: lm_eval reads eos_token_id from this
-    except UserError as e:
-        raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
+    ids = encode(served.tok, req.prompt)  # as vLLM: lm_eval reads eos_token_id from this
     return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size}
 
 
 @router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, request: Request):
-    served = served_model(request)
+async def detokenize(req: DetokenizeRequest, served: Served):
     check_model(served, req.model)
     if any(not 0 <= i < served.tok.vocab_size for i in req.tokens):
         raise APIError(400, f"tokens holds ids outside 0..{served.tok.vocab_size - 1}", "tokens")
@@ -196,8 +184,7 @@ async def detokenize(req: DetokenizeRequest, request: Request):
 
 
 @v1.post("/completions")
-async def completions(req: CompletionRequest, request: Request):
-    served = served_model(request)
+async def completions(req: CompletionRequest, served: Served):
     check_model(served, req.model)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
@@ -206,12 +193,11 @@ async def completions(req: CompletionRequest, request: Request):
         raise APIError(400, "echo with stream is not supported; leave one out", "echo")
     reqs = [engine_request(served, req, p, max_tokens, False, req.logprobs, req.echo, seed)
             for p in prompts_of(served, req)]
-    return await reply(served, req, reqs, stops, chat=False)
+    return await reply(served, req, reqs, stops, COMPLETION)
 
 
 @v1.post("/chat/completions")
-async def chat_completions(req: ChatRequest, request: Request):
-    served = served_model(request)
+async def chat_completions(req: ChatRequest, served: Served):
     check_model(served, req.model)
     if served.template is None:
         raise APIError(400, f"model '{served.name}' has no chat template (a base model, its tokenizer has no chat "
@@ -227,7 +213,7 @@ async def chat_completions(req: ChatRequest, request: Request):
     max_tokens, stops, seed = check_params(served, req, default_max=default)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     reqs = [engine_request(served, req, prompt, max_tokens, True, logprobs, False, seed)]
-    return await reply(served, req, reqs, stops, chat=True)
+    return await reply(served, req, reqs, stops, CHAT)
 
 
 router.include_router(v1)
@@ -281,7 +267,7 @@ ENGINE_DEATH_EXIT_S = 5.0
 
 async def exit_when_the_engine_dies(app) -> None:
     """As vLLM's API server does: once the engine is dead, say so in one line, then stop uvicorn (main exits 1)."""
-    engine = app.state.engine
+    engine = app.state.served.engine
     while engine.failure is None:
         await asyncio.sleep(0.2)
     print(f"error: {engine.failure}; /health answers 503, and the server exits in {ENGINE_DEATH_EXIT_S:.0f} s "
@@ -311,9 +297,8 @@ def engine_kind(cfg: ServeConfig, device: str) -> str:
 
 def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: str,
               threads: int | None = None) -> FastAPI:
-    """The ASGI app over one engine (a BatchEngine in a thread, or in a process of its own: --engine): the routes
-    above, errors in OpenAI's shape, the key, the body limit. A character vocabulary prepared without
-    <|endoftext|> is served with it appended, as export.py writes it (lm_eval needs an end-of-text id)."""
+    """The routes above over one engine (--engine). A character vocabulary prepared without <|endoftext|> is
+    served with it appended, as export.py writes it (lm_eval needs an end-of-text id)."""
     model, tok = resolver.with_end_of_text(model, tok)
     try:
         shift = window_shift(cfg.window_shift, model.config.block_size)
@@ -328,14 +313,10 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
             engine = BatchEngine(model, settings, metrics)
     except RuntimeError as e:
         raise UserError(f"{first_line(e)}; try a smaller --max_batch, or --engine=thread") from None
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, exception_handlers=HANDLERS)
     app.state.served = ServedModel(engine, tok, ChatTemplate.for_tokenizer(tok), name, device, model.config.block_size,
                                    cfg.max_tokens_limit, cfg.max_n, cfg.api_key or os.environ.get(API_KEY_ENV) or None,
                                    int(time.time()), metrics)
-    app.state.engine = engine
-    for kind, handler in ((APIError, api_error), (RequestValidationError, invalid), (HTTPException, http_error),
-                          (EngineDied, engine_died), (Exception, crash)):
-        app.add_exception_handler(kind, handler)
     app.add_middleware(RequestBody, max_bytes=cfg.max_body_bytes)
     app.include_router(router)
     return app
@@ -345,16 +326,9 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
 # the command
 
 
-def check_port(host: str, port: int) -> None:
-    """One line, before the model loads, when another program holds host:port."""
-    if port != 0:
-        bind_port(host, port).close()
-
-
 def bind_port(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, for uvicorn to serve on (serve), or one line when another program holds it:
-    uvicorn's own bind would print its log's report and exit 1, also when the port is taken while the model
-    loads, after check_port found it free."""
+    """A socket bound to host:port, or one line when another program holds it (also when it was taken while the
+    model loaded): uvicorn's own bind would print its log's report and exit 1."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no obstacle
@@ -375,7 +349,7 @@ def serve(app, host: str, port: int) -> None:
         def handle_exit(self, sig, frame):
             # uvicorn's own handler also re-raises the signal once shut down, so the process would die of
             # it (or print a KeyboardInterrupt): a requested, finished shutdown exits 0 instead.
-            app.state.engine.stop()
+            app.state.served.engine.stop()
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
             self.should_exit = True
@@ -386,17 +360,16 @@ def serve(app, host: str, port: int) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
 
 def main(argv: Sequence[str]) -> None:
     cfg = parse_args(ServeConfig, argv)
-    check_port(cfg.host, cfg.port)
+    if cfg.port != 0:  # one line, before the model loads, when another program holds the port
+        bind_port(cfg.host, cfg.port).close()
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
     threads = torch.get_num_threads()  # what the engine computes with
     if engine_kind(cfg, rt.device) == "process":
@@ -416,7 +389,7 @@ def main(argv: Sequence[str]) -> None:
         print(f"warning: serving on {cfg.host} without an API key: anyone who can reach it can use the model; "
               f"pass --api_key=... or set {API_KEY_ENV}", file=sys.stderr)
     serve(app, cfg.host, cfg.port)
-    if app.state.engine.failure is not None:  # said in one line when it died (exit_when_the_engine_dies)
+    if app.state.served.engine.failure is not None:  # said in one line when it died (exit_when_the_engine_dies)
         sys.exit(1)
 
 

@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -31,10 +32,13 @@ openai = pytest.importorskip("openai")
 
 import serve  # noqa: E402
 from core.data.chat import ChatTemplate, with_chat_tokens  # noqa: E402
-from core.data.tokenizer import CharTokenizer  # noqa: E402
+from core.data.tokenizer import CharTokenizer, tokenizer_from_meta  # noqa: E402
 from core.data.writer import write_dataset  # noqa: E402
+from core.serving.engine import Handle, PromptScores, RowStep, TokenScore  # noqa: E402
 from core.serving.openai import ChoiceText, completion_logprobs  # noqa: E402
 from core.weights import resolver  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 from tests.helpers import (ROMEO_JULIET, assert_user_error, ONE_THREAD_ENV, REPO_ROOT, make_char_dataset, make_gpt2_dataset, run_main, run_script,  # noqa: E402
                            run_scripts, train_tiny, use_gpt2_bpe)
 
@@ -109,7 +113,6 @@ def train_chat_model(root: Path) -> Path:
     """A char model trained on CONVERSATIONS rendered through the chat template, each followed by <|endoftext|>:
     it answers each question with its answer, then <|end|>, then <|endoftext|>."""
     meta = with_chat_tokens(CharTokenizer.from_text("".join(q + a for q, a in CONVERSATIONS)).meta())
-    from core.data.tokenizer import tokenizer_from_meta
     tok = tokenizer_from_meta(meta)
     template = ChatTemplate.for_tokenizer(tok)
     ids = []
@@ -719,7 +722,7 @@ def test_non_loopback_bind_without_a_key_warns_once(char_out, monkeypatch):
     assert warned.returncode == 0 and [line for line in warned.stderr.splitlines()
                                        if line.startswith("warning:")] == [warned.stderr.splitlines()[-1]]
     assert "0.0.0.0" in warned.stderr and "--api_key" in warned.stderr
-    for quiet in (args + ["--api_key=s3cret"], args[:-1], args[:-1] + ["--host=::1"]):
+    for quiet in (args + ["--api_key=s3cret"], args[:-1], args[:-1] + ["--host=::1"], args[:-1] + ["--host=localhost"]):
         assert "warning" not in run_main(serve.main, quiet).stderr
     assert "--api_key is empty" in run_main(serve.main, args + ["--api_key=''"]).stderr
 
@@ -929,6 +932,8 @@ def test_model_retrieve_tokenizer_endpoints_and_metrics(base):
     t = httpx.post(base.url + "/tokenize", json={"prompt": "ROMEO:", "add_special_tokens": False}).json()
     assert t == {"tokens": tok.encode("ROMEO:"), "count": 6, "max_model_len": BLOCK_SIZE}
     assert httpx.post(base.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "ROMEO:"}
+    assert_error(httpx.post(base.url + "/tokenize", json={"prompt": "ROMEO 🙂"}), 400, "prompt", "cannot be encoded")
+    assert complete(base, prompt="", max_tokens=1).usage.prompt_tokens == 1  # an empty prompt: <|endoftext|>
 
 
 def scrape(server: Server) -> dict[str, float]:
@@ -1216,7 +1221,7 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
     async def read(at_once: bool):
         served = SimpleNamespace(engine=Engine(), metrics=Metrics())
         req = EngineRequest(prompt=[0], n=1, max_tokens=len(ids), sampling=None)
-        got = pieces(served, [req], lambda: ChoiceText(tok, [], set(), len(ids)), choices := [])
+        got = pieces(served, [req], lambda prompt: ChoiceText(tok, [], set(), len(ids)), choices := [])
         steps = [[RowStep(t, None)] for t in ids]
         first = asyncio.ensure_future(got.__anext__())
         await asyncio.sleep(0)  # pieces has submitted its request
@@ -1226,7 +1231,7 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
         while not at_once and len(out) < len(ids):  # a client that keeps up: each step once the last is read
             served.engine.handle.out.put_nowait(steps[len(out)])
             out.append(await got.__anext__())
-        return out, choices[0].generated.finish
+        return out, choices[0].finish
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a loop of its own: Playwright's may hold this thread
         assert pool.submit(asyncio.run, read(at_once=True)).result() == ([(0, "abcde")], "length")
@@ -1234,12 +1239,105 @@ def test_steps_queued_behind_a_lagging_client_go_out_as_one_piece():
 
 
 def test_completion_logprobs_shape_and_offsets():
-    from core.serving.engine import TokenScore
     tok = CharTokenizer.from_text("abc")
     a, b = tok.encode("ab")
     got = completion_logprobs(tok, [(a, None), (b, TokenScore(-0.5, [(b, -0.5), (a, -1.5)]))])
     assert got == {"tokens": ["a", "b"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"b": -0.5, "a": -1.5}],
                    "text_offset": [0, 1]}
+
+
+class ScriptedEngine:
+    """A stand-in for BatchEngine: every row draws "h", "i", then the first id that ends its choice, a step each
+    (each its own chunk), every token at logprob -0.5 (the alternative "i" at -1.5)."""
+    failure = None
+
+    def __init__(self, model, settings, metrics):
+        self.settings = settings
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def submit(self, req, loop):
+        handle, (h, i) = Handle(req, loop), WIRE_TOK.encode("hi")
+        handle.queued = lambda: 0
+
+        def score(t):
+            return None if req.logprobs is None else TokenScore(-0.5, [(t, -0.5), (i, -1.5)][:req.logprobs])
+        if req.echo:
+            handle.out.put_nowait(PromptScores([None] + [score(t) for t in req.prompt[1:]]))
+        for t in (h, i, req.stop_tokens[0])[:req.max_tokens]:
+            handle.out.put_nowait([RowStep(t, score(t))] * req.n)
+        handle.out.put_nowait(None)
+        return handle
+
+
+WIRE_TOK = tokenizer_from_meta(with_chat_tokens(CharTokenizer.from_text("hi").meta()))
+ASK_HI = '"messages": [{"role": "user", "content": "hi"}]'
+# a stream chunk's first fields, and a completion's logprobs of "h", "i", <|endoftext|>
+CMPL = 'data: {"id": "cmpl-ID", "object": "text_completion", "created": T, "model": "m", "choices": ['
+CHAT = 'data: {"id": "chatcmpl-ID", "object": "chat.completion.chunk", "created": T, "model": "m", "choices": ['
+HI = ('{"tokens":["h","i","<|endoftext|>"],"token_logprobs":[-0.5,-0.5,-0.5],'
+      '"top_logprobs":[{"h":-0.5},{"i":-0.5},{"<|endoftext|>":-0.5}],"text_offset":[0,1,2]}')
+WIRE = {  # (name, path, body) -> the reply's bytes, its id's random part and its time written ID and T
+    ("completion", "/v1/completions", '{"prompt": "ih", "n": 2, "logprobs": 1}'):
+        '{"id":"cmpl-ID","object":"text_completion","created":T,"model":"m","choices":['
+        '{"index":0,"text":"hi","logprobs":' + HI + ',"finish_reason":"stop"},'
+        '{"index":1,"text":"hi","logprobs":' + HI + ',"finish_reason":"stop"}],'
+        '"usage":{"prompt_tokens":2,"completion_tokens":6,"total_tokens":8}}',
+    ("completion echo", "/v1/completions", '{"prompt": "ih", "echo": true, "logprobs": 1, "max_tokens": 1}'):
+        '{"id":"cmpl-ID","object":"text_completion","created":T,"model":"m","choices":[{"index":0,"text":"ihh",'
+        '"logprobs":{"tokens":["i","h","h"],"token_logprobs":[null,-0.5,-0.5],"top_logprobs":[null,{"h":-0.5},'
+        '{"h":-0.5}],"text_offset":[0,1,2]},"finish_reason":"length"}],'
+        '"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}',
+    ("completion streamed", "/v1/completions",
+     '{"prompt": "ih", "stream": true, "logprobs": 0, "stream_options": {"include_usage": true}}'):
+        CMPL + '{"index": 0, "text": "h", "logprobs": {"tokens": ["h"], "token_logprobs": [-0.5], '
+               '"top_logprobs": [{}], "text_offset": [0]}, "finish_reason": null}], "usage": null}\n\n'
+        + CMPL + '{"index": 0, "text": "i", "logprobs": {"tokens": ["i"], "token_logprobs": [-0.5], '
+                 '"top_logprobs": [{}], "text_offset": [0]}, "finish_reason": null}], "usage": null}\n\n'
+        + CMPL + '{"index": 0, "text": "", "logprobs": {"tokens": ["<|endoftext|>"], "token_logprobs": [-0.5], '
+                 '"top_logprobs": [{}], "text_offset": [0]}, "finish_reason": "stop"}], "usage": null}\n\n'
+        + CMPL + '], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}\n\n'
+        'data: [DONE]\n\n',
+    ("chat", "/v1/chat/completions", "{" + ASK_HI + ', "logprobs": true, "top_logprobs": 1}'):
+        '{"id":"chatcmpl-ID","object":"chat.completion","created":T,"model":"m","choices":[{"index":0,'
+        '"message":{"role":"assistant","content":"hi"},"logprobs":{"content":['
+        '{"token":"h","logprob":-0.5,"bytes":[104],"top_logprobs":[{"token":"h","logprob":-0.5,"bytes":[104]}]},'
+        '{"token":"i","logprob":-0.5,"bytes":[105],"top_logprobs":[{"token":"i","logprob":-0.5,"bytes":[105]}]}]},'
+        '"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}',
+    ("chat streamed", "/v1/chat/completions", "{" + ASK_HI + ', "stream": true, "logprobs": true, '
+     '"stream_options": {"include_usage": true, "continuous_usage_stats": true}}'):
+        CHAT + '{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}'
+               '], "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}}\n\n'
+        + CHAT + '{"index": 0, "delta": {"content": "h"}, "logprobs": {"content": [{"token": "h", "logprob": -0.5, '
+                 '"bytes": [104], "top_logprobs": []}]}, "finish_reason": null}], '
+                 '"usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}\n\n'
+        + CHAT + '{"index": 0, "delta": {"content": "i"}, "logprobs": {"content": [{"token": "i", "logprob": -0.5, '
+                 '"bytes": [105], "top_logprobs": []}]}, "finish_reason": null}], '
+                 '"usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}\n\n'
+        + CHAT + '{"index": 0, "delta": {}, "logprobs": {"content": []}, "finish_reason": "stop"}], '
+                 '"usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}\n\n'
+        + CHAT + '], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}\n\n'
+        'data: [DONE]\n\n',
+    ("chat streamed n=2", "/v1/chat/completions", "{" + ASK_HI + ', "stream": true, "n": 2}'):  # roles first
+        "".join(CHAT + f'{{"index": {i}, "delta": {delta}, "logprobs": null, "finish_reason": {finish}}}]}}\n\n'
+                for delta, finish in (('{"role": "assistant", "content": ""}', "null"), ('{"content": "h"}', "null"),
+                                      ('{"content": "i"}', "null"), ("{}", '"stop"')) for i in (0, 1))
+        + 'data: [DONE]\n\n',
+}
+
+
+@pytest.mark.parametrize("name, path, body", [pytest.param(*key, id=key[0]) for key in WIRE])
+def test_each_reply_shape_is_openais_byte_for_byte(name, path, body, monkeypatch):
+    """Whole and streamed, completion and chat, through the app: key order, spacing, every chunk."""
+    monkeypatch.setattr(serve, "BatchEngine", ScriptedEngine)
+    model = GPT(GPTConfig(block_size=16, vocab_size=WIRE_TOK.vocab_size, n_layer=1, n_head=1, n_embd=8))
+    with TestClient(serve.build_app(model, WIRE_TOK, serve.ServeConfig(engine="thread"), "m", "cpu")) as client:
+        got = client.post(path, content=body).text
+    assert re.sub(r'("created": ?)\d+', r"\1T", re.sub(r"(cmpl-)[0-9a-f]{24}", r"\1ID", got)) == WIRE[name, path, body]
 
 
 # -----------------------------------------------------------------------------

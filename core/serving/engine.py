@@ -1,29 +1,17 @@
-"""BatchEngine: continuous batching for the server. One thread; each step runs one model forward over the
-next token of every decoding row of every request, each row at its own position in one KV cache.
+"""BatchEngine: continuous batching for the server (docs/serving.md, "Requests at once"). One thread; each step runs
+one model forward over the next token of every decoding row of every request, each row at its own position in
+one KV cache (core/decoding/cache.py's RowCache, max_batch slots: a request's n rows take n of them).
 
     engine = BatchEngine(model, EngineSettings(max_batch=16, window_shift=128, vocab_size=tok.vocab_size))
     engine.start()
     handle = engine.submit(EngineRequest(prompt=ids, n=1, max_tokens=50, sampling=Sampling(temperature=0)), loop)
     async for event in handle.events(): ...     # PromptScores once (with echo), then one list[RowStep] per step
 
-The cache (core/decoding/cache.py's RowCache) holds max_batch slots, preallocated once; a request's n rows take
-n free slots. A new request is prefilled on its own slot (at most prefill_chunk tokens per step over all requests,
-so a long prompt does not stall the rows already decoding) and joins the batch at the next step. The prefill is
-batched too: every row with tokens not yet cached (a new prompt, a window refilled after it slid) feeds its next
-chunk in one ragged forward per step (RowCache.take), rows of about one length together. A request that finishes,
-fails or is cancelled frees its slots at once. A free or prefilling slot rides along the decode step as a dummy
-row whose key is overwritten before it is ever read, so the decode batch is the slots 0..hi-1, a view.
-
-EngineProcess (core/serving/process.py) runs a BatchEngine in a process of its own behind the same caller's side:
-serve.py's default on a CPU, so that the server's event loop and the engine do not take turns under one GIL.
-
-The decoding math is decode.py's, not a second copy: each request's rows are drawn with its own generator (every
-request with one setting in one call: sampling_probs over all their rows, each request's noise, one draw), a row's
-window slides past block_size by slide_window (its cache refilled, as generate refills its own), and uncached
-tokens are fed as generate's _next_logits feeds them. So a request's text is what decode.generate gives it alone
-(tests/test_engine.py), whatever runs beside it, up to the rounding of batched matmuls (which has not changed a
-token in the tests); the server's logit rules (adjust_logits: penalties, logit_bias, min_tokens) are the engine's
-alone. A request's n choices share its generator: sampled together, they leave the batch together.
+The decoding math is decode.py's, not a second copy (sampling_probs and draw, each request's rows from its own
+generator; slide_window; uncached tokens fed as _next_logits feeds them), so a request's text is what
+decode.generate gives it alone (tests/test_engine.py), up to the rounding of batched matmuls; the server's logit
+rules (adjust_logits) are the engine's alone.
+EngineProcess (core/serving/process.py) runs a BatchEngine in a process of its own behind the same caller's side.
 """
 import asyncio
 import dataclasses
@@ -53,8 +41,7 @@ class EngineSettings:
     prefill_chunk: int = 512  # at most this many prompt tokens fed per step, over all requests
 
     def check_n(self, n: int, max_n: int | None = None) -> None:
-        """The one check of a request's rows: each takes a KV cache slot, so n is in 1..max_batch (and in
-        1..max_n where the server allows fewer). A ValueError that names the range."""
+        """Each row takes a KV cache slot: n in 1..max_batch (and 1..max_n where the server allows fewer)."""
         most = self.max_batch if max_n is None else min(max_n, self.max_batch)
         if not 1 <= n <= most:
             where = "(the engine's max_batch)" if max_n is None else "on this server"
@@ -107,11 +94,9 @@ class EngineDied(Exception):
 
 def adjust_logits(logits: torch.Tensor, req: EngineRequest, generated: int, counts: torch.Tensor | None,
                   prompt_seen: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """The request's rules on logits (n, V), in vLLM's sampler's order: plus logit_bias (V,); minus infinity on
-    the stop tokens while fewer than min_tokens are generated; repetition_penalty on every token of the prompt
-    (prompt_seen (V,)) or generated so far (counts (n, V) > 0), a positive logit divided by it and a negative
-    one multiplied; then OpenAI's penalties: minus frequency_penalty times the row's count of the token, minus
-    presence_penalty once it has one."""
+    """The request's rules on logits (n, V), in vLLM's sampler's order (docs/serving.md): logit_bias (V,); the
+    stop tokens banned below min_tokens; repetition_penalty on tokens of the prompt (prompt_seen (V,)) or
+    generated (counts (n, V)); then OpenAI's frequency and presence penalties."""
     if bias is not None:
         logits = logits + bias
     if generated < req.min_tokens and req.stop_tokens:
@@ -254,7 +239,8 @@ class BatchEngine:
         while not self.stopping.is_set():
             try:
                 self._admit(block=not self.active)
-                self._drop_cancelled()
+                for active in [a for a in self.active if a.handle.cancelled.is_set()]:
+                    self._finish(active, None)
                 if self.active:
                     self.step()
             except Exception as e:  # out of memory, a broken model: these requests fail, the server goes on
@@ -307,11 +293,6 @@ class BatchEngine:
                 self._send(handle, RuntimeError(f"generation failed: {first_line(e)}"))
         self.running = len(self.active)
 
-    def _drop_cancelled(self) -> None:
-        for active in list(self.active):
-            if active.handle.cancelled.is_set():
-                self._finish(active, None)
-
     def _finish(self, active: Active, end) -> None:
         self._send(active.handle, end)
         self.active.remove(active)
@@ -321,11 +302,9 @@ class BatchEngine:
 
     @torch.no_grad()  # as generate: no graph (the cache's in-place writes would chain every step's into it)
     def step(self) -> None:
-        """One step: one forward over every decoding row, then the prefill of up to prefill_chunk tokens over
-        the other requests; then every request whose rows have next-token logits draws its tokens.
-
-        Decoding first: a prefilling slot then rides along at a position its next chunk overwrites, and never
-        at block_size (where a prompt that fills the context would leave it after its last chunk)."""
+        """One forward over every decoding row, then up to prefill_chunk tokens of the other requests' prefill;
+        then every request whose rows have next-token logits draws. Decoding first: a prefilling slot then rides
+        along at a position its next chunk overwrites, never at block_size (where a full prompt would leave it)."""
         decoding = [active for active in self.active if active.generated and self._uncached(active) == 1]
         ready = self._decode(decoding) if decoding else []
         ready += self._prefill([active for active in self.active if active not in decoding])

@@ -1,9 +1,6 @@
 """The server's metrics in Prometheus' text format, at serve.py's /metrics: vLLM's names, labelled with model_name
 as vLLM's are, so that a dashboard made for vLLM reads them; and the decode batch's size, which vLLM has not.
-
-The engine tells them of each step (batch, token: from its thread, or from the engine process's reader
-thread); the replies, of each request's end (done); /metrics renders them with the running and waiting
-counts and the KV cache's use read then.
+The engine tells them of each step (batch, token), the replies of each request's end (done).
 """
 import time
 

@@ -1,20 +1,17 @@
 """OpenAI's API as serve.py speaks it: the request models, their checks and errors, the replies.
 
-Requests are pydantic models, as vLLM's protocol.py has them: every field OpenAI documents, and those of vLLM's
-extensions that mean something here, is implemented; any other is refused with a 400 that names it
-(extra="forbid"), never silently dropped.
-A request's checks raise APIError, sent as OpenAI's {"error": {...}}; what passes becomes EngineRequests for
-the engine (core/serving/engine.py). A reply is OpenAI's completion or chat completion, whole or as
-server-sent events, built from the engine's steps: only whole characters, cut at a stop string, with
-logprobs in each endpoint's own shape. serve.py holds the routes over these; docs/serving.md the fields.
+Every field OpenAI documents, and each of vLLM's extensions that means something here, is implemented; any other
+is a 400 that names it (extra="forbid"). A request's checks raise APIError; what passes becomes EngineRequests
+(core/serving/engine.py), whose steps become the reply: whole characters, cut at a stop string, whole or streamed.
 """
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import secrets
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -45,8 +42,7 @@ class StreamOptions(StrictModel):
 
 
 class RequestBase(StrictModel):
-    """What completions and chat completions share: the model, the length, the sampling, the stream; OpenAI's
-    fields first, then vLLM's extensions (sent as extra_body with the openai client)."""
+    """What completions and chat completions share: OpenAI's fields, then vLLM's (the openai client's extra_body)."""
     model: str | None = None  # None: the one served (vLLM's)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -110,14 +106,10 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 class ErrorResponse(JSONResponse):
-    """An error's JSON in ASCII: whatever a request spelled that the message quotes back (a lone surrogate in a
-    field's name, say) cannot fail to encode."""
+    """In ASCII: what a message quotes back from a request (a lone surrogate, say) cannot fail to encode."""
 
     def render(self, content) -> bytes:
         return json.dumps(content).encode()
-
-
-# The app's exception handlers (serve.py's build_app installs them): each error a JSON body in OpenAI's shape.
 
 
 def error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -148,8 +140,7 @@ async def http_error(request, e: HTTPException):
 
 
 def engine_dead_body(failure: str) -> dict:
-    """What /health and every request answer (503) once the engine process has died: serve.py then exits
-    non-zero so that its supervisor restarts it (docs/serving.md, "When the engine dies")."""
+    """/health's and every request's 503 once the engine process has died (docs/serving.md, "When the engine dies")."""
     return error_body(f"{failure}; the server cannot generate and is exiting, to be restarted by its supervisor",
                       "server_error", code="engine_dead")
 
@@ -162,14 +153,18 @@ async def crash(request, e: Exception):
     return error(500, f"internal error: {first_line(e)}", "server_error")
 
 
+# The app's exception handlers: every error a JSON body in OpenAI's shape.
+HANDLERS = {APIError: api_error, RequestValidationError: invalid, HTTPException: http_error, EngineDied: engine_died,
+            Exception: crash}
+
+
 # -----------------------------------------------------------------------------
-# the served model
+# checking a request
 
 
 @dataclasses.dataclass
 class ServedModel:
-    """The model behind the API, on serve.py's app.state.served: its engine, tokenizer, chat template, name and
-    limits; what the checks and replies below read."""
+    """The model behind the API (serve.py's app.state.served): what the checks and replies below read."""
     engine: BatchEngine | EngineProcess
     tok: Tokenizer
     template: ChatTemplate | None
@@ -181,10 +176,6 @@ class ServedModel:
     api_key: str | None
     created: int
     metrics: Metrics
-
-
-# -----------------------------------------------------------------------------
-# checking a request
 
 
 def check_model(served: ServedModel, model: str | None) -> None:
@@ -203,19 +194,13 @@ def messages_of(req: ChatRequest) -> list[dict]:
             for m in req.messages]
 
 
-def stop_ids_of(served: ServedModel, chat: bool) -> tuple[int | None, set[int]]:
-    """(the id that ends a row in the engine, every id that ends a choice): the end of a chat turn (and the chat
-    template's other tokens), or the end of text."""
-    if chat:
-        return served.template.end_of_turn, served.template.stop_tokens
-    return served.tok.eot_token, {served.tok.eot_token} - {None}
-
-
 def engine_request(served: ServedModel, req: RequestBase, prompt: list[int], max_tokens: int, chat: bool,
                    logprobs: int | None, echo: bool, seed: int) -> EngineRequest:
     top_p = None if req.top_p == 1 else req.top_p
     settings = served.engine.settings
-    eot, ends = stop_ids_of(served, chat)
+    # the id that ends a row in the engine, and every id that ends a choice (the chat template's others too)
+    eot, ends = ((served.template.end_of_turn, served.template.stop_tokens) if chat
+                 else (served.tok.eot_token, {served.tok.eot_token} - {None}))
     sampling = engine_sampling(req.temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot,
                                settings.window_shift, settings.vocab_size)
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
@@ -265,17 +250,20 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
     return max_tokens, stops, seed
 
 
-def encode(tok: Tokenizer, text: str, param: str) -> list[int]:
+def encode(tok: Tokenizer, text: str) -> list[int]:
     try:
-        ids = tok.encode_with_specials(text)  # as /tokenize and vLLM: "<|endoftext|>" in a prompt is the token
+        return tok.encode_with_specials(text)  # as vLLM: "<|endoftext|>" in a prompt is the token
     except UserError as e:  # a char vocabulary names the characters it lacks
-        raise APIError(400, f"the {param} cannot be encoded: {e}", param) from None
-    if not ids:
-        if tok.eot_token is None:
-            raise APIError(400, f"the {param} is empty and this vocabulary has no <|endoftext|> to start from",
-                           param)
-        ids = [tok.eot_token]
-    return ids
+        raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
+
+
+def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
+    """A prompt's ids; an empty one starts from <|endoftext|>."""
+    if ids := encode(tok, text):
+        return ids
+    if tok.eot_token is None:
+        raise APIError(400, "the prompt is empty and this vocabulary has no <|endoftext|> to start from", "prompt")
+    return [tok.eot_token]
 
 
 def check_length(served: ServedModel, ids: list[int], param: str) -> list[int]:
@@ -293,7 +281,7 @@ def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
         p = [p]  # one prompt: text or token ids
     if not p or not all(isinstance(x, str) or x for x in p):  # the model's types allow no other mix
         raise APIError(400, "prompt must be a string, a list of strings, or token ids; got an empty list", "prompt")
-    prompts = [encode(served.tok, x, "prompt") if isinstance(x, str) else list(x) for x in p]
+    prompts = [prompt_ids(served.tok, x) if isinstance(x, str) else list(x) for x in p]
     return [check_length(served, ids, "prompt") for ids in prompts]
 
 
@@ -302,20 +290,22 @@ def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
 
 
 class ChoiceText:
-    """One choice's text as its ids arrive: only whole UTF-8 characters, cut at a stop string.
+    """One choice's text as its ids arrive: only whole UTF-8 characters, cut at a stop string; and its prompt,
+    with the prompt's scores (echo).
 
     As vLLM's: hidden ids (the special tokens, with skip_special_tokens) add no text; a stop string is looked for
     once more than min_tokens ids have come (one that ends past them counts), and is kept with include_stop.
     Each id taken is kept with its score (for logprobs) up to the one that finished the choice."""
 
     def __init__(self, tok: Tokenizer, stops: list[str], stop_ids: set[int], max_tokens: int, min_tokens: int = 0,
-                 include_stop: bool = False, hidden: set[int] = frozenset()):
+                 include_stop: bool = False, hidden: set[int] = frozenset(), prompt: list[int] = ()):
         self.decoder, self.stops, self.stop_ids, self.max_tokens = StreamDecoder(tok), stops, stop_ids, max_tokens
         self.min_tokens, self.include_stop, self.hidden = min_tokens, include_stop, hidden
+        self.prompt, self.prompt_scores = prompt, None
         self.text, self.sent, self.tokens, self.floor = "", 0, 0, 0  # floor: the text of the first min_tokens ids
         self.finish: str | None = None
         self.scored: list[tuple[int, TokenScore | None]] = []  # every id taken, with its score
-        self.unsent_scores = 0  # how many of them no chunk has carried yet
+        self.sent_scores = 0  # how many of them a chunk has carried
 
     def push(self, token: int, score: TokenScore | None = None) -> str:
         """Take one id; return the text that is now safe to send (held back: a possible stop string's start)."""
@@ -323,7 +313,6 @@ class ChoiceText:
             return ""
         self.tokens += 1
         self.scored.append((token, score))
-        self.unsent_scores += 1
         if token in self.stop_ids:  # <|endoftext|>, or the end of a chat turn
             self.finish = "stop"
         else:
@@ -343,8 +332,7 @@ class ChoiceText:
 
     def take_scores(self) -> list[tuple[int, TokenScore | None]]:
         """The ids (with scores) taken since the last call: what the next stream chunk carries."""
-        new = self.scored[len(self.scored) - self.unsent_scores:]
-        self.unsent_scores = 0
+        new, self.sent_scores = self.scored[self.sent_scores:], len(self.scored)
         return new
 
     def _held_back(self) -> int:
@@ -357,15 +345,10 @@ class ChoiceText:
 
 def completion_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]]) -> dict:
     """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
-    out, offset = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0
-    for token, sc in scored:
-        text = tok.decode([token])
-        out["tokens"].append(text)
-        out["token_logprobs"].append(None if sc is None else sc.logprob)
-        out["top_logprobs"].append(None if sc is None else {tok.decode([i]): lp for i, lp in sc.top})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
+    tokens = [tok.decode([token]) for token, _ in scored]
+    return {"tokens": tokens, "token_logprobs": [None if sc is None else sc.logprob for _, sc in scored],
+            "top_logprobs": [None if sc is None else {tok.decode([i]): lp for i, lp in sc.top} for _, sc in scored],
+            "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1]}
 
 
 def chat_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]], stop_ids: set[int]) -> list[dict]:
@@ -381,24 +364,33 @@ def chat_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]], s
 # replies
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-@dataclasses.dataclass
-class Choice:
-    """One choice being generated: its prompt, its text so far, and its prompt's scores (with echo)."""
-    prompt: list[int]
-    generated: ChoiceText  # its text so far, cut at a stop string, and the ids taken
-    prompt_scores: list | None = None
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What a completions reply and a chat completions reply differ in: their names, and how a choice carries its
+    text (whole, or a stream chunk's piece) and its logprobs."""
+    id_prefix: str
+    object: str
+    chunk_object: str
+    whole_text: Callable[[str], dict]
+    chunk_text: Callable[[str], dict]
+    logprobs: Callable[[Tokenizer, list, set[int]], dict]
+    opening: dict | None  # each choice's first chunk, before its text: chat's names the role
 
 
-async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choices: list[Choice]):
+COMPLETION = Shape("cmpl", "text_completion", "text_completion", lambda text: {"text": text},
+                   lambda text: {"text": text}, lambda tok, scored, stop_ids: completion_logprobs(tok, scored), None)
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk",
+             lambda text: {"message": {"role": "assistant", "content": text}},
+             lambda text: {"delta": {"content": text} if text else {}},
+             lambda tok, scored, stop_ids: {"content": chat_logprobs(tok, scored, stop_ids)},
+             {"delta": {"role": "assistant", "content": ""}})
+
+
+async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choices: list[ChoiceText]):
     """Every prompt's n rows, all submitted at once: (choice index, new text) as each grows; choices fills up.
     A choice's last piece comes when its finish reason is set (the piece may be empty)."""
     loop = asyncio.get_running_loop()
@@ -407,7 +399,7 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
     streams = [h.events() for h in handles]
     try:
         for k, (r, h, events) in enumerate(zip(reqs, handles, streams)):
-            its = [Choice(r.prompt, make_text()) for _ in range(r.n)]
+            its = [make_text(r.prompt) for _ in range(r.n)]
             choices += its
             held, ended = [""] * r.n, [False] * r.n  # text not yet yielded; whether the finish was
             async for event in events:
@@ -416,20 +408,20 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
                         c.prompt_scores = event.scores
                     continue
                 for i, (c, step) in enumerate(zip(its, event)):
-                    if not c.generated.finish:
-                        held[i] += c.generated.push(step.token, step.score)
-                done = all(c.generated.finish for c in its)
+                    if not c.finish:
+                        held[i] += c.push(step.token, step.score)
+                done = all(c.finish for c in its)
                 if h.queued() and not done:
                     continue  # the engine is ahead of this client: the steps already queued go out as one piece
                 for i, c in enumerate(its):
-                    if held[i] or (c.generated.finish and not ended[i]):
+                    if held[i] or (c.finish and not ended[i]):
                         yield k * r.n + i, held[i]
-                        held[i], ended[i] = "", bool(c.generated.finish)
+                        held[i], ended[i] = "", bool(c.finish)
                 if done:
                     break
             if r.max_tokens == 0:  # scored, not generated: the choice ends at once
                 for i, c in enumerate(its):
-                    c.generated.finish = "length"
+                    c.finish = "length"
                     yield k * r.n + i, ""
     finally:
         for h, events in zip(handles, streams):
@@ -438,80 +430,77 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
 
 
 async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest], stops: list[str],
-                chat: bool) -> dict | StreamingResponse:
-    """The reply to a completions request (chat=False) or a chat completions one (chat=True), generated by reqs
-    (one per prompt, each with its n choices): OpenAI's text_completion or chat.completion as a dict, or, with
-    req.stream, a StreamingResponse of server-sent events (each a ".chunk" object, then "data: [DONE]").
-
-    The two shapes differ in each choice alone: a completion's carries text and the logprobs lists (with echo,
-    the prompt's first); a chat reply's a message (streamed: a delta, the first chunk naming the role) and
-    logprobs.content. A choice's text is cut at stops, never sent in part; stop_ids end it (<|endoftext|>, or
-    the end of a chat turn), unless req.ignore_eos. With stream_options.continuous_usage_stats every chunk
-    carries the usage so far."""
-    tok = served.tok
-    stop_ids = set() if req.ignore_eos else stop_ids_of(served, chat)[1]
-    hidden = ({tok.eot_token} | set(tok.special_tokens.values())) - {None} if req.skip_special_tokens else set()
-    kind = "chat.completion" if chat else "text_completion"
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-    prompt_tokens = sum(len(r.prompt) for r in reqs)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    continuous = include_usage and req.stream_options.continuous_usage_stats
-    want_logprobs = reqs[0].logprobs is not None
-    make_text = lambda: ChoiceText(tok, stops, stop_ids, max(1, reqs[0].max_tokens), req.min_tokens,  # noqa: E731
-                                   req.include_stop_str_in_output, hidden)
-
-    def logprobs_of(scored):
-        if not want_logprobs:
-            return None
-        return {"content": chat_logprobs(tok, scored, stop_ids)} if chat else completion_logprobs(tok, scored)
-
-    def choice(i: int, text: str, finish: str | None, c: Choice, first: bool = False) -> dict:
-        if chat:
-            delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
-            return {"index": i, "delta": delta,
-                    "logprobs": None if first else logprobs_of(c.generated.take_scores()), "finish_reason": finish}
-        return {"index": i, "text": text, "logprobs": logprobs_of(c.generated.take_scores()),
-                "finish_reason": finish}
-
-    created = int(time.time())  # one for the whole reply: OpenAI's chunks of one stream share it
-    # without its "}": serialised once, not per chunk
-    head = json.dumps({"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
-                       "model": served.name}, ensure_ascii=False)[:-1]
-
-    choices: list[Choice] = []  # filled by pieces
-
-    def event(parts: list[dict], used: dict | None = None) -> str:
-        """One chunk of the stream as a server-sent event: the fields every chunk shares, then its own."""
-        used = usage(prompt_tokens, sum(c.generated.tokens for c in choices)) if continuous else used
-        tail = f', "usage": {json.dumps(used)}}}' if include_usage else "}"
-        return f'data: {head}, "choices": {json.dumps(parts, ensure_ascii=False)}{tail}\n\n'
-
-    def whole_choice(i: int, c: Choice) -> dict:
-        if chat:
-            return {"index": i, "message": {"role": "assistant", "content": c.generated.text},
-                    "logprobs": logprobs_of(c.generated.scored), "finish_reason": c.generated.finish}
-        text, scored = c.generated.text, c.generated.scored
-        if reqs[0].echo:
-            text = tok.decode(c.prompt) + text
-            scored = list(zip(c.prompt, c.prompt_scores or [None] * len(c.prompt))) + scored
-        return {"index": i, "text": text, "logprobs": logprobs_of(scored), "finish_reason": c.generated.finish}
-
+                shape: Shape) -> dict | StreamingResponse:
+    """The reply to req in its endpoint's shape, generated by reqs (one per prompt, each with its n choices)."""
+    r = Reply(served, req, reqs, stops, shape)
     if not req.stream:
-        async for _ in pieces(served, reqs, make_text, choices):
-            pass
-        return {"id": rid, "object": kind, "created": created, "model": served.name,
-                "choices": [whole_choice(i, c) for i, c in enumerate(choices)],
-                "usage": usage(prompt_tokens, sum(c.generated.tokens for c in choices if reqs[0].max_tokens))}
+        return await r.whole()
+    return StreamingResponse(r.events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def events() -> AsyncIterator[str]:
+
+class Reply:
+    """One reply: its id and time, its choices' text rules (stop strings; stop ids unless ignore_eos; special
+    tokens hidden with skip_special_tokens), and its choices as they grow."""
+
+    def __init__(self, served: ServedModel, req: RequestBase, reqs: list[EngineRequest], stops: list[str],
+                 shape: Shape):
+        tok = served.tok
+        self.served, self.req, self.reqs, self.shape = served, req, reqs, shape
+        self.stop_ids = set() if req.ignore_eos else set(reqs[0].stop_tokens)
+        hidden = ({tok.eot_token} | set(tok.special_tokens.values())) - {None} if req.skip_special_tokens else set()
+        self.make_text = lambda prompt: ChoiceText(tok, stops, self.stop_ids, max(1, reqs[0].max_tokens),  # noqa: E731
+                                                   req.min_tokens, req.include_stop_str_in_output, hidden, prompt)
+        self.id, self.created = f"{shape.id_prefix}-{secrets.token_hex(12)}", int(time.time())
+        self.prompt_tokens = sum(len(r.prompt) for r in reqs)
+        self.choices: list[ChoiceText] = []  # filled by pieces
+
+    def usage(self) -> dict:
+        done = sum(c.tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def choice(self, i: int, text: dict, scored: list, finish: str | None) -> dict:
+        logprobs = None if self.reqs[0].logprobs is None else self.shape.logprobs(self.served.tok, scored,
+                                                                                  self.stop_ids)
+        return {"index": i, **text, "logprobs": logprobs, "finish_reason": finish}
+
+    async def whole(self) -> dict:
+        """Every choice whole; with echo (completions), its prompt's text and scores first."""
+        async for _ in pieces(self.served, self.reqs, self.make_text, self.choices):
+            pass
+        choices = []
+        for i, c in enumerate(self.choices):
+            text, scored = c.text, c.scored
+            if self.reqs[0].echo:
+                text = self.served.tok.decode(c.prompt) + text
+                scored = list(zip(c.prompt, c.prompt_scores or [None] * len(c.prompt))) + scored
+            choices.append(self.choice(i, self.shape.whole_text(text), scored, c.finish))
+        return {"id": self.id, "object": self.shape.object, "created": self.created, "model": self.served.name,
+                "choices": choices, "usage": self.usage()}
+
+    async def events(self) -> AsyncIterator[str]:
+        """Each choice's opening chunk (chat's), a chunk per piece of text, with include_usage a last chunk of
+        the usage (with continuous_usage_stats every chunk carries it so far), then "data: [DONE]"."""
+        options = self.req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+        # the fields every chunk shares, serialised once, without their "}"
+        head = json.dumps({"id": self.id, "object": self.shape.chunk_object, "created": self.created,
+                           "model": self.served.name}, ensure_ascii=False)[:-1]
+
+        def chunk(choices: list[dict], last: bool = False) -> str:
+            tail = f', "usage": {json.dumps(self.usage() if continuous or last else None)}}}' if include_usage else "}"
+            return f'data: {head}, "choices": {json.dumps(choices, ensure_ascii=False)}{tail}\n\n'
         try:
-            if chat:  # OpenAI's first chunk of each choice names the role
-                for i in range(sum(r.n for r in reqs)):
-                    yield event([choice(i, "", None, None, first=True)])
-            async for i, piece in pieces(served, reqs, make_text, choices):
-                yield event([choice(i, piece, choices[i].generated.finish, choices[i])])
+            if self.shape.opening:
+                for i in range(sum(r.n for r in self.reqs)):
+                    yield chunk([{"index": i, **self.shape.opening, "logprobs": None, "finish_reason": None}])
+            async for i, piece in pieces(self.served, self.reqs, self.make_text, self.choices):
+                c = self.choices[i]
+                yield chunk([self.choice(i, self.shape.chunk_text(piece), c.take_scores(), c.finish)])
             if include_usage:
-                yield event([], usage(prompt_tokens, sum(c.generated.tokens for c in choices)))
+                yield chunk([], last=True)
             yield "data: [DONE]\n\n"
         except ServerStopping:
             yield sse(error_body("the server is shutting down; the reply is incomplete", "server_error"))
@@ -519,6 +508,3 @@ async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest]
             yield sse(engine_dead_body(str(e)))
         except Exception as e:  # the headers are sent: the error goes in the stream, as OpenAI's does
             yield sse(error_body(first_line(e), "server_error"))
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-

@@ -1,13 +1,8 @@
 """EngineProcess: a BatchEngine (core/serving/engine.py) in a process of its own, with BatchEngine's side for the
-caller; serve.py's default on a CPU (docs/serving.md, "The engine's process").
+caller (start, stop, submit, the counters); serve.py's default on a CPU (docs/serving.md, "The engine's process").
 
-    engine = EngineProcess(model, EngineSettings(max_batch=16, window_shift=128, vocab_size=tok.vocab_size))
-    engine.start()
-    handle = engine.submit(req, loop)           # as BatchEngine.submit: a ProcessHandle
-    async for event in handle.events(): ...
-
-Here the server's side (EngineProcess, ProcessHandle) and the child's (_child: a BatchEngine whose event loop
-is a PipeLoop and whose metrics are a StepStats), and how a request crosses the pipe (packed, unpacked).
+Here the server's side (EngineProcess, ProcessHandle), the child's (_child: a BatchEngine whose event loop and
+metrics are a PipeLoop), and how a request crosses the pipe (packed, unpacked).
 """
 import asyncio
 import contextlib
@@ -29,10 +24,13 @@ def ends(item) -> bool:
     return item is None or isinstance(item, BaseException)
 
 
-class StepStats:
-    """The child's stand-in for the server's metrics: what each step told them, sent with its events."""
+class PipeLoop:
+    """In the child, the 'event loop' of every request and the engine's metrics: BatchEngine._flush hands it a
+    step's events, which go to the server in one message with the engine's counters and what the step told the
+    metrics (batch, token)."""
 
-    def __init__(self):
+    def __init__(self, conn, handles: dict[int, Handle]):
+        self.conn, self.handles, self.engine = conn, handles, None
         self.batches: list[int] = []  # rows in each decoding forward
         self.tokens: list[tuple[int, int]] = []  # (request id, rows drawn) per request per step
 
@@ -42,26 +40,15 @@ class StepStats:
     def token(self, handle, rows: int) -> None:
         self.tokens.append((handle.id, rows))
 
-    def take(self) -> tuple[list[int], list[tuple[int, int]]]:
-        out, self.batches, self.tokens = (self.batches, self.tokens), [], []
-        return out
-
-
-class PipeLoop:
-    """In the child, the 'event loop' of every request: BatchEngine._flush hands it a step's events, which go
-    to the server in one message with the engine's counters and the step's metrics."""
-
-    def __init__(self, conn, engine: BatchEngine, handles: dict[int, Handle]):
-        self.conn, self.engine, self.handles = conn, engine, handles
-
     def call_soon_threadsafe(self, _deliver, events: list[tuple[Handle, object]]) -> None:
         for handle, item in events:
             if ends(item):
                 self.handles.pop(handle.id, None)
-        e = self.engine
+        e, metrics = self.engine, (self.batches, self.tokens)
+        self.batches, self.tokens = [], []
         try:
             self.conn.send(("step", [(h.id, item) for h, item in events],
-                            (e.running, e.waiting_count(), e.tokens_generated, e.slots_used), e.metrics.take()))
+                            (e.running, e.waiting_count(), e.tokens_generated, e.slots_used), metrics))
         except OSError:  # the server has gone
             e.stop()
 
@@ -89,14 +76,14 @@ def _child(conn, parent_end, stop, model: GPT, settings: EngineSettings, threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the whole group: the server stops us
     parent_end.close()
     torch.set_num_threads(threads)
+    handles: dict[int, Handle] = {}
+    loop = PipeLoop(conn, handles)
     try:
-        engine = BatchEngine(model, settings, metrics=StepStats())
+        engine = loop.engine = BatchEngine(model, settings, metrics=loop)
     except Exception as e:  # no memory for the KV cache, say
         conn.send(("error", first_line(e)))
         return
     engine.stopping = stop  # the server sets it, from its signal handler as well
-    handles: dict[int, Handle] = {}
-    loop = PipeLoop(conn, engine, handles)
 
     def receive() -> None:
         try:
@@ -130,24 +117,15 @@ class ProcessHandle(Handle):
 
 
 class EngineProcess:
-    """A BatchEngine in a process of its own, with BatchEngine's side for the caller (start, stop, submit,
-    running, waiting_count, tokens_generated, slots_used).
-
-    Why a process: in the server's process the engine thread's Python (a small model's forward is mostly
-    Python dispatch) and the event loop's work for each streamed chunk take turns under one GIL, so the
-    HTTP side adds to every step's time; in a process of their own they run at once, on two cores (vLLM's
-    engine core is a process for the same reason). The process is forked from the server once the model is
-    loaded, so it starts with the model already in memory (shared with the server, never written) and
-    allocates the KV cache itself. A fork cannot carry CUDA, so it serves CPU models (serve.py's
-    --engine). One pipe each way: submissions and cancellations down; one message per engine step up, with
-    every request's events of that step, the counters and the step's metrics, turned back into a call on
-    the server's event loop by a reader thread."""
+    """A BatchEngine in a process of its own, so that the engine's Python and the event loop's do not take turns
+    under one GIL. Forked once the model is loaded (shared, never written; a fork cannot carry CUDA: CPU models
+    only); one pipe each way: submissions and cancellations down, one message per engine step up, which a
+    reader thread turns into one call on the server's event loop."""
 
     def __init__(self, model: GPT, settings: EngineSettings, metrics=None, threads: int | None = None):
         """threads: the engine process's torch threads (default this process's). A fork keeps no OpenMP pool: a
         caller that wants several should keep to one thread itself until the fork (serve.py's main does)."""
         self.settings, self.metrics = settings, metrics
-        self.device = model.transformer.wte.weight.device
         ctx = multiprocessing.get_context("fork")
         self.conn, child_end = ctx.Pipe()
         self.stopping = ctx.Event()
