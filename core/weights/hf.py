@@ -28,6 +28,7 @@ other switch.
 """
 import itertools
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,8 +39,6 @@ from core.data.tokenizer import GPT2Tokenizer, Tokenizer
 from core.errors import UserError, first_line
 from model import CHOICES, GPT, GPT2_HUB_NAMES, RECIPE_SWITCHES, GPTConfig, swiglu_hidden
 
-# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
-CONV1D_SUFFIXES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # transformers' names for our two GELUs; gelu_pytorch_tanh is the same function as gelu_new.
 HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
@@ -179,99 +178,6 @@ def _rope_parameters(c: GPTConfig) -> dict:
             "original_max_position_embeddings": c.rope_original_max_positions}
 
 
-@torch.no_grad()
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights under the names and layout of architecture(model.config); zero biases where ours
-    has none but the class always does (GPT-2's, Nemotron's LayerNorm)."""
-    c = model.config
-    arch = architecture(c)
-    ours = {name: t.detach() for name, t in model.state_dict().items()}
-    state = _gpt2_state(model) if arch == "GPT2LMHeadModel" else _llama_state(ours, c, arch)
-    return {name: t.contiguous().clone() for name, t in state.items()}
-
-
-def _gpt2_state(model: GPT) -> dict:
-    state = {}
-    for name, m in model.transformer.named_modules(prefix="transformer"):
-        if isinstance(m, torch.nn.Embedding):
-            state[f"{name}.weight"] = m.weight
-        if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)):
-            # GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
-            state[f"{name}.weight"] = m.weight.t() if name.endswith(CONV1D_SUFFIXES) else m.weight
-            state[f"{name}.bias"] = m.bias if m.bias is not None else m.weight.new_zeros(m.weight.size(0))
-    return state  # lm_head is wte (tied), and transformers ties it on load
-
-
-def _llama_state(ours: dict, c: GPTConfig, arch: str) -> dict:
-    nemotron = arch == "NemotronForCausalLM"
-    state = {"model.embed_tokens.weight": ours["transformer.wte.weight"]}
-    if not c.tie_embeddings:
-        state["lm_head.weight"] = ours["lm_head.weight"]
-    norms = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
-    for ours_name, theirs in _llama_names(c, arch).items():
-        tensor = ours.get(ours_name)
-        if tensor is not None:
-            state[theirs] = tensor
-    for i in range(c.n_layer):
-        for ln, theirs in norms.items():
-            state.update(_norm(ours, f"transformer.h.{i}.{ln}", f"model.layers.{i}.{theirs}", nemotron))
-        state.update(_split_linear(ours, f"transformer.h.{i}.attn.c_attn", f"model.layers.{i}.self_attn",
-                                   ["q_proj", "k_proj", "v_proj"], [c.attn_width] + [c.kv_heads * c.head_size] * 2))
-        mlp_parts = ["gate_proj", "up_proj"] if c.mlp == "swiglu" else ["up_proj"]
-        fc = ours[f"transformer.h.{i}.mlp.c_fc.weight"].size(0)
-        state.update(_split_linear(ours, f"transformer.h.{i}.mlp.c_fc", f"model.layers.{i}.mlp", mlp_parts,
-                                   [fc // len(mlp_parts)] * len(mlp_parts)))
-    state.update(_norm(ours, "transformer.ln_f", "model.norm", nemotron))
-    return state
-
-
-def _llama_names(c: GPTConfig, arch: str) -> dict[str, str]:
-    """One-to-one renames, ours -> theirs (the projections back into the residual stream, q/k norms)."""
-    names = {}
-    for i in range(c.n_layer):
-        for suffix in ("weight", "bias"):
-            names[f"transformer.h.{i}.attn.c_proj.{suffix}"] = f"model.layers.{i}.self_attn.o_proj.{suffix}"
-            names[f"transformer.h.{i}.mlp.c_proj.{suffix}"] = f"model.layers.{i}.mlp.down_proj.{suffix}"
-        if arch == "Qwen3ForCausalLM":
-            names[f"transformer.h.{i}.attn.q_norm.weight"] = f"model.layers.{i}.self_attn.q_norm.weight"
-            names[f"transformer.h.{i}.attn.k_norm.weight"] = f"model.layers.{i}.self_attn.k_norm.weight"
-    return names
-
-
-def _norm(ours: dict, name: str, theirs: str, nemotron: bool) -> dict:
-    weight = ours[f"{name}.weight"]
-    if not nemotron:
-        return {f"{theirs}.weight": weight}
-    bias = ours.get(f"{name}.bias", torch.zeros_like(weight))
-    return {f"{theirs}.weight": weight - 1.0, f"{theirs}.bias": bias}  # LayerNorm1P: x_hat * (1 + w) + b
-
-
-def _split_linear(ours: dict, name: str, prefix: str, parts: list[str], sizes: list[int]) -> dict:
-    """A fused nn.Linear cut along its output rows into transformers' separate projections."""
-    out = {}
-    for suffix in ("weight", "bias"):
-        if f"{name}.{suffix}" in ours:
-            for part, tensor in zip(parts, ours[f"{name}.{suffix}"].split(sizes, dim=0)):
-                out[f"{prefix}.{part}.{suffix}"] = tensor
-    return out
-
-
-def to_transformers(model: GPT, eos_token_id: int | None = None, bos_token_id: int | None = None):
-    """A transformers model (float32, eval mode) computing the same function as ours, with our weights."""
-    import transformers
-
-    config = hf_config(model.config, eos_token_id, bos_token_id)
-    hf = getattr(transformers, config.architectures[0])(config)
-    state = {name: t.float() for name, t in hf_state_dict(model).items()}
-    theirs = hf.state_dict()
-    missing = [n for n in theirs if n not in state and not (n == "lm_head.weight" and config.tie_word_embeddings)]
-    unexpected = [n for n in state if n not in theirs]
-    if missing or unexpected:  # a map out of step with transformers: a bug here, never the user's
-        raise RuntimeError(f"{config.architectures[0]} map: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    hf.load_state_dict(state, strict=False)
-    return hf.float().eval()
-
-
 # -----------------------------------------------------------------------------
 # transformers -> our model
 
@@ -358,51 +264,76 @@ def from_transformers(hf, override_args: dict | None = None) -> GPT:
     return model
 
 
+# -----------------------------------------------------------------------------
+# the weights, both ways: transformers' names over views of our tensors
+
+# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
+CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# The Llama family's names for our modules (in layer i: model.layers.i. for transformer.h.i.); a fused one's
+# rows split into its list in order (an ungated MLP's c_fc is up_proj alone).
+LLAMA_NAMES = {
+    "transformer.wte": ["model.embed_tokens"], "transformer.ln_f": ["model.norm"], "lm_head": ["lm_head"],
+    "ln_1": ["input_layernorm"], "ln_2": ["post_attention_layernorm"],
+    "attn.c_attn": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "attn.c_proj": ["self_attn.o_proj"],
+    "attn.q_norm": ["self_attn.q_norm"], "attn.k_norm": ["self_attn.k_norm"],
+    "mlp.c_fc": ["mlp.gate_proj", "mlp.up_proj"], "mlp.c_proj": ["mlp.down_proj"],
+}
+
+
+def _views(model: GPT) -> dict[str, torch.Tensor]:
+    """transformers' name -> our tensor in its layout, a view of ours (so copying into it loads ours)."""
+    c, arch = model.config, architecture(model.config)
+    views = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_embeddings:
+            continue  # transformers ties it on load
+        if arch == "GPT2LMHeadModel":
+            views[name] = t.t() if name.endswith(CONV1D_SUFFIXES) else t
+            continue
+        module, kind = name.rsplit(".", 1)
+        layer, inner = re.fullmatch(r"(?:transformer\.h\.(\d+)\.)?(.+)", module).groups()
+        parts = LLAMA_NAMES[inner][1:] if inner == "mlp.c_fc" and c.mlp != "swiglu" else LLAMA_NAMES[inner]
+        sizes = [c.attn_width] + [c.kv_heads * c.head_size] * 2 if inner == "attn.c_attn" else t.size(0) // len(parts)
+        for part, view in zip(parts, t.split(sizes)):
+            views[f"model.layers.{layer}.{part}.{kind}" if layer else f"{part}.{kind}"] = view
+    return views
+
+
+def _shift(arch: str, name: str) -> float:
+    """Nemotron's LayerNorm1P scales by (1 + weight): its weight is ours minus one."""
+    return 1.0 if arch == "NemotronForCausalLM" and name.endswith("norm.weight") else 0.0
+
+
+def to_transformers(model: GPT, eos_token_id: int | None = None, bos_token_id: int | None = None):
+    """A transformers model (float32, eval mode) computing the same function as ours, with our weights."""
+    import transformers
+
+    config = hf_config(model.config, eos_token_id, bos_token_id)
+    arch = config.architectures[0]
+    hf = getattr(transformers, arch)(config)
+    theirs = hf.state_dict()
+    state = {name: t.float() - _shift(arch, name) for name, t in _views(model).items()}
+    if not model.config.bias:  # GPT-2's Linears and LayerNorms, Nemotron's LayerNorm1P: always a bias
+        state |= {n: torch.zeros_like(t) for n, t in theirs.items() if n.endswith(".bias") and n not in state}
+    missing = [n for n in theirs if n not in state and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    unexpected = [n for n in state if n not in theirs]
+    if missing or unexpected:  # a map out of step with transformers: a bug here, never the user's
+        raise RuntimeError(f"{arch} map: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    hf.load_state_dict(state, strict=False)
+    return hf.float().eval()
+
+
 @torch.no_grad()
 def load_hf_state_dict(model: GPT, theirs: dict[str, torch.Tensor]) -> None:
     """Copy a transformers state dict (architecture(model.config)'s names) into our model, in place."""
-    c = model.config
-    arch = architecture(c)
-    mine = model.state_dict()
-    if arch == "GPT2LMHeadModel":
-        missing = sorted(set(mine) - set(theirs) - {"lm_head.weight"})
-        if missing:
-            raise ConversionError(f"GPT-2 checkpoint lacks {missing[:5]}")
-        for name, tensor in mine.items():
-            source = theirs[name] if name in theirs else theirs["transformer.wte.weight"]
-            is_conv1d = name.endswith(".weight") and name.removesuffix(".weight").endswith(CONV1D_SUFFIXES)
-            tensor.copy_(source.t() if is_conv1d else source)
-        return
-    expected = _llama_state(mine, c, arch)  # theirs names -> our tensors (views, or new for Nemotron's norms)
-    missing = sorted(n for n in expected if n not in theirs)
-    if missing:
+    arch, views = architecture(model.config), _views(model)
+    if missing := sorted(n for n in views if n not in theirs):
         raise ConversionError(f"{arch} checkpoint lacks {missing[:5]}")
-    for ours_name, theirs_name in _llama_names(c, arch).items():
-        if ours_name in mine:
-            mine[ours_name].copy_(theirs[theirs_name])
-    nemotron = arch == "NemotronForCausalLM"
-    norms = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
-    pairs = [(f"transformer.h.{i}.{ln}", f"model.layers.{i}.{t}") for i in range(c.n_layer) for ln, t in norms.items()]
-    for ours_name, theirs_name in pairs + [("transformer.ln_f", "model.norm")]:
-        mine[f"{ours_name}.weight"].copy_(theirs[f"{theirs_name}.weight"] + (1.0 if nemotron else 0.0))
-        if nemotron and f"{ours_name}.bias" in mine:
-            mine[f"{ours_name}.bias"].copy_(theirs[f"{theirs_name}.bias"])
-        elif nemotron and theirs[f"{theirs_name}.bias"].any():
-            raise ConversionError(f"{arch} checkpoint has LayerNorm biases but no attention/MLP biases; "
-                                  "this repository ties the two")
-    for i in range(c.n_layer):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        mlp_parts = ["gate_proj", "up_proj"] if c.mlp == "swiglu" else ["up_proj"]
-        for suffix in ("weight", "bias"):
-            if f"transformer.h.{i}.attn.c_attn.{suffix}" in mine:  # q/k/v biases may come alone (Qwen2)
-                mine[f"transformer.h.{i}.attn.c_attn.{suffix}"].copy_(
-                    torch.cat([theirs[f"{attn}.{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")]))
-            if f"transformer.h.{i}.mlp.c_fc.{suffix}" in mine:
-                mine[f"transformer.h.{i}.mlp.c_fc.{suffix}"].copy_(
-                    torch.cat([theirs[f"{mlp}.{p}.{suffix}"] for p in mlp_parts]))
-    mine["transformer.wte.weight"].copy_(theirs["model.embed_tokens.weight"])
-    if not c.tie_embeddings:
-        mine["lm_head.weight"].copy_(theirs["lm_head.weight"])
+    if unheld := [n for n, t in theirs.items() if n.endswith(".bias") and n not in views and t.any()]:
+        raise ConversionError(f"{arch} checkpoint has biases where this model has none ({', '.join(unheld[:3])}); "
+                              "this repository ties the norms' biases to the attention/MLP ones")
+    for name, view in views.items():
+        view.copy_(theirs[name] + _shift(arch, name))
 
 
 def folder_config(directory: str | os.PathLike, override_args: dict | None = None) -> GPTConfig:
