@@ -1,30 +1,14 @@
-"""Our recipe variants <-> transformers architectures: which class computes exactly our function,
-and the config and state-dict maps both ways.
+"""Our recipe variants <-> transformers architectures: which class computes exactly our function, and the
+config and state-dict maps both ways. docs/interop.md holds the table of switches and classes, and what each
+map relies on (RoPE on halves, grouped k/v heads, q/k norm before the rotation, Nemotron's (1 + w) norms).
 
     from core.weights import hf
     hf.architecture(model.config)                  # 'LlamaForCausalLM', or a UserError naming what no class holds
     hf_model = hf.to_transformers(model)           # a transformers model with our weights, same logits
     model = hf.from_transformers(hf_model)         # and back
 
-A class is listed only where its forward is our forward, switch by switch (read from transformers'
-modeling files; the tests compare logits to 1e-5):
-
-| our switches                                                        | transformers class  |
-|---------------------------------------------------------------------|---------------------|
-| learned positions, LayerNorm, GELU (tanh or erf), tied              | GPT2LMHeadModel     |
-| rope, RMSNorm, SwiGLU, no qk_norm, any n_kv_head, bias, llama3 RoPE | LlamaForCausalLM    |
-| rope, RMSNorm, SwiGLU, no qk_norm, q/k/v biases only (qkv_bias)     | Qwen2ForCausalLM    |
-| rope, RMSNorm, SwiGLU, qk_norm, no biases                           | Qwen3ForCausalLM    |
-| rope, RMSNorm, ReLU^2 or GELU (ungated), no qk_norm                 | ArceeForCausalLM    |
-| rope, LayerNorm, ReLU^2 or GELU (ungated), no qk_norm               | NemotronForCausalLM |
-
-What they share with us: RoPE on halves of each head (transformers' rotate_half, our apply_rope's
-roll by hs/2); frequencies base^(-2i/hs); grouped-query heads where query head h reads key/value head
-h // (n_head // n_kv_head) (transformers' repeat_kv, torch's enable_gqa); q/k RMSNorm per head before
-the rotation (Qwen3). Nemotron's LayerNorm1P scales by (1 + weight), so its weight is ours minus one.
-No class holds logit_softcap (Gemma 2's soft-cap comes with a scaled embedding, (1 + w) norms and
-four norms per layer), nor qk_norm with LayerNorm or an ungated MLP, nor learned positions with any
-other switch.
+A class is listed only where its forward is our forward, switch by switch (read from transformers' modeling
+files; the tests compare logits to 1e-5).
 """
 import itertools
 import os
@@ -148,26 +132,21 @@ def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int |
             tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id, architectures=[arch],
             n_ctx=c.block_size)  # GPT-2's original name for n_positions; llama.cpp's converter reads only it
     hidden = c.mlp_hidden or (swiglu_hidden(c.n_embd) if c.mlp == "swiglu" else 4 * c.n_embd)
+    act = "silu" if c.mlp == "swiglu" else UNGATED_ACTS[c.mlp if c.mlp == "relu2" else (c.mlp, c.gelu_approximate)]
     common = dict(
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=hidden, num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, head_dim=c.head_size,
-        max_position_embeddings=c.block_size, rope_parameters=_rope_parameters(c),
+        max_position_embeddings=c.block_size, rope_parameters=_rope_parameters(c), hidden_act=act,
         attention_bias=c.bias, attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None, architectures=[arch])
-    if arch == "LlamaForCausalLM":
-        return transformers.LlamaConfig(**common, hidden_act="silu", mlp_bias=c.bias, rms_norm_eps=c.norm_eps)
-    if arch == "Qwen3ForCausalLM":
-        return transformers.Qwen3Config(**common, hidden_act="silu", rms_norm_eps=c.norm_eps,
-                                        use_sliding_window=False)
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # Qwen's MLPs have no biases
+        common["mlp_bias"] = c.bias
     if arch == "Qwen2ForCausalLM":  # its q/k/v biases are fixed, not a config field
-        common.pop("attention_bias")
-        return transformers.Qwen2Config(**common, hidden_act="silu", rms_norm_eps=c.norm_eps,
-                                        use_sliding_window=False)
-    act = UNGATED_ACTS[c.mlp if c.mlp == "relu2" else (c.mlp, c.gelu_approximate)]
-    if arch == "ArceeForCausalLM":
-        return transformers.ArceeConfig(**common, hidden_act=act, mlp_bias=c.bias, rms_norm_eps=c.norm_eps)
-    common["rope_parameters"]["partial_rotary_factor"] = 1.0  # Nemotron rotates only half the head by default
-    return transformers.NemotronConfig(**common, hidden_act=act, mlp_bias=c.bias, norm_eps=c.norm_eps)
+        del common["attention_bias"]
+    if arch == "NemotronForCausalLM":  # which rotates only half the head by default
+        common["rope_parameters"]["partial_rotary_factor"] = 1.0
+    eps = {"norm_eps" if arch == "NemotronForCausalLM" else "rms_norm_eps": c.norm_eps}
+    return getattr(transformers, arch.removesuffix("ForCausalLM") + "Config")(**common, **eps)
 
 
 def _rope_parameters(c: GPTConfig) -> dict:
