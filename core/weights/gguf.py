@@ -1,13 +1,9 @@
 """An exported folder as a GGUF file for llama.cpp, through llama.cpp's own converter (export.py --format=gguf;
 bash scripts/fetch_llama_converter.sh unpacks the converter once).
 
-llama.cpp's convert_hf_to_gguf.py names a byte-level BPE's pre-tokenizer (its split regex, which
-llama.cpp reimplements in C++) by hashing the ids the tokenizer gives one probe string. That knows
-GPT-2's BPE, so such folders convert as they are. A BPE trained here has new merges, so a new hash,
-and the converter stops with "BPE pre-tokenizer was not recognized". Its split regex, though, is
-the tokenizer.json's: where that is Llama 3's, this names the pre-tokenizer "llama-bpe" (llama.cpp's
-name for exactly that regex) in place of the hash lookup; the converter writes everything else
-(tokens, merges, token types, special ids, tensors) as for any folder. Any other regex is refused.
+The converter names a byte-level BPE's pre-tokenizer by hashing the ids of one probe string, which knows GPT-2's
+BPE but no BPE trained here; where the folder's tokenizer.json splits with Llama 3's regex, this names it
+"llama-bpe" in place of the hash lookup, and refuses any other regex (docs/interop.md, "Another byte-level BPE").
 """
 import json
 import os

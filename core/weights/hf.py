@@ -36,6 +36,9 @@ GATED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # SwiGLU's
 ARCHITECTURES = ("GPT2LMHeadModel",) + LLAMA_FAMILY
 # Our ungated MLP nonlinearities under transformers' ACT2FN names (gelu_pytorch_tanh is tanh-GELU).
 UNGATED_ACTS = {"relu2": "relu2", ("gelu", "tanh"): "gelu_pytorch_tanh", ("gelu", "none"): "gelu"}
+# Llama 3's scaled RoPE: our fields and transformers' rope_parameters keys, read both ways.
+LLAMA3_ROPE = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor":
+               "high_freq_factor", "rope_original_max_positions": "original_max_position_embeddings"}
 # The values the nearest-recipe search may give each recipe switch: every choice of a named one or a
 # bool, else GPT-2's default (a flip that changes nothing is never part of a smallest set).
 FLIPS = {name: list(CHOICES.get(name) or ([False, True] if isinstance(default, bool) else [default]))
@@ -47,8 +50,7 @@ FLIPS = {name: list(CHOICES.get(name) or ([False, True] if isinstance(default, b
 
 # Switches whose other values transformers' GPT-2 holds too (zero biases, either GELU, any epsilon), or
 # that leave the function unchanged (an initialisation; RoPE's base without RoPE).
-GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base", "rope_type", "rope_factor",
-              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
+GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base", "rope_type", *LLAMA3_ROPE)
 
 
 def non_gpt2_fields(c: GPTConfig) -> list[str]:
@@ -132,11 +134,14 @@ def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int |
             tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id, architectures=[arch],
             n_ctx=c.block_size)  # GPT-2's original name for n_positions; llama.cpp's converter reads only it
     hidden = c.mlp_hidden or (swiglu_hidden(c.n_embd) if c.mlp == "swiglu" else 4 * c.n_embd)
+    rope = {"rope_type": c.rope_type, "rope_theta": c.rope_base}
+    if c.rope_type == "llama3":
+        rope |= {theirs: getattr(c, ours) for ours, theirs in LLAMA3_ROPE.items()}
     act = "silu" if c.mlp == "swiglu" else UNGATED_ACTS[c.mlp if c.mlp == "relu2" else (c.mlp, c.gelu_approximate)]
     common = dict(
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=hidden, num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, head_dim=c.head_size,
-        max_position_embeddings=c.block_size, rope_parameters=_rope_parameters(c), hidden_act=act,
+        max_position_embeddings=c.block_size, rope_parameters=rope, hidden_act=act,
         attention_bias=c.bias, attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None, architectures=[arch])
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # Qwen's MLPs have no biases
@@ -147,14 +152,6 @@ def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int |
         common["rope_parameters"]["partial_rotary_factor"] = 1.0
     eps = {"norm_eps" if arch == "NemotronForCausalLM" else "rms_norm_eps": c.norm_eps}
     return getattr(transformers, arch.removesuffix("ForCausalLM") + "Config")(**common, **eps)
-
-
-def _rope_parameters(c: GPTConfig) -> dict:
-    if c.rope_type == "default":
-        return {"rope_type": "default", "rope_theta": c.rope_base}
-    return {"rope_type": "llama3", "rope_theta": c.rope_base, "factor": c.rope_factor,
-            "low_freq_factor": c.rope_low_freq_factor, "high_freq_factor": c.rope_high_freq_factor,
-            "original_max_position_embeddings": c.rope_original_max_positions}
 
 
 # -----------------------------------------------------------------------------
@@ -218,10 +215,8 @@ def _config_from_llama(h, arch: str, override_args) -> GPTConfig:
             raise ConversionError(f"unsupported {arch} variant: {what}; this repository computes only the plain form")
     mlp, approx = ("swiglu", "tanh") if gated else (("relu2", "tanh") if act == "relu2" else ungated[act])
     eps = h.norm_eps if arch == "NemotronForCausalLM" else h.rms_norm_eps
-    scaling = {} if rope_type == "default" else dict(
-        rope_type="llama3", rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
-        rope_high_freq_factor=float(rope["high_freq_factor"]),
-        rope_original_max_positions=int(rope["original_max_position_embeddings"]))
+    scaling = {} if rope_type == "default" else {"rope_type": "llama3"} | {  # each as our field's type
+        ours: type(getattr(GPTConfig, ours))(rope[theirs]) for ours, theirs in LLAMA3_ROPE.items()}
     return GPTConfig(
         block_size=h.max_position_embeddings, vocab_size=h.vocab_size, n_layer=h.num_hidden_layers,
         n_head=h.num_attention_heads, n_embd=h.hidden_size, bias=bool(attention_bias),
