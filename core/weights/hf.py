@@ -161,8 +161,7 @@ def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int |
 def config_from_hf(hf_config, override_args: dict | None = None) -> GPTConfig:
     """Our GPTConfig for a transformers config; ConversionError for anything we would compute differently."""
     override_args = dict(override_args or {})
-    unknown = set(override_args) - {"dropout", "attn_backend"}
-    if unknown:
+    if unknown := set(override_args) - {"dropout", "attn_backend"}:
         raise ConversionError(f"override_args may set only dropout and attn_backend, got {sorted(unknown)}")
     arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
     if arch in ("GPT2LMHeadModel", "GPT2Config"):
@@ -232,9 +231,8 @@ def _config_from_llama(h, arch: str, override_args) -> GPTConfig:
 @torch.no_grad()
 def from_transformers(hf, override_args: dict | None = None) -> GPT:
     """Our GPT with the weights of a transformers model of one of ARCHITECTURES."""
-    config = config_from_hf(hf.config, override_args)
-    model = GPT(config)
-    load_hf_state_dict(model, {n: t.detach() for n, t in hf.state_dict().items()})
+    model = GPT(config_from_hf(hf.config, override_args))
+    load_hf_state_dict(model, hf.state_dict())  # detached tensors
     return model
 
 
