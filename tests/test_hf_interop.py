@@ -8,6 +8,7 @@ swapping q and k or dropping the 1/sqrt(hs) would move the logits by ~1e-7); con
 comparison fails for exactly those mistakes. Where transformers is installed these tests run, never skip.
 """
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -171,7 +172,7 @@ EVERY_CLASS = {  # a recipe of each class the map writes, the fused and shifted 
     "Qwen2ForCausalLM": ROPE | dict(qkv_bias=True, n_kv_head=1),
     "Qwen3ForCausalLM": ROPE | dict(qk_norm=True, n_kv_head=2, head_dim=16),
     "ArceeForCausalLM": ROPE | dict(mlp="relu2", bias=True),
-    "NemotronForCausalLM": dict(pos_embedding="rope", mlp="gelu", bias=False, tie_embeddings=False),
+    "NemotronForCausalLM": dict(pos_embedding="rope", mlp="gelu", bias=False, tie_embeddings=False, norm_eps=1e-6),
 }
 
 
@@ -186,7 +187,7 @@ def random_model(**switches) -> GPT:
 
 @pytest.mark.parametrize("arch", list(EVERY_CLASS))
 def test_every_class_both_ways(arch):
-    """Ours -> transformers gives the same logits; transformers -> ours gives back every tensor bit for bit."""
+    """Ours -> transformers gives the same logits; transformers -> ours gives back the config and every tensor."""
     model = random_model(**EVERY_CLASS[arch])
     theirs = to_transformers(model)
     assert type(theirs).__name__ == arch
@@ -194,6 +195,9 @@ def test_every_class_both_ways(arch):
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, model(idx)[0], **TOL)
     again = core_hf.from_transformers(theirs)
+    # the MLP width comes back written out, and a GPT-2 folder always has biases (zeros for bias=False)
+    assert again.config == replace(model.config, mlp_hidden=again.config.mlp_hidden, bias=model.config.bias or
+                                   arch == "GPT2LMHeadModel")
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(again.state_dict()[name], tensor, atol=1e-6, rtol=0, msg=name)
 
