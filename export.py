@@ -12,16 +12,11 @@ The folder loads without trust_remote_code:
     tok = AutoTokenizer.from_pretrained("hf-shakespeare-char")
     pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", max_new_tokens=40, do_sample=False)
 
-The class is the one that computes exactly the run's recipe (core/weights/hf.py: GPT2LMHeadModel, LlamaForCausalLM,
-Qwen3ForCausalLM, ArceeForCausalLM, NemotronForCausalLM); a recipe no class holds stops with one line naming
-the switches and the nearest recipe that exports. A character vocabulary holds <|endoftext|>, the end-of-text
-token lm_eval and generate need; one prepared without it gets it appended (resolver.with_end_of_text, as serve.py
-serves it), the head grown by a row. Before writing, the exported model's logits are checked
-against ours on a test sequence. A chat run's tokenizer carries the chat template (core/data/chat.py), so
-tok.apply_chat_template(messages) gives the ids the model was fine-tuned on (docs/chat.md).
-
---format=gguf converts the folder with llama.cpp's converter (core/weights/gguf.py; bash
-scripts/fetch_llama_converter.sh fetches it), exporting the run into it first when the folder is new.
+The class is the one that computes exactly the run's recipe (docs/interop.md: the classes, the tokenizers, the
+end-of-text token a character vocabulary gets); a recipe no class holds stops with one line naming the switches
+and the nearest recipe that exports. Before writing, the exported model's logits are checked against ours.
+--format=gguf converts the folder with llama.cpp's converter (bash scripts/fetch_llama_converter.sh fetches it),
+exporting the run into it first when the folder is new.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line

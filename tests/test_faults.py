@@ -476,6 +476,17 @@ def test_no_intact_checkpoint_is_one_clear_error(tmp_path, data_dir):
     assert_user_error(run_main(train.main, argv), "ckpt.pt is truncated or corrupt")
 
 
+
+def test_a_scripts_resume_reads_exactly_the_newest_file_of_either_kind(tmp_path):
+    """sample.py, eval.py and export.py (resolver.load_model's resume) read out_dir's ckpt.pt, else fsdp's ckpt.dcp,
+    exactly that one: a damaged one is an error that names the previous checkpoint, never a silent fall back."""
+    from core.weights import resolver
+
+    (tmp_path / "ckpt.dcp").mkdir()
+    (tmp_path / "ckpt.prev.dcp").mkdir()
+    with pytest.raises(UserError, match=r"ckpt.dcp \(no meta.json\).*ckpt.prev.dcp holds the checkpoint saved before"):
+        resolver.load_model("resume", tmp_path)
+
 # --- init_from=auto: one command starts a run and continues it -----------------------------------
 
 def test_init_from_auto_starts_then_resumes_exactly_and_refuses_another_model(tmp_path, data_dir, reference_10):

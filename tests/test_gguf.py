@@ -25,9 +25,9 @@ import pytest
 import torch
 
 import export
-from core.data.tokenizer import GPT2Tokenizer, HFTokenizer
+from core.data.tokenizer import SPLIT_PATTERN, GPT2Tokenizer, HFTokenizer
 from core.errors import UserError
-from core.weights.gguf import LLAMA3_SPLIT, converter_dir, pre_tokenizer_name
+from core.weights.gguf import converter_dir, pre_tokenizer_name
 from model import GPT, GPTConfig, llama3_frequencies
 from tests.helpers import REPO_ROOT, make_gpt2_dataset, needs_transformers, run_script, train_tiny, use_gpt2_bpe
 
@@ -155,7 +155,7 @@ def llama3_bpe(vocab_size: int = 400) -> str:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
@@ -218,11 +218,11 @@ def test_export_py_writes_a_runs_folder_then_its_gguf(tmp_path):
 
 def test_llama_bpe_is_the_regex_llama_cpp_implements():
     """llama.cpp's C++ names the tokenizer.json regex it reimplements for LLAMA_VOCAB_PRE_TYPE_LLAMA3 in a
-    comment; that is LLAMA3_SPLIT, and "llama-bpe" is one of the names that selects it."""
+    comment; that is SPLIT_PATTERN, and "llama-bpe" is one of the names that selects it."""
     source = (CONVERTER / "src" / "llama-vocab.cpp").read_text()
     case = source[source.index("case LLAMA_VOCAB_PRE_TYPE_LLAMA3:"):]
     comment = re.search(r'original regex from tokenizer\.json\s*//"(.*)",\n', case).group(1)
-    assert comment.encode().decode("unicode_escape") == LLAMA3_SPLIT
+    assert comment.encode().decode("unicode_escape") == SPLIT_PATTERN
     selects = source[:source.index("pre_type = LLAMA_VOCAB_PRE_TYPE_LLAMA3;")]
     assert 'tokenizer_pre == "llama-bpe"' in selects[selects.rindex("} else if"):]
 

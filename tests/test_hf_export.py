@@ -356,6 +356,24 @@ def test_a_base_model_exports_no_chat_template(tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path).chat_template is None
 
 
+
+def test_logits_that_differ_write_no_folder(tmp_path, monkeypatch):
+    """The check before writing: a map that moved a weight stops the export, and nothing is written."""
+    tok = CharTokenizer.from_text("abc \n")
+    model = GPT(GPTConfig(block_size=16, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=16)).eval()
+    to_transformers = hf.to_transformers
+
+    def off(*args):
+        theirs = to_transformers(*args)
+        with torch.no_grad():
+            theirs.transformer.ln_f.bias.add_(1.0)
+        return theirs
+
+    monkeypatch.setattr(hf, "to_transformers", off)
+    with pytest.raises(export.UserError, match="logits differ from ours by"):
+        export.export(model, tok, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
 # --- import: folders transformers writes ----------------------------------------------------------------------------
 
 def write_hf_folder(path: Path, arch: str, chars: list[str]) -> None:

@@ -8,6 +8,7 @@ swapping q and k or dropping the 1/sqrt(hs) would move the logits by ~1e-7); con
 comparison fails for exactly those mistakes. Where transformers is installed these tests run, never skip.
 """
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -162,3 +163,49 @@ def test_unsupported_checkpoints_are_value_errors(tmp_path):
     tiny_hf_model().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="override_args"):
         GPT.from_pretrained(str(tmp_path), override_args=dict(n_layer=3))
+
+
+ROPE = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+EVERY_CLASS = {  # a recipe of each class the map writes, the fused and shifted tensors included
+    "GPT2LMHeadModel": dict(bias=False),
+    "LlamaForCausalLM": ROPE | dict(bias=True, n_kv_head=2, tie_embeddings=False, rope_type="llama3"),
+    "Qwen2ForCausalLM": ROPE | dict(qkv_bias=True, n_kv_head=1),
+    "Qwen3ForCausalLM": ROPE | dict(qk_norm=True, n_kv_head=2, head_dim=16),
+    "ArceeForCausalLM": ROPE | dict(mlp="relu2", bias=True),
+    "NemotronForCausalLM": dict(pos_embedding="rope", mlp="gelu", bias=False, tie_embeddings=False, norm_eps=1e-6),
+}
+
+
+def random_model(**switches) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, n_head=4, n_embd=32, **switches)).eval()
+    with torch.no_grad():  # every weight random, norms near 1: a tensor written to the wrong place shows
+        for p in model.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("arch", list(EVERY_CLASS))
+def test_every_class_both_ways(arch):
+    """Ours -> transformers gives the same logits; transformers -> ours gives back the config and every tensor."""
+    model = random_model(**EVERY_CLASS[arch])
+    theirs = to_transformers(model)
+    assert type(theirs).__name__ == arch
+    idx = random_idx(97)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, model(idx)[0], **TOL)
+    again = core_hf.from_transformers(theirs)
+    # the MLP width comes back written out, and a GPT-2 folder always has biases (zeros for bias=False)
+    assert again.config == replace(model.config, mlp_hidden=again.config.mlp_hidden, bias=model.config.bias or
+                                   arch == "GPT2LMHeadModel")
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_bias_ours_cannot_hold_is_refused():
+    """Nemotron's LayerNorm1P always has a bias: a nonzero one with bias=False is not silently dropped."""
+    model = random_model(**EVERY_CLASS["NemotronForCausalLM"])
+    state = to_transformers(model).state_dict()
+    state["model.norm.bias"] += 0.1
+    with pytest.raises(core_hf.ConversionError, match="biases where this model has none"):
+        core_hf.load_hf_state_dict(model, state)

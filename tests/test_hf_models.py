@@ -147,7 +147,8 @@ def test_export_gives_back_identical_tensors_and_config(folder, tmp_path):
         assert torch.equal(first[key], again[key]), key
     assert hf.from_folder(tmp_path / "again").config == model.config
     theirs, ours = (transformers.AutoConfig.from_pretrained(p).to_dict() for p in (path, tmp_path / "again"))
-    for key in ("rope_parameters", "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps"):
+    for key in ("rope_parameters", "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps", "attention_bias",
+                "mlp_bias", "use_sliding_window"):
         assert theirs.get(key) == ours.get(key), key
     head_dim = lambda d: d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]  # noqa: E731
     assert head_dim(theirs) == head_dim(ours)  # Qwen2's config leaves it to width / heads, ours writes it

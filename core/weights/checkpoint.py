@@ -4,24 +4,17 @@ Writing them (a training run's side): core/training/checkpointing.py.
 A checkpoint is one torch file holding only tensors and plain containers:
     {"format": FORMAT, "meta": "<JSON text>", "model": state_dict,
      "optimizer": state_dict | None, "scaler": state_dict | None, "rng": {...} | None}
-"meta" carries the model arguments, the run config, the tokenizer metadata, the
-iteration and the best val loss. The model saved is always the plain (uncompiled,
-unwrapped) module, so no '_orig_mod.' or 'module.' prefixes ever appear.
+"meta" carries the model arguments, the run config, the tokenizer metadata, the iteration and the best val loss.
+The model saved is always the plain (uncompiled, unwrapped) module: no '_orig_mod.' or 'module.' prefixes.
 
-Two files live in out_dir: ckpt.pt (the newest) and ckpt.prev.pt (the one before), both complete
-at every instant (a save replaces them atomically). Loading checks every record's CRC-32 (torch.load
-does not), so a truncated or bit-flipped file is an error, never silently wrong weights; a resume
-falls back to ckpt.prev.pt when ckpt.pt is damaged (load_latest).
+Two files live in out_dir: ckpt.pt (the newest) and ckpt.prev.pt (the one before), both complete at every instant
+(a save replaces them atomically). Loading checks every record's CRC-32 (torch.load does not), so a truncated or
+bit-flipped file is an error, never silently wrong weights; a resume falls back to ckpt.prev.pt (load_latest).
 
-Sharded checkpoints (parallel="fsdp") are directories, ckpt.dcp and ckpt.prev.dcp, written by
-torch.distributed.checkpoint (DCP): each process writes its own shards, and they load into any
-number of processes (DCP re-splits them), or into one plain GPT for sample.py and save_pretrained:
-    __<rank>_0.distcp   each process's tensors (model and AdamW state), read with weights_only=True
-    .metadata           DCP's index of the shards: a pickle, read through an allowlist (see below)
-    rng.pt              every process's RNG states (torch.save of tensors, weights_only)
-    meta.json           {"format", "meta" (as above), "files": {name: CRC-32}}: written last
-The same guarantees as ckpt.pt: ckpt.prev.dcp keeps the one before, and a load checks every file's
-CRC-32 before reading it.
+Sharded checkpoints (parallel="fsdp"; docs/sharding.md) are directories, ckpt.dcp and ckpt.prev.dcp, written by
+torch.distributed.checkpoint: each process's shards (__<rank>_0.distcp), DCP's pickled index (.metadata, read
+through an allowlist), rng.pt, and last meta.json ({"format", "meta" as above, "files": {name: CRC-32}}), with the
+same guarantees. They load into any number of processes, or into one plain GPT for sample.py and export.
 """
 import contextlib
 import io
@@ -50,12 +43,8 @@ PREV_NAME = "ckpt.prev.pt"
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint onto the CPU; `state["meta"]` comes back as a dict. A nanoGPT ckpt.pt comes back in the
-    same shape (core/weights/nanogpt.py).
-
-    Raises UserError for a missing file, a truncated or corrupt one, or a file that
-    is not a checkpoint of this project or nanoGPT's.
-    """
+    """A checkpoint (or nanoGPT's ckpt.pt, in the same shape) on the CPU, `state["meta"]` a dict; a UserError for a
+    missing file, a truncated or corrupt one, or one that is not a checkpoint of this project or nanoGPT's."""
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint, e.g. out/ckpt.dcp
         return load_sharded_full(path)
@@ -175,9 +164,8 @@ def crc32(path: Path) -> int:
 
 
 def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """meta.json of the sharded checkpoint directory `path`, after checking every file against its CRC-32.
-
-    Raises UserError for a missing or incomplete directory, a changed file, or one not of this project."""
+    """meta.json of the sharded checkpoint directory `path`, after checking every file against its CRC-32; a
+    UserError for a missing or incomplete directory, a changed file, or one not of this project."""
     path = Path(path)
     if not (path / META_NAME).is_file():
         raise UserError(f"no sharded checkpoint at {path} (no {META_NAME}); train one first with --parallel=fsdp")
@@ -233,10 +221,8 @@ def load_sharded_full(path: str | os.PathLike) -> dict[str, Any]:
     return {"format": FORMAT, "meta": meta, "model": model.state_dict(), "optimizer": None, "scaler": None, "rng": None}
 
 
-# DCP's .metadata is a pickle that FileSystemReader would pickle.load, and DCP's planner reads
-# non-tensor values (the optimizer's hyperparameters) with torch.load(weights_only=False): either could
-# run any code from a crafted checkpoint. Here .metadata unpickles only DCP's own metadata classes and a
-# few torch value types, and other values load with weights_only=True.
+# DCP would pickle.load .metadata and torch.load(weights_only=False) non-tensor values (the optimizer's
+# hyperparameters): either could run any code from a crafted checkpoint (docs/sharding.md, "Unpickling, honestly").
 _SAFE_GLOBALS = {
     "torch.distributed.checkpoint.metadata": None,  # any class of that module: dataclasses and enums
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},

@@ -1,13 +1,9 @@
 """An exported folder as a GGUF file for llama.cpp, through llama.cpp's own converter (export.py --format=gguf;
 bash scripts/fetch_llama_converter.sh unpacks the converter once).
 
-llama.cpp's convert_hf_to_gguf.py names a byte-level BPE's pre-tokenizer (its split regex, which
-llama.cpp reimplements in C++) by hashing the ids the tokenizer gives one probe string. That knows
-GPT-2's BPE, so such folders convert as they are. A BPE trained here has new merges, so a new hash,
-and the converter stops with "BPE pre-tokenizer was not recognized". Its split regex, though, is
-the tokenizer.json's: where that is Llama 3's, this names the pre-tokenizer "llama-bpe" (llama.cpp's
-name for exactly that regex) in place of the hash lookup; the converter writes everything else
-(tokens, merges, token types, special ids, tensors) as for any folder. Any other regex is refused.
+The converter names a byte-level BPE's pre-tokenizer by hashing the ids of one probe string, which knows GPT-2's
+BPE but no BPE trained here; where the folder's tokenizer.json splits with Llama 3's regex, this names it
+"llama-bpe" in place of the hash lookup, and refuses any other regex (docs/interop.md, "Another byte-level BPE").
 """
 import json
 import os
@@ -19,53 +15,30 @@ from core.data.tokenizer import SPLIT_PATTERN
 from core.errors import UserError
 
 CONVERTER_VERSION = "0.3.36"  # llama-cpp-python's source package, as scripts/fetch_llama_converter.sh fetches it
-# Llama 3's split regex (the one train_bpe uses), as its tokenizer.json spells it; llama.cpp's pre-tokenizer
+# Llama 3's split regex (the one train_bpe uses), as its tokenizer.json spells it: llama.cpp's pre-tokenizer
 # "llama-bpe" (src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_LLAMA3) implements it.
-LLAMA3_SPLIT = SPLIT_PATTERN
-PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe"}
+PRE_TOKENIZERS = {SPLIT_PATTERN: "llama-bpe"}
 
 
 def converter_dir(given: str = "") -> Path:
     """Where convert_hf_to_gguf.py is unpacked: given, $LLAMA_CPP_CONVERTER_DIR, or the fetch script's cache."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt" / f"llama.cpp-{CONVERTER_VERSION}"
-    return Path(given or os.environ.get("LLAMA_CPP_CONVERTER_DIR") or cache)
-
-
-def split_regexes(tokenizer_json: dict) -> list[str]:
-    """The Split pre-tokenizers' regexes of a tokenizer.json, in order."""
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    return [s["pattern"]["Regex"] for s in steps if s.get("type") == "Split" and "Regex" in (s.get("pattern") or {})]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanogpt"
+    return Path(given or os.environ.get("LLAMA_CPP_CONVERTER_DIR") or cache / f"llama.cpp-{CONVERTER_VERSION}")
 
 
 def pre_tokenizer_name(hf_dir: Path) -> str | None:
-    """llama.cpp's name for the folder's split regex, or None to leave the converter's hash lookup be
-    (GPT-2's BPE, whose ByteLevel pre-tokenizer holds no Split)."""
+    """llama.cpp's name for the split regex of the folder's tokenizer.json, or None to leave the converter's
+    hash lookup be (GPT-2's BPE, whose ByteLevel pre-tokenizer holds no Split)."""
     path = hf_dir / "tokenizer.json"
-    if not path.is_file():
-        return None
-    regexes = split_regexes(json.loads(path.read_text(encoding="utf-8")))
+    pre = (json.loads(path.read_text(encoding="utf-8")).get("pre_tokenizer") if path.is_file() else None) or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    regexes = [s["pattern"]["Regex"] for s in steps if s.get("type") == "Split" and "Regex" in (s.get("pattern") or {})]
     if not regexes:
         return None
     if len(regexes) == 1 and regexes[0] in PRE_TOKENIZERS:
         return PRE_TOKENIZERS[regexes[0]]
     raise UserError(f"{path} splits text with {regexes[0]!r}, which no llama.cpp pre-tokenizer here is known to "
                     "implement; only Llama 3's regex ('llama-bpe') converts")
-
-
-def without_bos() -> None:
-    """The GGUF says add_bos_token=false for a folder with no start token (a trained BPE's). Left unsaid,
-    llama.cpp's llama-bpe pre-tokenizer adds one by default, with its default id 11 (GPT-2's ","), before
-    every prompt; the converter writes the flag only where tokenizer_config.json or a post-processor sets it."""
-    import gguf  # the converter's gguf-py, now on the path
-
-    add_to_gguf = gguf.SpecialVocab.add_to_gguf
-
-    def add(self, gw, quiet: bool = False) -> None:
-        self.add_special_token.setdefault("bos", False)
-        add_to_gguf(self, gw, quiet)
-
-    gguf.SpecialVocab.add_to_gguf = add
 
 
 def convert(hf_dir: Path, out: Path, outtype: str, converter: Path) -> None:
@@ -82,7 +55,18 @@ def convert(hf_dir: Path, out: Path, outtype: str, converter: Path) -> None:
 
         base.TextModel.get_vocab_base_pre = lambda self, tokenizer: name
     if json.loads((hf_dir / "config.json").read_text()).get("bos_token_id") is None:
-        without_bos()
+        # The GGUF says add_bos_token=false for a folder with no start token (a trained BPE's). Left unsaid,
+        # llama.cpp's llama-bpe pre-tokenizer adds one by default, with its default id 11 (GPT-2's ","), before
+        # every prompt; the converter writes the flag only where tokenizer_config.json or a post-processor sets it.
+        import gguf  # the converter's gguf-py, now on the path
+
+        add_to_gguf = gguf.SpecialVocab.add_to_gguf
+
+        def add(self, gw, quiet: bool = False) -> None:
+            self.add_special_token.setdefault("bos", False)
+            add_to_gguf(self, gw, quiet)
+
+        gguf.SpecialVocab.add_to_gguf = add
     sys.argv = [str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype]
     runpy.run_path(str(script), run_name="__main__")
     if not out.is_file():

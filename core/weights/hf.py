@@ -1,33 +1,18 @@
-"""Our recipe variants <-> transformers architectures: which class computes exactly our function,
-and the config and state-dict maps both ways.
+"""Our recipe variants <-> transformers architectures: which class computes exactly our function, and the
+config and state-dict maps both ways. docs/interop.md holds the table of switches and classes, and what each
+map relies on (RoPE on halves, grouped k/v heads, q/k norm before the rotation, Nemotron's (1 + w) norms).
 
     from core.weights import hf
     hf.architecture(model.config)                  # 'LlamaForCausalLM', or a UserError naming what no class holds
     hf_model = hf.to_transformers(model)           # a transformers model with our weights, same logits
     model = hf.from_transformers(hf_model)         # and back
 
-A class is listed only where its forward is our forward, switch by switch (read from transformers'
-modeling files; the tests compare logits to 1e-5):
-
-| our switches                                                        | transformers class  |
-|---------------------------------------------------------------------|---------------------|
-| learned positions, LayerNorm, GELU (tanh or erf), tied              | GPT2LMHeadModel     |
-| rope, RMSNorm, SwiGLU, no qk_norm, any n_kv_head, bias, llama3 RoPE | LlamaForCausalLM    |
-| rope, RMSNorm, SwiGLU, no qk_norm, q/k/v biases only (qkv_bias)     | Qwen2ForCausalLM    |
-| rope, RMSNorm, SwiGLU, qk_norm, no biases                           | Qwen3ForCausalLM    |
-| rope, RMSNorm, ReLU^2 or GELU (ungated), no qk_norm                 | ArceeForCausalLM    |
-| rope, LayerNorm, ReLU^2 or GELU (ungated), no qk_norm               | NemotronForCausalLM |
-
-What they share with us: RoPE on halves of each head (transformers' rotate_half, our apply_rope's
-roll by hs/2); frequencies base^(-2i/hs); grouped-query heads where query head h reads key/value head
-h // (n_head // n_kv_head) (transformers' repeat_kv, torch's enable_gqa); q/k RMSNorm per head before
-the rotation (Qwen3). Nemotron's LayerNorm1P scales by (1 + weight), so its weight is ours minus one.
-No class holds logit_softcap (Gemma 2's soft-cap comes with a scaled embedding, (1 + w) norms and
-four norms per layer), nor qk_norm with LayerNorm or an ungated MLP, nor learned positions with any
-other switch.
+A class is listed only where its forward is our forward, switch by switch (read from transformers' modeling
+files; the tests compare logits to 1e-5).
 """
 import itertools
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,8 +23,6 @@ from core.data.tokenizer import GPT2Tokenizer, Tokenizer
 from core.errors import UserError, first_line
 from model import CHOICES, GPT, GPT2_HUB_NAMES, RECIPE_SWITCHES, GPTConfig, swiglu_hidden
 
-# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
-CONV1D_SUFFIXES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # transformers' names for our two GELUs; gelu_pytorch_tanh is the same function as gelu_new.
 HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
@@ -53,6 +36,9 @@ GATED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # SwiGLU's
 ARCHITECTURES = ("GPT2LMHeadModel",) + LLAMA_FAMILY
 # Our ungated MLP nonlinearities under transformers' ACT2FN names (gelu_pytorch_tanh is tanh-GELU).
 UNGATED_ACTS = {"relu2": "relu2", ("gelu", "tanh"): "gelu_pytorch_tanh", ("gelu", "none"): "gelu"}
+# Llama 3's scaled RoPE: our fields and transformers' rope_parameters keys, read both ways.
+LLAMA3_ROPE = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor":
+               "high_freq_factor", "rope_original_max_positions": "original_max_position_embeddings"}
 # The values the nearest-recipe search may give each recipe switch: every choice of a named one or a
 # bool, else GPT-2's default (a flip that changes nothing is never part of a smallest set).
 FLIPS = {name: list(CHOICES.get(name) or ([False, True] if isinstance(default, bool) else [default]))
@@ -64,8 +50,7 @@ FLIPS = {name: list(CHOICES.get(name) or ([False, True] if isinstance(default, b
 
 # Switches whose other values transformers' GPT-2 holds too (zero biases, either GELU, any epsilon), or
 # that leave the function unchanged (an initialisation; RoPE's base without RoPE).
-GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base", "rope_type", "rope_factor",
-              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
+GPT2_HOLDS = ("bias", "gelu_approximate", "norm_eps", "zero_init_proj", "rope_base", "rope_type", *LLAMA3_ROPE)
 
 
 def non_gpt2_fields(c: GPTConfig) -> list[str]:
@@ -149,127 +134,24 @@ def hf_config(c: GPTConfig, eos_token_id: int | None = None, bos_token_id: int |
             tie_word_embeddings=True, bos_token_id=bos_token_id, eos_token_id=eos_token_id, architectures=[arch],
             n_ctx=c.block_size)  # GPT-2's original name for n_positions; llama.cpp's converter reads only it
     hidden = c.mlp_hidden or (swiglu_hidden(c.n_embd) if c.mlp == "swiglu" else 4 * c.n_embd)
+    rope = {"rope_type": c.rope_type, "rope_theta": c.rope_base}
+    if c.rope_type == "llama3":
+        rope |= {theirs: getattr(c, ours) for ours, theirs in LLAMA3_ROPE.items()}
+    act = "silu" if c.mlp == "swiglu" else UNGATED_ACTS[c.mlp if c.mlp == "relu2" else (c.mlp, c.gelu_approximate)]
     common = dict(
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=hidden, num_hidden_layers=c.n_layer,
         num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, head_dim=c.head_size,
-        max_position_embeddings=c.block_size, rope_parameters=_rope_parameters(c),
+        max_position_embeddings=c.block_size, rope_parameters=rope, hidden_act=act,
         attention_bias=c.bias, attention_dropout=c.dropout, tie_word_embeddings=c.tie_embeddings,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None, architectures=[arch])
-    if arch == "LlamaForCausalLM":
-        return transformers.LlamaConfig(**common, hidden_act="silu", mlp_bias=c.bias, rms_norm_eps=c.norm_eps)
-    if arch == "Qwen3ForCausalLM":
-        return transformers.Qwen3Config(**common, hidden_act="silu", rms_norm_eps=c.norm_eps,
-                                        use_sliding_window=False)
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # Qwen's MLPs have no biases
+        common["mlp_bias"] = c.bias
     if arch == "Qwen2ForCausalLM":  # its q/k/v biases are fixed, not a config field
-        common.pop("attention_bias")
-        return transformers.Qwen2Config(**common, hidden_act="silu", rms_norm_eps=c.norm_eps,
-                                        use_sliding_window=False)
-    act = UNGATED_ACTS[c.mlp if c.mlp == "relu2" else (c.mlp, c.gelu_approximate)]
-    if arch == "ArceeForCausalLM":
-        return transformers.ArceeConfig(**common, hidden_act=act, mlp_bias=c.bias, rms_norm_eps=c.norm_eps)
-    common["rope_parameters"]["partial_rotary_factor"] = 1.0  # Nemotron rotates only half the head by default
-    return transformers.NemotronConfig(**common, hidden_act=act, mlp_bias=c.bias, norm_eps=c.norm_eps)
-
-
-def _rope_parameters(c: GPTConfig) -> dict:
-    if c.rope_type == "default":
-        return {"rope_type": "default", "rope_theta": c.rope_base}
-    return {"rope_type": "llama3", "rope_theta": c.rope_base, "factor": c.rope_factor,
-            "low_freq_factor": c.rope_low_freq_factor, "high_freq_factor": c.rope_high_freq_factor,
-            "original_max_position_embeddings": c.rope_original_max_positions}
-
-
-@torch.no_grad()
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights under the names and layout of architecture(model.config); zero biases where ours
-    has none but the class always does (GPT-2's, Nemotron's LayerNorm)."""
-    c = model.config
-    arch = architecture(c)
-    ours = {name: t.detach() for name, t in model.state_dict().items()}
-    state = _gpt2_state(model) if arch == "GPT2LMHeadModel" else _llama_state(ours, c, arch)
-    return {name: t.contiguous().clone() for name, t in state.items()}
-
-
-def _gpt2_state(model: GPT) -> dict:
-    state = {}
-    for name, m in model.transformer.named_modules(prefix="transformer"):
-        if isinstance(m, torch.nn.Embedding):
-            state[f"{name}.weight"] = m.weight
-        if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)):
-            # GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
-            state[f"{name}.weight"] = m.weight.t() if name.endswith(CONV1D_SUFFIXES) else m.weight
-            state[f"{name}.bias"] = m.bias if m.bias is not None else m.weight.new_zeros(m.weight.size(0))
-    return state  # lm_head is wte (tied), and transformers ties it on load
-
-
-def _llama_state(ours: dict, c: GPTConfig, arch: str) -> dict:
-    nemotron = arch == "NemotronForCausalLM"
-    state = {"model.embed_tokens.weight": ours["transformer.wte.weight"]}
-    if not c.tie_embeddings:
-        state["lm_head.weight"] = ours["lm_head.weight"]
-    norms = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
-    for ours_name, theirs in _llama_names(c, arch).items():
-        tensor = ours.get(ours_name)
-        if tensor is not None:
-            state[theirs] = tensor
-    for i in range(c.n_layer):
-        for ln, theirs in norms.items():
-            state.update(_norm(ours, f"transformer.h.{i}.{ln}", f"model.layers.{i}.{theirs}", nemotron))
-        state.update(_split_linear(ours, f"transformer.h.{i}.attn.c_attn", f"model.layers.{i}.self_attn",
-                                   ["q_proj", "k_proj", "v_proj"], [c.attn_width] + [c.kv_heads * c.head_size] * 2))
-        mlp_parts = ["gate_proj", "up_proj"] if c.mlp == "swiglu" else ["up_proj"]
-        fc = ours[f"transformer.h.{i}.mlp.c_fc.weight"].size(0)
-        state.update(_split_linear(ours, f"transformer.h.{i}.mlp.c_fc", f"model.layers.{i}.mlp", mlp_parts,
-                                   [fc // len(mlp_parts)] * len(mlp_parts)))
-    state.update(_norm(ours, "transformer.ln_f", "model.norm", nemotron))
-    return state
-
-
-def _llama_names(c: GPTConfig, arch: str) -> dict[str, str]:
-    """One-to-one renames, ours -> theirs (the projections back into the residual stream, q/k norms)."""
-    names = {}
-    for i in range(c.n_layer):
-        for suffix in ("weight", "bias"):
-            names[f"transformer.h.{i}.attn.c_proj.{suffix}"] = f"model.layers.{i}.self_attn.o_proj.{suffix}"
-            names[f"transformer.h.{i}.mlp.c_proj.{suffix}"] = f"model.layers.{i}.mlp.down_proj.{suffix}"
-        if arch == "Qwen3ForCausalLM":
-            names[f"transformer.h.{i}.attn.q_norm.weight"] = f"model.layers.{i}.self_attn.q_norm.weight"
-            names[f"transformer.h.{i}.attn.k_norm.weight"] = f"model.layers.{i}.self_attn.k_norm.weight"
-    return names
-
-
-def _norm(ours: dict, name: str, theirs: str, nemotron: bool) -> dict:
-    weight = ours[f"{name}.weight"]
-    if not nemotron:
-        return {f"{theirs}.weight": weight}
-    bias = ours.get(f"{name}.bias", torch.zeros_like(weight))
-    return {f"{theirs}.weight": weight - 1.0, f"{theirs}.bias": bias}  # LayerNorm1P: x_hat * (1 + w) + b
-
-
-def _split_linear(ours: dict, name: str, prefix: str, parts: list[str], sizes: list[int]) -> dict:
-    """A fused nn.Linear cut along its output rows into transformers' separate projections."""
-    out = {}
-    for suffix in ("weight", "bias"):
-        if f"{name}.{suffix}" in ours:
-            for part, tensor in zip(parts, ours[f"{name}.{suffix}"].split(sizes, dim=0)):
-                out[f"{prefix}.{part}.{suffix}"] = tensor
-    return out
-
-
-def to_transformers(model: GPT, eos_token_id: int | None = None, bos_token_id: int | None = None):
-    """A transformers model (float32, eval mode) computing the same function as ours, with our weights."""
-    import transformers
-
-    config = hf_config(model.config, eos_token_id, bos_token_id)
-    hf = getattr(transformers, config.architectures[0])(config)
-    state = {name: t.float() for name, t in hf_state_dict(model).items()}
-    theirs = hf.state_dict()
-    missing = [n for n in theirs if n not in state and not (n == "lm_head.weight" and config.tie_word_embeddings)]
-    unexpected = [n for n in state if n not in theirs]
-    if missing or unexpected:  # a map out of step with transformers: a bug here, never the user's
-        raise RuntimeError(f"{config.architectures[0]} map: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    hf.load_state_dict(state, strict=False)
-    return hf.float().eval()
+        del common["attention_bias"]
+    if arch == "NemotronForCausalLM":  # which rotates only half the head by default
+        common["rope_parameters"]["partial_rotary_factor"] = 1.0
+    eps = {"norm_eps" if arch == "NemotronForCausalLM" else "rms_norm_eps": c.norm_eps}
+    return getattr(transformers, arch.removesuffix("ForCausalLM") + "Config")(**common, **eps)
 
 
 # -----------------------------------------------------------------------------
@@ -279,8 +161,7 @@ def to_transformers(model: GPT, eos_token_id: int | None = None, bos_token_id: i
 def config_from_hf(hf_config, override_args: dict | None = None) -> GPTConfig:
     """Our GPTConfig for a transformers config; ConversionError for anything we would compute differently."""
     override_args = dict(override_args or {})
-    unknown = set(override_args) - {"dropout", "attn_backend"}
-    if unknown:
+    if unknown := set(override_args) - {"dropout", "attn_backend"}:
         raise ConversionError(f"override_args may set only dropout and attn_backend, got {sorted(unknown)}")
     arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
     if arch in ("GPT2LMHeadModel", "GPT2Config"):
@@ -333,10 +214,8 @@ def _config_from_llama(h, arch: str, override_args) -> GPTConfig:
             raise ConversionError(f"unsupported {arch} variant: {what}; this repository computes only the plain form")
     mlp, approx = ("swiglu", "tanh") if gated else (("relu2", "tanh") if act == "relu2" else ungated[act])
     eps = h.norm_eps if arch == "NemotronForCausalLM" else h.rms_norm_eps
-    scaling = {} if rope_type == "default" else dict(
-        rope_type="llama3", rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
-        rope_high_freq_factor=float(rope["high_freq_factor"]),
-        rope_original_max_positions=int(rope["original_max_position_embeddings"]))
+    scaling = {} if rope_type == "default" else {"rope_type": "llama3"} | {  # each as our field's type
+        ours: type(getattr(GPTConfig, ours))(rope[theirs]) for ours, theirs in LLAMA3_ROPE.items()}
     return GPTConfig(
         block_size=h.max_position_embeddings, vocab_size=h.vocab_size, n_layer=h.num_hidden_layers,
         n_head=h.num_attention_heads, n_embd=h.hidden_size, bias=bool(attention_bias),
@@ -352,57 +231,81 @@ def _config_from_llama(h, arch: str, override_args) -> GPTConfig:
 @torch.no_grad()
 def from_transformers(hf, override_args: dict | None = None) -> GPT:
     """Our GPT with the weights of a transformers model of one of ARCHITECTURES."""
-    config = config_from_hf(hf.config, override_args)
-    model = GPT(config)
-    load_hf_state_dict(model, {n: t.detach() for n, t in hf.state_dict().items()})
+    model = GPT(config_from_hf(hf.config, override_args))
+    load_hf_state_dict(model, hf.state_dict())  # detached tensors
     return model
+
+
+# -----------------------------------------------------------------------------
+# the weights, both ways: transformers' names over views of our tensors
+
+# GPT-2 stores these as Conv1D, an nn.Linear with the weight transposed: (in, out).
+CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# The Llama family's names for our modules (in layer i: model.layers.i. for transformer.h.i.); a fused one's
+# rows split into its list in order (an ungated MLP's c_fc is up_proj alone).
+LLAMA_NAMES = {
+    "transformer.wte": ["model.embed_tokens"], "transformer.ln_f": ["model.norm"], "lm_head": ["lm_head"],
+    "ln_1": ["input_layernorm"], "ln_2": ["post_attention_layernorm"],
+    "attn.c_attn": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "attn.c_proj": ["self_attn.o_proj"],
+    "attn.q_norm": ["self_attn.q_norm"], "attn.k_norm": ["self_attn.k_norm"],
+    "mlp.c_fc": ["mlp.gate_proj", "mlp.up_proj"], "mlp.c_proj": ["mlp.down_proj"],
+}
+
+
+def _views(model: GPT) -> dict[str, torch.Tensor]:
+    """transformers' name -> our tensor in its layout, a view of ours (so copying into it loads ours)."""
+    c, arch = model.config, architecture(model.config)
+    views = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_embeddings:
+            continue  # transformers ties it on load
+        if arch == "GPT2LMHeadModel":
+            views[name] = t.t() if name.endswith(CONV1D_SUFFIXES) else t
+            continue
+        module, kind = name.rsplit(".", 1)
+        layer, inner = re.fullmatch(r"(?:transformer\.h\.(\d+)\.)?(.+)", module).groups()
+        parts = LLAMA_NAMES[inner][1:] if inner == "mlp.c_fc" and c.mlp != "swiglu" else LLAMA_NAMES[inner]
+        sizes = [c.attn_width] + [c.kv_heads * c.head_size] * 2 if inner == "attn.c_attn" else t.size(0) // len(parts)
+        for part, view in zip(parts, t.split(sizes)):
+            views[f"model.layers.{layer}.{part}.{kind}" if layer else f"{part}.{kind}"] = view
+    return views
+
+
+def _shift(arch: str, name: str) -> float:
+    """Nemotron's LayerNorm1P scales by (1 + weight): its weight is ours minus one."""
+    return 1.0 if arch == "NemotronForCausalLM" and name.endswith("norm.weight") else 0.0
+
+
+def to_transformers(model: GPT, eos_token_id: int | None = None, bos_token_id: int | None = None):
+    """A transformers model (float32, eval mode) computing the same function as ours, with our weights."""
+    import transformers
+
+    config = hf_config(model.config, eos_token_id, bos_token_id)
+    arch = config.architectures[0]
+    hf = getattr(transformers, arch)(config)
+    theirs = hf.state_dict()
+    state = {name: t.float() - _shift(arch, name) for name, t in _views(model).items()}
+    if not model.config.bias:  # GPT-2's Linears and LayerNorms, Nemotron's LayerNorm1P: always a bias
+        state |= {n: torch.zeros_like(t) for n, t in theirs.items() if n.endswith(".bias") and n not in state}
+    missing = [n for n in theirs if n not in state and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    unexpected = [n for n in state if n not in theirs]
+    if missing or unexpected:  # a map out of step with transformers: a bug here, never the user's
+        raise RuntimeError(f"{arch} map: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    hf.load_state_dict(state, strict=False)
+    return hf.float().eval()
 
 
 @torch.no_grad()
 def load_hf_state_dict(model: GPT, theirs: dict[str, torch.Tensor]) -> None:
     """Copy a transformers state dict (architecture(model.config)'s names) into our model, in place."""
-    c = model.config
-    arch = architecture(c)
-    mine = model.state_dict()
-    if arch == "GPT2LMHeadModel":
-        missing = sorted(set(mine) - set(theirs) - {"lm_head.weight"})
-        if missing:
-            raise ConversionError(f"GPT-2 checkpoint lacks {missing[:5]}")
-        for name, tensor in mine.items():
-            source = theirs[name] if name in theirs else theirs["transformer.wte.weight"]
-            is_conv1d = name.endswith(".weight") and name.removesuffix(".weight").endswith(CONV1D_SUFFIXES)
-            tensor.copy_(source.t() if is_conv1d else source)
-        return
-    expected = _llama_state(mine, c, arch)  # theirs names -> our tensors (views, or new for Nemotron's norms)
-    missing = sorted(n for n in expected if n not in theirs)
-    if missing:
+    arch, views = architecture(model.config), _views(model)
+    if missing := sorted(n for n in views if n not in theirs):
         raise ConversionError(f"{arch} checkpoint lacks {missing[:5]}")
-    for ours_name, theirs_name in _llama_names(c, arch).items():
-        if ours_name in mine:
-            mine[ours_name].copy_(theirs[theirs_name])
-    nemotron = arch == "NemotronForCausalLM"
-    norms = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
-    pairs = [(f"transformer.h.{i}.{ln}", f"model.layers.{i}.{t}") for i in range(c.n_layer) for ln, t in norms.items()]
-    for ours_name, theirs_name in pairs + [("transformer.ln_f", "model.norm")]:
-        mine[f"{ours_name}.weight"].copy_(theirs[f"{theirs_name}.weight"] + (1.0 if nemotron else 0.0))
-        if nemotron and f"{ours_name}.bias" in mine:
-            mine[f"{ours_name}.bias"].copy_(theirs[f"{theirs_name}.bias"])
-        elif nemotron and theirs[f"{theirs_name}.bias"].any():
-            raise ConversionError(f"{arch} checkpoint has LayerNorm biases but no attention/MLP biases; "
-                                  "this repository ties the two")
-    for i in range(c.n_layer):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        mlp_parts = ["gate_proj", "up_proj"] if c.mlp == "swiglu" else ["up_proj"]
-        for suffix in ("weight", "bias"):
-            if f"transformer.h.{i}.attn.c_attn.{suffix}" in mine:  # q/k/v biases may come alone (Qwen2)
-                mine[f"transformer.h.{i}.attn.c_attn.{suffix}"].copy_(
-                    torch.cat([theirs[f"{attn}.{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")]))
-            if f"transformer.h.{i}.mlp.c_fc.{suffix}" in mine:
-                mine[f"transformer.h.{i}.mlp.c_fc.{suffix}"].copy_(
-                    torch.cat([theirs[f"{mlp}.{p}.{suffix}"] for p in mlp_parts]))
-    mine["transformer.wte.weight"].copy_(theirs["model.embed_tokens.weight"])
-    if not c.tie_embeddings:
-        mine["lm_head.weight"].copy_(theirs["lm_head.weight"])
+    if unheld := [n for n, t in theirs.items() if n.endswith(".bias") and n not in views and t.any()]:
+        raise ConversionError(f"{arch} checkpoint has biases where this model has none ({', '.join(unheld[:3])}); "
+                              "this repository ties the norms' biases to the attention/MLP ones")
+    for name, view in views.items():
+        view.copy_(theirs[name] + _shift(arch, name))
 
 
 def folder_config(directory: str | os.PathLike, override_args: dict | None = None) -> GPTConfig:

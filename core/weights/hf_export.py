@@ -15,32 +15,10 @@ from core.runtime import DTYPES
 from core.weights import hf, resolver
 from model import GPT
 
-CHECK_TOKENS = 1024  # the longest sequence check_logits compares
+CHECK_TOKENS = 1024  # the longest sequence the logits are compared on (Llama 3.2's 131,072 would take minutes)
 
 
-def generation_config(model: GPT, tok: Tokenizer) -> dict:
-    """What transformers' generate needs beyond the weights: the ids that end a reply (a chat model's
-    <|end|> first, then the end-of-text id) and the context length."""
-    eos, chat = tok.eot_token, ChatTemplate.for_tokenizer(tok)
-    stop = eos if chat is None else [chat.end_of_turn] + ([] if eos is None else [eos])
-    return {"eos_token_id": stop, "pad_token_id": eos, "bos_token_id": getattr(tok, "bos_token", None),
-            "max_length": model.config.block_size}
-
-
-@torch.no_grad()
-def check_logits(model: GPT, hf_model, atol: float = 1e-4) -> float:
-    """The largest logit difference on one sequence of the full context, or of CHECK_TOKENS where the context
-    is longer (Llama 3.2's 131,072 positions would take minutes and gigabytes); a UserError past atol."""
-    T = min(model.config.block_size, CHECK_TOKENS)
-    idx = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
-    diff = (model.float()(idx)[0] - hf_model(idx).logits).abs().max().item()
-    if not diff <= atol:
-        raise UserError(f"the exported model's logits differ from ours by {diff:.3g}; the folder was not written")
-    return diff
-
-
-def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "float32", check: bool = True,
-           extra_special_tokens: tuple[str, ...] = ()) -> str:
+def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "float32", check: bool = True) -> str:
     """Write the transformers folder for model and tok; returns the class name."""
     from transformers import GenerationConfig
 
@@ -54,10 +32,19 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
                         "splits text differently from this run's; train with qkv_bias=None (exports as "
                         "LlamaForCausalLM), or export a model imported from a Qwen2 folder")
     model, tok = resolver.with_end_of_text(model, tok)
-    gen = generation_config(model, tok)
-    hf_model = hf.to_transformers(model.float(), tok.eot_token, gen["bos_token_id"])
-    if check:
-        check_logits(model, hf_model)
+    # What transformers' generate needs beyond the weights: the ids that end a reply (a chat model's <|end|>
+    # first, then the end-of-text id) and the context length.
+    eos, chat = tok.eot_token, ChatTemplate.for_tokenizer(tok)
+    gen = {"eos_token_id": eos if chat is None else [chat.end_of_turn] + ([] if eos is None else [eos]),
+           "pad_token_id": eos, "bos_token_id": getattr(tok, "bos_token", None), "max_length": model.config.block_size}
+    hf_model = hf.to_transformers(model.float(), eos, gen["bos_token_id"])
+    if check:  # on one sequence of the full context, or of CHECK_TOKENS
+        idx = torch.randint(0, model.config.vocab_size, (1, min(model.config.block_size, CHECK_TOKENS)),
+                            generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            diff = (model.float()(idx)[0] - hf_model(idx).logits).abs().max().item()
+        if not diff <= 1e-4:
+            raise UserError(f"the exported model's logits differ from ours by {diff:.3g}; the folder was not written")
     hf_model.to(DTYPES[dtype])
     needed = sum(p.numel() * p.element_size() for p in hf_model.parameters())
     # Written whole or not at all: a full disk leaves no half folder that looks like a model.
@@ -65,7 +52,6 @@ def export(model: GPT, tok: Tokenizer, directory: str | Path, dtype: str = "floa
             atomic_dir(directory) as tmp:
         hf_model.save_pretrained(tmp)
         GenerationConfig(**gen).save_pretrained(tmp)
-        chat = ChatTemplate.for_tokenizer(tok) is not None  # apply_chat_template then renders our ids
-        save_hf_tokenizer(tok, tmp, model.config.block_size, extra_special_tokens,
-                          chat_template=JINJA_TEMPLATE if chat else None)
+        # a chat tokenizer carries the template, so apply_chat_template renders our ids
+        save_hf_tokenizer(tok, tmp, model.config.block_size, chat_template=None if chat is None else JINJA_TEMPLATE)
     return arch

@@ -1,11 +1,7 @@
-"""nanoGPT's ckpt.pt read as this project's checkpoint (docs/from-nanogpt.md): every script that loads a run
-loads a nanoGPT out_dir as it is (checkpoint.load_checkpoint calls from_nanogpt).
-
-nanoGPT's train.py saves {"model", "optimizer", "model_args", "iter_num", "best_val_loss", "config"}, the model's
-keys prefixed with "_orig_mod." when it was compiled. model_args (n_layer, n_head, n_embd, block_size, bias,
-vocab_size, dropout) become a GPTConfig with every recipe switch at GPT-2's value and nanoGPT's exact GELU
-(nn.GELU()). The vocabulary is what nanoGPT's sample.py reads: data/<dataset>/meta.pkl, looked for beside the run
-(the run's parent folder, nanoGPT's own layout) and under the working directory; GPT-2's BPE where neither is.
+"""nanoGPT's ckpt.pt read as this project's checkpoint (checkpoint.load_checkpoint calls from_nanogpt): every script
+that loads a run loads a nanoGPT out_dir as it is. docs/from-nanogpt.md says what maps to what: the "_orig_mod."
+prefix dropped, model_args as a GPTConfig at GPT-2's switches with nanoGPT's exact GELU, the vocabulary from
+data/<dataset>/meta.pkl (beside the run, then under the working directory) or GPT-2's BPE.
 """
 import dataclasses
 from pathlib import Path

@@ -110,15 +110,9 @@ def load_model(init_from: str, out_dir) -> tuple[GPT, Tokenizer, str]:
 
 def with_end_of_text(model: GPT, tok: Tokenizer) -> tuple[GPT, Tokenizer]:
     """(model, tok), with <|endoftext|> appended to a character vocabulary prepared before every vocabulary
-    held one; any other pair as it came (a vocabulary that holds it is never grown).
-
-    Evaluation harnesses and generate need one: lm_eval starts a rolling window from it, pads with it and
-    stops generation at it. export.py writes this pair and serve.py serves it, so an old run's server and
-    export agree with each other (sample.py and train.py keep the run's own vocabulary). It takes the next
-    id, as a chat run's turn markers do; a model without a row for it gets a copy grown by one
-    (GPT.grow_vocab: the mean row, so its logit is the mean logit, never the largest, and greedy text is
-    unchanged).
-    """
+    held one, as the next id; any other pair as it came. lm_eval and generate need one, and export.py and
+    serve.py both take this pair, so an old run's server and export agree. A model without a row for it gets a
+    copy grown by the mean row (GPT.grow_vocab: its logit the mean logit, so greedy text is unchanged)."""
     if tok.eot_token is not None or not isinstance(tok, CharTokenizer):
         return model, tok
     meta = tok.meta()
@@ -156,9 +150,8 @@ def _checkpoint(kind: str, directory: Path, training: bool, sharded: bool, log) 
 
 def _exact(out_dir: Path) -> tuple[dict, Path]:
     """out_dir's ckpt.pt (or the fsdp run's ckpt.dcp), exactly that file: a damaged one is an error."""
-    path, prev = out_dir / checkpoint.CKPT_NAME, out_dir / checkpoint.PREV_NAME
-    if not path.exists() and (out_dir / checkpoint.SHARDED_NAME).exists():  # saved by --parallel=fsdp
-        path, prev = out_dir / checkpoint.SHARDED_NAME, out_dir / checkpoint.PREV_SHARDED_NAME
+    path = checkpoint.find_checkpoint(out_dir) or out_dir / checkpoint.CKPT_NAME
+    prev = out_dir / (checkpoint.PREV_NAME if path.name == checkpoint.CKPT_NAME else checkpoint.PREV_SHARDED_NAME)
     # ckpt.prev.pt is the complete checkpoint saved before ckpt.pt; name it rather than silently
     # loading an older model than the user thinks.
     hint = f"; {prev} holds the checkpoint saved before it: copy it to {path} to use it" if prev.exists() else ""
