@@ -95,8 +95,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
     peak, peak_source = flops.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
-    note = preflight.gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
-    if note:
+    if note := preflight.gpu_sized_note(raw_model, cfg, rt, peak, iter_num):
         log(note)
     batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device,
                            seq_len=lambda it: seq_len_at(it, cfg))
@@ -208,6 +207,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
     """The model for cfg.init_from, in the resolver's two steps: locate what it names, run the pre-flight checks on
     its architecture (core/training/preflight.py: nothing read or allocated yet), then build it. Returns it, the
     tokenizer metadata it is trained with, and for init_from=resume the checkpoint it resumes (checkpointing.restore)."""
+    data_vocab = data_meta.get("vocab_size")
+    if not isinstance(data_vocab, int):
+        raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
     overrides = {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend}
     if cfg.init_from == "scratch":
         w = resolver.Weights("scratch", scratch_config(cfg, data_meta), "scratch", overrides=overrides)
@@ -218,9 +220,6 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
                             log=log)
     preflight.check_weights(cfg, w, data_meta, rt, log)
     model = resolver.build(w)
-    data_vocab = data_meta.get("vocab_size")
-    if not isinstance(data_vocab, int):
-        raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
     if w.kind not in ("scratch", "resume") and data_meta.get("special_tokens"):
         # Fine-tuning on a chat set: ids past the model's rows are the chat tokens appended to its vocabulary.
         model.grow_vocab(max(data_vocab, model.config.vocab_size))
@@ -237,10 +236,7 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
 
 
 def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
-    vocab = cfg.vocab_size or data_meta.get("vocab_size")
-    if not isinstance(vocab, int):
-        raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
-    return GPTConfig(**(cfg.model_args() | {"vocab_size": vocab}))
+    return GPTConfig(**(cfg.model_args() | {"vocab_size": cfg.vocab_size or data_meta["vocab_size"]}))
 
 
 @torch.no_grad()
