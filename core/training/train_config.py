@@ -79,9 +79,7 @@ class RunConfig:
 
 def _model_fields() -> list[tuple[str, type, dataclasses.Field]]:
     """GPTConfig's fields, each with its --help text and allowed values from GPTConfig's own comments and CHOICES."""
-    helps = field_help(GPTConfig)
-
-    helps["vocab_size"] = "None: the dataset's meta.json vocab_size"
+    helps = field_help(GPTConfig) | {"vocab_size": "None: the dataset's meta.json vocab_size"}
 
     def key(f: dataclasses.Field) -> tuple[str, type, dataclasses.Field]:
         tp, default = (int | None, None) if f.name == "vocab_size" else (f.type, f.default)
@@ -143,13 +141,7 @@ class TrainConfig(RunConfig, ModelKeys):  # its keys: ModelKeys', then RunConfig
 
     def validate(self) -> None:
         super().validate()
-        if self.n_embd % self.n_head:
-            raise UserError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.attn_backend not in ("sdpa", "naive"):
-            raise UserError(f"attn_backend must be 'sdpa' or 'naive', got '{self.attn_backend}'")
-        try:  # the recipe switches and their combinations: GPTConfig is their one judge
+        try:  # the model keys and their combinations: GPTConfig is their one judge
             GPTConfig(**self.model_args())
         except ValueError as e:
             raise UserError(str(e)) from None
