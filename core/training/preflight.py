@@ -1,15 +1,6 @@
 """Pre-flight: what train.py (and rl.py) check before a run trains, each a one-line UserError, and the notes it
-prints about what it found. Nothing here writes.
-
-    check_ranks_agree(cfg, rt)                  every rank decided init_from alike
-    check_out_dir(cfg)                          out_dir is writable, and a new run never replaces another run's
-                                                checkpoint (describe_checkpoint)
-    check_gpt2(cfg, data_meta)                  init_from=gpt2*: GPT-2's BPE and architecture, before the hub is asked
-    check_weights(cfg, w, data_meta, rt, log)   between the resolver's two steps, before any weight is read: a
-                                                resume continues its run, a base run's or folder's tokenizer fits
-                                                the data, the run fits in memory (check_resume, check_memory)
-    shape_set_aside(cfg, config)                the shape settings that weights with their own shape override
-    gpu_sized_note(model, cfg, rt, ...)         a CPU run sized for a GPU, said before it starts
+prints about what it found: out_dir first, then the weights it starts from, between the resolver's two steps
+(located, not yet read), so a run that cannot work stops in seconds. Nothing here writes.
 """
 import dataclasses
 import math
