@@ -8,12 +8,7 @@ Muon (Jordan et al. 2024, torch.optim.Muon) orthogonalises each 2-D update with 
 iteration, so every direction of a weight matrix moves at the same rate. It is meant for the
 hidden matrices only: the embedding is a lookup table (one row per token, not a linear map), the
 head's rows are read one per token too, and gains and biases are vectors. Those stay on AdamW
-(modded-nanogpt, nanochat do the same).
-
-Newton-Schulz runs in bfloat16 only where the device computes bf16 natively (runtime.native_bf16:
-CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM BF16), in float32 elsewhere, most laptop and desktop
-CPUs among them. Every device gets BatchedMuon: torch's step with each shape's updates orthogonalised as one
-batch, in the dtype chosen.
+(modded-nanogpt, nanochat do the same). Every device gets BatchedMuon, torch's step batched per shape.
 """
 import contextlib
 import math
@@ -80,16 +75,10 @@ def torch_optimizers(optimizer) -> tuple[torch.optim.Optimizer, ...]:
 
 
 def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Named parameters by role: "hidden" (the weights of Linear layers inside transformer.h),
-    "matrix" (other >= 2-D parameters: embeddings, an untied head) and "vector" (gains, biases)."""
+    """{"hidden": Muon's matrices, by name}: the weights of the Linear layers inside transformer.h. The rest
+    (embeddings, an untied head, gains, biases) is AdamW's (GPT.decay_groups)."""
     hidden = {id(m.weight) for block in model.transformer.h for m in block.modules() if isinstance(m, nn.Linear)}
-    groups = {"hidden": [], "matrix": [], "vector": []}
-    for name, p in model.named_parameters():  # a tied head is the same Parameter as wte: listed once
-        if not p.requires_grad:
-            continue
-        role = "hidden" if id(p) in hidden else "matrix" if p.dim() >= 2 else "vector"
-        groups[role].append((name, p))
-    return groups
+    return {"hidden": [(name, p) for name, p in model.named_parameters() if id(p) in hidden and p.requires_grad]}
 
 
 def check_muon_params(named: list[tuple[str, nn.Parameter]]) -> None:
@@ -104,13 +93,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
                     betas: tuple[float, float], device_type: str, muon_lr: float = 0.02,
                     muon_momentum: float = 0.95, muon_weight_decay: float = 0.0, muon_ns_steps: int = 5,
                     muon_ns_coefficients: str = "quintic"):
-    """AdamW (a torch.optim.AdamW), or Muon + AdamW (a MultiOptimizer of "muon" and "adamw").
-
-    AdamW's two groups are the model's own (GPT.decay_groups: >= 2-D weights decayed, the rest not). Every
-    group records its own peak learning rate as "base_lr"; set_lr scales them all by the schedule. muon_ns_steps: Newton-Schulz iterations per
-    Muon update (torch's default 5), each three matmuls per matrix: a cost per step, whatever the batch.
-    muon_ns_coefficients: NS_COEFFICIENTS (torch's own step holds one polynomial for all steps; BatchedMuon
-    takes one per step)."""
+    """AdamW over GPT.decay_groups, or Muon + AdamW (a MultiOptimizer of "muon" and "adamw"). Every group
+    records its own peak learning rate as "base_lr"; set_lr scales them all by the schedule."""
     if optimizer not in OPTIMIZERS:
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     groups = split_params(model)
@@ -120,10 +104,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     if optimizer == "adamw":
         return adamw
     check_muon_params(groups["hidden"])
-    # torch's own step takes one matrix at a time, small matmuls that leave a CPU's other cores and most of a
-    # GPU idle; BatchedMuon takes one batched matmul per shape, the same update in bf16 (tests/test_recipe.py),
-    # and is the faster on a native-bf16 CPU and on an H200 (docs/performance.md, Muon's step alone).
-    # Newton-Schulz in bf16 where it is native, float32 where bf16 would be emulated.
+    # Newton-Schulz in bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM
+    # BF16), float32 where bf16 would be emulated (most laptop and desktop CPUs).
     extra = {"ns_dtype": torch.bfloat16 if native_bf16(device_type) else torch.float32}
     if muon_ns_coefficients != "quintic":
         extra["ns_coefficients"] = ns_schedule(muon_ns_coefficients, muon_ns_steps)
@@ -146,15 +128,6 @@ def ns_schedule(kind: str, steps: int) -> tuple[tuple[float, float, float], ...]
     return ((a / s, b / s ** 3, c / s ** 5),) + POLAR_EXPRESS[1:steps]
 
 
-def per_step(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
-    """One (a, b, c) for every step (torch's ns_coefficients), or a schedule of one per step (ns_schedule)."""
-    if isinstance(coefficients[0], (tuple, list)):
-        if len(coefficients) < steps:
-            raise ValueError(f"a Newton-Schulz schedule of {len(coefficients)} polynomials cannot run {steps} steps")
-        return tuple(coefficients)[:steps]
-    return (tuple(coefficients),) * steps
-
-
 def newton_schulz(grad: torch.Tensor, coefficients, steps: int,
                   eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Muon's orthogonalisation of a 2-D update, or of a batch (k, m, n) of them, each on its own:
@@ -166,7 +139,9 @@ def newton_schulz(grad: torch.Tensor, coefficients, steps: int,
     FLOPs (gram_newton_schulz), in float32 or float64 only: in bfloat16 the Gram matrix's powers lose the
     small singular values (relative error 2.1 against the loop's 0.08 on a decaying spectrum). DTensor
     shards (fully_shard) take the loop, whose matmuls gather what they need as torch's do."""
-    schedule = per_step(coefficients, steps)
+    schedule = tuple(coefficients)[:steps] if isinstance(coefficients[0], (tuple, list)) else (coefficients,) * steps
+    if len(schedule) < steps:
+        raise ValueError(f"a Newton-Schulz schedule of {len(schedule)} polynomials cannot run {steps} steps")
     x = grad.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
