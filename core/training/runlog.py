@@ -47,15 +47,23 @@ class RunLog:
         elif path.exists():
             # Keep only the iterations before the checkpoint: the resumed run redoes the rest, and
             # the log then reads as one run. A line cut short by a kill is dropped with them.
-            kept = [line for line in path.read_text().splitlines() if _record_iter(line) < resume_iter]
-            self.elapsed_before = max((_record_elapsed(line) for line in kept), default=0.0)
-            text = "".join(line + "\n" for line in kept)
+            kept = [(line, r) for line in path.read_text().splitlines()
+                    if (r := _record(line)).get("iter", math.inf) < resume_iter]
+            elapsed = [r.get("elapsed_s") for _, r in kept]  # logs written before timestamps have none
+            self.elapsed_before = max((float(e) for e in elapsed if isinstance(e, (int, float))), default=0.0)
+            text = "".join(line + "\n" for line, _ in kept)
             try:
                 with atomic_path(path) as tmp:
                     tmp.write_text(text)
             except OSError as e:
                 raise self._error(e, len(text.encode())) from None
-        self.wandb = _start_wandb(wandb_config) if wandb_config is not None else None
+        if wandb_config is not None:
+            try:
+                import wandb  # optional dependency, only when asked for
+            except ImportError:
+                raise UserError("wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)") from None
+            self.wandb = wandb.init(project=wandb_config["wandb_project"], name=wandb_config["wandb_run_name"],
+                                    config=wandb_config)
 
     def _append(self, record: dict) -> None:
         line = json.dumps(record) + "\n"
@@ -74,14 +82,6 @@ class RunLog:
         return UserError(f"could not write {self.path}: {e.strerror or e}; {last_intact(self.path.parent)}")
 
 
-def _record_elapsed(line: str) -> float:
-    try:
-        value = json.loads(line).get("elapsed_s", 0.0)  # logs written before timestamps have none
-        return float(value) if isinstance(value, (int, float)) else 0.0
-    except (json.JSONDecodeError, AttributeError):
-        return 0.0
-
-
 def format_duration(seconds: float) -> str:
     """'42s', '3m05s', '2h07m': a duration as a person reads it in a progress line."""
     s = int(round(seconds))
@@ -92,16 +92,10 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def _record_iter(line: str) -> float:
+def _record(line: str) -> dict:
+    """A line's record; {} for a line cut short by a kill, or anything else but a record."""
     try:
-        return json.loads(line)["iter"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return math.inf
-
-
-def _start_wandb(config: dict):
-    try:
-        import wandb  # optional dependency, only when asked for
-    except ImportError:
-        raise UserError("wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)") from None
-    return wandb.init(project=config["wandb_project"], name=config["wandb_run_name"], config=config)
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return {}
+    return record if isinstance(record, dict) else {}
