@@ -130,15 +130,12 @@ def ns_schedule(kind: str, steps: int) -> tuple[tuple[float, float, float], ...]
 
 def newton_schulz(grad: torch.Tensor, coefficients, steps: int,
                   eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Muon's orthogonalisation of a 2-D update, or of a batch (k, m, n) of them, each on its own:
-    torch.optim._muon._zeropower_via_newtonschulz's quintic iteration X <- a X + (b A + c A²) X,
-    A = X Xᵀ, in `dtype` (torch's is bfloat16 always). coefficients: one (a, b, c) for every step, as
-    torch's, or one per step (ns_schedule).
-
-    On a wide matrix (m x n, n > 1.5 m) the same iterates come from m x m products alone, with fewer
-    FLOPs (gram_newton_schulz), in float32 or float64 only: in bfloat16 the Gram matrix's powers lose the
-    small singular values (relative error 2.1 against the loop's 0.08 on a decaying spectrum). DTensor
-    shards (fully_shard) take the loop, whose matmuls gather what they need as torch's do."""
+    """Muon's orthogonalisation of a 2-D update, or of a batch (k, m, n) of them, each on its own: torch's
+    quintic iteration X <- a X + (b A + c A²) X, A = X Xᵀ, in `dtype` (torch's is bfloat16 always).
+    coefficients: one (a, b, c) for every step, as torch's, or one per step (ns_schedule). A wide matrix takes
+    gram_newton_schulz in float32 or float64 only: in bfloat16 the Gram matrix's powers lose the small singular
+    values (relative error 2.1 against the loop's 0.08 on a decaying spectrum). DTensor shards (fully_shard)
+    take the loop, whose matmuls gather what they need as torch's do."""
     schedule = tuple(coefficients)[:steps] if isinstance(coefficients[0], (tuple, list)) else (coefficients,) * steps
     if len(schedule) < steps:
         raise ValueError(f"a Newton-Schulz schedule of {len(schedule)} polynomials cannot run {steps} steps")
@@ -183,16 +180,13 @@ def gram_newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, floa
 
 
 class BatchedMuon(torch.optim.Muon):
-    """torch.optim.Muon with Newton-Schulz in `ns_dtype`, and each shape's updates as one batch.
+    """torch.optim.Muon with Newton-Schulz in `ns_dtype`, and each shape's updates as one batch (k, m, n).
 
-    torch runs Newton-Schulz in bfloat16 unconditionally (grad.bfloat16() in torch/optim/_muon.py).
-    Where bf16 is emulated, as on every AVX2-only CPU, that is the whole cost of a step (config/modern.py
-    : docs/performance.md's Muon tables, the avx2 env rows), and float32 is both fast and closer
-    to the exact orthogonalisation (tests/test_recipe.py measures both). torch offers no dtype switch,
-    so this step is torch's _single_tensor_muon line for line with the one call swapped, that call
-    taking each shape's updates as one batch (k, m, n). The state ("momentum_buffer" per parameter) and
-    param_groups are torch's own, so checkpoints move between the two classes; tests/test_recipe.py
-    pins the step to torch's update."""
+    torch runs Newton-Schulz in bfloat16 unconditionally. Where bf16 is emulated, as on every AVX2-only CPU,
+    that is the whole cost of a step (docs/performance.md's Muon tables), and float32 is both fast and closer
+    to the exact orthogonalisation. torch offers no dtype switch, so this step is torch's _single_tensor_muon
+    line for line with that one call swapped. The state and param_groups are torch's own, so checkpoints move
+    between the two classes; tests/test_recipe.py pins the step to torch's update."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs):
         super().__init__(params, **kwargs)
@@ -217,23 +211,17 @@ class BatchedMuon(torch.optim.Muon):
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 updates.setdefault(p.shape if type(update) is torch.Tensor else id(p), []).append((p, update))
+            args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
             for batch in updates.values():
                 params, ups = zip(*batch)
-                orthogonal = self._orthogonalise(ups, group)
+                # One batched matmul per Newton-Schulz step for all k, which two cores share where k small ones
+                # mostly wait on each other (docs/performance.md, Muon's step alone). A DTensor shard: alone.
+                orthogonal = (newton_schulz(torch.stack(ups), *args).unbind(0) if type(ups[0]) is torch.Tensor
+                              else [newton_schulz(u, *args) for u in ups])
                 for p, update in zip(params, orthogonal):
                     p.mul_(1 - lr * group["weight_decay"])
                     p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
-
-    def _orthogonalise(self, updates: tuple[torch.Tensor, ...], group: dict) -> list[torch.Tensor]:
-        """Newton-Schulz of equal-shape updates as one batch (k, m, n): each step is then one batched
-        matmul for all k, which two cores share where k small ones of one layer's size mostly wait on
-        each other (docs/performance.md, Muon's step alone). DTensor shards go one at a time, as in
-        torch's step."""
-        args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-        if type(updates[0]) is not torch.Tensor:
-            return [newton_schulz(u, *args) for u in updates]
-        return list(newton_schulz(torch.stack(updates), *args).unbind(0))
 
 
 def load_state(optimizer, state: dict) -> None:
@@ -269,13 +257,10 @@ def set_lr(optimizer, scale: float) -> None:
 
 def lr_at(it: int, peak: float, min_lr: float, warmup_iters: int, decay_iters: int, schedule: str = "cosine",
           cooldown_frac: float = 0.2) -> float:
-    """The learning rate at iteration `it`: linear warmup over warmup_iters, then down to min_lr at
-    decay_iters, then min_lr.
-
-    "cosine" (nanoGPT, GPT-3): a half cosine from peak to min_lr over the whole decay. "wsd"
-    (warmup-stable-decay, Hu et al. 2024 "MiniCPM"; modded-nanogpt's schedule): the peak until the last
-    cooldown_frac of decay_iters, then a straight line to min_lr. The loss falls fastest while the rate
-    comes down, and a stable phase keeps the rate high for longer before that."""
+    """Linear warmup over warmup_iters, then down to min_lr at decay_iters, then min_lr. "cosine" (nanoGPT):
+    a half cosine over the whole decay. "wsd" (warmup-stable-decay, Hu et al. 2024 "MiniCPM"; modded-nanogpt's):
+    the peak until the last cooldown_frac of decay_iters, then a straight line: the loss falls fastest while
+    the rate comes down, and the stable phase keeps it high for longer before that."""
     if it < warmup_iters:
         return peak * (it + 1) / (warmup_iters + 1)
     if it >= decay_iters:
