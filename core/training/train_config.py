@@ -77,19 +77,14 @@ class RunConfig:
         resolver.check_init_from(self.init_from, scratch=self.starts_from_scratch)
 
 
-def _model_fields() -> list[tuple[str, type, dataclasses.Field]]:
-    """GPTConfig's fields, each with its --help text and allowed values from GPTConfig's own comments and CHOICES."""
-    helps = field_help(GPTConfig) | {"vocab_size": "None: the dataset's meta.json vocab_size"}
-
-    def key(f: dataclasses.Field) -> tuple[str, type, dataclasses.Field]:
-        tp, default = (int | None, None) if f.name == "vocab_size" else (f.type, f.default)
-        return f.name, tp, dataclasses.field(default=default, metadata={"help": helps.get(f.name, ""),
-                                                                         "choices": CHOICES.get(f.name)})
-    return [key(f) for f in dataclasses.fields(GPTConfig)]
-
-
-# GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them).
-ModelKeys = dataclasses.make_dataclass("ModelKeys", _model_fields())
+# GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them), each with its
+# --help text and allowed values from GPTConfig's own comments and CHOICES.
+_HELP = field_help(GPTConfig) | {"vocab_size": "None: the dataset's meta.json vocab_size"}
+ModelKeys = dataclasses.make_dataclass("ModelKeys", [
+    (f.name, int | None if f.name == "vocab_size" else f.type,
+     dataclasses.field(default=None if f.name == "vocab_size" else f.default,
+                       metadata={"help": _HELP.get(f.name, ""), "choices": CHOICES.get(f.name)}))
+    for f in dataclasses.fields(GPTConfig)])
 
 
 @dataclasses.dataclass
@@ -169,8 +164,7 @@ class TrainConfig(RunConfig, ModelKeys):  # its keys: ModelKeys', then RunConfig
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
-    """Linear warmup for warmup_iters, decay (cosine, or wsd's stable phase and linear cooldown) to
-    min_lr at lr_decay_iters, then min_lr."""
+    """optim.lr_at on cfg's schedule, or learning_rate throughout (decay_lr=False)."""
     if not cfg.decay_lr:
         return cfg.learning_rate
     return optim.lr_at(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule,
