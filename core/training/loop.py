@@ -15,8 +15,8 @@ from core.weights import resolver
 
 
 def start(cls: type, argv, train) -> None:
-    """A training script's main: its config (a RunConfig subclass, parse_config), the runtime, then
-    train(cfg, rt, stop); running out of memory is one line, and the runtime is torn down however it ends."""
+    """A training script's main: its config (a RunConfig subclass), the runtime, then train(cfg, rt, stop);
+    running out of memory is one line, and the runtime is torn down however it ends."""
     # From the start: joining the process group, reading data and building the model can take minutes, and
     # under torchrun the SIGTERM it sends when another process fails must not cut this one's error short.
     stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
@@ -34,11 +34,9 @@ def start(cls: type, argv, train) -> None:
 
 
 def parse_config(cls: type, argv):
-    """cls's defaults, then config files, then --key=value; with init_from=resume, the run's own
-    out_dir/config.json in place of the defaults, so `--init_from=resume --out_dir=RUN` is the whole command.
-    init_from=auto becomes resume when out_dir holds a checkpoint, else scratch (run_dir.auto_init_from).
-    Keys given still apply on top of it (max_iters, eval_interval, ...); those a checkpoint cannot take, such
-    as another n_layer, are refused when the checkpoint loads."""
+    """cls's defaults, then config files, then --key=value; a resume starts from the run's own config.json
+    (run_dir.resumed_config) instead of the defaults. Keys a checkpoint cannot take, such as another n_layer,
+    are refused when it loads."""
     cfg = configlib.parse_args(cls, argv, validate=False)
     init_from = cfg.init_from
     if init_from == "auto" and cls.starts_from_scratch:  # decided here, once: resume or scratch from now on

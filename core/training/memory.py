@@ -45,17 +45,12 @@ def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
                              param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
                              seq_len: int | None = None, shards: int = 1, micro_steps: int = 1,
                              activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (default block_size) tokens.
-
-    Weights and gradients are param_dtype; optimizer state is fp32; activations are compute_dtype
-    (autocast's, default param_dtype). One micro-batch's activations are alive at a time, so
-    gradient accumulation does not change the estimate.
-    shards > 1 (parallel=fsdp on that many processes): each keeps 1/shards of the weights, gradients
-    and optimizer state, plus the compute_dtype weights and param_dtype gradients of the Blocks
-    gathered at a time: two (the one running, the next prefetched), or with micro_steps > 1 every
-    one, since they stay gathered between micro-steps (core/training/parallel.py micro_step).
-    activation_checkpointing: a layer keeps only its input, and one layer its whole set while it
-    is recomputed in the backward pass."""
+    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (default block_size) tokens: weights
+    and gradients in param_dtype, optimizer state in fp32, activations in compute_dtype (autocast's, default
+    param_dtype), one micro-batch's at a time. shards > 1 (fsdp): 1/shards of each, plus the Blocks gathered at a
+    time: two (the one running, the next prefetched), or with micro_steps > 1 every one, since they stay gathered
+    between micro-steps (parallel.micro_step). activation_checkpointing: a layer keeps only its input, and one
+    layer its whole set while it is recomputed in the backward pass."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     params = _params_on_meta(config)

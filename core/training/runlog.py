@@ -2,9 +2,6 @@
 records on Weights & Biases when wandb_log=True. Every rank calls `write(record)`; rank 0 writes, and
 a failure (a full disk) stops every rank with the same one line.
 
-    log = RunLog(out_dir / "log.jsonl", rt, resume_iter=None, wandb_config=None)
-    log.write({"iter": 10, "loss": 2.31, "lr": 6e-4, "ms": 41.2, "tok_per_s": 18650.0, "mfu": None})
-
 Each record also gets `time` (Unix seconds, wall clock) and `elapsed_s`: seconds since the log started,
 counted on from the last record kept when a run resumes, so a resumed run's log reads as one run's
 wall time (the time between a stop and its resume left out). plot.py --x=time draws against it.
