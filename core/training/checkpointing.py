@@ -165,10 +165,9 @@ def _agree(ok: bool, error: str) -> None:
 
 def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, rng: dict | None = None) -> Path:
-    """Write out_dir/ckpt.dcp, the current one becoming ckpt.prev.dcp; every process calls it. Each writes its
-    own shards (DTensor shards under fully_shard, full tensors on one process) into SHARDED_TEMP; rank 0 then
-    adds rng.pt and meta.json, last, and renames the directory into place. Raises OSError with both earlier
-    checkpoints intact."""
+    """Write out_dir/ckpt.dcp, the current one becoming ckpt.prev.dcp; every process writes its own shards into
+    SHARDED_TEMP, then rank 0 adds rng.pt and meta.json, last, and renames it into place. Raises OSError with both
+    earlier checkpoints intact."""
     out_dir, rank0 = Path(out_dir), not dist.is_initialized() or dist.get_rank() == 0
     tmp = out_dir / SHARDED_TEMP
     ok = True
@@ -197,22 +196,17 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
             files = {p.name: crc32(p) for p in sorted(tmp.iterdir())}
             write_json(tmp / META_NAME, {"format": SHARDED_FORMAT, "meta": meta, "files": files})
             fsync_dir(tmp)
-            _replace_dir(tmp, out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME)
+            path, prev = out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME
+            if path.exists():  # killed between the two renames: ckpt.prev.dcp is complete (resume falls back to it)
+                shutil.rmtree(prev, ignore_errors=True)
+                os.replace(path, prev)
+            os.replace(tmp, path)
+            fsync_dir(out_dir)
         except OSError as e:
             ok, error = False, f"{e.strerror or e}"
             shutil.rmtree(tmp, ignore_errors=True)
     _agree(ok, error)
     return out_dir / SHARDED_NAME
-
-
-def _replace_dir(new: Path, path: Path, prev: Path) -> None:
-    """Rename `new` to `path`, the current `path` becoming `prev`. A kill at any moment leaves a complete
-    checkpoint at `path` or, between the two renames, at `prev` (load_latest_sharded falls back to it)."""
-    if path.exists():
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(path, prev)
-    os.replace(new, path)
-    fsync_dir(path.parent)
 
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> dict | None:
