@@ -247,9 +247,8 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
 
 
 def load_policy(cfg: RLConfig, log) -> tuple[resolver.Weights, GPT, ChatTemplate, str]:
-    """What init_from names (a chat run, or this run's checkpoint to resume), the policy built from it, its chat
-    template, and the run the policy started from (the KL term's reference). Dropout off: the log-probabilities
-    the step raises are those the replies were sampled with."""
+    """What init_from names (a chat run, or this run's checkpoint), the policy built from it with dropout off (the
+    step raises the log-probabilities the replies were sampled with), its chat template, and the run it started from."""
     w = resolver.locate(cfg.init_from, cfg.out_dir, {"dropout": 0.0}, training=True, log=log)
     if w.kind == "resume":
         log(f"resuming from {w.path} at iter {w.state['meta']['iter_num']}")
@@ -272,9 +271,8 @@ def problem_at(seed: int, it: int, index: int, names: list[str]) -> tuple[str, t
 
 def reply_weights(rewards: torch.Tensor, update: str, by_std: bool) -> torch.Tensor:
     """rewards (prompts, samples) -> each reply's weight in the loss. reinforce: its advantage (by_std: over its
-    group's standard deviation; a group of equal rewards stays 0). rft (rejection-sampling fine-tuning): 1 for an
-    accepted reply (reward 1), else 0: SFT's loss on the accepted replies, the rejected ones kept in the batch at
-    weight 0, so both updates cost the same."""
+    group's standard deviation; equal rewards stay 0). rft (rejection-sampling fine-tuning): 1 for an accepted
+    reply (reward 1), else 0: SFT's loss on the accepted ones, the rejected kept in the batch so both cost the same."""
     if update == "rft":
         return (rewards == 1.0).to(rewards.dtype)
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
@@ -284,9 +282,8 @@ def reply_weights(rewards: torch.Tensor, update: str, by_std: bool) -> torch.Ten
 
 
 def pack(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt ids, reply ids) pairs -> inputs x (N, T) and targets y (N, T), T the longest pair minus one: x is
-    prompt + reply without its last id, y the id after each position where that id is the reply's, else -1
-    (the prompt's ids and the right padding are never targets)."""
+    """(prompt ids, reply ids) pairs -> inputs x (N, T), prompt + reply without its last id, and targets y (N, T),
+    the next id where it is the reply's, else -1 (the prompt and the right padding are never targets)."""
     T = max(len(prompt) + len(reply) for prompt, reply in rows) - 1
     x = torch.zeros(len(rows), T, dtype=torch.long)
     y = torch.full((len(rows), T), -1, dtype=torch.long)
