@@ -1,11 +1,9 @@
 """Training memory: a rough estimate from the model's shape alone, what a device has free, and
 out-of-memory errors turned into one line.
 
-The estimate is a pure function of the config: the parameter count is exact (the model is built on
-the meta device, so every GPTConfig switch counts), weights, gradients and optimizer state follow
-from it, and activations use the per-layer count of Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", section 4.1), which is rough. It is used to refuse runs
-that plainly do not fit, never to tune one.
+The estimate is a pure function of the config: the parameter count is exact (the model is built on the meta
+device, so every GPTConfig switch counts), and activations use Korthikanti et al. 2022's per-layer count (section
+4.1), which is rough: it refuses runs that plainly do not fit, never tunes one.
 """
 import dataclasses
 import os

@@ -22,11 +22,9 @@ from core.runtime import native_bf16
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
-# Newton-Schulz's polynomials. "quintic": torch's (Jordan's) one polynomial at every step. "polar_express"
-# (Amsel et al. 2025, "The Polar Express"; modded-nanogpt's 5-step schedule, its 2% safety factor): a
-# polynomial of its own per step, fitted to where the spectrum stands after the steps before. Five steps
-# end closer to orthogonal than the quintic's five; it is a five-step schedule, and its first four leave
-# singular values as far as 1.58 (tests/test_recipe.py).
+# Newton-Schulz's polynomials. "quintic": torch's (Jordan's) one at every step. "polar_express" (Amsel et al. 2025;
+# modded-nanogpt's 5-step schedule): one per step, fitted to where the spectrum stands after the steps before. Its
+# five steps end closer to orthogonal than the quintic's; its first four leave singular values as far as 1.58.
 NS_COEFFICIENTS = ("quintic", "polar_express")
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -37,10 +35,8 @@ POLAR_EXPRESS_SAFETY = 1.02  # the schedule starts from X / (1.02 |X|_F): spectr
 
 
 class MultiOptimizer:
-    """Several torch optimizers stepped as one: the loop, GradScaler and checkpoints see one object.
-
-    param_groups is every optimizer's groups in order (GradScaler unscales through it), and
-    state_dict holds each optimizer's state under its name, so a resume restores all of them."""
+    """Several torch optimizers stepped as one: the loop, GradScaler (through param_groups) and checkpoints (each
+    optimizer's state under its name) see one object."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -156,14 +152,12 @@ def newton_schulz(grad: torch.Tensor, coefficients, steps: int,
 
 
 def gram_newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, float], ...]) -> torch.Tensor:
-    """The Newton-Schulz iterates of x (m, n) or (k, m, n), m <= n, through the Gram matrix G = x xᵀ (m, m),
-    step k's polynomial schedule[k] = (a, b, c).
-
-    Each iterate is X_k = Q_k x with Q_k a polynomial in G, so A_k = X_k X_kᵀ and the step's
-    P_k = a I + b A_k + c A_k² all commute: Q_{k+1} = P_k Q_k and A_{k+1} = P_k A_k P_k. The loop costs
-    steps x (4m²n + 2m³) FLOPs; this costs 4m²n + (4 steps - 3) x 2m³, less whenever n > 1.5 m
-    (config/modern.py's quick start: 37% less Newton-Schulz, tests/test_recipe.py). It equals the loop
-    to 1e-12 in float64; in float32 it is within 1e-4 of exact (the loop: 4e-5; bfloat16: 1e-2 to 8e-2)."""
+    """The Newton-Schulz iterates of x (m, n) or (k, m, n), m <= n, through the Gram matrix G = x xᵀ (m, m), step
+    k's polynomial schedule[k] = (a, b, c). Each iterate is X_k = Q_k x with Q_k a polynomial in G, so
+    A_k = X_k X_kᵀ and the step's P_k = a I + b A_k + c A_k² all commute: Q_{k+1} = P_k Q_k and
+    A_{k+1} = P_k A_k P_k. The loop costs steps x (4m²n + 2m³) FLOPs; this costs 4m²n + (4 steps - 3) x 2m³, less
+    whenever n > 1.5 m (config/modern.py's quick start: 37% less Newton-Schulz, tests/test_recipe.py). It equals
+    the loop to 1e-12 in float64; in float32 it is within 1e-4 of exact (the loop: 4e-5; bfloat16: 1e-2 to 8e-2)."""
     addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     gram = x @ x.mT  # A_0 (m, m)
     q, steps = None, len(schedule)
@@ -235,10 +229,9 @@ RESUME_KEEPS = ("base_lr", "ns_steps", "ns_coefficients")  # group settings a re
 
 @contextlib.contextmanager
 def restoring(optimizer, saved_kind: str):
-    """Around any load of a checkpoint's state into `optimizer` (a ckpt.pt's, or a sharded one's through
-    torch.distributed.checkpoint): the kinds must match, and the learning rates and Newton-Schulz settings
-    stay the ones this run was configured with (both loads bring back the saved groups' settings): a
-    resume may change learning_rate, muon_lr, muon_ns_steps or muon_ns_coefficients."""
+    """Around any load of a checkpoint's state into `optimizer` (ckpt.pt's or ckpt.dcp's): the kinds must match,
+    and the rates and Newton-Schulz settings stay this run's (the loads bring back the saved groups'): a resume
+    may change learning_rate, muon_lr, muon_ns_steps or muon_ns_coefficients."""
     kind = "muon" if isinstance(optimizer, MultiOptimizer) else "adamw"
     if saved_kind != kind:
         raise UserError(f"the checkpoint was trained with optimizer={saved_kind}, this run uses optimizer={kind}; "

@@ -7,9 +7,7 @@ fsdp  torch.distributed.fsdp.fully_shard (FSDP2) on each Block, then on the root
       1/N of every parameter, gradient and optimizer state, as DTensors. A Block's full weights are
       all-gathered just before it runs and freed after it; gradients are reduce-scattered. This is
       torchtitan's recipe (models/llama3/infra/parallelize.py), with PyTorch's own sharding.
-One process: neither wrapper; plain training, the same code path.
-
-The model never knows: GPT's parameter names, forward and state_dict keys stay as they are.
+One process: neither wrapper, the same code path. GPT's parameter names and state_dict keys stay as they are.
 """
 import contextlib
 

@@ -23,8 +23,8 @@ WANDB_NAMES = {"iter": "iter", "train_loss": "train/loss", "val_loss": "val/loss
 
 class RunLog:
     def __init__(self, path: Path, rt: Runtime, resume_iter: int | None, wandb_config: dict | None = None):
-        """A fresh log (resume_iter None), or the log of the run being resumed at resume_iter.
-        wandb_config (the run's config, with wandb_project and wandb_run_name) also starts a wandb run."""
+        """A fresh log (resume_iter None), or the log of the run being resumed at resume_iter; wandb_config (the
+        run's config) also starts a wandb run."""
         self.path, self.rt, self.wandb = path, rt, None
         self.started, self.elapsed_before = time.monotonic(), 0.0
         rt.on_master(self._start, resume_iter, wandb_config)
