@@ -49,11 +49,10 @@ def parse_config(cls: type, argv):
 
 def optimizer_step(model, optimizer, scaler, loss_sum: torch.Tensor, cfg, rt: runtime.Runtime,
                    stop: runtime.StopFlag, iter_num: int) -> bool:
-    """The step's tail, once every micro-step's backward is done: the non-finite guard, then clip the gradients
-    to cfg.grad_clip, step and zero them. loss_sum: this process's loss (a tensor on the device). Returns whether
-    a stop was asked for on any rank."""
-    # The guard: the step's one host sync, since it must see this loss before the update.
-    # The stop flags travel with it on a host-side group, so the device is not left waiting.
+    """The step's tail, once every micro-step's backward is done: the guard, clip, step, zero the gradients.
+    loss_sum: this process's loss (a tensor on the device). Returns whether a stop was asked for on any rank."""
+    # The guard: the step's one host sync, since it must see this loss before the update. The stop flags travel
+    # with it on a host-side group, so the device is not left waiting.
     stop_requested, any_bad = rt.any_rank(stop.requested, not math.isfinite(loss_sum.item()))
     if any_bad:
         raise UserError(f"loss is {global_mean(loss_sum, rt)} at iter {iter_num}; stopped before the optimizer step, "

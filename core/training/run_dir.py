@@ -15,20 +15,17 @@ from core.weights import checkpoint
 
 
 def auto_init_from(out_dir: str | os.PathLike) -> str:
-    """init_from=auto: 'resume' when out_dir holds a checkpoint, else 'scratch'. One command then starts a run
-    and continues it after torchrun restarts its workers, SLURM requeues it or a spot machine comes back.
-    The previous checkpoints count too: a kill between a sharded save's two renames leaves only ckpt.prev.dcp
-    (resume falls back to it), and that run must continue, not start again over it."""
+    """init_from=auto: 'resume' when out_dir holds a checkpoint, else 'scratch': one command starts a run and
+    continues it after a restart, requeue or preemption. The previous checkpoints count too: a kill between a
+    sharded save's two renames leaves only ckpt.prev.dcp, and that run must continue, not start again over it."""
     names = (checkpoint.CKPT_NAME, checkpoint.PREV_NAME, checkpoint.SHARDED_NAME, checkpoint.PREV_SHARDED_NAME)
     return "resume" if any((Path(out_dir) / name).exists() for name in names) else "scratch"
 
 
 def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
-    """The config of a run that resumes: cls's defaults replaced by out_dir/config.json (the run's own), then
-    argv over them, so `--init_from=resume --out_dir=RUN` is the whole command. The device and process count
-    the run resolved for its own machine ("auto" became cuda:0) are resolved again; its dtype is kept, so a
-    resume continues in the precision it trained in (--dtype changes it). No config.json: the config the ckpt.pt
-    holds (a nanoGPT run's), else cls's defaults."""
+    """out_dir/config.json (the run's own) in place of cls's defaults, then argv, so `--init_from=resume
+    --out_dir=RUN` is the whole command. The device and process count are resolved again; the dtype is kept, so a
+    resume continues in the precision it trained in. No config.json: the config a nanoGPT ckpt.pt holds."""
     saved = Path(out_dir) / "config.json"
     if not saved.is_file():  # a nanoGPT run: the config its ckpt.pt holds; none to read: the resume says why
         ckpt = Path(out_dir) / checkpoint.CKPT_NAME

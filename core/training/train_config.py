@@ -1,7 +1,6 @@
-"""The training loops' configuration: RunConfig, the keys train.py and rl.py share (where a run writes, AdamW
-and its schedule's ends, where it runs), and TrainConfig, train.py's. Defaults, overridden by config files (Python
-files that assign names), overridden by --key=value (core/config.py). bench.py and scripts/compare_recipe.py read
-the same config files, so it lives here rather than in train.py.
+"""The training loops' configuration: RunConfig, the keys train.py and rl.py share, and TrainConfig, train.py's.
+Defaults, overridden by config files, overridden by --key=value (core/config.py). bench.py and
+scripts/compare_recipe.py read the same config files, so it lives here rather than in train.py.
 """
 import dataclasses
 import math
@@ -172,13 +171,10 @@ def get_lr(it: int, cfg: TrainConfig) -> float:
 
 
 def seq_len_at(it: int, cfg: TrainConfig) -> int:
-    """The training window's length at iteration it: seq_len_warmup_start at first, growing linearly to
-    block_size over seq_len_warmup_iters, rounded down to a multiple of the start (so at most
-    block_size / start shapes, each a recompile under torch.compile), then block_size. DeepSpeed's
-    fixed_linear curriculum with its step equal to the start (Li et al. 2022, sequence-length warm-up).
-
-    A function of it alone, in integers: every rank, micro-step and resumed run agrees on it. The learning
-    rate stays get_lr(it): a shorter window is a smaller batch at the same rate, as in Li et al."""
+    """The training window's length at iteration it: seq_len_warmup_start, growing linearly to block_size over
+    seq_len_warmup_iters, rounded down to a multiple of the start (at most block_size / start shapes, each a
+    recompile under torch.compile): DeepSpeed's fixed_linear curriculum (Li et al. 2022). A function of it alone,
+    in integers, so every rank and resumed run agrees on it; the learning rate stays get_lr(it), as in Li et al."""
     if it >= cfg.seq_len_warmup_iters:
         return cfg.block_size
     start = cfg.seq_len_warmup_start
