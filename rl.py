@@ -16,14 +16,9 @@ summed over the iteration's reply tokens and divided by their number (token-leve
 never on the prompt's tokens. std_advantage divides by the group's standard deviation (GRPO); kl_coef adds a
 KL penalty to the starting model on the reply tokens; both off by default (docs/chat.md says why).
 
-Configuration: the RLConfig defaults, then config files, then --key=value, as train.py's; a resumed run starts
-from its own config.json. The resolved config goes to out_dir/config.json and every logged iteration and eval
-to out_dir/log.jsonl: reward mean and max, the exact rate (replies with reward 1), the mean reply length in
-tokens, and at each eval the held-out exact match per task. Checkpoints are train.py's (ckpt.pt: weights,
-optimizer, RNG states), so sample.py, eval.py, serve.py and export.py read an RL run as any other. A resume
-continues bit for bit: the prompts are drawn from (seed, iteration, prompt index) and each prompt's replies from
-a generator seeded by the same, on any number of processes. SIGTERM, SIGINT or SIGHUP finishes the iteration,
-saves and exits 0.
+Configuration, config.json, log.jsonl, checkpoints and signals are train.py's, so sample.py, eval.py, serve.py
+and export.py read an RL run as any other. A resume continues bit for bit: the prompts are drawn from (seed,
+iteration, prompt index) and each prompt's replies from a generator seeded by the same, on any number of processes.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -118,8 +113,10 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
         tasklib.check_vocabulary(names, template.tok.encode, f"the vocabulary of {w.source}")
     resuming = w.kind == "resume"
     raw_model = policy.to(rt.device)
-    # The KL term's reference: the starting model, fixed (a resume reloads it from the run it started from).
-    reference = None if cfg.kl_coef == 0 else starting_model(started_from, w.kind, policy, rt)
+    reference = None  # the KL term's: the starting model, frozen (a resume reloads it from the run it started from)
+    if cfg.kl_coef:
+        start = policy if w.kind != "resume" else resolver.load_model(started_from, started_from)[0]
+        reference = copy.deepcopy(start).to(rt.device).eval().requires_grad_(False)
     model = parallel.parallelize(raw_model, rt, "ddp", activation_checkpointing=False, compile=False)
     optimizer = optim.build_optimizer(raw_model, "adamw", cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                       rt.device_type)
@@ -250,9 +247,8 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
 
 
 def load_policy(cfg: RLConfig, log) -> tuple[resolver.Weights, GPT, ChatTemplate, str]:
-    """What init_from names (a chat run, or this run's checkpoint to resume), the policy built from it, its chat
-    template, and the run the policy started from (the KL term's reference). Dropout off: the log-probabilities
-    the step raises are those the replies were sampled with."""
+    """What init_from names (a chat run, or this run's checkpoint), the policy built from it with dropout off (the
+    step raises the log-probabilities the replies were sampled with), its chat template, and the run it started from."""
     w = resolver.locate(cfg.init_from, cfg.out_dir, {"dropout": 0.0}, training=True, log=log)
     if w.kind == "resume":
         log(f"resuming from {w.path} at iter {w.state['meta']['iter_num']}")
@@ -266,12 +262,6 @@ def load_policy(cfg: RLConfig, log) -> tuple[resolver.Weights, GPT, ChatTemplate
     return w, resolver.build(w), template, started_from
 
 
-def starting_model(started_from: str, kind: str, policy: GPT, rt: runtime.Runtime):
-    """The policy as the run started, frozen: a new run's own weights, or for a resume the run it started from."""
-    model = policy if kind != "resume" else resolver.load_model(started_from, started_from)[0]
-    return copy.deepcopy(model).to(rt.device).eval().requires_grad_(False)
-
-
 def problem_at(seed: int, it: int, index: int, names: list[str]) -> tuple[str, tasklib.Problem]:
     """Prompt `index` of iteration `it`: the tasks take turns, each problem drawn from its train side with a
     generator of its own, so the same on any number of processes and after a resume."""
@@ -280,11 +270,9 @@ def problem_at(seed: int, it: int, index: int, names: list[str]) -> tuple[str, t
 
 
 def reply_weights(rewards: torch.Tensor, update: str, by_std: bool) -> torch.Tensor:
-    """rewards (prompts, samples) -> each reply's weight in the loss (prompts, samples). reinforce: its advantage,
-    the reward minus its group's mean, with by_std divided by the group's standard deviation (a group of equal
-    rewards stays 0). rft (rejection-sampling fine-tuning): 1 for an accepted reply (reward 1), else 0, so the
-    loss is SFT's on the accepted replies; the rejected ones stay in the batch, weighted 0, so both updates cost
-    the same."""
+    """rewards (prompts, samples) -> each reply's weight in the loss. reinforce: its advantage (by_std: over its
+    group's standard deviation; equal rewards stay 0). rft (rejection-sampling fine-tuning): 1 for an accepted
+    reply (reward 1), else 0: SFT's loss on the accepted ones, the rejected kept in the batch so both cost the same."""
     if update == "rft":
         return (rewards == 1.0).to(rewards.dtype)
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
@@ -294,9 +282,8 @@ def reply_weights(rewards: torch.Tensor, update: str, by_std: bool) -> torch.Ten
 
 
 def pack(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt ids, reply ids) pairs -> inputs x (N, T) and targets y (N, T), T the longest pair minus one: x is
-    prompt + reply without its last id, y the id after each position where that id is the reply's, else -1
-    (the prompt's ids and the right padding are never targets)."""
+    """(prompt ids, reply ids) pairs -> inputs x (N, T), prompt + reply without its last id, and targets y (N, T),
+    the next id where it is the reply's, else -1 (the prompt and the right padding are never targets)."""
     T = max(len(prompt) + len(reply) for prompt, reply in rows) - 1
     x = torch.zeros(len(rows), T, dtype=torch.long)
     y = torch.full((len(rows), T), -1, dtype=torch.long)

@@ -11,9 +11,8 @@
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/training/parallel.py
 
 Configuration: the TrainConfig defaults (core/training/train_config.py), overridden by config files (Python
-files that assign names), overridden by --key=value; a resumed run starts from its own config.json
-instead of the defaults. The resolved config is written
-to out_dir/config.json, and every logged iteration and eval to out_dir/log.jsonl.
+files that assign names), overridden by --key=value; a resumed run starts from its own config.json instead of
+the defaults. The resolved config is written to out_dir/config.json, every logged iteration and eval to log.jsonl.
 
 SIGTERM, SIGINT (Ctrl-C) or SIGHUP (the terminal closed; ignored under nohup) finishes the current step or eval
 batch, saves a checkpoint of the last completed step and exits 0; during start-up it stops before training,
@@ -86,17 +85,15 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     stop.check(starting)
     run_dir.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
     rows = cfg.gradient_accumulation_steps * cfg.batch_size  # sequences per iteration, all processes together
-    tokens_per_iter = rows * cfg.block_size
     warmup = (f" (from {rows * seq_len_at(0, cfg):,} over a {cfg.seq_len_warmup_iters}-iteration sequence-length "
               f"warm-up)" if cfg.seq_len_warmup_iters else "")
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
-        f"{rt.dtype} | {tokens_per_iter:,} tokens per iteration{warmup}")
+        f"{rt.dtype} | {rows * cfg.block_size:,} tokens per iteration{warmup}")
     runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if resuming else None,
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
     peak, peak_source = flops.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
-    note = preflight.gpu_sized_note(raw_model, cfg, rt, peak, iter_num)
-    if note:
+    if note := preflight.gpu_sized_note(raw_model, cfg, rt, peak, iter_num):
         log(note)
     batches = TrainBatches(data["train"], cfg.seed, cfg.batch_size, accum, rt.rank, rt.device,
                            seq_len=lambda it: seq_len_at(it, cfg))
@@ -208,6 +205,9 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
     """The model for cfg.init_from, in the resolver's two steps: locate what it names, run the pre-flight checks on
     its architecture (core/training/preflight.py: nothing read or allocated yet), then build it. Returns it, the
     tokenizer metadata it is trained with, and for init_from=resume the checkpoint it resumes (checkpointing.restore)."""
+    data_vocab = data_meta.get("vocab_size")
+    if not isinstance(data_vocab, int):
+        raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
     overrides = {"dropout": cfg.dropout, "attn_backend": cfg.attn_backend}
     if cfg.init_from == "scratch":
         w = resolver.Weights("scratch", scratch_config(cfg, data_meta), "scratch", overrides=overrides)
@@ -218,9 +218,6 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
                             log=log)
     preflight.check_weights(cfg, w, data_meta, rt, log)
     model = resolver.build(w)
-    data_vocab = data_meta.get("vocab_size")
-    if not isinstance(data_vocab, int):
-        raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
     if w.kind not in ("scratch", "resume") and data_meta.get("special_tokens"):
         # Fine-tuning on a chat set: ids past the model's rows are the chat tokens appended to its vocabulary.
         model.grow_vocab(max(data_vocab, model.config.vocab_size))
@@ -231,27 +228,19 @@ def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
         model.crop_block_size(cfg.block_size)
     elif cfg.block_size > model.config.block_size:
         raise UserError(f"block_size {cfg.block_size} is larger than the model's {model.config.block_size}")
-    if w.kind == "resume":
-        return model, w.tokenizer_meta, w
-    return model, tokenizer_meta(data_meta), None
+    return (model, w.tokenizer_meta, w) if w.kind == "resume" else (model, tokenizer_meta(data_meta), None)
 
 
 def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
-    vocab = cfg.vocab_size or data_meta.get("vocab_size")
-    if not isinstance(vocab, int):
-        raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
-    return GPTConfig(**(cfg.model_args() | {"vocab_size": vocab}))
+    return GPTConfig(**(cfg.model_args() | {"vocab_size": cfg.vocab_size or data_meta["vocab_size"]}))
 
 
 @torch.no_grad()
 def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runtime.Runtime,
                   stopped=None) -> dict[str, float] | None:
-    """Mean loss over eval_iters fixed batches per split, shared among the processes; None if
-    stopped() (called before each batch, on every rank alike) said a signal came.
-
-    Eval batches come from their own generators, so evaluating never changes which
-    batches training reads, and every eval uses the same batches (comparable numbers).
-    """
+    """Mean loss over eval_iters fixed batches per split, shared among the processes; None if stopped() (called
+    before each batch, on every rank alike) said a signal came. The batches come from generators of their own, so
+    evaluating never changes which batches training reads, and every eval's numbers are comparable."""
     out = {}
     model.eval()
     # A bar on rank 0 for an eval that takes more than a few seconds (a GPU config on a CPU: minutes).

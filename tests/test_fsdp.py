@@ -340,6 +340,20 @@ def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data
     assert not (sharded_out / checkpointing.SHARDED_TEMP).exists()  # the partial shards removed
 
 
+def test_a_failed_shard_write_names_its_cause_and_keeps_the_checkpoints(sharded_out, monkeypatch):
+    """A shard write that fails for another reason than space is an OSError naming the writer's own error."""
+    model = GPT(GPTConfig(**read_json_meta(sharded_out / checkpoint.SHARDED_NAME)["model_args"]))
+
+    def denied(*args, **kwargs):
+        raise PermissionError("shard write denied")
+
+    monkeypatch.setattr(checkpointing.dcp.FileSystemWriter, "write_data", denied)
+    with pytest.raises(OSError, match=r"writing the shards failed \(.*shard write denied"):
+        checkpointing.save_sharded(sharded_out, {"iter_num": 99}, model, torch.optim.AdamW(model.parameters()))
+    assert not (sharded_out / checkpointing.SHARDED_TEMP).exists()
+    assert read_json_meta(sharded_out / checkpoint.SHARDED_NAME)["iter_num"] == 20
+
+
 def test_parallel_mistakes_are_one_line(sharded_out, data_dir):
     """An unknown parallel, float16 with fsdp, and resuming with the other parallel's checkpoint format."""
     import train

@@ -281,12 +281,14 @@ def test_equal_rewards_teach_nothing(chat_run, tmp_path):
         assert all(r["reward"] == 1.0 for r in steps(tmp_path / f"rl{std}"))
 
 
-def test_resume_continues_bit_for_bit(chat_run, tmp_path):
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_resume_continues_bit_for_bit(chat_run, tmp_path, kl_coef):
     """Six iterations straight, and three then a resume for three more: the same replies, rewards, losses and
-    weights (the prompts and each prompt's generator follow from seed, iteration and prompt)."""
-    run_rl(chat_run, tmp_path / "whole", max_iters=6, eval_interval=3)
-    run_rl(chat_run, tmp_path / "parts", max_iters=3, eval_interval=3)
-    run_rl(chat_run, tmp_path / "parts", init_from="resume", max_iters=6, eval_interval=3)
+    weights (the prompts and each prompt's generator follow from seed, iteration and prompt; the KL term's
+    reference is the run it started from, not the policy it resumes)."""
+    run_rl(chat_run, tmp_path / "whole", max_iters=6, eval_interval=3, kl_coef=kl_coef)
+    run_rl(chat_run, tmp_path / "parts", max_iters=3, eval_interval=3, kl_coef=kl_coef)
+    run_rl(chat_run, tmp_path / "parts", init_from="resume", max_iters=6, eval_interval=3, kl_coef=kl_coef)
     assert steps(tmp_path / "parts") == steps(tmp_path / "whole")
     assert heldout(tmp_path / "parts") == heldout(tmp_path / "whole")
     whole = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)

@@ -362,6 +362,12 @@ def test_progress_position_eta_total_time_and_timestamped_log(tmp_path, data_dir
     assert resumed and min(r["elapsed_s"] for r in resumed) >= elapsed[-1]
 
 
+def test_wandb_log_without_wandb_is_one_line(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as where it is not installed
+    result = run_main(train.main, tiny_argv(out_dir=str(tmp_path / "out"), data_dir=str(data_dir), wandb_log=True))
+    assert_user_error(result, "wandb_log=True needs wandb: pip install wandb")
+
+
 # --- the sequence-length warm-up (seq_len_warmup_iters) ------------------------------------------
 
 

@@ -1,12 +1,6 @@
-"""Checkpoints, saved: a training run's side (the format, and reading it for every script:
-core/weights/checkpoint.py).
-
-save() is train.py's one call: it refuses non-finite weights, so the last good checkpoint stays, and
-gathers every rank's RNG states. Unsharded, rank 0 writes ckpt.pt: first ckpt.prev.pt becomes a copy
-of the current ckpt.pt, then ckpt.pt is replaced atomically, so at every instant both names hold
-complete checkpoints. Sharded (fsdp), every process writes its own shards into a temporary directory
-that rank 0 completes (rng.pt, then meta.json last) and renames into place, the current ckpt.dcp
-becoming ckpt.prev.dcp. A resume reads the optimizer and RNG states back (restore).
+"""Checkpoints, saved (save) and resumed (restore): a training run's side; the format, and reading it for every
+script, is core/weights/checkpoint.py. A kill at any instant leaves a complete checkpoint under the current name
+or the previous one (ckpt.prev.pt, ckpt.prev.dcp), so it never costs more than the newest save.
 """
 import json
 import os
@@ -30,12 +24,8 @@ from core.weights.checkpoint import (CKPT_NAME, FORMAT, META_NAME, PREV_NAME, PR
 
 def save(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module, optimizer, scaler, rt: Runtime,
          sharded: bool) -> Path | None:
-    """Save a training run's checkpoint; every rank calls it. Returns the path written (None on ranks other than 0).
-
-    `model` is the plain module (never the compiled or DDP-wrapped one). Non-finite weights are refused, so the
-    last good checkpoint stays. Unsharded, rank 0 writes ckpt.pt and the other ranks wait for it and fail with
-    it; sharded (fsdp), every rank writes its own shards into ckpt.dcp.
-    """
+    """Every rank calls it, with the plain module (never the compiled or DDP-wrapped one). Returns the path
+    written (None on ranks other than 0). Non-finite weights are refused, so the last good checkpoint stays."""
     if not all_finite(model, rt):
         raise UserError(f"the model has non-finite weights at iter {meta['iter_num']}; not saving over the last "
                         f"good checkpoint in {out_dir}")
@@ -97,27 +87,21 @@ def all_finite(module: torch.nn.Module, rt: Runtime) -> bool:
 
 
 def gather_rng(rt: Runtime) -> dict:
-    """Every rank's RNG states (dropout draws from them), collected on each rank."""
+    """Every rank's RNG states (dropout draws from them), on each rank: {"cpu": [rank 0's, ...], "cuda": [...]}."""
     states = {"cpu": torch.get_rng_state()}
     if rt.device_type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(rt.device)
-    if not rt.distributed:
-        return {k: [v] for k, v in states.items()}
-    comm_device = rt.device if rt.device_type == "cuda" else "cpu"
-    gathered = {}
-    for key, state in states.items():
-        parts = [torch.empty_like(state, device=comm_device) for _ in range(rt.world_size)]
-        dist.all_gather(parts, state.to(comm_device))
-        gathered[key] = [p.cpu() for p in parts]
-    return gathered
+    every = [states]
+    if rt.distributed:
+        every = [None] * rt.world_size
+        dist.all_gather_object(every, states, group=rt.flag_group)  # host-side: the states are CPU tensors
+    return {k: [s[k] for s in every] for k in states}
 
 
 def restore(resumed, model: torch.nn.Module, optimizer, scaler, rt: Runtime, log) -> tuple[int, float]:
     """Load the optimizer, loss scaler and RNG states (and, for fsdp, the sharded weights) of the checkpoint
-    being resumed (resumed: core/weights/resolver.py's Weights, its state read from resumed.path); returns its
-    (iter_num, best_val_loss)."""
-    state = resumed.state
-    meta = state["meta"]
+    being resumed (resumed: core/weights/resolver.py's Weights); returns its (iter_num, best_val_loss)."""
+    state, meta = resumed.state, resumed.state["meta"]
     if state["model"] is None:  # fsdp: every rank reads its own shards
         with optim.restoring(optimizer, meta["config"].get("optimizer", "adamw")):
             state["rng"] = load_sharded(resumed.path, model, optimizer)
@@ -127,20 +111,17 @@ def restore(resumed, model: torch.nn.Module, optimizer, scaler, rt: Runtime, log
         optim.load_state(optimizer, state["optimizer"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    restore_rng(state["rng"], rt, log)
-    return meta["iter_num"], meta["best_val_loss"]
-
-
-def restore_rng(rng: dict | None, rt: Runtime, log) -> None:
+    rng = state["rng"]
     saved = len(rng["cpu"]) if rng else 0
     if saved != rt.world_size:
         log(f"note: the checkpoint was saved by {saved or 'an unknown number of'} process(es), this run has "
             f"{rt.world_size}: each iteration reads the same global batch (from seed and iteration), but dropout "
             f"draws are re-seeded, so losses will not repeat the first run's bit for bit")
-        return
-    torch.set_rng_state(rng["cpu"][rt.rank])
-    if rt.device_type == "cuda" and "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
+    else:
+        torch.set_rng_state(rng["cpu"][rt.rank])
+        if rt.device_type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"][rt.rank], rt.device)
+    return meta["iter_num"], meta["best_val_loss"]
 
 
 # -----------------------------------------------------------------------------
@@ -149,40 +130,27 @@ def restore_rng(rng: dict | None, rt: Runtime, log) -> None:
 
 def save_checkpoint(out_dir: str | os.PathLike, meta: dict[str, Any], model: dict, optimizer: dict | None = None,
                     scaler: dict | None = None, rng: dict | None = None) -> Path:
-    """Write out_dir/ckpt.pt atomically, keeping the previous one as ckpt.prev.pt.
-
-    Raises OSError (e.g. disk full) with both earlier files intact.
-    """
+    """Write out_dir/ckpt.pt atomically, the current one first becoming ckpt.prev.pt (a hard link where it can).
+    Raises OSError (e.g. disk full) with both earlier files intact."""
     path = Path(out_dir) / CKPT_NAME
     state = {"format": FORMAT, "meta": json.dumps(meta), "model": model,
              "optimizer": optimizer, "scaler": scaler, "rng": rng}
     remove_orphaned_temps(out_dir)  # left by a run killed mid-save
-    _keep_previous(path)
+    if path.exists():
+        with atomic_path(path.with_name(PREV_NAME)) as tmp:
+            try:
+                os.link(path, tmp)
+            except OSError:
+                shutil.copyfile(path, tmp)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         torch.save(state, f)  # through a Python file: a full disk is then an OSError (ENOSPC), not C++'s own error
     return path
-
-
-def _keep_previous(path: Path) -> None:
-    """Make PREV_NAME a complete copy of the current checkpoint (hard link when possible)."""
-    if not path.exists():
-        return
-    prev = path.with_name(PREV_NAME)
-    with atomic_path(prev) as tmp:
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
 
 
 # -----------------------------------------------------------------------------
 # sharded checkpoints (parallel="fsdp"): torch.distributed.checkpoint
 
 SHARDED_TEMP = ".ckpt.dcp.tmp"  # one name for every process; a run killed mid-save leaves it, the next save clears it
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _agree(ok: bool, error: str) -> None:
@@ -197,17 +165,13 @@ def _agree(ok: bool, error: str) -> None:
 
 def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, rng: dict | None = None) -> Path:
-    """Write out_dir/ckpt.dcp, keeping the previous one as ckpt.prev.dcp. Every process calls it.
-
-    Each process writes its own shards of `model` and `optimizer` (as get_state_dict returns them:
-    DTensor shards under fully_shard, full tensors on one process) into SHARDED_TEMP; rank 0 then adds
-    rng.pt and meta.json and renames the directory into place. Raises OSError with both earlier
-    checkpoints intact.
-    """
-    out_dir = Path(out_dir)
+    """Write out_dir/ckpt.dcp, the current one becoming ckpt.prev.dcp; every process writes its own shards into
+    SHARDED_TEMP, then rank 0 adds rng.pt and meta.json, last, and renames it into place. Raises OSError with both
+    earlier checkpoints intact."""
+    out_dir, rank0 = Path(out_dir), not dist.is_initialized() or dist.get_rank() == 0
     tmp = out_dir / SHARDED_TEMP
     ok = True
-    if _rank() == 0:
+    if rank0:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -220,18 +184,24 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
             dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(tmp),
                      no_dist=not dist.is_initialized())
     except dcp.api.CheckpointException as e:  # every rank is past its writes: rank 0 may remove them
-        if _rank() == 0:
+        if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(f"writing the shards failed ({_first_failure(e)})") from None
+        failures = list(getattr(e, "failures", {}).values())
+        raise OSError(f"writing the shards failed ({first_line(failures[0] if failures else e)})") from None
     ok, error = True, ""
-    if _rank() == 0:
+    if rank0:
         try:
             if rng is not None:
                 torch.save(rng, tmp / RNG_NAME)
             files = {p.name: crc32(p) for p in sorted(tmp.iterdir())}
             write_json(tmp / META_NAME, {"format": SHARDED_FORMAT, "meta": meta, "files": files})
             fsync_dir(tmp)
-            _replace_dir(tmp, out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME)
+            path, prev = out_dir / SHARDED_NAME, out_dir / PREV_SHARDED_NAME
+            if path.exists():  # killed between the two renames: ckpt.prev.dcp is complete (resume falls back to it)
+                shutil.rmtree(prev, ignore_errors=True)
+                os.replace(path, prev)
+            os.replace(tmp, path)
+            fsync_dir(out_dir)
         except OSError as e:
             ok, error = False, f"{e.strerror or e}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -239,24 +209,9 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
     return out_dir / SHARDED_NAME
 
 
-def _first_failure(e: "dcp.api.CheckpointException") -> str:
-    failures = list(getattr(e, "failures", {}).values())
-    return first_line(failures[0]) if failures else first_line(e)
-
-
-def _replace_dir(new: Path, path: Path, prev: Path) -> None:
-    """Rename `new` to `path`, the current `path` becoming `prev`. A kill at any moment leaves a complete
-    checkpoint at `path` or, between the two renames, at `prev` (load_latest_sharded falls back to it)."""
-    if path.exists():
-        shutil.rmtree(prev, ignore_errors=True)
-        os.replace(path, prev)
-    os.replace(new, path)
-    fsync_dir(path.parent)
-
-
 def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> dict | None:
-    """Load a sharded checkpoint into `model` and `optimizer`, sharded or not, at any number of
-    processes; every process calls it. Returns the saved RNG states (rng.pt), or None."""
+    """Load a sharded checkpoint into `model` and `optimizer`, sharded or not, at any number of processes;
+    every process calls it. Returns the saved RNG states (rng.pt), or None."""
     optimizers = optim.torch_optimizers(optimizer)
     model_state, optim_state = get_state_dict(model, optimizers)
     state = {"model": model_state, "optimizer": optim_state}

@@ -25,10 +25,9 @@ DATASHEET_PEAK_FLOPS = (
 
 def cpu_matmul_peak_flops(n: int = 1024, repeats: int = 10, dtype: torch.dtype = torch.float32,
                           budget_s: float = 1.0) -> float:
-    """Measured matmul FLOP/s in `dtype` on this CPU, with torch's current thread count: the honest
-    'peak' for CPU MFU. The fastest of several runs, since a peak is what the hardware can reach
-    and slower runs only measure other processes sharing the cores; fewer once they take budget_s (a
-    half precision the CPU only emulates takes seconds a matmul)."""
+    """Measured matmul FLOP/s in `dtype` on this CPU, with torch's thread count: the honest 'peak' for CPU MFU. The
+    fastest of several runs (slower ones measure other processes sharing the cores); fewer once they take budget_s
+    (a half precision the CPU only emulates takes seconds a matmul)."""
     gen = torch.Generator().manual_seed(0)  # never touch the global RNG: training draws from it
     a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
     a @ b  # warm-up

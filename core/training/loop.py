@@ -15,8 +15,8 @@ from core.weights import resolver
 
 
 def start(cls: type, argv, train) -> None:
-    """A training script's main: its config (a RunConfig subclass, parse_config), the runtime, then
-    train(cfg, rt, stop); running out of memory is one line, and the runtime is torn down however it ends."""
+    """A training script's main: its config (a RunConfig subclass), the runtime, then train(cfg, rt, stop);
+    running out of memory is one line, and the runtime is torn down however it ends."""
     # From the start: joining the process group, reading data and building the model can take minutes, and
     # under torchrun the SIGTERM it sends when another process fails must not cut this one's error short.
     stop = runtime.StopFlag(announce=runtime.dist_env()[0] == 0, message="stopping before training starts").install()
@@ -34,11 +34,9 @@ def start(cls: type, argv, train) -> None:
 
 
 def parse_config(cls: type, argv):
-    """cls's defaults, then config files, then --key=value; with init_from=resume, the run's own
-    out_dir/config.json in place of the defaults, so `--init_from=resume --out_dir=RUN` is the whole command.
-    init_from=auto becomes resume when out_dir holds a checkpoint, else scratch (run_dir.auto_init_from).
-    Keys given still apply on top of it (max_iters, eval_interval, ...); those a checkpoint cannot take, such
-    as another n_layer, are refused when the checkpoint loads."""
+    """cls's defaults, then config files, then --key=value; a resume starts from the run's own config.json
+    (run_dir.resumed_config) instead of the defaults. Keys a checkpoint cannot take, such as another n_layer,
+    are refused when it loads."""
     cfg = configlib.parse_args(cls, argv, validate=False)
     init_from = cfg.init_from
     if init_from == "auto" and cls.starts_from_scratch:  # decided here, once: resume or scratch from now on
@@ -51,11 +49,10 @@ def parse_config(cls: type, argv):
 
 def optimizer_step(model, optimizer, scaler, loss_sum: torch.Tensor, cfg, rt: runtime.Runtime,
                    stop: runtime.StopFlag, iter_num: int) -> bool:
-    """The step's tail, once every micro-step's backward is done: the non-finite guard, then clip the gradients
-    to cfg.grad_clip, step and zero them. loss_sum: this process's loss (a tensor on the device). Returns whether
-    a stop was asked for on any rank."""
-    # The guard: the step's one host sync, since it must see this loss before the update.
-    # The stop flags travel with it on a host-side group, so the device is not left waiting.
+    """The step's tail, once every micro-step's backward is done: the guard, clip, step, zero the gradients.
+    loss_sum: this process's loss (a tensor on the device). Returns whether a stop was asked for on any rank."""
+    # The guard: the step's one host sync, since it must see this loss before the update. The stop flags travel
+    # with it on a host-side group, so the device is not left waiting.
     stop_requested, any_bad = rt.any_rank(stop.requested, not math.isfinite(loss_sum.item()))
     if any_bad:
         raise UserError(f"loss is {global_mean(loss_sum, rt)} at iter {iter_num}; stopped before the optimizer step, "

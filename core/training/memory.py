@@ -1,14 +1,9 @@
 """Training memory: a rough estimate from the model's shape alone, what a device has free, and
 out-of-memory errors turned into one line.
 
-    est = estimate_training_memory(GPTConfig(...), batch_size=12, optimizer="adamw")
-    est.total, est.params, est.grads, est.optimizer, est.activations   # bytes
-
-The estimate is a pure function of the config: the parameter count is exact (the model is built on
-the meta device, so every GPTConfig switch counts), weights, gradients and optimizer state follow
-from it, and activations use the per-layer count of Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", section 4.1), which is rough. It is used to refuse runs
-that plainly do not fit, never to tune one.
+The estimate is a pure function of the config: the parameter count is exact (the model is built on the meta
+device, so every GPTConfig switch counts), and activations use Korthikanti et al. 2022's per-layer count (section
+4.1), which is rough: it refuses runs that plainly do not fit, never tunes one.
 """
 import dataclasses
 import os
@@ -19,11 +14,6 @@ from core.errors import UserError, first_line
 from core.fileio import format_bytes
 from core.training.optim import OPTIMIZERS
 from model import GPT
-
-# fp32 state tensors the optimizer keeps per parameter: AdamW's two moments; Muon's momentum for
-# the hidden matrices (its embeddings, head and gains go to AdamW, two each).
-ADAMW_SLOTS = 2
-MUON_SLOTS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,33 +39,24 @@ def parameter_count(config) -> int:
     return sum(p.numel() for _, p in _params_on_meta(config))
 
 
-def optimizer_slots(name: str, param: torch.Tensor, optimizer: str) -> int:
-    if optimizer == "muon" and name.startswith("transformer.h.") and param.dim() == 2:
-        return MUON_SLOTS
-    return ADAMW_SLOTS
-
-
 def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
                              param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
                              seq_len: int | None = None, shards: int = 1, micro_steps: int = 1,
                              activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (default block_size) tokens.
-
-    Weights and gradients are param_dtype; optimizer state is fp32; activations are compute_dtype
-    (autocast's, default param_dtype). One micro-batch's activations are alive at a time, so
-    gradient accumulation does not change the estimate.
-    shards > 1 (parallel=fsdp on that many processes): each keeps 1/shards of the weights, gradients
-    and optimizer state, plus the compute_dtype weights and param_dtype gradients of the Blocks
-    gathered at a time: two (the one running, the next prefetched), or with micro_steps > 1 every
-    one, since they stay gathered between micro-steps (core/training/parallel.py micro_step).
-    activation_checkpointing: a layer keeps only its input, and one layer its whole set while it
-    is recomputed in the backward pass."""
+    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (default block_size) tokens: weights
+    and gradients in param_dtype, optimizer state in fp32, activations in compute_dtype (autocast's, default
+    param_dtype), one micro-batch's at a time. shards > 1 (fsdp): 1/shards of each, plus the Blocks gathered at a
+    time: two (the one running, the next prefetched), or with micro_steps > 1 every one, since they stay gathered
+    between micro-steps (parallel.micro_step). activation_checkpointing: a layer keeps only its input, and one
+    layer its whole set while it is recomputed in the backward pass."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     params = _params_on_meta(config)
     n = sum(p.numel() for _, p in params)
     weight = torch.empty((), dtype=param_dtype).element_size()
-    state = sum(p.numel() * optimizer_slots(name, p, optimizer) for name, p in params) * 4
+    # fp32 state per parameter: AdamW's two moments; Muon's momentum alone for the hidden matrices.
+    state = 4 * sum(p.numel() * (1 if optimizer == "muon" and name.startswith("transformer.h.") and p.dim() == 2
+                                 else 2) for name, p in params)
     act = torch.empty((), dtype=compute_dtype or param_dtype).element_size()
     B, T, C = batch_size, seq_len or config.block_size, config.n_embd
     # Korthikanti et al.: a layer keeps 34 * B*T*C bytes at 2 bytes an element, i.e. 17 elements per

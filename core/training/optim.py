@@ -8,12 +8,7 @@ Muon (Jordan et al. 2024, torch.optim.Muon) orthogonalises each 2-D update with 
 iteration, so every direction of a weight matrix moves at the same rate. It is meant for the
 hidden matrices only: the embedding is a lookup table (one row per token, not a linear map), the
 head's rows are read one per token too, and gains and biases are vectors. Those stay on AdamW
-(modded-nanogpt, nanochat do the same).
-
-Newton-Schulz runs in bfloat16 only where the device computes bf16 natively (runtime.native_bf16:
-CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM BF16), in float32 elsewhere, most laptop and desktop
-CPUs among them. Every device gets BatchedMuon: torch's step with each shape's updates orthogonalised as one
-batch, in the dtype chosen.
+(modded-nanogpt, nanochat do the same). Every device gets BatchedMuon, torch's step batched per shape.
 """
 import contextlib
 import math
@@ -27,11 +22,9 @@ from core.runtime import native_bf16
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
-# Newton-Schulz's polynomials. "quintic": torch's (Jordan's) one polynomial at every step. "polar_express"
-# (Amsel et al. 2025, "The Polar Express"; modded-nanogpt's 5-step schedule, its 2% safety factor): a
-# polynomial of its own per step, fitted to where the spectrum stands after the steps before. Five steps
-# end closer to orthogonal than the quintic's five; it is a five-step schedule, and its first four leave
-# singular values as far as 1.58 (tests/test_recipe.py).
+# Newton-Schulz's polynomials. "quintic": torch's (Jordan's) one at every step. "polar_express" (Amsel et al. 2025;
+# modded-nanogpt's 5-step schedule): one per step, fitted to where the spectrum stands after the steps before. Its
+# five steps end closer to orthogonal than the quintic's; its first four leave singular values as far as 1.58.
 NS_COEFFICIENTS = ("quintic", "polar_express")
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -42,10 +35,8 @@ POLAR_EXPRESS_SAFETY = 1.02  # the schedule starts from X / (1.02 |X|_F): spectr
 
 
 class MultiOptimizer:
-    """Several torch optimizers stepped as one: the loop, GradScaler and checkpoints see one object.
-
-    param_groups is every optimizer's groups in order (GradScaler unscales through it), and
-    state_dict holds each optimizer's state under its name, so a resume restores all of them."""
+    """Several torch optimizers stepped as one: the loop, GradScaler (through param_groups) and checkpoints (each
+    optimizer's state under its name) see one object."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -80,16 +71,10 @@ def torch_optimizers(optimizer) -> tuple[torch.optim.Optimizer, ...]:
 
 
 def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Named parameters by role: "hidden" (the weights of Linear layers inside transformer.h),
-    "matrix" (other >= 2-D parameters: embeddings, an untied head) and "vector" (gains, biases)."""
+    """{"hidden": Muon's matrices, by name}: the weights of the Linear layers inside transformer.h. The rest
+    (embeddings, an untied head, gains, biases) is AdamW's (GPT.decay_groups)."""
     hidden = {id(m.weight) for block in model.transformer.h for m in block.modules() if isinstance(m, nn.Linear)}
-    groups = {"hidden": [], "matrix": [], "vector": []}
-    for name, p in model.named_parameters():  # a tied head is the same Parameter as wte: listed once
-        if not p.requires_grad:
-            continue
-        role = "hidden" if id(p) in hidden else "matrix" if p.dim() >= 2 else "vector"
-        groups[role].append((name, p))
-    return groups
+    return {"hidden": [(name, p) for name, p in model.named_parameters() if id(p) in hidden and p.requires_grad]}
 
 
 def check_muon_params(named: list[tuple[str, nn.Parameter]]) -> None:
@@ -104,13 +89,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
                     betas: tuple[float, float], device_type: str, muon_lr: float = 0.02,
                     muon_momentum: float = 0.95, muon_weight_decay: float = 0.0, muon_ns_steps: int = 5,
                     muon_ns_coefficients: str = "quintic"):
-    """AdamW (a torch.optim.AdamW), or Muon + AdamW (a MultiOptimizer of "muon" and "adamw").
-
-    AdamW's two groups are the model's own (GPT.decay_groups: >= 2-D weights decayed, the rest not). Every
-    group records its own peak learning rate as "base_lr"; set_lr scales them all by the schedule. muon_ns_steps: Newton-Schulz iterations per
-    Muon update (torch's default 5), each three matmuls per matrix: a cost per step, whatever the batch.
-    muon_ns_coefficients: NS_COEFFICIENTS (torch's own step holds one polynomial for all steps; BatchedMuon
-    takes one per step)."""
+    """AdamW over GPT.decay_groups, or Muon + AdamW (a MultiOptimizer of "muon" and "adamw"). Every group
+    records its own peak learning rate as "base_lr"; set_lr scales them all by the schedule."""
     if optimizer not in OPTIMIZERS:
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     groups = split_params(model)
@@ -120,10 +100,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     if optimizer == "adamw":
         return adamw
     check_muon_params(groups["hidden"])
-    # torch's own step takes one matrix at a time, small matmuls that leave a CPU's other cores and most of a
-    # GPU idle; BatchedMuon takes one batched matmul per shape, the same update in bf16 (tests/test_recipe.py),
-    # and is the faster on a native-bf16 CPU and on an H200 (docs/performance.md, Muon's step alone).
-    # Newton-Schulz in bf16 where it is native, float32 where bf16 would be emulated.
+    # Newton-Schulz in bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM
+    # BF16), float32 where bf16 would be emulated (most laptop and desktop CPUs).
     extra = {"ns_dtype": torch.bfloat16 if native_bf16(device_type) else torch.float32}
     if muon_ns_coefficients != "quintic":
         extra["ns_coefficients"] = ns_schedule(muon_ns_coefficients, muon_ns_steps)
@@ -146,27 +124,17 @@ def ns_schedule(kind: str, steps: int) -> tuple[tuple[float, float, float], ...]
     return ((a / s, b / s ** 3, c / s ** 5),) + POLAR_EXPRESS[1:steps]
 
 
-def per_step(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
-    """One (a, b, c) for every step (torch's ns_coefficients), or a schedule of one per step (ns_schedule)."""
-    if isinstance(coefficients[0], (tuple, list)):
-        if len(coefficients) < steps:
-            raise ValueError(f"a Newton-Schulz schedule of {len(coefficients)} polynomials cannot run {steps} steps")
-        return tuple(coefficients)[:steps]
-    return (tuple(coefficients),) * steps
-
-
 def newton_schulz(grad: torch.Tensor, coefficients, steps: int,
                   eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Muon's orthogonalisation of a 2-D update, or of a batch (k, m, n) of them, each on its own:
-    torch.optim._muon._zeropower_via_newtonschulz's quintic iteration X <- a X + (b A + c A²) X,
-    A = X Xᵀ, in `dtype` (torch's is bfloat16 always). coefficients: one (a, b, c) for every step, as
-    torch's, or one per step (ns_schedule).
-
-    On a wide matrix (m x n, n > 1.5 m) the same iterates come from m x m products alone, with fewer
-    FLOPs (gram_newton_schulz), in float32 or float64 only: in bfloat16 the Gram matrix's powers lose the
-    small singular values (relative error 2.1 against the loop's 0.08 on a decaying spectrum). DTensor
-    shards (fully_shard) take the loop, whose matmuls gather what they need as torch's do."""
-    schedule = per_step(coefficients, steps)
+    """Muon's orthogonalisation of a 2-D update, or of a batch (k, m, n) of them, each on its own: torch's
+    quintic iteration X <- a X + (b A + c A²) X, A = X Xᵀ, in `dtype` (torch's is bfloat16 always).
+    coefficients: one (a, b, c) for every step, as torch's, or one per step (ns_schedule). A wide matrix takes
+    gram_newton_schulz in float32 or float64 only: in bfloat16 the Gram matrix's powers lose the small singular
+    values (relative error 2.1 against the loop's 0.08 on a decaying spectrum). DTensor shards (fully_shard)
+    take the loop, whose matmuls gather what they need as torch's do."""
+    schedule = tuple(coefficients)[:steps] if isinstance(coefficients[0], (tuple, list)) else (coefficients,) * steps
+    if len(schedule) < steps:
+        raise ValueError(f"a Newton-Schulz schedule of {len(schedule)} polynomials cannot run {steps} steps")
     x = grad.to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:
@@ -184,14 +152,12 @@ def newton_schulz(grad: torch.Tensor, coefficients, steps: int,
 
 
 def gram_newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, float], ...]) -> torch.Tensor:
-    """The Newton-Schulz iterates of x (m, n) or (k, m, n), m <= n, through the Gram matrix G = x xᵀ (m, m),
-    step k's polynomial schedule[k] = (a, b, c).
-
-    Each iterate is X_k = Q_k x with Q_k a polynomial in G, so A_k = X_k X_kᵀ and the step's
-    P_k = a I + b A_k + c A_k² all commute: Q_{k+1} = P_k Q_k and A_{k+1} = P_k A_k P_k. The loop costs
-    steps x (4m²n + 2m³) FLOPs; this costs 4m²n + (4 steps - 3) x 2m³, less whenever n > 1.5 m
-    (config/modern.py's quick start: 37% less Newton-Schulz, tests/test_recipe.py). It equals the loop
-    to 1e-12 in float64; in float32 it is within 1e-4 of exact (the loop: 4e-5; bfloat16: 1e-2 to 8e-2)."""
+    """The Newton-Schulz iterates of x (m, n) or (k, m, n), m <= n, through the Gram matrix G = x xᵀ (m, m), step
+    k's polynomial schedule[k] = (a, b, c). Each iterate is X_k = Q_k x with Q_k a polynomial in G, so
+    A_k = X_k X_kᵀ and the step's P_k = a I + b A_k + c A_k² all commute: Q_{k+1} = P_k Q_k and
+    A_{k+1} = P_k A_k P_k. The loop costs steps x (4m²n + 2m³) FLOPs; this costs 4m²n + (4 steps - 3) x 2m³, less
+    whenever n > 1.5 m (config/modern.py's quick start: 37% less Newton-Schulz, tests/test_recipe.py). It equals
+    the loop to 1e-12 in float64; in float32 it is within 1e-4 of exact (the loop: 4e-5; bfloat16: 1e-2 to 8e-2)."""
     addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     gram = x @ x.mT  # A_0 (m, m)
     q, steps = None, len(schedule)
@@ -208,16 +174,13 @@ def gram_newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, floa
 
 
 class BatchedMuon(torch.optim.Muon):
-    """torch.optim.Muon with Newton-Schulz in `ns_dtype`, and each shape's updates as one batch.
+    """torch.optim.Muon with Newton-Schulz in `ns_dtype`, and each shape's updates as one batch (k, m, n).
 
-    torch runs Newton-Schulz in bfloat16 unconditionally (grad.bfloat16() in torch/optim/_muon.py).
-    Where bf16 is emulated, as on every AVX2-only CPU, that is the whole cost of a step (config/modern.py
-    : docs/performance.md's Muon tables, the avx2 env rows), and float32 is both fast and closer
-    to the exact orthogonalisation (tests/test_recipe.py measures both). torch offers no dtype switch,
-    so this step is torch's _single_tensor_muon line for line with the one call swapped, that call
-    taking each shape's updates as one batch (k, m, n). The state ("momentum_buffer" per parameter) and
-    param_groups are torch's own, so checkpoints move between the two classes; tests/test_recipe.py
-    pins the step to torch's update."""
+    torch runs Newton-Schulz in bfloat16 unconditionally. Where bf16 is emulated, as on every AVX2-only CPU,
+    that is the whole cost of a step (docs/performance.md's Muon tables), and float32 is both fast and closer
+    to the exact orthogonalisation. torch offers no dtype switch, so this step is torch's _single_tensor_muon
+    line for line with that one call swapped. The state and param_groups are torch's own, so checkpoints move
+    between the two classes; tests/test_recipe.py pins the step to torch's update."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs):
         super().__init__(params, **kwargs)
@@ -242,23 +205,17 @@ class BatchedMuon(torch.optim.Muon):
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 updates.setdefault(p.shape if type(update) is torch.Tensor else id(p), []).append((p, update))
+            args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
             for batch in updates.values():
                 params, ups = zip(*batch)
-                orthogonal = self._orthogonalise(ups, group)
+                # One batched matmul per Newton-Schulz step for all k, which two cores share where k small ones
+                # mostly wait on each other (docs/performance.md, Muon's step alone). A DTensor shard: alone.
+                orthogonal = (newton_schulz(torch.stack(ups), *args).unbind(0) if type(ups[0]) is torch.Tensor
+                              else [newton_schulz(u, *args) for u in ups])
                 for p, update in zip(params, orthogonal):
                     p.mul_(1 - lr * group["weight_decay"])
                     p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
-
-    def _orthogonalise(self, updates: tuple[torch.Tensor, ...], group: dict) -> list[torch.Tensor]:
-        """Newton-Schulz of equal-shape updates as one batch (k, m, n): each step is then one batched
-        matmul for all k, which two cores share where k small ones of one layer's size mostly wait on
-        each other (docs/performance.md, Muon's step alone). DTensor shards go one at a time, as in
-        torch's step."""
-        args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-        if type(updates[0]) is not torch.Tensor:
-            return [newton_schulz(u, *args) for u in updates]
-        return list(newton_schulz(torch.stack(updates), *args).unbind(0))
 
 
 def load_state(optimizer, state: dict) -> None:
@@ -272,10 +229,9 @@ RESUME_KEEPS = ("base_lr", "ns_steps", "ns_coefficients")  # group settings a re
 
 @contextlib.contextmanager
 def restoring(optimizer, saved_kind: str):
-    """Around any load of a checkpoint's state into `optimizer` (a ckpt.pt's, or a sharded one's through
-    torch.distributed.checkpoint): the kinds must match, and the learning rates and Newton-Schulz settings
-    stay the ones this run was configured with (both loads bring back the saved groups' settings): a
-    resume may change learning_rate, muon_lr, muon_ns_steps or muon_ns_coefficients."""
+    """Around any load of a checkpoint's state into `optimizer` (ckpt.pt's or ckpt.dcp's): the kinds must match,
+    and the rates and Newton-Schulz settings stay this run's (the loads bring back the saved groups'): a resume
+    may change learning_rate, muon_lr, muon_ns_steps or muon_ns_coefficients."""
     kind = "muon" if isinstance(optimizer, MultiOptimizer) else "adamw"
     if saved_kind != kind:
         raise UserError(f"the checkpoint was trained with optimizer={saved_kind}, this run uses optimizer={kind}; "
@@ -294,13 +250,10 @@ def set_lr(optimizer, scale: float) -> None:
 
 def lr_at(it: int, peak: float, min_lr: float, warmup_iters: int, decay_iters: int, schedule: str = "cosine",
           cooldown_frac: float = 0.2) -> float:
-    """The learning rate at iteration `it`: linear warmup over warmup_iters, then down to min_lr at
-    decay_iters, then min_lr.
-
-    "cosine" (nanoGPT, GPT-3): a half cosine from peak to min_lr over the whole decay. "wsd"
-    (warmup-stable-decay, Hu et al. 2024 "MiniCPM"; modded-nanogpt's schedule): the peak until the last
-    cooldown_frac of decay_iters, then a straight line to min_lr. The loss falls fastest while the rate
-    comes down, and a stable phase keeps the rate high for longer before that."""
+    """Linear warmup over warmup_iters, then down to min_lr at decay_iters, then min_lr. "cosine" (nanoGPT):
+    a half cosine over the whole decay. "wsd" (warmup-stable-decay, Hu et al. 2024 "MiniCPM"; modded-nanogpt's):
+    the peak until the last cooldown_frac of decay_iters, then a straight line: the loss falls fastest while
+    the rate comes down, and the stable phase keeps it high for longer before that."""
     if it < warmup_iters:
         return peak * (it + 1) / (warmup_iters + 1)
     if it >= decay_iters:

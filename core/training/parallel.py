@@ -1,9 +1,5 @@
-"""Data parallelism, activation checkpointing, compile and the CPU's kernel choices, applied to the model from outside.
-
-    model = parallel.parallelize(raw_model, rt, "fsdp", activation_checkpointing=True, compile=False)
-    optimizer = ...built from raw_model.parameters() AFTER this call (fsdp replaces them by shards)
-    with parallel.micro_step(model, rt, "fsdp", last=micro == accum - 1):
-        loss.backward()
+"""Data parallelism, activation checkpointing, compile and the CPU's kernel choices, applied to the model from
+outside: the optimizer is built after parallelize (fsdp replaces the parameters by shards).
 
 ddp   every process holds the full weights, gradients and optimizer state (16 bytes per parameter
       with AdamW in float32); DistributedDataParallel all-reduces the gradients.
@@ -11,9 +7,7 @@ fsdp  torch.distributed.fsdp.fully_shard (FSDP2) on each Block, then on the root
       1/N of every parameter, gradient and optimizer state, as DTensors. A Block's full weights are
       all-gathered just before it runs and freed after it; gradients are reduce-scattered. This is
       torchtitan's recipe (models/llama3/infra/parallelize.py), with PyTorch's own sharding.
-One process: neither wrapper; plain training, the same code path.
-
-The model never knows: GPT's parameter names, forward and state_dict keys stay as they are.
+One process: neither wrapper, the same code path. GPT's parameter names and state_dict keys stay as they are.
 """
 import contextlib
 
@@ -39,10 +33,8 @@ def check_parallel(parallel: str, dtype: str) -> None:
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Keep only each Block's input in the forward pass and recompute its insides in the backward pass.
-
-    checkpoint_wrapper (non-reentrant torch.utils.checkpoint) replaces each Block in the ModuleList;
-    its state_dict hooks drop the wrapper's prefix, so checkpoints keep GPT's names."""
+    """Keep only each Block's input in the forward pass and recompute its insides in the backward pass. The
+    wrapper's state_dict hooks drop its prefix, so checkpoints keep GPT's names."""
     blocks = model.transformer.h
     for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block)
@@ -85,12 +77,9 @@ def shard(model: torch.nn.Module, rt: runtime.Runtime) -> None:
 
 @contextlib.contextmanager
 def micro_step(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, last: bool):
-    """Gradients are reduced across processes once per optimizer step, on the last micro-step.
-
-    ddp: DDP.no_sync() on the others. fsdp: no reduce-scatter and no resharding between micro-steps
-    (set_requires_gradient_sync / set_reshard_after_backward): the unsharded parameters and float32
-    gradients stay in memory until the last micro-step, trading that memory for N-1 fewer
-    all-gathers and reduce-scatters per step."""
+    """Gradients are reduced across processes once per optimizer step, on the last micro-step. fsdp also keeps
+    the gathered parameters and float32 gradients between micro-steps: memory for N-1 fewer all-gathers and
+    reduce-scatters per step."""
     if not rt.distributed or last and parallel == "ddp":
         yield
     elif parallel == "ddp":

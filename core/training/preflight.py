@@ -1,15 +1,6 @@
 """Pre-flight: what train.py (and rl.py) check before a run trains, each a one-line UserError, and the notes it
-prints about what it found. Nothing here writes.
-
-    check_ranks_agree(cfg, rt)                  every rank decided init_from alike
-    check_out_dir(cfg)                          out_dir is writable, and a new run never replaces another run's
-                                                checkpoint (describe_checkpoint)
-    check_gpt2(cfg, data_meta)                  init_from=gpt2*: GPT-2's BPE and architecture, before the hub is asked
-    check_weights(cfg, w, data_meta, rt, log)   between the resolver's two steps, before any weight is read: a
-                                                resume continues its run, a base run's or folder's tokenizer fits
-                                                the data, the run fits in memory (check_resume, check_memory)
-    shape_set_aside(cfg, config)                the shape settings that weights with their own shape override
-    gpu_sized_note(model, cfg, rt, ...)         a CPU run sized for a GPU, said before it starts
+prints about what it found: out_dir first, then the weights it starts from, between the resolver's two steps
+(located, not yet read), so a run that cannot work stops in seconds. Nothing here writes.
 """
 import dataclasses
 import math
@@ -42,9 +33,8 @@ def check_ranks_agree(cfg: TrainConfig, rt: Runtime) -> None:
 
 
 def check_out_dir(cfg) -> Path:
-    """out_dir, checked before any work and without writing to it: writable (found now, not at the first
-    checkpoint), and, for a new run, not holding another run's checkpoint unless overwrite=True. cfg: a run's
-    config with out_dir, init_from and overwrite (train.py's or rl.py's)."""
+    """out_dir (train.py's or rl.py's), checked without writing to it: writable (found now, not at the first
+    checkpoint), and, for a new run, not holding another run's checkpoint unless overwrite=True."""
     out_dir = Path(cfg.out_dir)
     existing = next((p for p in (out_dir, *out_dir.parents) if p.exists()), Path("."))
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -96,14 +86,13 @@ def check_resume(cfg: TrainConfig, w: resolver.Weights, data_meta: dict, rt: Run
         log(f"note: the checkpoint was saved by {saved_world} process(es) and resumes on {rt.world_size}: "
             f"the same global batch ({cfg.gradient_accumulation_steps} micro-batches) split differently, so "
             f"losses match the uninterrupted run to float rounding, not bit for bit")
-    margs = saved["model_args"]
     for key, mine, theirs in _shapes(cfg, w.config):
         if mine is not None and mine != theirs:
             raise UserError(f"config {key}={mine} differs from the checkpoint's {theirs}; resume with the "
                             "config the run started with, or use a new out_dir")
-    if cfg.block_size > margs["block_size"]:
-        raise UserError(f"block_size {cfg.block_size} is larger than the checkpoint's {margs['block_size']}; "
-                        f"resume with --block_size={margs['block_size']} or smaller")
+    if cfg.block_size > (saved_block := saved["model_args"]["block_size"]):
+        raise UserError(f"block_size {cfg.block_size} is larger than the checkpoint's {saved_block}; "
+                        f"resume with --block_size={saved_block} or smaller")
     check_same_tokenizer(w.tokenizer_meta, data_meta, cfg.data_dir)
 
 
@@ -120,9 +109,8 @@ def check_gpt2(cfg: TrainConfig, data_meta: dict) -> None:
 
 def check_memory(config: GPTConfig, cfg: TrainConfig, rt: Runtime) -> None:
     """One line, before any allocation, when weights, optimizer and activations plainly exceed free memory."""
-    shards = rt.world_size if cfg.parallel == "fsdp" else 1
     est = memory.estimate_training_memory(config, cfg.batch_size, cfg.optimizer, compute_dtype=rt.ptdtype,
-                                          seq_len=cfg.block_size, shards=shards,
+                                          seq_len=cfg.block_size, shards=rt.world_size if cfg.parallel == "fsdp" else 1,
                                           micro_steps=local_accum_steps(cfg, rt.world_size),
                                           activation_checkpointing=cfg.activation_checkpointing)
     # Processes on one machine share its RAM; each GPU has its own memory.
@@ -131,9 +119,8 @@ def check_memory(config: GPTConfig, cfg: TrainConfig, rt: Runtime) -> None:
 
 
 def shape_set_aside(cfg: TrainConfig, config: GPTConfig) -> list[str]:
-    """The architecture keys a config file or --key=value set (away from TrainConfig's defaults) that the
-    model's own config overrides, as "key=mine (theirs)": the weights of a folder, the hub or a base run
-    come with their shape, and a setting that does not apply is said, not dropped in silence."""
+    """The architecture keys set away from TrainConfig's defaults that the weights' own shape (a folder's, the
+    hub's, a base run's) overrides, as "key=mine (theirs)": a setting that does not apply is said, not dropped."""
     default = TrainConfig()
     return [f"{key}={mine!r} (the weights': {theirs!r})" for key, mine, theirs in _shapes(cfg, config)
             if getattr(cfg, key) not in (None, getattr(default, key)) and mine != theirs]

@@ -1,10 +1,6 @@
-"""The run directory: the config a run starts or resumes with, the file it records it in, and the command that
-continues it. What train.py checks before it trains is core/training/preflight.py.
-
-    auto_init_from(out_dir)                   init_from=auto decided: resume when out_dir holds a checkpoint
-    resumed_config(cls, argv, out_dir)        a resumed run's config: its own config.json, then the command line
-    write_run_config(cfg, out_dir, rt)        out_dir/config.json, once the run is about to train
-    resume_command(out_dir, rt)               the command that continues a stopped run
+"""The run directory: the config a run starts or resumes with (auto_init_from, resumed_config), the file it
+records it in (write_run_config), and the command that continues it (resume_command). What train.py checks
+before it trains is core/training/preflight.py.
 """
 import json
 import os
@@ -19,23 +15,25 @@ from core.weights import checkpoint
 
 
 def auto_init_from(out_dir: str | os.PathLike) -> str:
-    """init_from=auto: 'resume' when out_dir holds a checkpoint, else 'scratch'. One command then starts a run
-    and continues it after torchrun restarts its workers, SLURM requeues it or a spot machine comes back.
-    The previous checkpoints count too: a kill between a sharded save's two renames leaves only ckpt.prev.dcp
-    (resume falls back to it), and that run must continue, not start again over it."""
+    """init_from=auto: 'resume' when out_dir holds a checkpoint, else 'scratch': one command starts a run and
+    continues it after a restart, requeue or preemption. The previous checkpoints count too: a kill between a
+    sharded save's two renames leaves only ckpt.prev.dcp, and that run must continue, not start again over it."""
     names = (checkpoint.CKPT_NAME, checkpoint.PREV_NAME, checkpoint.SHARDED_NAME, checkpoint.PREV_SHARDED_NAME)
     return "resume" if any((Path(out_dir) / name).exists() for name in names) else "scratch"
 
 
 def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
-    """The config of a run that resumes: cls's defaults replaced by out_dir/config.json (the run's own), then
-    argv over them, so `--init_from=resume --out_dir=RUN` is the whole command. The device and process count
-    the run resolved for its own machine ("auto" became cuda:0) are resolved again; its dtype is kept, so a
-    resume continues in the precision it trained in (--dtype changes it). No config.json: the config the ckpt.pt
-    holds (a nanoGPT run's), else cls's defaults."""
+    """out_dir/config.json (the run's own) in place of cls's defaults, then argv, so `--init_from=resume
+    --out_dir=RUN` is the whole command. The device and process count are resolved again; the dtype is kept, so a
+    resume continues in the precision it trained in. No config.json: the config a nanoGPT ckpt.pt holds."""
     saved = Path(out_dir) / "config.json"
-    if not saved.is_file():  # a nanoGPT run: the config its ckpt.pt holds
-        return configlib.parse_args(cls, argv, base=_checkpoint_config(cls, Path(out_dir) / checkpoint.CKPT_NAME))
+    if not saved.is_file():  # a nanoGPT run: the config its ckpt.pt holds; none to read: the resume says why
+        ckpt = Path(out_dir) / checkpoint.CKPT_NAME
+        try:
+            run = checkpoint.load_checkpoint(ckpt)["meta"]["config"]
+        except UserError:
+            return configlib.parse_args(cls, argv, base=None)
+        return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {ckpt}"))
     try:
         run = json.loads(saved.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -44,15 +42,6 @@ def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
         raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
     run = {k: v for k, v in run.items() if k not in ("world_size", "device")}
     return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {saved}"))
-
-
-def _checkpoint_config(cls: type, path: Path):
-    """The config a ckpt.pt holds, as a cls; None where there is none to read (the resume then says why)."""
-    try:
-        run = checkpoint.load_checkpoint(path)["meta"]["config"]
-    except UserError:
-        return None
-    return configlib.from_dict(cls, run, f"in {path}")
 
 
 def write_run_config(cfg, out_dir: Path, rt: Runtime) -> None:

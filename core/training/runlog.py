@@ -2,9 +2,6 @@
 records on Weights & Biases when wandb_log=True. Every rank calls `write(record)`; rank 0 writes, and
 a failure (a full disk) stops every rank with the same one line.
 
-    log = RunLog(out_dir / "log.jsonl", rt, resume_iter=None, wandb_config=None)
-    log.write({"iter": 10, "loss": 2.31, "lr": 6e-4, "ms": 41.2, "tok_per_s": 18650.0, "mfu": None})
-
 Each record also gets `time` (Unix seconds, wall clock) and `elapsed_s`: seconds since the log started,
 counted on from the last record kept when a run resumes, so a resumed run's log reads as one run's
 wall time (the time between a stop and its resume left out). plot.py --x=time draws against it.
@@ -26,8 +23,8 @@ WANDB_NAMES = {"iter": "iter", "train_loss": "train/loss", "val_loss": "val/loss
 
 class RunLog:
     def __init__(self, path: Path, rt: Runtime, resume_iter: int | None, wandb_config: dict | None = None):
-        """A fresh log (resume_iter None), or the log of the run being resumed at resume_iter.
-        wandb_config (the run's config, with wandb_project and wandb_run_name) also starts a wandb run."""
+        """A fresh log (resume_iter None), or the log of the run being resumed at resume_iter; wandb_config (the
+        run's config) also starts a wandb run."""
         self.path, self.rt, self.wandb = path, rt, None
         self.started, self.elapsed_before = time.monotonic(), 0.0
         rt.on_master(self._start, resume_iter, wandb_config)
@@ -47,15 +44,23 @@ class RunLog:
         elif path.exists():
             # Keep only the iterations before the checkpoint: the resumed run redoes the rest, and
             # the log then reads as one run. A line cut short by a kill is dropped with them.
-            kept = [line for line in path.read_text().splitlines() if _record_iter(line) < resume_iter]
-            self.elapsed_before = max((_record_elapsed(line) for line in kept), default=0.0)
-            text = "".join(line + "\n" for line in kept)
+            kept = [(line, r) for line in path.read_text().splitlines()
+                    if (r := _record(line)).get("iter", math.inf) < resume_iter]
+            elapsed = [r.get("elapsed_s") for _, r in kept]  # logs written before timestamps have none
+            self.elapsed_before = max((float(e) for e in elapsed if isinstance(e, (int, float))), default=0.0)
+            text = "".join(line + "\n" for line, _ in kept)
             try:
                 with atomic_path(path) as tmp:
                     tmp.write_text(text)
             except OSError as e:
                 raise self._error(e, len(text.encode())) from None
-        self.wandb = _start_wandb(wandb_config) if wandb_config is not None else None
+        if wandb_config is not None:
+            try:
+                import wandb  # optional dependency, only when asked for
+            except ImportError:
+                raise UserError("wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)") from None
+            self.wandb = wandb.init(project=wandb_config["wandb_project"], name=wandb_config["wandb_run_name"],
+                                    config=wandb_config)
 
     def _append(self, record: dict) -> None:
         line = json.dumps(record) + "\n"
@@ -74,14 +79,6 @@ class RunLog:
         return UserError(f"could not write {self.path}: {e.strerror or e}; {last_intact(self.path.parent)}")
 
 
-def _record_elapsed(line: str) -> float:
-    try:
-        value = json.loads(line).get("elapsed_s", 0.0)  # logs written before timestamps have none
-        return float(value) if isinstance(value, (int, float)) else 0.0
-    except (json.JSONDecodeError, AttributeError):
-        return 0.0
-
-
 def format_duration(seconds: float) -> str:
     """'42s', '3m05s', '2h07m': a duration as a person reads it in a progress line."""
     s = int(round(seconds))
@@ -92,16 +89,10 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def _record_iter(line: str) -> float:
+def _record(line: str) -> dict:
+    """A line's record; {} for a line cut short by a kill, or anything else but a record."""
     try:
-        return json.loads(line)["iter"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return math.inf
-
-
-def _start_wandb(config: dict):
-    try:
-        import wandb  # optional dependency, only when asked for
-    except ImportError:
-        raise UserError("wandb_log=True needs wandb: pip install wandb (or set --wandb_log=False)") from None
-    return wandb.init(project=config["wandb_project"], name=config["wandb_run_name"], config=config)
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return {}
+    return record if isinstance(record, dict) else {}

@@ -1,7 +1,6 @@
-"""The training loops' configuration: RunConfig, the keys train.py and rl.py share (where a run writes, AdamW
-and its schedule's ends, where it runs), and TrainConfig, train.py's. Defaults, overridden by config files (Python
-files that assign names), overridden by --key=value (core/config.py). bench.py and scripts/compare_recipe.py read
-the same config files, so it lives here rather than in train.py.
+"""The training loops' configuration: RunConfig, the keys train.py and rl.py share, and TrainConfig, train.py's.
+Defaults, overridden by config files, overridden by --key=value (core/config.py). bench.py and
+scripts/compare_recipe.py read the same config files, so it lives here rather than in train.py.
 """
 import dataclasses
 import math
@@ -77,21 +76,14 @@ class RunConfig:
         resolver.check_init_from(self.init_from, scratch=self.starts_from_scratch)
 
 
-def _model_fields() -> list[tuple[str, type, dataclasses.Field]]:
-    """GPTConfig's fields, each with its --help text and allowed values from GPTConfig's own comments and CHOICES."""
-    helps = field_help(GPTConfig)
-
-    helps["vocab_size"] = "None: the dataset's meta.json vocab_size"
-
-    def key(f: dataclasses.Field) -> tuple[str, type, dataclasses.Field]:
-        tp, default = (int | None, None) if f.name == "vocab_size" else (f.type, f.default)
-        return f.name, tp, dataclasses.field(default=default, metadata={"help": helps.get(f.name, ""),
-                                                                         "choices": CHOICES.get(f.name)})
-    return [key(f) for f in dataclasses.fields(GPTConfig)]
-
-
-# GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them).
-ModelKeys = dataclasses.make_dataclass("ModelKeys", _model_fields())
+# GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them), each with its
+# --help text and allowed values from GPTConfig's own comments and CHOICES.
+_HELP = field_help(GPTConfig) | {"vocab_size": "None: the dataset's meta.json vocab_size"}
+ModelKeys = dataclasses.make_dataclass("ModelKeys", [
+    (f.name, int | None if f.name == "vocab_size" else f.type,
+     dataclasses.field(default=None if f.name == "vocab_size" else f.default,
+                       metadata={"help": _HELP.get(f.name, ""), "choices": CHOICES.get(f.name)}))
+    for f in dataclasses.fields(GPTConfig)])
 
 
 @dataclasses.dataclass
@@ -143,13 +135,7 @@ class TrainConfig(RunConfig, ModelKeys):  # its keys: ModelKeys', then RunConfig
 
     def validate(self) -> None:
         super().validate()
-        if self.n_embd % self.n_head:
-            raise UserError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.attn_backend not in ("sdpa", "naive"):
-            raise UserError(f"attn_backend must be 'sdpa' or 'naive', got '{self.attn_backend}'")
-        try:  # the recipe switches and their combinations: GPTConfig is their one judge
+        try:  # the model keys and their combinations: GPTConfig is their one judge
             GPTConfig(**self.model_args())
         except ValueError as e:
             raise UserError(str(e)) from None
@@ -177,8 +163,7 @@ class TrainConfig(RunConfig, ModelKeys):  # its keys: ModelKeys', then RunConfig
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
-    """Linear warmup for warmup_iters, decay (cosine, or wsd's stable phase and linear cooldown) to
-    min_lr at lr_decay_iters, then min_lr."""
+    """optim.lr_at on cfg's schedule, or learning_rate throughout (decay_lr=False)."""
     if not cfg.decay_lr:
         return cfg.learning_rate
     return optim.lr_at(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule,
@@ -186,13 +171,10 @@ def get_lr(it: int, cfg: TrainConfig) -> float:
 
 
 def seq_len_at(it: int, cfg: TrainConfig) -> int:
-    """The training window's length at iteration it: seq_len_warmup_start at first, growing linearly to
-    block_size over seq_len_warmup_iters, rounded down to a multiple of the start (so at most
-    block_size / start shapes, each a recompile under torch.compile), then block_size. DeepSpeed's
-    fixed_linear curriculum with its step equal to the start (Li et al. 2022, sequence-length warm-up).
-
-    A function of it alone, in integers: every rank, micro-step and resumed run agrees on it. The learning
-    rate stays get_lr(it): a shorter window is a smaller batch at the same rate, as in Li et al."""
+    """The training window's length at iteration it: seq_len_warmup_start, growing linearly to block_size over
+    seq_len_warmup_iters, rounded down to a multiple of the start (at most block_size / start shapes, each a
+    recompile under torch.compile): DeepSpeed's fixed_linear curriculum (Li et al. 2022). A function of it alone,
+    in integers, so every rank and resumed run agrees on it; the learning rate stays get_lr(it), as in Li et al."""
     if it >= cfg.seq_len_warmup_iters:
         return cfg.block_size
     start = cfg.seq_len_warmup_start
