@@ -82,7 +82,8 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     else:
         jobs = [(path, w) for path, n in zip(data.paths, data.sizes) for w in split_windows(n, T, stride)]
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # (summed loss, tokens, loss on bytes, bytes)
-    nbytes = None if token_bytes is None else torch.tensor(token_bytes, dtype=torch.float64, device=device)
+    # Each id's bytes (none given: no bytes, no bpb), then a 0 read by y = -1 (not scored) and ids past the tokenizer
+    nbytes = torch.tensor([*(token_bytes or []), 0], dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
     # Every rank runs as many forwards (a sharded model's are collectives): a rank past the end
@@ -97,7 +98,7 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
         with autocast() if autocast else contextlib.nullcontext():
             losses = token_losses(model, x, y)  # (B, T)
         if i < len(jobs):
-            b = _target_bytes(nbytes, y) if nbytes is not None else torch.zeros_like(losses, dtype=torch.float64)
+            b = nbytes[y.clamp(max=len(nbytes) - 1)]  # (B, T) the bytes of each target
             sums += torch.stack([losses.double().sum(), (y >= 0).sum().double(), (losses.double() * (b > 0)).sum(),
                                  b.sum()])
         if progress:
@@ -106,14 +107,8 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
         dist.all_reduce(sums)
     model.train(was_training)
     loss = sums[0].item() / sums[1].item()
-    bpb = sums[2].item() / math.log(2) / sums[3].item() if nbytes is not None and sums[3].item() else None
+    bpb = sums[2].item() / math.log(2) / sums[3].item() if sums[3].item() else None
     return SplitResult(loss, math.exp(loss), int(sums[1].item()), bpb, int(sums[3].item()))
-
-
-def _target_bytes(nbytes: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The UTF-8 bytes of each target, (B, T) float64; 0 where y is -1 (not scored) or past the tokenizer."""
-    ok = (y >= 0) & (y < nbytes.numel())
-    return torch.where(ok, nbytes[y.clamp(0, nbytes.numel() - 1)], torch.zeros((), dtype=nbytes.dtype, device=y.device))
 
 
 def _window_batch(data: TokenData, jobs, T: int) -> tuple[torch.Tensor, torch.Tensor]:
