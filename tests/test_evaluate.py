@@ -258,9 +258,9 @@ def test_bad_hellaswag_input_is_one_line(run, tmp_path):
     missing = run_main(eval_script.main, [f"--out_dir={out_dir}", "--task=hellaswag", "--device=cpu",
                                           f"--hellaswag_file={tmp_path / 'none.jsonl'}"])
     assert_user_error(missing, "not found; run python data/hellaswag/prepare.py")
-    with pytest.raises(UserError, match="line 1: an ending of 40 tokens leaves no context"):
-        hellaswag.render_example(hellaswag.HellaSwagExample(1, "the", ["a" * 39, "b", "c", "d"], 0),
-                                CharTokenizer.from_text(TEXT + "b"), 32)
+    with pytest.raises(UserError, match="line 1: an ending of 32 tokens leaves no context"):  # as many as block_size
+        hellaswag.render_examples([hellaswag.HellaSwagExample(1, "the", ["a" * 31, "b", "c", "d"], 0)],
+                                 CharTokenizer.from_text(TEXT + "b"), 32)
 
 
 def test_prepare_checks_every_line_and_writes_the_file(tmp_path):
