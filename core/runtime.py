@@ -46,7 +46,6 @@ class Runtime:
 
     @property
     def distributed(self) -> bool:
-        """More than one process (torchrun), under ddp and fsdp alike."""
         return self.world_size > 1
 
     @property
@@ -161,12 +160,8 @@ def local_gpu(local_rank: int, count: int) -> int:
 
 
 def native_bf16(device: str) -> bool:
-    """Whether the device computes bfloat16 in hardware: on CUDA, Ampere (sm80) and newer, or AMD;
-    on a CPU, see cpu_native_bf16; MPS: no (float32 is the safe answer there).
-
-    torch.cuda.is_bf16_supported() also says yes for emulated bfloat16 (V100, T4), which runs
-    matmuls many times slower than float16 there.
-    """
+    """Whether the device computes bfloat16 in hardware; MPS: no (float32 is the safe answer there). Not
+    torch.cuda.is_bf16_supported(), which also says yes for emulated bfloat16 (V100, T4): matmuls many times slower."""
     kind = device.split(":")[0]
     if kind == "cpu":
         return cpu.cpu_native_bf16()
