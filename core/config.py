@@ -183,9 +183,8 @@ def parse_args(cls: type[T], argv: Sequence[str], base: T | None = None, validat
             cfg = apply_overrides(cfg, {key: value}, "command line")
         else:
             cfg = apply_overrides(cfg, read_config_file(arg), f"in {arg}")
-    check = getattr(cfg, "validate", None)
-    if check is not None and validate:
-        check()
+    if validate and hasattr(cfg, "validate"):
+        cfg.validate()
     return cfg
 
 
