@@ -59,11 +59,8 @@ def fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success fsync it and rename it over `path`.
-
-    On any exception (disk full, a kill signal turned into an exception, a bug) the
-    temporary file is removed and `path` is left exactly as it was.
-    """
+    """Yield a temporary path beside `path`; on success fsync it and rename it over `path`. On any exception (disk
+    full, a kill signal turned into an exception, a bug) the temporary file is removed and `path` is left as it was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

@@ -81,11 +81,9 @@ class Runtime:
         return [bool(v) for v in t.tolist()]
 
     def on_master(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) on rank 0 only (a file write); every rank returns once it is done.
-
-        If it fails, every rank raises the same one-line UserError: the others would otherwise
-        wait in their next collective until dist_timeout_s, and end with a timeout, not the cause.
-        """
+        """fn(*args, **kwargs) on rank 0 only (a file write); every rank returns once it is done. If it fails, every
+        rank raises the same one-line UserError: the others would otherwise wait in their next collective until
+        dist_timeout_s, and end with a timeout, not the cause."""
         error, result = None, None
         if self.is_master:
             try:
@@ -111,11 +109,9 @@ class Runtime:
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> str:
-    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here.
-
-    CUDA devices always come back indexed ("cuda:1"): torch.cuda.set_device refuses a bare "cuda".
-    Under torchrun (local_rank given) a bare "cuda" or "auto" means this process's GPU, cuda:LOCAL_RANK.
-    """
+    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here. CUDA devices always come back
+    indexed ("cuda:1"): torch.cuda.set_device refuses a bare "cuda". Under torchrun (local_rank given) a bare "cuda"
+    or "auto" means this process's GPU, cuda:LOCAL_RANK."""
     if name == "auto":
         if torch.cuda.is_available():
             return resolve_device("cuda", local_rank)
@@ -145,11 +141,8 @@ def resolve_device(name: str, local_rank: int | None = None) -> str:
 
 
 def local_gpu(local_rank: int, count: int) -> int:
-    """The GPU index of torchrun's LOCAL_RANK among the `count` visible ones.
-
-    One visible GPU with LOCAL_RANK > 0 is a scheduler giving each task its own GPU
-    (SLURM --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per task): that one is ours.
-    """
+    """The GPU index of torchrun's LOCAL_RANK among the `count` visible ones. One visible GPU with LOCAL_RANK > 0 is
+    a scheduler giving each task its own GPU (SLURM --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per task): ours."""
     if local_rank < count:
         return local_rank
     if count == 1:
@@ -258,12 +251,9 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, t
         # A finite timeout: a dead peer ends the job with an error instead of a hang.
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _torchrun_attempt_store(world_size, timeout)
-        dist.init_process_group(
-            backend=backend,
-            timeout=timeout,
-            device_id=torch.device(device) if backend == "nccl" else None,
-            **(dict(store=store, rank=rank, world_size=world_size) if store is not None else {}),
-        )
+        dist.init_process_group(backend=backend, timeout=timeout,
+                                device_id=torch.device(device) if backend == "nccl" else None,
+                                **(dict(store=store, rank=rank, world_size=world_size) if store is not None else {}))
         # Host-side groups (see the module docstring); a gloo default group already is one.
         flag_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         # gloo's timeout is each process's own: the others wait long for rank 0's write, while rank 0,
@@ -275,11 +265,9 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, t
 def _torchrun_attempt_store(world_size: int, timeout: datetime.timedelta) -> "dist.Store | None":
     """torchrun's shared TCPStore with its keys kept apart per restart; None outside torchrun's agent store.
 
-    torchrun (--max-restarts) gives every restart of the workers the same store, and the default
-    process group's keys carry no attempt number: restarted workers can read the gloo/NCCL addresses of
-    the workers they replace and fail with 'Connection refused'.
-    A prefix per TORCHELASTIC_RESTART_COUNT is what torch's own env:// handler assumes it has.
-    """
+    torchrun (--max-restarts) gives every restart of the workers the same store, and the default process group's
+    keys carry no attempt number: restarted workers can read the gloo/NCCL addresses of the workers they replace and
+    fail with 'Connection refused'. A prefix per TORCHELASTIC_RESTART_COUNT is what torch's env:// handler assumes."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
@@ -298,10 +286,10 @@ def teardown(rt: Runtime) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT, and SIGHUP (the terminal closed) unless it is ignored (nohup). The work checks it at its next boundary (a training step, an eval batch,
-    a start-up phase) and stops there: train.py saves and exits 0. The first signal prints `message` at
-    once (when `announce`), so a long step or batch is not mistaken for a lost Ctrl-C; a second SIGINT
-    interrupts at once."""
+    """Set by SIGTERM/SIGINT, and SIGHUP (the terminal closed) unless it is ignored (nohup). The work checks it at its
+    next boundary (a training step, an eval batch, a start-up phase) and stops there: train.py saves and exits 0. The
+    first signal prints `message` at once (when `announce`), so a long step or batch is not mistaken for a lost
+    Ctrl-C; a second SIGINT interrupts at once."""
 
     def __init__(self, announce: bool = True, message: str = "stopping after this batch; saving"):
         self.signal_name, self.announce, self.message = None, announce, message
