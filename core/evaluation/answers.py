@@ -66,9 +66,7 @@ def task_scores(model, template, name: str, problems: list, samples: int = 1, te
 
     Returns {"mean": the mean reward over every reply (exact-match accuracy, or pass@1, for a 0/1 checker),
     "pass@k": {k: the chance that k of a problem's replies hold an accepted one (reward 1), for k = 1, 2, 4, ...
-    up to samples, and samples}, "examples", "samples"}; None if stopped(), called before each problem, says so.
-    With world_size > 1 each rank replies to every world_size-th problem and the sums are all-reduced.
-    progress(done, total) as in evaluate_split."""
+    up to samples, and samples}, "examples", "samples"}. Ranks, progress and stopped as in evaluate_split."""
     check = TASKS[name].check
     ks = sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i <= samples} | {samples})
     was_training = model.training

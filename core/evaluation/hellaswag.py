@@ -106,12 +106,9 @@ def ending_losses(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torc
 @torch.no_grad()
 def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None, rank: int = 0,
                        world_size: int = 1, progress=None, stopped=None) -> dict[str, float] | None:
-    """acc, acc_norm and the number of examples, from render_examples' output. With world_size > 1
-    each rank scores every world_size-th example and the counts are all-reduced; every rank runs
-    the same number of forwards (a rank short of one scores a spare it does not count), which
-    sharded models need. progress(done, total) as in evaluate_split; stopped(), if given, is called
-    before each example on every rank, and True ends the evaluation with None. The model is left in
-    the mode it came in."""
+    """acc, acc_norm and the number of examples, from render_examples' output. Ranks, progress and stopped as in
+    evaluate_split; every rank runs the same number of forwards (a rank short of one scores a spare it does not
+    count), which sharded models need. The model is left in the mode it came in."""
     was_training = model.training
     model.eval()
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # (right by sum, right by mean, examples)

@@ -26,15 +26,10 @@ def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none").view_as(y)
 
 
-# -----------------------------------------------------------------------------
-# perplexity on a whole split
-
-
 def split_windows(n_tokens: int, block_size: int, stride: int) -> list[tuple[int, int, int]]:
-    """The windows that score tokens 1..n_tokens-1 of a stream once each: (begin, end, new).
-
-    A window feeds tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new`
-    targets are scored, the ones no earlier window scored."""
+    """The windows that score tokens 1..n_tokens-1 of a stream once each: (begin, end, new). A window feeds
+    tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new` targets, which no earlier window
+    scored, are scored."""
     if not 1 <= stride <= block_size:
         raise UserError(f"stride must be in [1, block_size={block_size}], got {stride}")
     windows, scored = [], 0  # targets tokens[1:scored+1] are done
@@ -60,19 +55,15 @@ class SplitResult:
 def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
                    autocast=None, rank: int = 0, world_size: int = 1, progress=None,
                    token_bytes: list[int] | None = None, stopped=None) -> SplitResult | None:
-    """Score every token of `data` (one split; each .bin file is its own stream) once.
+    """Score every token of `data` (one split; each .bin file is its own stream) once; stride None: block_size.
 
-    stride None means block_size: non-overlapping windows. With world_size > 1 each rank scores
-    every world_size-th batch of windows and the sums are all-reduced. progress(done, total), if
-    given, is called after each batch with how far into the list of all windows this rank is.
+    With world_size > 1 each rank scores every world_size-th batch of windows and the sums are all-reduced.
+    progress(done, total) is called after each batch with how far into all the windows this rank is; stopped(),
+    before each batch on every rank alike (it may be a collective), and True ends the evaluation with None.
 
-    token_bytes (core.data.tokenizer.token_bytes: the UTF-8 bytes of each id) adds bits per byte: the summed
-    loss in bits over the bytes of the text scored, which tokenizers of any vocabulary share, so models
-    with different tokenizers compare on the same text. As nanochat's evaluate_bpb, special tokens
-    (no bytes) are left out of both sums.
-
-    stopped(), if given, is called before each batch on every rank alike (it may be a collective);
-    True ends the evaluation, returning None."""
+    token_bytes (core.data.tokenizer.token_bytes: the UTF-8 bytes of each id) adds bits per byte: the summed loss in
+    bits over the bytes of the text scored, which models with different tokenizers share. As nanochat's
+    evaluate_bpb, special tokens (no bytes) are left out of both sums."""
     T = data.block_size
     stride = stride or T
     if data.starts is not None:  # chat: each conversation is its own stream (context never crosses into it)
