@@ -310,6 +310,23 @@ def test_ranks_split_the_work_between_them(run, tmp_path, monkeypatch):
     assert sum(p["acc"] * p["examples"] for p in parts) == 3
 
 
+def test_evaluation_runs_in_eval_mode_without_gradients(run, tmp_path):
+    """No dropout and no autograd graph while scoring, whatever mode the model came in (training's evals)."""
+    _, data_dir, model, tok, _ = run
+    seen = []
+    hook = model.register_forward_hook(lambda module, *_: seen.append((module.training, torch.is_grad_enabled())))
+    model.train()
+    try:
+        perplexity.evaluate_split(model, TokenData(data_dir, "val", 16), batch_size=4)
+        examples = hellaswag.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES))
+        hellaswag.evaluate_hellaswag(model, hellaswag.render_examples(examples, tok, 32))
+        assert model.training
+    finally:
+        hook.remove()
+        model.eval()
+    assert len(seen) > len(EXAMPLES) and set(seen) == {(False, False)}
+
+
 @pytest.mark.slow
 def test_hellaswag_under_torchrun_agrees_with_one_process(run, tmp_path):
     """torchrun, 2 CPU processes over gloo: 5 examples split 3 + 2, counts all-reduced, printed once."""

@@ -1,8 +1,7 @@
-"""HellaSwag (Zellers et al. 2019, https://github.com/rowanz/hellaswag): each example is a context
-and 4 endings; the model picks the ending whose tokens, after context + " " + ending, have the
-lowest loss. `acc` ranks by the summed loss of the ending's tokens, `acc_norm` by their mean, as
-build-nanogpt's hellaswag.py and llm.c do (completion style, not the multiple-choice prompt of
-the Eleuther harness).
+"""HellaSwag (Zellers et al. 2019, https://github.com/rowanz/hellaswag): each example is a context and 4 endings; the
+model picks the ending whose tokens, after context + " " + ending, have the lowest loss. `acc` ranks by the summed
+loss of the ending's tokens, `acc_norm` by their mean, as build-nanogpt's hellaswag.py and llm.c do (completion
+style, not the multiple-choice prompt of the Eleuther harness).
 """
 import contextlib
 import json
@@ -16,7 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from core.data.tokenizer import Tokenizer
 from core.errors import UserError
-from core.evaluation.perplexity import token_losses
+from core.evaluation.perplexity import evaluating, token_losses
 
 
 @dataclass
@@ -103,18 +102,15 @@ def ending_losses(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     return total, total / mask[:, 1:].sum(dim=1)
 
 
-@torch.no_grad()
+@evaluating
 def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None, rank: int = 0,
                        world_size: int = 1, progress=None, stopped=None) -> dict[str, float] | None:
     """acc, acc_norm and the number of examples, from render_examples' output. Ranks, progress and stopped as in
     evaluate_split; every rank runs the same number of forwards (a rank short of one scores a spare it does not
-    count), which sharded models need. The model is left in the mode it came in."""
-    was_training = model.training
-    model.eval()
+    count), which sharded models need."""
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # (right by sum, right by mean, examples)
     for step in range(math.ceil(len(rendered) / world_size)):
         if stopped is not None and stopped():
-            model.train(was_training)
             return None
         index = step * world_size + rank
         tokens, mask, label = rendered[min(index, len(rendered) - 1)]
@@ -127,7 +123,6 @@ def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None
             progress(min(index + 1, len(rendered)), len(rendered))
     if world_size > 1:
         dist.all_reduce(counts)
-    model.train(was_training)
     right, right_norm, n = counts.tolist()
     return {"acc": right / n, "acc_norm": right_norm / n, "examples": int(n)}
 

@@ -1,13 +1,13 @@
-"""Perplexity and bits per byte on a whole split: every token of a prepared split is scored exactly once, from up to block_size tokens
-of context, in a fixed order, so the figure is deterministic and comparable across runs (the
-training loop's estimate_loss samples eval_iters random batches instead, for speed). Windows of
-block_size inputs start every `stride` tokens; a window scores only the targets that no earlier
-window scored. stride == block_size gives non-overlapping windows (fast; a token's context is
-whatever precedes it in its window, 1 to block_size tokens); a smaller stride gives every token
-scored after the first window at least block_size - stride + 1 tokens of context, for
-block_size / stride times the compute (the sliding window of Hugging Face's perplexity guide).
+"""Perplexity and bits per byte on a whole split: every token of a prepared split is scored exactly once, from up to
+block_size tokens of context, in a fixed order, so the figure is deterministic and comparable across runs (the
+training loop's estimate_loss samples eval_iters random batches instead, for speed). Windows of block_size inputs
+start every `stride` tokens; a window scores only the targets that no earlier window scored. stride == block_size
+gives non-overlapping windows (fast; a token's context is whatever precedes it in its window, 1 to block_size
+tokens); a smaller stride gives every token scored after the first window at least block_size - stride + 1 tokens of
+context, for block_size / stride times the compute (the sliding window of Hugging Face's perplexity guide).
 """
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -18,6 +18,19 @@ from torch.nn import functional as F
 
 from core.data.loader import TokenData
 from core.errors import UserError
+
+
+def evaluating(fn):
+    """fn(model, ...) without gradients and with model in eval mode (no dropout), handed back in the mode it came in."""
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        was_training = model.training
+        try:
+            with torch.no_grad():
+                return fn(model.eval(), *args, **kwargs)
+        finally:
+            model.train(was_training)
+    return run
 
 
 def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -51,7 +64,7 @@ class SplitResult:
     bytes: int = 0            # the UTF-8 bytes of the scored targets
 
 
-@torch.no_grad()
+@evaluating
 def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
                    autocast=None, rank: int = 0, world_size: int = 1, progress=None,
                    token_bytes: list[int] | None = None, stopped=None) -> SplitResult | None:
@@ -75,13 +88,10 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # (summed loss, tokens, loss on bytes, bytes)
     # Each id's bytes (none given: no bytes, no bpb), then a 0 read by y = -1 (not scored) and ids past the tokenizer
     nbytes = torch.tensor([*(token_bytes or []), 0], dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
     # Every rank runs as many forwards (a sharded model's are collectives): a rank past the end
     # scores the first batch again and does not count it.
     for step in range(math.ceil(len(jobs) / (world_size * batch_size))):
         if stopped is not None and stopped():
-            model.train(was_training)
             return None
         i = (step * world_size + rank) * batch_size
         x, y = _window_batch(data, jobs[i:i + batch_size] if i < len(jobs) else jobs[:batch_size], T)
@@ -96,7 +106,6 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
             progress(min(i + batch_size, len(jobs)), len(jobs))
     if world_size > 1:
         dist.all_reduce(sums)
-    model.train(was_training)
     loss = sums[0].item() / sums[1].item()
     bpb = sums[2].item() / math.log(2) / sums[3].item() if sums[3].item() else None
     return SplitResult(loss, math.exp(loss), int(sums[1].item()), bpb, int(sums[3].item()))
