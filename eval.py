@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint or GPT-2 weights: perplexity on every token of a split, or HellaSwag.
+"""Evaluate a checkpoint or GPT-2 weights: perplexity on every token of a split, HellaSwag, or a chat model's answers.
 
     python eval.py --out_dir=out-shakespeare-char-cpu                       # val split of the run's data_dir
     python eval.py --out_dir=out-shakespeare-char-cpu --stride=32           # sliding window: more context per token
@@ -10,15 +10,14 @@
     python eval.py --out_dir=out-rl-sort-char --task=sort --task_split=longer  # a checked task's longer problems
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
-Perplexity scores each token once, in a fixed order (core/evaluation/perplexity.py explains the windows), so
-two runs evaluated on the same split and block_size compare directly. Bits per byte (the loss in bits
-over the UTF-8 bytes of the scored text) also compares models whose tokenizers differ, on the same text. On a chat dataset
-(data/chat/prepare.py) it scores the assistant's tokens only, each conversation read from its start.
---task=chat replies greedily to each conversation of a JSONL file and counts exact answers. --task=NAME, a task of
-core/data/tasks.py (reverse, upper, add, sort, palindrome), replies to the problems of one of its evaluation splits
-and scores each reply with the task's checker, as rl.py does: greedily, or --samples replies per problem at
---temperature (the mean reward, pass@1 for a 0/1 checker, and pass@k up to samples, Chen et al.'s unbiased
-estimator). The result is one line on stdout; what was loaded goes to stderr.
+Perplexity scores each token once, in a fixed order (core/evaluation/perplexity.py explains the windows), so two
+runs on the same split and block_size compare directly; bits per byte (the loss in bits over the UTF-8 bytes of the
+scored text) also compares models whose tokenizers differ. A chat dataset (data/chat/prepare.py) has only the
+assistant's tokens scored, each conversation read from its start. --task=chat counts exact greedy answers to a JSONL
+file's conversations; --task=NAME, a task of core/data/tasks.py (reverse, upper, add, sort, palindrome), scores the
+replies to one of its evaluation splits with the task's checker, as rl.py does: greedily, or --samples replies per
+problem at --temperature (the mean reward, and pass@k up to samples by Chen et al.'s unbiased estimator). The result
+is one line on stdout; what was loaded goes to stderr.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line

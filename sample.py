@@ -89,10 +89,6 @@ class SampleConfig:
             raise UserError("--system and --prompt are for chat; add --chat (or use --start= for plain text)")
 
 
-# -----------------------------------------------------------------------------
-# decoding and printing
-
-
 def text_of(ids: list[int], tok: Tokenizer, stop: bool) -> str:
     """A sample's text: up to its first end-of-text id when it stops there, else each one as a line DOCUMENT_END."""
     ends = [-1] + [i for i, t in enumerate(ids) if t == tok.eot_token] + [len(ids)]
@@ -112,10 +108,6 @@ def write_stream(tokens, tok: Tokenizer, prompt: str, stop: bool) -> int:
         print(text, end="", flush=True)
     print(decoder.flush() + "\n" + SEPARATOR, flush=True)
     return steps
-
-
-# -----------------------------------------------------------------------------
-# chat
 
 
 def run_chat(cfg: SampleConfig, model: GPT, tok: Tokenizer, source: str, rt: runtime.Runtime) -> None:
