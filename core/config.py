@@ -1,11 +1,10 @@
 """Typed configuration: dataclass defaults, overridden by config files, then by --key=value.
 
-Config files (config/*.py) are the user's own Python programs: they run with full
-power, like any script you run, and every top-level name they assign that does not
-start with an underscore is an override. Command-line values are parsed as Python
-literals (ast.literal_eval), never evaluated. Unknown keys and values of the wrong
-type stop with one line naming the key, and the closest valid ones. A config class may list other projects'
-names for its keys in RENAMED ({name: (its key, value -> its value)}), e.g. nanoGPT's dataset=X for data_dir.
+Config files (config/*.py) are the user's own Python programs: they run with full power, like any script you run,
+and every top-level name they assign that does not start with an underscore is an override. Command-line values are
+parsed as Python literals (ast.literal_eval), never evaluated. Unknown keys and values of the wrong type stop with one
+line naming the key, and the closest valid ones. A config class may list other projects' names for its keys in
+RENAMED ({name: (its key, value -> its value)}), e.g. nanoGPT's dataset=X for data_dir.
 """
 import ast
 import dataclasses

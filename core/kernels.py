@@ -1,14 +1,14 @@
-"""Which of torch's kernels a forward runs, chosen per call and per device: model.Kernels' two hooks, set on a
-model from outside with choose_kernels (core/training/parallel.py, core/decoding/decode.py's inference_model), as
-sharding and compile are. The network computes the same function whatever is chosen.
+"""Which of torch's kernels a forward runs, chosen per call and per device: model.Kernels' two hooks, set on a model
+from outside with choose_kernels (core/training/parallel.py, core/decoding/decode.py's inference_model), as sharding
+and compile are. The network computes the same function whatever is chosen.
 
     CPU     one_row_kernels (decoding at one bf16 row: oneDNN off) and short_training_attention (bf16 training
             over few keys: the math backend); core/cpu.py
     CUDA    inference_attention: attention outside a training forward runs without cuDNN's kernels
 
-Each choice leaves every other call to torch's own, so one model carries them wherever it runs. Measured side by
-side with what each replaces: docs/performance.md ("Decoding against the bandwidth bound", "Mixed precision on a
-CPU with native bfloat16", "On a GPU").
+Each choice leaves every other call to torch's own, so one model carries them wherever it runs. Measured side by side
+with what each replaces: docs/performance.md ("Decoding against the bandwidth bound", "Mixed precision on a CPU with
+native bfloat16", "On a GPU").
 """
 import contextlib
 

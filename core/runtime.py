@@ -1,13 +1,11 @@
 """Device, dtype, autocast and process-group setup: decided here once for every script.
 
-`setup(device, dtype)` returns a Runtime. Distributed training is detected from
-torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE): with one process it is a
-no-op and the same code path runs.
+Distributed training is detected from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE): with one process
+setup() joins no group and the same code path runs.
 
-Two small host-side (gloo) process groups sit beside the training one, so that agreeing
-on control flow never waits for the GPU: `any_rank` (did any rank see a signal or a bad
-loss; dist_timeout_s bounds it) and `on_master` (rank 0 writes a file; the others wait
-for its outcome with a long timeout, since a checkpoint save may take minutes, and all
+Two small host-side (gloo) process groups sit beside the training one, so that agreeing on control flow never waits
+for the GPU: `any_rank` (did any rank see a signal or a bad loss; dist_timeout_s bounds it) and `on_master` (rank 0
+writes a file; the others wait for its outcome with a long timeout, since a checkpoint save may take minutes, and all
 ranks raise the same one-line error if it failed).
 """
 import contextlib
