@@ -313,14 +313,10 @@ class StopFlag:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        if self.announce:
-            _say(f"{self.signal_name}: {self.message} (Ctrl-C again to interrupt at once)")
-
-
-def _say(line: str) -> None:
-    """One line on stderr from a signal handler: os.write, not print, which would raise if the handler
-    interrupted another write to the same buffered stream."""
-    try:
-        os.write(sys.stderr.fileno(), (line + "\n").encode())
-    except (AttributeError, OSError, ValueError):  # a stderr with no file (captured in-process)
-        sys.stderr.write(line + "\n")
+        if not self.announce:
+            return
+        line = f"{self.signal_name}: {self.message} (Ctrl-C again to interrupt at once)\n"
+        try:  # os.write, not print, which would raise if this handler interrupted a write to the same buffered stream
+            os.write(sys.stderr.fileno(), line.encode())
+        except (AttributeError, OSError, ValueError):  # a stderr with no file (captured in-process)
+            sys.stderr.write(line)
