@@ -61,10 +61,6 @@ def cpu_packs_bf16() -> bool:
     return cpu_native_bf16() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-# -----------------------------------------------------------------------------
-# kernels picked per call
-
-
 def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """oneDNN off for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1). oneDNN, torch's bf16
     matmul on a CPU, is made for many rows: handed a plain matrix it lays the weight out again at every call, which at
@@ -94,10 +90,6 @@ def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contex
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not recorded or Tk > SHORT_TRAINING_MATH_KEYS:
         return contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH)
-
-
-# -----------------------------------------------------------------------------
-# weights laid out for decoding
 
 
 class PackedLinear(nn.Module):
