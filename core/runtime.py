@@ -59,7 +59,6 @@ class Runtime:
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
 
     def autocast(self):
-        """Mixed precision for the forward pass; float32 runs as is."""
         if self.dtype == "float32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.ptdtype)
@@ -151,16 +150,12 @@ def local_gpu(local_rank: int, count: int) -> int:
 
 
 def native_bf16(device: str) -> bool:
-    """Whether the device computes bfloat16 in hardware; MPS: no (float32 is the safe answer there). Not
-    torch.cuda.is_bf16_supported(), which also says yes for emulated bfloat16 (V100, T4): matmuls many times slower."""
+    """Whether the device computes bfloat16 in hardware: AMD GPUs and NVIDIA's sm80+, not MPS (float32 is safe there).
+    Not torch.cuda.is_bf16_supported(), which also says yes for emulated bf16 (V100, T4): matmuls many times slower."""
     kind = device.split(":")[0]
     if kind == "cpu":
         return cpu.cpu_native_bf16()
-    if kind != "cuda":
-        return False
-    if torch.version.hip:
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return kind == "cuda" and (bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def resolve_dtype(name: str, device: str) -> str:
@@ -179,9 +174,7 @@ def resolve_dtype(name: str, device: str) -> str:
     """
     kind = device.split(":")[0]
     if name == "auto":
-        if native_bf16(device):
-            return "bfloat16"
-        return "float16" if kind == "cuda" else "float32"
+        return "bfloat16" if native_bf16(device) else "float16" if kind == "cuda" else "float32"
     if name not in DTYPES:
         raise UserError(f"unknown dtype '{name}'; use {', '.join(DTYPES)} or auto")
     if name == "float32":
