@@ -44,7 +44,8 @@ def split_windows(n_tokens: int, block_size: int, stride: int) -> list[tuple[int
     tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new` targets, which no earlier window
     scored, are scored."""
     if not 1 <= stride <= block_size:
-        raise UserError(f"stride must be in [1, block_size={block_size}], got {stride}")
+        raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens"
+                        if stride > 1 else f"stride must be in [1, block_size={block_size}], got {stride}")
     windows, scored = [], 0  # targets tokens[1:scored+1] are done
     for begin in range(0, max(n_tokens - 1, 0), stride):
         end = min(begin + block_size, n_tokens - 1)
