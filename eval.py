@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint or GPT-2 weights: perplexity on every token of a split, or HellaSwag.
+"""Evaluate a checkpoint or GPT-2 weights: perplexity on every token of a split, HellaSwag, or a chat model's answers.
 
     python eval.py --out_dir=out-shakespeare-char-cpu                       # val split of the run's data_dir
     python eval.py --out_dir=out-shakespeare-char-cpu --stride=32           # sliding window: more context per token
@@ -10,15 +10,14 @@
     python eval.py --out_dir=out-rl-sort-char --task=sort --task_split=longer  # a checked task's longer problems
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
-Perplexity scores each token once, in a fixed order (core/evaluation/perplexity.py explains the windows), so
-two runs evaluated on the same split and block_size compare directly. Bits per byte (the loss in bits
-over the UTF-8 bytes of the scored text) also compares models whose tokenizers differ, on the same text. On a chat dataset
-(data/chat/prepare.py) it scores the assistant's tokens only, each conversation read from its start.
---task=chat replies greedily to each conversation of a JSONL file and counts exact answers. --task=NAME, a task of
-core/data/tasks.py (reverse, upper, add, sort, palindrome), replies to the problems of one of its evaluation splits
-and scores each reply with the task's checker, as rl.py does: greedily, or --samples replies per problem at
---temperature (the mean reward, pass@1 for a 0/1 checker, and pass@k up to samples, Chen et al.'s unbiased
-estimator). The result is one line on stdout; what was loaded goes to stderr.
+Perplexity scores each token once, in a fixed order (core/evaluation/perplexity.py explains the windows), so two
+runs on the same split and block_size compare directly; bits per byte (the loss in bits over the UTF-8 bytes of the
+scored text) also compares models whose tokenizers differ. A chat dataset (data/chat/prepare.py) has only the
+assistant's tokens scored, each conversation read from its start. --task=chat counts exact greedy answers to a JSONL
+file's conversations; --task=NAME, a task of core/data/tasks.py (reverse, upper, add, sort, palindrome), scores the
+replies to one of its evaluation splits with the task's checker, as rl.py does: greedily, or --samples replies per
+problem at --temperature (the mean reward, and pass@k up to samples by Chen et al.'s unbiased estimator). The result
+is one line on stdout; what was loaded goes to stderr.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -105,30 +104,23 @@ def run_data_dir(cfg: EvalConfig, w: resolver.Weights) -> str:
                     f"prepare.py)")
 
 
-class Progress:
-    """A tqdm bar on stderr for a long evaluation, as its progress(done, total) callback; silent on
-    ranks other than 0 and for work under a few seconds (tqdm's delay)."""
-
-    def __init__(self, unit: str, enabled: bool = True):
-        self.unit, self.enabled, self.bar = unit, enabled, None
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            self.bar = tqdm(total=total, unit=f" {self.unit}", file=sys.stderr, delay=2.0, dynamic_ncols=True)
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def result_or_stop(result, stop: runtime.StopFlag):
     """An evaluation's result, or Stopped when a signal ended it early (the evaluation returned None)."""
     if result is None:
         raise Stopped(stop.signal_name or "a signal to another process", "during the evaluation; no result")
     return result
+
+
+def on_ranks(evaluate, unit: str, rt: runtime.Runtime, stop: runtime.StopFlag, *args, **kwargs):
+    """evaluate(*args, **kwargs), split across the ranks and stopped on every rank alike, with a tqdm bar on stderr
+    as its progress(done, total): rank 0's, and shown only for work past a few seconds (tqdm's delay)."""
+    with tqdm(unit=f" {unit}", file=sys.stderr, delay=2.0, dynamic_ncols=True, disable=not rt.is_master) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+        r = evaluate(*args, **kwargs, device=rt.device, autocast=rt.autocast, rank=rt.rank, world_size=rt.world_size,
+                     progress=progress, stopped=lambda: rt.any_rank(stop.requested)[0])
+    return result_or_stop(r, stop)
 
 
 def perplexity(cfg: EvalConfig, model, tok, data_dir: str, rt: runtime.Runtime, stop: runtime.StopFlag) -> str:
@@ -137,15 +129,8 @@ def perplexity(cfg: EvalConfig, model, tok, data_dir: str, rt: runtime.Runtime, 
     if block_size > model.config.block_size:
         raise UserError(f"block_size {block_size} is larger than the model's {model.config.block_size}")
     data = TokenData(data_dir, cfg.split, block_size, model.config.vocab_size)
-    stride = cfg.stride or block_size
-    if stride > block_size:
-        raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens")
-    progress = Progress("windows", rt.is_master)
-    r = evaluate_split(model, data, stride, cfg.batch_size, rt.device, rt.autocast, rt.rank, rt.world_size,
-                       progress=progress, token_bytes=token_bytes(tok),
-                       stopped=lambda: rt.any_rank(stop.requested)[0])
-    progress.close()
-    r = result_or_stop(r, stop)
+    stride = cfg.stride or block_size  # a stride past block_size is refused by split_windows
+    r = on_ranks(evaluate_split, "windows", rt, stop, model, data, stride, cfg.batch_size, token_bytes=token_bytes(tok))
     scored = "assistant tokens, each conversation from its start" if data.starts is not None else "tokens"
     bpb = "n/a" if r.bpb is None else f"{r.bpb:.4f}"
     return (f"{data_dir} {cfg.split}: loss {r.loss:.4f} | perplexity {r.perplexity:.3f} | bits/byte {bpb} | "
@@ -154,37 +139,24 @@ def perplexity(cfg: EvalConfig, model, tok, data_dir: str, rt: runtime.Runtime, 
 
 def hellaswag(cfg: EvalConfig, model, tok, rt: runtime.Runtime, examples, stop: runtime.StopFlag) -> str:
     rendered = render_examples(examples, tok, model.config.block_size)
-    progress = Progress("examples", rt.is_master)
-    r = evaluate_hellaswag(model, rendered, rt.device, rt.autocast, rt.rank, rt.world_size,
-                           progress=progress, stopped=lambda: rt.any_rank(stop.requested)[0])
-    progress.close()
-    r = result_or_stop(r, stop)
+    r = on_ranks(evaluate_hellaswag, "examples", rt, stop, model, rendered)
     return (f"hellaswag {cfg.hellaswag_file}: acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f} | "
             f"{r['examples']} examples")
 
 
-def chat(cfg: EvalConfig, model, tok, conversations, stop: runtime.StopFlag) -> str:
-    template = ChatTemplate.for_tokenizer(tok)
-    if template is None:
-        raise UserError("this model's tokenizer has no chat tokens (a base model): --task=chat needs a chat "
-                        "fine-tune (docs/chat.md)")
-    r = result_or_stop(chat_accuracy(model, template, conversations, stopped=lambda: stop.requested), stop)
-    return f"chat {cfg.chat_file}: exact-answer accuracy {r['accuracy']:.4f} ({r['correct']}/{r['examples']})"
-
-
-def checked_task(cfg: EvalConfig, model, tok, rt: runtime.Runtime, stop: runtime.StopFlag) -> str:
+def answers(cfg: EvalConfig, model, tok, rt: runtime.Runtime, conversations, stop: runtime.StopFlag) -> str:
+    """--task=chat (exact answers to conversations) or a checked task's problems: a chat fine-tune's replies."""
     template = ChatTemplate.for_tokenizer(tok)
     if template is None:
         raise UserError(f"this model's tokenizer has no chat tokens (a base model): --task={cfg.task} needs a chat "
                         f"fine-tune (docs/chat.md)")
+    if cfg.task == "chat":
+        r = result_or_stop(chat_accuracy(model, template, conversations, stopped=lambda: stop.requested), stop)
+        return f"chat {cfg.chat_file}: exact-answer accuracy {r['accuracy']:.4f} ({r['correct']}/{r['examples']})"
     tasklib.check_vocabulary([cfg.task], tok.encode, "this model's vocabulary")
     problems = tasklib.problems(cfg.task, cfg.task_split, cfg.task_examples)
-    progress = Progress("problems", rt.is_master)
-    r = task_scores(model, template, cfg.task, problems, cfg.samples, cfg.temperature, cfg.max_new_tokens,
-                    cfg.seed, rt.device, rt.autocast, rt.rank, rt.world_size, progress,
-                    stopped=lambda: rt.any_rank(stop.requested)[0])
-    progress.close()
-    r = result_or_stop(r, stop)
+    r = on_ranks(task_scores, "problems", rt, stop, model, template, cfg.task, problems, cfg.samples, cfg.temperature,
+                 cfg.max_new_tokens, cfg.seed)
     if cfg.samples == 1 and cfg.temperature == 0:
         return (f"{cfg.task} {cfg.task_split}: exact match {r['mean']:.4f} ({round(r['mean'] * r['examples'])}/"
                 f"{r['examples']}), greedy")
@@ -216,12 +188,10 @@ def main(argv: Sequence[str]) -> str:
         stop.message = "stopping after this batch; no result"
         if cfg.task == "perplexity":
             line = perplexity(cfg, model, tok, data_dir, rt, stop)
-        elif cfg.task == "chat":
-            line = chat(cfg, model, tok, examples, stop)
-        elif cfg.task in tasklib.TASKS:
-            line = checked_task(cfg, model, tok, rt, stop)
-        else:
+        elif cfg.task == "hellaswag":
             line = hellaswag(cfg, model, tok, rt, examples, stop)
+        else:
+            line = answers(cfg, model, tok, rt, examples, stop)
         if rt.is_master:
             print(line)
         return line

@@ -89,10 +89,6 @@ class SampleConfig:
             raise UserError("--system and --prompt are for chat; add --chat (or use --start= for plain text)")
 
 
-# -----------------------------------------------------------------------------
-# decoding and printing
-
-
 def text_of(ids: list[int], tok: Tokenizer, stop: bool) -> str:
     """A sample's text: up to its first end-of-text id when it stops there, else each one as a line DOCUMENT_END."""
     ends = [-1] + [i for i, t in enumerate(ids) if t == tok.eot_token] + [len(ids)]
@@ -102,32 +98,16 @@ def text_of(ids: list[int], tok: Tokenizer, stop: bool) -> str:
 
 def write_stream(tokens, tok: Tokenizer, prompt: str, stop: bool) -> int:
     """Print one sample as `tokens` yields its ids, each (1, 1); returns how many were generated."""
-    out = sys.stdout
-    out.write(prompt)
-    out.flush()
+    print(prompt, end="", flush=True)
     decoder, steps = StreamDecoder(tok), 0
-    for token in tokens:
-        steps += 1
+    for steps, token in enumerate(tokens, 1):
         token_id = token.item()
         if token_id == tok.eot_token and stop:
             break
-        out.write((decoder.flush() + f"\n{DOCUMENT_END}\n") if token_id == tok.eot_token else decoder.push(token_id))
-        out.flush()
-    out.write(decoder.flush() + "\n" + SEPARATOR + "\n")
-    out.flush()
+        text = (decoder.flush() + f"\n{DOCUMENT_END}\n") if token_id == tok.eot_token else decoder.push(token_id)
+        print(text, end="", flush=True)
+    print(decoder.flush() + "\n" + SEPARATOR, flush=True)
     return steps
-
-
-def write_batch(rows: list[list[int]], tok: Tokenizer, prompt: str, stop: bool) -> int:
-    """Print each sample of a generated batch; returns how many tokens each row was given."""
-    for row in rows:
-        sys.stdout.write(prompt + text_of(row, tok, stop) + "\n" + SEPARATOR + "\n")
-    sys.stdout.flush()
-    return len(rows[0])
-
-
-# -----------------------------------------------------------------------------
-# chat
 
 
 def run_chat(cfg: SampleConfig, model: GPT, tok: Tokenizer, source: str, rt: runtime.Runtime) -> None:
@@ -175,12 +155,10 @@ def chat_turn(model: GPT, template: ChatTemplate, messages: list[dict], cfg: Sam
         for token_id in stream_reply(model, template, prompt, min(cfg.max_new_tokens, block_size - len(prompt)),
                                      **sampling):
             ids.append(token_id)
-            sys.stdout.write(decoder.push(token_id))
-            sys.stdout.flush()
+            print(decoder.push(token_id), end="", flush=True)
     except KeyboardInterrupt:  # stops this reply only
         print(" [stopped]", end="", file=sys.stderr)
-    sys.stdout.write(decoder.flush() + "\n")
-    sys.stdout.flush()
+    print(decoder.flush(), flush=True)
     return template.tok.decode(ids)
 
 
@@ -229,8 +207,9 @@ def main(argv: Sequence[str]) -> None:
         if stream:
             steps = write_stream(generate_stream(model, idx, **args), tok, shown_prompt, stop)
         else:
-            new = generate(model, idx, **args)[:, idx.size(1):]  # (B, steps)
-            steps = write_batch(new.tolist(), tok, shown_prompt, stop)
+            rows = generate(model, idx, **args)[:, idx.size(1):].tolist()  # (B, steps)
+            print("".join(f"{shown_prompt}{text_of(r, tok, stop)}\n{SEPARATOR}\n" for r in rows), end="", flush=True)
+            steps = len(rows[0])
         rt.synchronize()
         dt = time.perf_counter() - t0
     except BrokenPipeError:

@@ -1,11 +1,10 @@
 """Typed configuration: dataclass defaults, overridden by config files, then by --key=value.
 
-Config files (config/*.py) are the user's own Python programs: they run with full
-power, like any script you run, and every top-level name they assign that does not
-start with an underscore is an override. Command-line values are parsed as Python
-literals (ast.literal_eval), never evaluated. Unknown keys and values of the wrong
-type stop with one line naming the key, and the closest valid ones. A config class may list other projects'
-names for its keys in RENAMED ({name: (its key, value -> its value)}), e.g. nanoGPT's dataset=X for data_dir.
+Config files (config/*.py) are the user's own Python programs: they run with full power, like any script you run,
+and every top-level name they assign that does not start with an underscore is an override. Command-line values are
+parsed as Python literals (ast.literal_eval), never evaluated. Unknown keys and values of the wrong type stop with one
+line naming the key, and the closest valid ones. A config class may list other projects' names for its keys in
+RENAMED ({name: (its key, value -> its value)}), e.g. nanoGPT's dataset=X for data_dir.
 """
 import ast
 import dataclasses
@@ -183,9 +182,8 @@ def parse_args(cls: type[T], argv: Sequence[str], base: T | None = None, validat
             cfg = apply_overrides(cfg, {key: value}, "command line")
         else:
             cfg = apply_overrides(cfg, read_config_file(arg), f"in {arg}")
-    check = getattr(cfg, "validate", None)
-    if check is not None and validate:
-        check()
+    if validate and hasattr(cfg, "validate"):
+        cfg.validate()
     return cfg
 
 

@@ -30,16 +30,10 @@ SHORT_TRAINING_MATH_KEYS = 128  # bfloat16 training on a CPU: the math backend i
 
 
 def cpu_native_bf16() -> bool:
-    """Whether this CPU's matmuls compute bfloat16 in hardware: x86 with AVX512-BF16 or AMX-BF16
-    and torch's AVX512 kernels in use, or ARM with the BF16 extension; oneDNN must do the bf16
-    matmuls (torch.ops.mkldnn._is_mkldnn_bf16_supported) and ONEDNN_MAX_CPU_ISA must not cap it
-    below bf16. Elsewhere, every AVX2-only x86 CPU among them, a bf16 matmul is emulated and many
-    times slower than float32 (docs/performance.md, a matmul native and emulated).
-
-    ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are honoured, so that a machine with bf16 units can
-    be made to answer as an AVX2 one does. The CPU's flags come from /proc/cpuinfo (Linux); where
-    there is none, the answer is False, and float32 is correct everywhere.
-    """
+    """Whether this CPU's matmuls compute bfloat16 in hardware; elsewhere, every AVX2-only x86 CPU among them, a bf16
+    matmul is emulated and many times slower than float32. ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA are honoured,
+    so that a machine with bf16 units can be made to answer as an AVX2 one does. Without /proc/cpuinfo (Linux's) the
+    answer is False, and float32 is correct everywhere."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
@@ -67,21 +61,12 @@ def cpu_packs_bf16() -> bool:
     return cpu_native_bf16() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-# -----------------------------------------------------------------------------
-# kernels picked per call
-
-
 def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The matmul kernels for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1).
-
-    At one row every matmul is a matrix-vector product, bound by reading the weights. oneDNN, torch's
-    bfloat16 matmul on a CPU, is made for many rows: handed a plain matrix it lays the weight out again at
-    every call, which at one row costs as much as the product. The large matrices are packed once for it
-    (PackedLinear, which calls oneDNN directly, this flag or not); for the small ones left as nn.Linear
-    (under PACK_MIN_WEIGHTS) oneDNN's fixed cost a call dominates, and with oneDNN off torch's own GEMV
-    gives the same floats in less time; at 4 rows it is slower (docs/performance.md, "Decoding against
-    the bandwidth bound").
-    """
+    """oneDNN off for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1). oneDNN, torch's bf16
+    matmul on a CPU, is made for many rows: handed a plain matrix it lays the weight out again at every call, which at
+    one row, a matrix-vector product, costs as much as the product. The large matrices are packed once for it
+    (PackedLinear calls oneDNN directly, this flag or not); for the small ones torch's own GEMV gives the same floats
+    in less time (at 4 rows it is slower)."""
     if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.size(0) * x.size(1) != 1:
         return contextlib.nullcontext()
     return _without_onednn()
@@ -98,30 +83,21 @@ def _without_onednn():
 
 
 def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contextlib.AbstractContextManager:
-    """SDPA's math backend for bfloat16 attention on the CPU over at most SHORT_TRAINING_MATH_KEYS keys in
-    a training forward (training mode, autograd recording q): there the flash kernel's forward and backward
-    are slower than the math backend's, for its slow bf16 backward; from 256 keys flash is the faster
-    (docs/performance.md, "Mixed precision on a CPU with native bfloat16"). Float32 and evaluation keep
-    flash, faster there at every length measured."""
+    """SDPA's math backend for bfloat16 attention on the CPU over at most SHORT_TRAINING_MATH_KEYS keys in a training
+    forward (training mode, autograd recording q): there the flash kernel's slow bf16 backward loses; from 256 keys
+    flash is the faster. Float32 and evaluation keep flash, faster there at every length measured."""
     recorded = training and torch.is_grad_enabled() and q.requires_grad
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not recorded or Tk > SHORT_TRAINING_MATH_KEYS:
         return contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH)
 
 
-# -----------------------------------------------------------------------------
-# weights laid out for decoding
-
-
 class PackedLinear(nn.Module):
-    """An nn.Linear whose bfloat16 weight oneDNN has reordered once into its own blocked layout, for a
-    model that only decodes on a CPU with native bfloat16 (pack_linears). F.linear hands oneDNN the
-    plain (out, in) matrix, which it reorders at every call: at one row, a matrix-vector product bound by
-    reading the weight, that costs about as much as float32's product of twice the bytes. Packed, a
-    cached step is faster at one row and at the server's 4 to 64 rows (docs/performance.md, "Decoding
-    against the bandwidth bound"), with the very floats of F.linear's oneDNN product, at any number of
-    rows. torch has no public eager API for a weight packed once; these two ops are the ones
-    torch.compile's CPU freezing emits."""
+    """An nn.Linear whose bfloat16 weight oneDNN has reordered once into its own blocked layout (pack_linears).
+    F.linear hands oneDNN the plain (out, in) matrix, which it reorders at every call: at one row that costs about as
+    much as float32's product of twice the bytes. Packed, a cached step is faster at one row and at the server's 4 to
+    64 rows, with the very floats of F.linear's oneDNN product. torch has no public eager API for a weight packed
+    once; these two ops are the ones torch.compile's CPU freezing emits."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -138,21 +114,18 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: "GPT") -> None:
-    """Decoding with bfloat16 weights on a CPU that computes them natively: every Block's matrix of
-    PACK_MIN_WEIGHTS weights or more handed to oneDNN once, in its blocked layout (PackedLinear); smaller
-    ones are faster as they are (one_row_kernels). Those weights then exist only packed, so this is for a
-    model that only decodes (core/decoding/decode.py's inference_model); the head, the embeddings and the
-    norms stay."""
+    """Every Block's matrix of PACK_MIN_WEIGHTS weights or more packed for oneDNN (PackedLinear), for bf16 decoding on
+    a CPU that computes it natively; smaller ones are faster as they are (one_row_kernels). Those weights then exist
+    only packed: for a model that only decodes (inference_model). The head, the embeddings and the norms stay."""
     for name, module in list(model.transformer.h.named_modules(prefix="transformer.h")):
         if isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS:
             model.swap_module(name, PackedLinear(module))
 
 
 def lay_head_by_columns(model: "GPT") -> None:
-    """Decoding in float32 on a CPU: the head's storage laid out in place as (C, vocab), the same values
-    seen as (vocab, C), so F.linear reads it as decode.keep_float32_head's copy is read, faster at 1 to 16
-    rows than over the row-major matrix (docs/performance.md, "Decoding against the bandwidth bound"), with
-    no second copy: a tied token table is the same tensor, and an embedding row is a strided read. For a
-    model that only decodes (inference_model)."""
+    """Decoding in float32 on a CPU: the head's storage laid out in place as (C, vocab), the same values seen as
+    (vocab, C), so F.linear reads it as decode.keep_float32_head's copy is read, faster at 1 to 16 rows than over the
+    row-major matrix, with no second copy: a tied token table is the same tensor, and an embedding row is a strided
+    read. For a model that only decodes (inference_model)."""
     w = model.lm_head.weight
     w.data = w.data.t().contiguous().t()  # (vocab, C), strides (1, vocab)

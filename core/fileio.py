@@ -23,18 +23,12 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def free_bytes(path: str | os.PathLike) -> int | None:
-    """Free space on the filesystem that holds path (or its nearest existing parent), or None."""
-    existing = next((p for p in (Path(path), *Path(path).parents) if p.exists()), Path("."))
-    try:
-        return shutil.disk_usage(existing).free
-    except OSError:
-        return None
-
-
 def disk_full_error(path: str | os.PathLike, needed: int | None, then: str) -> UserError:
-    """The one line for a write to path that ran out of space."""
-    free = free_bytes(path)
+    """The one line for a write to path that ran out of space, with the free space where it (or its nearest existing
+    parent) lies, when that can be read."""
+    free = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(next((p for p in (Path(path), *Path(path).parents) if p.exists()), ".")).free
     size = " and ".join(([f"it needs about {format_bytes(needed)}"] if needed else [])
                         + ([f"{format_bytes(free)} is free"] if free is not None else []))
     return UserError(f"no space left to write {path} (No space left on device, or over quota){': ' if size else ''}"
@@ -65,11 +59,8 @@ def fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success fsync it and rename it over `path`.
-
-    On any exception (disk full, a kill signal turned into an exception, a bug) the
-    temporary file is removed and `path` is left exactly as it was.
-    """
+    """Yield a temporary path beside `path`; on success fsync it and rename it over `path`. On any exception (disk
+    full, a kill signal turned into an exception, a bug) the temporary file is removed and `path` is left as it was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

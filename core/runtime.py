@@ -1,13 +1,11 @@
 """Device, dtype, autocast and process-group setup: decided here once for every script.
 
-`setup(device, dtype)` returns a Runtime. Distributed training is detected from
-torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE): with one process it is a
-no-op and the same code path runs.
+Distributed training is detected from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE): with one process
+setup() joins no group and the same code path runs.
 
-Two small host-side (gloo) process groups sit beside the training one, so that agreeing
-on control flow never waits for the GPU: `any_rank` (did any rank see a signal or a bad
-loss; dist_timeout_s bounds it) and `on_master` (rank 0 writes a file; the others wait
-for its outcome with a long timeout, since a checkpoint save may take minutes, and all
+Two small host-side (gloo) process groups sit beside the training one, so that agreeing on control flow never waits
+for the GPU: `any_rank` (did any rank see a signal or a bad loss; dist_timeout_s bounds it) and `on_master` (rank 0
+writes a file; the others wait for its outcome with a long timeout, since a checkpoint save may take minutes, and all
 ranks raise the same one-line error if it failed).
 """
 import contextlib
@@ -46,7 +44,6 @@ class Runtime:
 
     @property
     def distributed(self) -> bool:
-        """More than one process (torchrun), under ddp and fsdp alike."""
         return self.world_size > 1
 
     @property
@@ -62,7 +59,6 @@ class Runtime:
         return torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
 
     def autocast(self):
-        """Mixed precision for the forward pass; float32 runs as is."""
         if self.dtype == "float32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.ptdtype)
@@ -82,11 +78,9 @@ class Runtime:
         return [bool(v) for v in t.tolist()]
 
     def on_master(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) on rank 0 only (a file write); every rank returns once it is done.
-
-        If it fails, every rank raises the same one-line UserError: the others would otherwise
-        wait in their next collective until dist_timeout_s, and end with a timeout, not the cause.
-        """
+        """fn(*args, **kwargs) on rank 0 only (a file write); every rank returns once it is done. If it fails, every
+        rank raises the same one-line UserError: the others would otherwise wait in their next collective until
+        dist_timeout_s, and end with a timeout, not the cause."""
         error, result = None, None
         if self.is_master:
             try:
@@ -112,11 +106,9 @@ class Runtime:
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> str:
-    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here.
-
-    CUDA devices always come back indexed ("cuda:1"): torch.cuda.set_device refuses a bare "cuda".
-    Under torchrun (local_rank given) a bare "cuda" or "auto" means this process's GPU, cuda:LOCAL_RANK.
-    """
+    """'auto' picks cuda, then mps, then cpu; an explicit device must exist here. CUDA devices always come back
+    indexed ("cuda:1"): torch.cuda.set_device refuses a bare "cuda". Under torchrun (local_rank given) a bare "cuda"
+    or "auto" means this process's GPU, cuda:LOCAL_RANK."""
     if name == "auto":
         if torch.cuda.is_available():
             return resolve_device("cuda", local_rank)
@@ -146,11 +138,8 @@ def resolve_device(name: str, local_rank: int | None = None) -> str:
 
 
 def local_gpu(local_rank: int, count: int) -> int:
-    """The GPU index of torchrun's LOCAL_RANK among the `count` visible ones.
-
-    One visible GPU with LOCAL_RANK > 0 is a scheduler giving each task its own GPU
-    (SLURM --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per task): that one is ours.
-    """
+    """The GPU index of torchrun's LOCAL_RANK among the `count` visible ones. One visible GPU with LOCAL_RANK > 0 is
+    a scheduler giving each task its own GPU (SLURM --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per task): ours."""
     if local_rank < count:
         return local_rank
     if count == 1:
@@ -161,20 +150,12 @@ def local_gpu(local_rank: int, count: int) -> int:
 
 
 def native_bf16(device: str) -> bool:
-    """Whether the device computes bfloat16 in hardware: on CUDA, Ampere (sm80) and newer, or AMD;
-    on a CPU, see cpu_native_bf16; MPS: no (float32 is the safe answer there).
-
-    torch.cuda.is_bf16_supported() also says yes for emulated bfloat16 (V100, T4), which runs
-    matmuls many times slower than float16 there.
-    """
+    """Whether the device computes bfloat16 in hardware: AMD GPUs and NVIDIA's sm80+, not MPS (float32 is safe there).
+    Not torch.cuda.is_bf16_supported(), which also says yes for emulated bf16 (V100, T4): matmuls many times slower."""
     kind = device.split(":")[0]
     if kind == "cpu":
         return cpu.cpu_native_bf16()
-    if kind != "cuda":
-        return False
-    if torch.version.hip:
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return kind == "cuda" and (bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def resolve_dtype(name: str, device: str) -> str:
@@ -193,9 +174,7 @@ def resolve_dtype(name: str, device: str) -> str:
     """
     kind = device.split(":")[0]
     if name == "auto":
-        if native_bf16(device):
-            return "bfloat16"
-        return "float16" if kind == "cuda" else "float32"
+        return "bfloat16" if native_bf16(device) else "float16" if kind == "cuda" else "float32"
     if name not in DTYPES:
         raise UserError(f"unknown dtype '{name}'; use {', '.join(DTYPES)} or auto")
     if name == "float32":
@@ -263,12 +242,9 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, t
         # A finite timeout: a dead peer ends the job with an error instead of a hang.
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _torchrun_attempt_store(world_size, timeout)
-        dist.init_process_group(
-            backend=backend,
-            timeout=timeout,
-            device_id=torch.device(device) if backend == "nccl" else None,
-            **(dict(store=store, rank=rank, world_size=world_size) if store is not None else {}),
-        )
+        dist.init_process_group(backend=backend, timeout=timeout,
+                                device_id=torch.device(device) if backend == "nccl" else None,
+                                **(dict(store=store, rank=rank, world_size=world_size) if store is not None else {}))
         # Host-side groups (see the module docstring); a gloo default group already is one.
         flag_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         # gloo's timeout is each process's own: the others wait long for rank 0's write, while rank 0,
@@ -280,11 +256,9 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, t
 def _torchrun_attempt_store(world_size: int, timeout: datetime.timedelta) -> "dist.Store | None":
     """torchrun's shared TCPStore with its keys kept apart per restart; None outside torchrun's agent store.
 
-    torchrun (--max-restarts) gives every restart of the workers the same store, and the default
-    process group's keys carry no attempt number: restarted workers can read the gloo/NCCL addresses of
-    the workers they replace and fail with 'Connection refused'.
-    A prefix per TORCHELASTIC_RESTART_COUNT is what torch's own env:// handler assumes it has.
-    """
+    torchrun (--max-restarts) gives every restart of the workers the same store, and the default process group's
+    keys carry no attempt number: restarted workers can read the gloo/NCCL addresses of the workers they replace and
+    fail with 'Connection refused'. A prefix per TORCHELASTIC_RESTART_COUNT is what torch's env:// handler assumes."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
@@ -303,10 +277,10 @@ def teardown(rt: Runtime) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT, and SIGHUP (the terminal closed) unless it is ignored (nohup). The work checks it at its next boundary (a training step, an eval batch,
-    a start-up phase) and stops there: train.py saves and exits 0. The first signal prints `message` at
-    once (when `announce`), so a long step or batch is not mistaken for a lost Ctrl-C; a second SIGINT
-    interrupts at once."""
+    """Set by SIGTERM/SIGINT, and SIGHUP (the terminal closed) unless it is ignored (nohup). The work checks it at its
+    next boundary (a training step, an eval batch, a start-up phase) and stops there: train.py saves and exits 0. The
+    first signal prints `message` at once (when `announce`), so a long step or batch is not mistaken for a lost
+    Ctrl-C; a second SIGINT interrupts at once."""
 
     def __init__(self, announce: bool = True, message: str = "stopping after this batch; saving"):
         self.signal_name, self.announce, self.message = None, announce, message
@@ -332,14 +306,10 @@ class StopFlag:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        if self.announce:
-            _say(f"{self.signal_name}: {self.message} (Ctrl-C again to interrupt at once)")
-
-
-def _say(line: str) -> None:
-    """One line on stderr from a signal handler: os.write, not print, which would raise if the handler
-    interrupted another write to the same buffered stream."""
-    try:
-        os.write(sys.stderr.fileno(), (line + "\n").encode())
-    except (AttributeError, OSError, ValueError):  # a stderr with no file (captured in-process)
-        sys.stderr.write(line + "\n")
+        if not self.announce:
+            return
+        line = f"{self.signal_name}: {self.message} (Ctrl-C again to interrupt at once)\n"
+        try:  # os.write, not print, which would raise if this handler interrupted a write to the same buffered stream
+            os.write(sys.stderr.fileno(), line.encode())
+        except (AttributeError, OSError, ValueError):  # a stderr with no file (captured in-process)
+            sys.stderr.write(line)

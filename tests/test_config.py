@@ -68,6 +68,12 @@ def test_errors_name_the_key(argv, words):
     assert "\n" not in str(e.value)
 
 
+def test_validate_false_leaves_the_check_to_a_later_call():
+    assert parse_args(Cfg, ["--steps=-1"], validate=False).steps == -1  # a first pass that reads a key or two
+    no_check = dataclasses.make_dataclass("NoCheck", [("steps", int, 0)])  # a config without validate()
+    assert parse_args(no_check, ["--steps=-1"]).steps == -1
+
+
 def test_unknown_key_in_file_names_the_file(tmp_path):
     f = tmp_path / "c.py"
     f.write_text("learning_rat = 1e-3\n")

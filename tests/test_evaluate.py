@@ -258,9 +258,9 @@ def test_bad_hellaswag_input_is_one_line(run, tmp_path):
     missing = run_main(eval_script.main, [f"--out_dir={out_dir}", "--task=hellaswag", "--device=cpu",
                                           f"--hellaswag_file={tmp_path / 'none.jsonl'}"])
     assert_user_error(missing, "not found; run python data/hellaswag/prepare.py")
-    with pytest.raises(UserError, match="line 1: an ending of 40 tokens leaves no context"):
-        hellaswag.render_example(hellaswag.HellaSwagExample(1, "the", ["a" * 39, "b", "c", "d"], 0),
-                                CharTokenizer.from_text(TEXT + "b"), 32)
+    with pytest.raises(UserError, match="line 1: an ending of 32 tokens leaves no context"):  # as many as block_size
+        hellaswag.render_examples([hellaswag.HellaSwagExample(1, "the", ["a" * 31, "b", "c", "d"], 0)],
+                                 CharTokenizer.from_text(TEXT + "b"), 32)
 
 
 def test_prepare_checks_every_line_and_writes_the_file(tmp_path):
@@ -308,6 +308,23 @@ def test_ranks_split_the_work_between_them(run, tmp_path, monkeypatch):
     model.eval()
     assert [p["examples"] for p in parts] == [3, 2]  # rank 1 scored a spare 3rd example and did not count it
     assert sum(p["acc"] * p["examples"] for p in parts) == 3
+
+
+def test_evaluation_runs_in_eval_mode_without_gradients(run, tmp_path):
+    """No dropout and no autograd graph while scoring, whatever mode the model came in (training's evals)."""
+    _, data_dir, model, tok, _ = run
+    seen = []
+    hook = model.register_forward_hook(lambda module, *_: seen.append((module.training, torch.is_grad_enabled())))
+    model.train()
+    try:
+        perplexity.evaluate_split(model, TokenData(data_dir, "val", 16), batch_size=4)
+        examples = hellaswag.load_hellaswag(write_hellaswag(tmp_path / "hs.jsonl", EXAMPLES))
+        hellaswag.evaluate_hellaswag(model, hellaswag.render_examples(examples, tok, 32))
+        assert model.training
+    finally:
+        hook.remove()
+        model.eval()
+    assert len(seen) > len(EXAMPLES) and set(seen) == {(False, False)}
 
 
 @pytest.mark.slow

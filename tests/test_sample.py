@@ -156,8 +156,9 @@ def test_num_samples_one_streams_token_by_token(char_out, monkeypatch):
     code, streamed, err = sample_here(*args)
     assert code == 0, err
     assert [len(text) for text in printed] == [len("ROMEO:") + k for k in range(1, 31)]
-    code, batched, _ = sample_here(*args, "--stream=False")
+    code, batched, batch_err = sample_here(*args, "--stream=False")
     assert code == 0 and streamed == batched
+    assert "30 tokens (1 x 30) in" in err and "30 tokens (1 x 30) in" in batch_err  # the timing counts each token once
 
 
 def test_padded_vocab_ids_never_reach_decode(char_out):

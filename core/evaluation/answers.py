@@ -12,6 +12,7 @@ import torch.distributed as dist
 from core.data.tasks import TASKS, messages
 from core.decoding.replies import reply, reply_text, sample_replies, sampler
 from core.errors import UserError
+from core.evaluation.perplexity import evaluating
 
 
 def load_chat_file(path: str | Path, limit: int = 0) -> list[list[dict]]:
@@ -37,27 +38,23 @@ def load_chat_file(path: str | Path, limit: int = 0) -> list[list[dict]]:
     return convs
 
 
-@torch.no_grad()
+@evaluating
 def chat_accuracy(model, template, conversations: list[list[dict]], max_new_tokens: int = 64,
                   stopped=None) -> dict | None:
     """The fraction of conversations whose last assistant turn the model reproduces exactly, greedily,
     from the messages before it; None if stopped(), called before each conversation, says so."""
-    was_training = model.training
-    model.eval()
     correct = 0
     for conv in conversations:
         if stopped is not None and stopped():
-            model.train(was_training)
             return None
         answer = conv[-1]["content"]
         # A reply longer than the answer is wrong whatever follows: decoding stops one token past the answer.
         n = min(max_new_tokens, len(template.tok.encode(answer)) + 1)
         correct += reply(model, template, conv[:-1], n, temperature=0.0) == answer
-    model.train(was_training)
     return {"accuracy": correct / len(conversations), "correct": correct, "examples": len(conversations)}
 
 
-@torch.no_grad()
+@evaluating
 def task_scores(model, template, name: str, problems: list, samples: int = 1, temperature: float = 0.0,
                 max_new_tokens: int = 32, seed: int = 0, device="cpu", autocast=None, rank: int = 0,
                 world_size: int = 1, progress=None, stopped=None) -> dict | None:
@@ -66,17 +63,12 @@ def task_scores(model, template, name: str, problems: list, samples: int = 1, te
 
     Returns {"mean": the mean reward over every reply (exact-match accuracy, or pass@1, for a 0/1 checker),
     "pass@k": {k: the chance that k of a problem's replies hold an accepted one (reward 1), for k = 1, 2, 4, ...
-    up to samples, and samples}, "examples", "samples"}; None if stopped(), called before each problem, says so.
-    With world_size > 1 each rank replies to every world_size-th problem and the sums are all-reduced.
-    progress(done, total) as in evaluate_split."""
+    up to samples, and samples}, "examples", "samples"}. Ranks, progress and stopped as in evaluate_split."""
     check = TASKS[name].check
     ks = sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i <= samples} | {samples})
-    was_training = model.training
-    model.eval()
     sums = torch.zeros(2 + len(ks), dtype=torch.float64)  # (reward, problems, pass@k for each k)
     for step in range(math.ceil(len(problems) / world_size)):  # as many stopped() calls on every rank
         if stopped is not None and stopped():
-            model.train(was_training)
             return None
         i = step * world_size + rank
         if progress:
@@ -94,7 +86,6 @@ def task_scores(model, template, name: str, problems: list, samples: int = 1, te
     if world_size > 1:
         sums = sums.to(device)
         dist.all_reduce(sums)
-    model.train(was_training)
     reward, n, *passed = sums.tolist()
     return {"mean": reward / n, "pass@k": {k: p / n for k, p in zip(ks, passed)}, "examples": int(n),
             "samples": samples}

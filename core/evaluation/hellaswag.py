@@ -1,8 +1,7 @@
-"""HellaSwag (Zellers et al. 2019, https://github.com/rowanz/hellaswag): each example is a context
-and 4 endings; the model picks the ending whose tokens, after context + " " + ending, have the
-lowest loss. `acc` ranks by the summed loss of the ending's tokens, `acc_norm` by their mean, as
-build-nanogpt's hellaswag.py and llm.c do (completion style, not the multiple-choice prompt of
-the Eleuther harness).
+"""HellaSwag (Zellers et al. 2019, https://github.com/rowanz/hellaswag): each example is a context and 4 endings; the
+model picks the ending whose tokens, after context + " " + ending, have the lowest loss. `acc` ranks by the summed
+loss of the ending's tokens, `acc_norm` by their mean, as build-nanogpt's hellaswag.py and llm.c do (completion
+style, not the multiple-choice prompt of the Eleuther harness).
 """
 import contextlib
 import json
@@ -16,7 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from core.data.tokenizer import Tokenizer
 from core.errors import UserError
-from core.evaluation.perplexity import token_losses
+from core.evaluation.perplexity import evaluating, token_losses
 
 
 @dataclass
@@ -46,7 +45,23 @@ def parse_hellaswag(lines: list[str], source: str, limit: int = 0) -> list[Hella
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        examples.append(_parse_example(line, number, source))
+        where = f"{source} line {number}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where} is not valid JSON ({e.msg}); re-run data/hellaswag/prepare.py") from None
+        if not isinstance(d, dict):
+            raise UserError(f"{where} is a JSON {type(d).__name__}, expected an object with ctx, endings and label")
+        endings, label = d.get("endings"), d.get("label")
+        if not isinstance(d.get("ctx"), str) or not d["ctx"]:
+            raise UserError(f"{where} has no non-empty string 'ctx'")
+        if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+            raise UserError(f"{where}: 'endings' must be a list of 4 strings")
+        if isinstance(label, str) and label.isdigit():
+            label = int(label)
+        if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
+            raise UserError(f"{where}: 'label' must be 0, 1, 2 or 3, got {d.get('label')!r}")
+        examples.append(HellaSwagExample(number, d["ctx"], endings, label))
         if limit and len(examples) == limit:
             break
     if not examples:
@@ -54,44 +69,27 @@ def parse_hellaswag(lines: list[str], source: str, limit: int = 0) -> list[Hella
     return examples
 
 
-def _parse_example(line: str, number: int, source: str) -> HellaSwagExample:
-    where = f"{source} line {number}"
-    try:
-        d = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{where} is not valid JSON ({e.msg}); re-run data/hellaswag/prepare.py") from None
-    if not isinstance(d, dict):
-        raise UserError(f"{where} is a JSON {type(d).__name__}, expected an object with ctx, endings and label")
-    endings, label = d.get("endings"), d.get("label")
-    if not isinstance(d.get("ctx"), str) or not d["ctx"]:
-        raise UserError(f"{where} has no non-empty string 'ctx'")
-    if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
-        raise UserError(f"{where}: 'endings' must be a list of 4 strings")
-    if isinstance(label, str) and label.isdigit():
-        label = int(label)
-    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
-        raise UserError(f"{where}: 'label' must be 0, 1, 2 or 3, got {d.get('label')!r}")
-    return HellaSwagExample(number, d["ctx"], endings, label)
-
-
-def render_example(ex: HellaSwagExample, tok: Tokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 4 candidate rows: tokens (4, L) of context + " " + ending, zero-padded, and mask (4, L),
-    1 on the ending's tokens. A row longer than block_size keeps its last block_size tokens."""
-    try:
-        ctx = tok.encode(ex.context)
-        ends = [tok.encode(" " + e) for e in ex.endings]
-    except UserError as e:  # e.g. characters a char vocabulary lacks: the wrong tokenizer for this data
-        raise UserError(f"HellaSwag line {ex.line} cannot be encoded with the model's tokenizer: {e}") from None
-    rows, masks = [], []
-    for end in ends:
-        if len(end) >= block_size:
-            raise UserError(f"HellaSwag line {ex.line}: an ending of {len(end)} tokens leaves no context in the "
-                            f"model's block_size {block_size}")
-        row = (ctx + end)[-block_size:]
-        rows.append(row)
-        masks.append([0] * (len(row) - len(end)) + [1] * len(end))
+def render_examples(examples: list[HellaSwagExample], tok: Tokenizer, block_size: int) -> list[tuple]:
+    """(tokens, mask, label) per example: the 4 rows of context + " " + ending, zero-padded, (4, L), and mask (4, L),
+    1 on the ending's tokens; a row longer than block_size keeps its last block_size tokens. All are encoded before
+    any scoring, so a tokenizer that cannot encode the file fails at the start of a run, not at its first eval."""
     pad = lambda rows: pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True)  # noqa: E731
-    return pad(rows), pad(masks)
+    rendered = []
+    for ex in examples:
+        try:
+            ctx = tok.encode(ex.context)
+            ends = [tok.encode(" " + e) for e in ex.endings]
+        except UserError as e:  # e.g. characters a char vocabulary lacks: the wrong tokenizer for this data
+            raise UserError(f"HellaSwag line {ex.line} cannot be encoded with the model's tokenizer: {e}") from None
+        rows, masks = [], []
+        for end in ends:
+            if len(end) >= block_size:
+                raise UserError(f"HellaSwag line {ex.line}: an ending of {len(end)} tokens leaves no context in the "
+                                f"model's block_size {block_size}")
+            rows.append((ctx + end)[-block_size:])
+            masks.append([0] * (len(rows[-1]) - len(end)) + [1] * len(end))
+        rendered.append((pad(rows), pad(masks), ex.label))
+    return rendered
 
 
 @torch.no_grad()
@@ -104,27 +102,15 @@ def ending_losses(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     return total, total / mask[:, 1:].sum(dim=1)
 
 
-def render_examples(examples: list[HellaSwagExample], tok: Tokenizer, block_size: int) -> list[tuple]:
-    """(tokens, mask, label) per example: encode once, before any scoring, so a tokenizer that
-    cannot encode the file fails at the start of a run, not at its first eval."""
-    return [(*render_example(ex, tok, block_size), ex.label) for ex in examples]
-
-
-@torch.no_grad()
+@evaluating
 def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None, rank: int = 0,
                        world_size: int = 1, progress=None, stopped=None) -> dict[str, float] | None:
-    """acc, acc_norm and the number of examples, from render_examples' output. With world_size > 1
-    each rank scores every world_size-th example and the counts are all-reduced; every rank runs
-    the same number of forwards (a rank short of one scores a spare it does not count), which
-    sharded models need. progress(done, total) as in evaluate_split; stopped(), if given, is called
-    before each example on every rank, and True ends the evaluation with None. The model is left in
-    the mode it came in."""
-    was_training = model.training
-    model.eval()
+    """acc, acc_norm and the number of examples, from render_examples' output. Ranks, progress and stopped as in
+    evaluate_split; every rank runs the same number of forwards (a rank short of one scores a spare it does not
+    count), which sharded models need."""
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # (right by sum, right by mean, examples)
     for step in range(math.ceil(len(rendered) / world_size)):
         if stopped is not None and stopped():
-            model.train(was_training)
             return None
         index = step * world_size + rank
         tokens, mask, label = rendered[min(index, len(rendered) - 1)]
@@ -137,7 +123,6 @@ def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None
             progress(min(index + 1, len(rendered)), len(rendered))
     if world_size > 1:
         dist.all_reduce(counts)
-    model.train(was_training)
     right, right_norm, n = counts.tolist()
     return {"acc": right / n, "acc_norm": right_norm / n, "examples": int(n)}
 

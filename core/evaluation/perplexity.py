@@ -1,13 +1,13 @@
-"""Perplexity and bits per byte on a whole split: every token of a prepared split is scored exactly once, from up to block_size tokens
-of context, in a fixed order, so the figure is deterministic and comparable across runs (the
-training loop's estimate_loss samples eval_iters random batches instead, for speed). Windows of
-block_size inputs start every `stride` tokens; a window scores only the targets that no earlier
-window scored. stride == block_size gives non-overlapping windows (fast; a token's context is
-whatever precedes it in its window, 1 to block_size tokens); a smaller stride gives every token
-scored after the first window at least block_size - stride + 1 tokens of context, for
-block_size / stride times the compute (the sliding window of Hugging Face's perplexity guide).
+"""Perplexity and bits per byte on a whole split: every token of a prepared split is scored exactly once, from up to
+block_size tokens of context, in a fixed order, so the figure is deterministic and comparable across runs (the
+training loop's estimate_loss samples eval_iters random batches instead, for speed). Windows of block_size inputs
+start every `stride` tokens; a window scores only the targets that no earlier window scored. stride == block_size
+gives non-overlapping windows (fast; a token's context is whatever precedes it in its window, 1 to block_size
+tokens); a smaller stride gives every token scored after the first window at least block_size - stride + 1 tokens of
+context, for block_size / stride times the compute (the sliding window of Hugging Face's perplexity guide).
 """
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -20,23 +20,32 @@ from core.data.loader import TokenData
 from core.errors import UserError
 
 
+def evaluating(fn):
+    """fn(model, ...) without gradients and with model in eval mode (no dropout), handed back in the mode it came in."""
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        was_training = model.training
+        try:
+            with torch.no_grad():
+                return fn(model.eval(), *args, **kwargs)
+        finally:
+            model.train(was_training)
+    return run
+
+
 def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each target, x (B, T) -> (B, T) float32; 0 where y is -1."""
     logits, _ = model(x, y)  # with targets the model returns logits at every position, (B, T, vocab)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none").view_as(y)
 
 
-# -----------------------------------------------------------------------------
-# perplexity on a whole split
-
-
 def split_windows(n_tokens: int, block_size: int, stride: int) -> list[tuple[int, int, int]]:
-    """The windows that score tokens 1..n_tokens-1 of a stream once each: (begin, end, new).
-
-    A window feeds tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new`
-    targets are scored, the ones no earlier window scored."""
+    """The windows that score tokens 1..n_tokens-1 of a stream once each: (begin, end, new). A window feeds
+    tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new` targets, which no earlier window
+    scored, are scored."""
     if not 1 <= stride <= block_size:
-        raise UserError(f"stride must be in [1, block_size={block_size}], got {stride}")
+        raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens"
+                        if stride > 1 else f"stride must be in [1, block_size={block_size}], got {stride}")
     windows, scored = [], 0  # targets tokens[1:scored+1] are done
     for begin in range(0, max(n_tokens - 1, 0), stride):
         end = min(begin + block_size, n_tokens - 1)
@@ -56,23 +65,19 @@ class SplitResult:
     bytes: int = 0            # the UTF-8 bytes of the scored targets
 
 
-@torch.no_grad()
+@evaluating
 def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
                    autocast=None, rank: int = 0, world_size: int = 1, progress=None,
                    token_bytes: list[int] | None = None, stopped=None) -> SplitResult | None:
-    """Score every token of `data` (one split; each .bin file is its own stream) once.
+    """Score every token of `data` (one split; each .bin file is its own stream) once; stride None: block_size.
 
-    stride None means block_size: non-overlapping windows. With world_size > 1 each rank scores
-    every world_size-th batch of windows and the sums are all-reduced. progress(done, total), if
-    given, is called after each batch with how far into the list of all windows this rank is.
+    With world_size > 1 each rank scores every world_size-th batch of windows and the sums are all-reduced.
+    progress(done, total) is called after each batch with how far into all the windows this rank is; stopped(),
+    before each batch on every rank alike (it may be a collective), and True ends the evaluation with None.
 
-    token_bytes (core.data.tokenizer.token_bytes: the UTF-8 bytes of each id) adds bits per byte: the summed
-    loss in bits over the bytes of the text scored, which tokenizers of any vocabulary share, so models
-    with different tokenizers compare on the same text. As nanochat's evaluate_bpb, special tokens
-    (no bytes) are left out of both sums.
-
-    stopped(), if given, is called before each batch on every rank alike (it may be a collective);
-    True ends the evaluation, returning None."""
+    token_bytes (core.data.tokenizer.token_bytes: the UTF-8 bytes of each id) adds bits per byte: the summed loss in
+    bits over the bytes of the text scored, which models with different tokenizers share. As nanochat's
+    evaluate_bpb, special tokens (no bytes) are left out of both sums."""
     T = data.block_size
     stride = stride or T
     if data.starts is not None:  # chat: each conversation is its own stream (context never crosses into it)
@@ -82,14 +87,12 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
     else:
         jobs = [(path, w) for path, n in zip(data.paths, data.sizes) for w in split_windows(n, T, stride)]
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # (summed loss, tokens, loss on bytes, bytes)
-    nbytes = None if token_bytes is None else torch.tensor(token_bytes, dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
+    # Each id's bytes (none given: no bytes, no bpb), then a 0 read by y = -1 (not scored) and ids past the tokenizer
+    nbytes = torch.tensor([*(token_bytes or []), 0], dtype=torch.float64, device=device)
     # Every rank runs as many forwards (a sharded model's are collectives): a rank past the end
     # scores the first batch again and does not count it.
     for step in range(math.ceil(len(jobs) / (world_size * batch_size))):
         if stopped is not None and stopped():
-            model.train(was_training)
             return None
         i = (step * world_size + rank) * batch_size
         x, y = _window_batch(data, jobs[i:i + batch_size] if i < len(jobs) else jobs[:batch_size], T)
@@ -97,23 +100,16 @@ def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size
         with autocast() if autocast else contextlib.nullcontext():
             losses = token_losses(model, x, y)  # (B, T)
         if i < len(jobs):
-            b = _target_bytes(nbytes, y) if nbytes is not None else torch.zeros_like(losses, dtype=torch.float64)
+            b = nbytes[y.clamp(max=len(nbytes) - 1)]  # (B, T) the bytes of each target
             sums += torch.stack([losses.double().sum(), (y >= 0).sum().double(), (losses.double() * (b > 0)).sum(),
                                  b.sum()])
         if progress:
             progress(min(i + batch_size, len(jobs)), len(jobs))
     if world_size > 1:
         dist.all_reduce(sums)
-    model.train(was_training)
     loss = sums[0].item() / sums[1].item()
-    bpb = sums[2].item() / math.log(2) / sums[3].item() if nbytes is not None and sums[3].item() else None
+    bpb = sums[2].item() / math.log(2) / sums[3].item() if sums[3].item() else None
     return SplitResult(loss, math.exp(loss), int(sums[1].item()), bpb, int(sums[3].item()))
-
-
-def _target_bytes(nbytes: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The UTF-8 bytes of each target, (B, T) float64; 0 where y is -1 (not scored) or past the tokenizer."""
-    ok = (y >= 0) & (y < nbytes.numel())
-    return torch.where(ok, nbytes[y.clamp(0, nbytes.numel() - 1)], torch.zeros((), dtype=nbytes.dtype, device=y.device))
 
 
 def _window_batch(data: TokenData, jobs, T: int) -> tuple[torch.Tensor, torch.Tensor]:
