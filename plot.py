@@ -9,21 +9,8 @@
     python plot.py attention --out_dir=out-shakespeare-char-cpu --prompt="ROMEO: But soft" --layer=1
     python plot.py attention --init_from=gpt2 --prompt="The cat sat on the mat because it" --summary=entropy
 
-Loss: train loss per logged step (faint), train and val loss at each eval, and the learning rate
-below; tokens seen (batch_size x block_size x gradient_accumulation_steps per iteration, from
-each run's config.json; shorter windows under sequence-length warm-up) on the top axis, or below with
---x=tokens (the top axis is left out where warm-up makes tokens not linear in iterations). A run still
-going or resumed is read as written: a last line cut short is skipped, and where an iteration appears
-twice the later record wins.
-
-Rewards (rl.py's runs, whose records hold a reward): the mean reward of each iteration's replies (faint) and
-its moving mean over the last 10 logged iterations, the held-out exact match of each task at each eval, the
-mean reply length, and the learning rate, against iterations.
-
-Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
-key columns), from the naive attention backend (the fused kernel never forms them); and beside
-it, <out>_summary.png: per layer and head, the mean distance (in tokens) from a query to what it
-attends to, or the entropy of its attention.
+What each picture shows, and how a log still being written or resumed is read: docs/evaluation.md. An
+rl.py run (its records hold a reward) is drawn as rewards and each task's held-out exact match instead.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line

@@ -10,17 +10,12 @@ equal compute on the same batches, each evaluated on the whole val split; a tabl
 
 Config files and --key=value set the training config (TrainConfig, as for train.py) shared by every
 variant; VARIANTS below change one switch each, "modern" applies config/modern.py. Each variant is
-built as train.py builds a run (the same seed, model, optimizer, learning-rate schedule and batches,
-drawn from seed and iteration) and takes train.py's step on one process, so the only difference is
-the switch.
+built and stepped as train.py builds and steps a run on one process, so the only difference is the switch.
 
 Phases: "train" trains the listed variants and writes results_dir/variants/<name>.json (a variant
 already there is skipped, so several processes can split the list); "time" measures ms/iter with
 the variants interleaved round by round (a busy shared machine then slows them all alike);
 "report" writes results_dir/table.md and results_dir/val_loss.png from what exists. "all" runs the three.
-
-Evaluation: core.evaluation.perplexity.evaluate_split, eval.py's whole-split loss: every token of the val split
-is predicted once, in non-overlapping windows of block_size; the mean is over tokens.
 """
 import dataclasses
 import json

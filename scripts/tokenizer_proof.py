@@ -3,18 +3,9 @@
     python scripts/tokenizer_proof.py --work=/tmp/tokproof                 # tokenizer tables only
     python scripts/tokenizer_proof.py --work=/tmp/tokproof2 --vocabs=8192 --val_fraction=0.03 --train_iters=100
 
-Corpora:
-    code     Python's standard library source: the top-level *.py of the running Python's lib folder
-             (one document per file)
-    chinese  the zh_CN translations (msgstr) of the gettext catalogs the system's packages install in
-             /usr/share/locale/zh_CN/LC_MESSAGES/*.mo: one document per catalog
-
-For each corpus and tokenizer, data/text/prepare.py runs as its own process (peak RSS from wait4,
-training time from its own line); bytes per token are measured on the val split (whole documents the
-BPE never saw). With --train_iters, train.py runs config/train_shakespeare_char_cpu.py's model for that
-many iterations on GPT-2's BPE and on one trained BPE of each corpus (the same tokens per iteration,
-so equal compute in the transformer blocks; GPT-2's larger embedding and head cost more), all four at
-once, and eval.py gives bits per byte on each val split.
+The corpora (Python's standard library, and the zh_CN gettext catalogs the system's packages install) and what
+is measured: docs/tokenizers.md, "Measured: code and Chinese". Each data/text/prepare.py runs as its own process,
+so that wait4 gives its peak RSS; bytes per token are counted on the val split (documents the BPE never saw).
 """
 import argparse
 import gettext
