@@ -209,15 +209,6 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
     return Racer(name, step, evaluate, cap, lambda it: tokens_per_iter(recipe, it), rt.synchronize, log)
 
 
-def speedrun_data(cfg, tmp: Path) -> tuple[str, str, int]:
-    """(data_dir, what it is, vocab size): speedrun_data_dir if given, else the quick-start character data
-    built from DEFAULT_CORPUS (or a generated text) into tmp."""
-    if cfg.speedrun_data_dir:
-        return cfg.speedrun_data_dir, cfg.speedrun_data_dir, read_meta(cfg.speedrun_data_dir)["vocab_size"]
-    source, vocab = nanogpt.char_dataset(tmp)
-    return str(tmp), f"{source}, characters, 90/10 split", vocab
-
-
 def speedrun_target(cfg, base: TrainConfig, data_dir: str, vocab: int, rt: runtime.Runtime) -> tuple[float, str]:
     """The target val loss and where it came from: --target, the recorded one, or measured now (nanoGPT's
     loop for speedrun_target_iters at the first seed, evaluated once at the end)."""
@@ -226,11 +217,10 @@ def speedrun_target(cfg, base: TrainConfig, data_dir: str, vocab: int, rt: runti
     recorded = SPEEDRUN_TARGETS.get((cfg.speedrun_base, cfg.speedrun_shape, cfg.speedrun_target_iters))
     if recorded is not None and not cfg.speedrun_measure_target and not cfg.speedrun_data_dir:
         return recorded, f"recorded: nanoGPT's loop at {cfg.speedrun_target_iters} iterations, seed 1337"
-    seed = int_list(cfg.speedrun_seeds, "speedrun_seeds")[0]
-    r = build_racer("nanogpt", base, seed, data_dir, vocab, cfg.speedrun_target_iters, cfg, rt, None)
-    n = cfg.speedrun_target_iters
+    n, seed = cfg.speedrun_target_iters, int_list(cfg.speedrun_seeds, "speedrun_seeds")[0]
+    r = build_racer("nanogpt", base, seed, data_dir, vocab, n, cfg, rt, None)
     take_turn(r, n, -math.inf, n, n, 0.0)  # scored at the start and at n, its cap
-    return r.curve[-1][1], f"measured now: nanoGPT's loop at {cfg.speedrun_target_iters} iterations, seed {seed}"
+    return r.curve[-1][1], f"measured now: nanoGPT's loop at {n} iterations, seed {seed}"
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
@@ -241,7 +231,12 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     recipes = {"nanogpt": base, "ours": read_recipe([cfg.speedrun_base, *spec_list(cfg.speedrun_ours), *shape],
                                                     "--speedrun_ours")}
     with tempfile.TemporaryDirectory() as tmp:
-        data_dir, source, vocab = speedrun_data(cfg, Path(tmp))
+        if cfg.speedrun_data_dir:
+            data_dir = source = cfg.speedrun_data_dir
+            vocab = read_meta(data_dir)["vocab_size"]
+        else:  # the quick start's characters
+            data_dir, (source, vocab) = tmp, nanogpt.char_dataset(Path(tmp))
+            source += ", characters, 90/10 split"
         target, target_source = speedrun_target(cfg, base, data_dir, vocab, rt)
         print(f"speedrun target: val loss {target:.4f} ({target_source})", flush=True)
         seeds = []
