@@ -64,10 +64,6 @@ class AttentionConfig:
             raise UserError(f"summary must be 'distance' or 'entropy', got '{self.summary}'")
 
 
-# -----------------------------------------------------------------------------
-# log.jsonl
-
-
 @dataclasses.dataclass
 class RunHistory:
     """One run's log.jsonl read back (core.training.runlog.RunLog writes it)."""
@@ -157,10 +153,6 @@ def run_labels(runs: list[RunHistory]) -> list[str]:
         detail = ", ".join(f"{k}={r.config.get(k)}" for k in differ[:4])
         labels.append(f"{name} ({detail})" if detail else name)
     return labels
-
-
-# -----------------------------------------------------------------------------
-# the loss picture
 
 
 def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = None, ymax: float | None = None,
@@ -328,10 +320,6 @@ def save(fig, out: Path) -> None:
     finally:
         plt.close(fig)
     print(f"wrote {out}")
-
-
-# -----------------------------------------------------------------------------
-# attention
 
 
 def attention_maps(model, ids: list[int]):

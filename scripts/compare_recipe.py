@@ -109,10 +109,6 @@ def variant_config(name: str, base: TrainConfig) -> TrainConfig:
     return cfg
 
 
-# -----------------------------------------------------------------------------
-# training a variant
-
-
 def build(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[GPT, object, TrainBatches]:
     """The variant's model (seeded as train.py seeds a new run), optimizer and training batches, on rt.device."""
     vocab = cfg.vocab_size or read_meta(cfg.data_dir)["vocab_size"]
@@ -196,10 +192,6 @@ def time_variants(names: list[str], base: TrainConfig, cmp: CompareConfig, rt: r
             f"{n} {v[-1]:.0f}ms" for n, v in per_round.items()), flush=True)
     return {name: {"ms_per_iter": statistics.median(v), "rounds": v, "clock": clock.__name__,
                    "wall_ms_per_iter": statistics.median(wall[name])} for name, v in per_round.items()}
-
-
-# -----------------------------------------------------------------------------
-# the report
 
 
 def iters_to_reach(curve: list[list[float]], target: float) -> float | None:
