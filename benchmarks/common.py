@@ -168,9 +168,7 @@ def model_text(c: GPTConfig, batch_size: int) -> str:
 
 
 def mib(n: float | str) -> str:
-    if n == OOM:
-        return OOM
-    return f"{n / MiB:,.1f} MiB" if n >= MiB / 10 else f"{n / 1024:,.1f} KiB"
+    return OOM if n == OOM else f"{n / MiB:,.1f} MiB" if n >= MiB / 10 else f"{n / 1024:,.1f} KiB"
 
 
 def num(x: float, digits: int = 0) -> str:

@@ -153,15 +153,11 @@ def train_variant(name: str, cfg: TrainConfig, cmp: CompareConfig, rt: runtime.R
         train_s += time.perf_counter() - t0
         if not math.isfinite(loss):
             raise UserError(f"variant {name}: loss is {loss} at iter {it}; lower its learning rate")
-    return {"name": name, "overrides": variant_overrides(cfg), "params": model.get_num_params(non_embedding=False),
+    switches = RECIPE_SWITCHES + ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
+    overrides = {k: getattr(cfg, k) for k in switches if getattr(cfg, k) != getattr(TrainConfig(), k)}
+    return {"name": name, "overrides": overrides, "params": model.get_num_params(non_embedding=False),
             "val_tokens": scored.tokens, "curve": curve, "train_s": train_s,
             "ms_per_iter_in_run": 1000 * train_s / cfg.max_iters, "config": configlib.to_dict(cfg)}
-
-
-def variant_overrides(cfg: TrainConfig) -> dict:
-    base = TrainConfig()
-    keys = RECIPE_SWITCHES + ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
-    return {k: getattr(cfg, k) for k in keys if getattr(cfg, k) != getattr(base, k)}
 
 
 def time_variants(names: list[str], base: TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:

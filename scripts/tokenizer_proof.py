@@ -38,10 +38,6 @@ def chinese_corpus(work: Path) -> str:
     return str(out / "*.txt")
 
 
-def code_corpus() -> str:
-    return str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")
-
-
 def prepare(inputs: str, tok: str, out: Path, val_fraction: float = 0.1) -> dict:
     cmd = [sys.executable, "data/text/prepare.py", f"--input={inputs}", f"--tokenizer={tok}", f"--out_dir={out}",
            f"--val_fraction={val_fraction}"]
@@ -88,7 +84,8 @@ def main() -> None:
     ap.add_argument("--val_fraction", type=float, default=0.1)
     args = ap.parse_args()
     work = Path(args.work)
-    corpora = {"code": code_corpus(), "chinese": chinese_corpus(work)}
+    stdlib = Path(sysconfig.get_paths()["stdlib"])  # code: the top-level modules of the running Python's library
+    corpora = {"code": str(stdlib / "*.py"), "chinese": chinese_corpus(work)}
     runs = []
     for name, inputs in corpora.items():
         for tok in ["gpt2"] + [f"bpe:{v}" for v in args.vocabs.split(",")]:
