@@ -34,12 +34,6 @@ RL_CONFIG = "config/rl_checked_char.py"
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def rl_learning_rates() -> list[str]:
-    """More SFT steps as the RL arms do (their config's rates, no warmup): the arms differ in their update only."""
-    rl = read_config_file(RL_CONFIG)
-    return [f"--learning_rate={rl['learning_rate']}", f"--min_lr={rl['min_lr']}", "--warmup_iters=0"]
-
-
 def run(cmd: list[str]) -> None:
     """Run `python cmd...` to completion with one thread."""
     result = subprocess.run([sys.executable, *cmd, *(["--threads=1"] if cmd[0] in ("train.py", "rl.py") else [])],
@@ -103,6 +97,8 @@ def main(argv: list[str]) -> None:
              "--block_size=64", f"--out_dir={DATA}"])
     stage("SFT", ["train.py", *SFT, "--out_dir=out-sft-checked-char", "--max_iters=3000", "--lr_decay_iters=3000",
                   "--eval_interval=500", "--overwrite=True"], "out-sft-checked-char")
+    rl_config = read_config_file(RL_CONFIG)  # more SFT steps at the RL arms' rates: the arms differ in their update
+    rates = [f"--learning_rate={rl_config['learning_rate']}", f"--min_lr={rl_config['min_lr']}", "--warmup_iters=0"]
     for seed in args.seeds.split(","):
         rl = ["rl.py", RL_CONFIG, f"--seed={seed}", "--overwrite=True", *shlex.split(args.rl_args)]
         stage(f"REINFORCE {seed}", [*rl, f"--out_dir=out-rl-reinforce-s{seed}"], f"out-rl-reinforce-s{seed}")
@@ -111,7 +107,7 @@ def main(argv: list[str]) -> None:
         n = round(budget / SFT_TOKENS)
         stage(f"more SFT {seed}", ["train.py", *SFT, "--init_from=out-sft-checked-char", f"--seed={seed}",
                                    f"--out_dir=out-sft-more-s{seed}", f"--max_iters={n}", f"--lr_decay_iters={n}",
-                                   f"--eval_interval={n}", "--overwrite=True", *rl_learning_rates()],
+                                   f"--eval_interval={n}", "--overwrite=True", *rates],
               f"out-sft-more-s{seed}")
     for name, r in results["runs"].items():
         r["tokens"] = rl_tokens(r["out_dir"]) if name.startswith(("RFT", "REINFORCE")) else \
