@@ -29,6 +29,9 @@ from core.errors import UserError, run_cli
 
 # --x: the eval records' key of each time axis (bench.py --sections=speedrun --speedrun_log_dir writes both)
 TIMES = {"seconds": "train_s", "cpu_seconds": "train_cpu_s"}
+XLABELS = {"iter": "iteration", "tokens": "tokens seen", "elapsed": "seconds since the run started (wall clock)",
+           "seconds": "training seconds (evaluation excluded)",
+           "cpu_seconds": "training CPU seconds of the process (evaluation excluded)"}  # --x's values
 # Keys that say where or how a run was logged, not what was trained: never a label.
 UNLABELLED = {"out_dir", "wandb_log", "wandb_project", "wandb_run_name", "log_interval", "eval_only",
               "always_save_checkpoint", "checkpoint_interval", "dist_timeout_s", "hellaswag_file"}
@@ -45,7 +48,7 @@ class LossPlotConfig:
     ymax: float | None = None  # clip the loss axis (the first iterations' loss can dwarf the rest)
 
     def validate(self) -> None:
-        if self.x not in ("iter", "tokens", "elapsed", *TIMES):
+        if self.x not in XLABELS:
             raise UserError(f"x must be 'iter', 'tokens', 'elapsed', 'seconds' or 'cpu_seconds', got '{self.x}'")
 
 
@@ -212,7 +215,6 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
                     va="bottom", fontsize=8)
     if ymax is not None:
         ax.set_ylim(top=ymax)
-    ax.grid(alpha=0.3)
     # One legend: the runs by colour, then what each line style means.
     handles, labels = ax.get_legend_handles_labels()
     handles += [Line2D([], [], color="gray", lw=1.8, marker="o", ms=3), Line2D([], [], color="gray", lw=1.2, ls="--"),
@@ -222,12 +224,6 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     if hellaswag:
         axes[1].set_ylabel("HellaSwag acc_norm")
         axes[1].axhline(0.25, color="gray", lw=0.8, ls=":")  # chance: 4 endings
-        axes[1].grid(alpha=0.3)
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    ax_lr.grid(alpha=0.3)
-    ax_lr.set_xlabel({"tokens": "tokens seen", "elapsed": "seconds since the run started (wall clock)", "seconds": "training seconds (evaluation excluded)",
-                      "cpu_seconds": "training CPU seconds of the process (evaluation excluded)"}.get(x, "iteration"))
     if x == "tokens":
         ax_lr.xaxis.set_major_formatter(EngFormatter())
     elif x == "iter" and any(r.seq_len_warmup for r in runs):
@@ -241,9 +237,7 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     elif x == "iter":
         print("note: the runs see different numbers of tokens per iteration; the top axis is left out "
               "(--x=tokens plots against tokens seen)", file=sys.stderr)
-    if title:
-        fig.suptitle(title)
-    return fig
+    return finish(fig, axes, XLABELS[x], title)
 
 
 def plot_rewards(runs: list[RunHistory], title: str | None = None):
@@ -255,8 +249,9 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, (ax, ax_len, ax_lr) = plt.subplots(3, 1, sharex=True, figsize=(9, 7), height_ratios=[3, 1, 1],
-                                            layout="constrained")
+    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7), height_ratios=[3, 1, 1],
+                             layout="constrained")
+    ax, ax_len, ax_lr = axes
     tasks = sorted({k.removeprefix("heldout_") for run in runs for e in run.evals.values() for k in e
                     if k.startswith("heldout_")})
     markers = dict(zip(tasks, "osD^v<>"))
@@ -274,7 +269,6 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
         ax_lr.plot(its, [run.steps[s]["lr"] for s in its], color=color, lw=1.2)
     ax.set_ylabel("reward; held-out exact match")
     ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     handles += [Line2D([], [], color="gray", lw=0.8, alpha=0.4)]
     labels += ["mean reward of the iteration's replies (solid: over the last 10)"]
@@ -282,11 +276,16 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
     labels += [f"held-out exact match, {t} (eval, greedy)" for t in tasks]
     ax.legend(handles, labels, loc="lower right", fontsize=8)
     ax_len.set_ylabel("reply tokens")
-    ax_len.grid(alpha=0.3)
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    ax_lr.grid(alpha=0.3)
-    ax_lr.set_xlabel("iteration")
+    return finish(fig, axes, "iteration", title)
+
+
+def finish(fig, axes, xlabel: str, title: str | None):
+    """What both pictures end with: every panel gridded, the learning rate at the bottom against xlabel."""
+    for a in axes:
+        a.grid(alpha=0.3)
+    axes[-1].set_ylabel("learning rate")
+    axes[-1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    axes[-1].set_xlabel(xlabel)
     if title:
         fig.suptitle(title)
     return fig

@@ -65,8 +65,6 @@ PRESETS = {"gpt2": dict(speedrun_shape="n_layer=12,n_head=12,n_embd=768,block_si
 #     python bench.py --sections=speedrun --speedrun_measure_target=True --speedrun_seeds=1337
 SPEEDRUN_TARGETS = {("config/train_shakespeare_char_cpu.py", "", 2000): 1.8883}
 SPEEDRUN_RUNS = ("nanogpt", "ours")
-
-
 CLOCKS = (time.perf_counter, time.process_time)  # wall, and this process's CPU time: a test scripts them
 
 
