@@ -163,16 +163,13 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     """The figure: loss (top), HellaSwag acc_norm if a run logged it (train.py --hellaswag_file), and the
     learning rate (bottom) of every run, against iterations, tokens, or training seconds (x="seconds" or
     "cpu_seconds": evaluations only, at each one's train_s or train_cpu_s)."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.ticker import EngFormatter
 
     hellaswag = any("hellaswag_acc_norm" in r for run in runs for r in run.evals.values())
     ratios = [3, 1.2, 1] if hellaswag else [3, 1]
-    fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(9, 6.5 + 2 * hellaswag), height_ratios=ratios,
-                             layout="constrained")
+    fig, axes = pyplot().subplots(len(ratios), 1, sharex=True, figsize=(9, 6.5 + 2 * hellaswag),
+                                  height_ratios=ratios, layout="constrained")
     ax, ax_lr = axes[0], axes[-1]
     tpis = [r.tokens_per_iter for r in runs]
     if x == "tokens" and None in tpis:
@@ -244,13 +241,9 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
     """rl.py's runs: reward (top: each logged iteration faint, the mean of the last 10 logged solid) with each
     task's held-out exact match at the evals (dashed, one marker per task), the mean reply length, and the
     learning rate."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7), height_ratios=[3, 1, 1],
-                             layout="constrained")
+    fig, axes = pyplot().subplots(3, 1, sharex=True, figsize=(9, 7), height_ratios=[3, 1, 1], layout="constrained")
     ax, ax_len, ax_lr = axes
     tasks = sorted({k.removeprefix("heldout_") for run in runs for e in run.evals.values() for k in e
                     if k.startswith("heldout_")})
@@ -309,15 +302,21 @@ def loss_main(argv: Sequence[str]) -> Path:
     return out
 
 
-def save(fig, out: Path) -> None:
+def pyplot():
+    """matplotlib.pyplot on its file backend (no display), imported only when a picture is drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def save(fig, out: Path) -> None:
     try:
         fig.savefig(out, dpi=110)
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
-        plt.close(fig)
+        pyplot().close(fig)
     print(f"wrote {out}")
 
 
@@ -355,17 +354,14 @@ def token_labels(tok, ids: list[int]) -> list[str]:
 
 def plot_heads(att_layer, labels: list[str], title: str):
     """One panel per head: att_layer (nh, T, T), query tokens down, key tokens across."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     nh, T = att_layer.shape[0], att_layer.shape[-1]
     cols = math.ceil(math.sqrt(nh))  # 4 heads: 2 x 2; 12: 4 x 3
     rows = math.ceil(nh / cols)
     side = max(3.0, 0.2 * T + 1.2)  # inches per panel: room for T tick labels
-    fig, axes = plt.subplots(rows, cols, figsize=(side * cols + 1, side * rows + 0.6), squeeze=False,
-                             layout="constrained")
+    fig, axes = pyplot().subplots(rows, cols, figsize=(side * cols + 1, side * rows + 0.6), squeeze=False,
+                                  layout="constrained")
     upper = np.triu(np.ones((T, T), dtype=bool), k=1)  # keys after the query: never attended
     fontsize = 8 if T <= 32 else 6
     for h, ax in enumerate(axes.flat):
@@ -385,12 +381,8 @@ def plot_heads(att_layer, labels: list[str], title: str):
 
 def plot_summary(values, kind: str, title: str):
     """Heatmap of (n_layer, n_head) values, each cell written in."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     L, nh = values.shape
-    fig, ax = plt.subplots(figsize=(max(4.5, 0.7 * nh + 2.5), max(3.0, 0.45 * L + 1.8)), layout="constrained")
+    fig, ax = pyplot().subplots(figsize=(max(4.5, 0.7 * nh + 2.5), max(3.0, 0.45 * L + 1.8)), layout="constrained")
     image = ax.imshow(values.numpy(), cmap="magma", aspect="auto")
     for layer in range(L):
         for h in range(nh):
