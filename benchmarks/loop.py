@@ -63,8 +63,6 @@ def train_py_ms(cfg, tmp: str, overrides: dict, warm: int, n: int, *recipe: str)
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
-    """ms per iteration: train.py itself and the plain loop, same model, data, optimizer and threads, in
-    alternating chunks."""
     if rt.distributed:
         raise UserError("the loop section runs on one process; start bench.py without torchrun")
     with tempfile.TemporaryDirectory() as tmp:

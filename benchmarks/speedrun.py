@@ -178,9 +178,8 @@ def tokens_per_iter(cfg: TrainConfig, it: int | None = None) -> int:
 
 def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab: int, cap: int, cfg,
                 rt: runtime.Runtime, log_dir: Path | None) -> Racer:
-    """nanogpt: GPT-2 with nanoGPT's AdamW and cosine schedule; ours: the recipe's model and core.training.optim's
-    optimizer and schedule. Both step as nanoGPT's loop does, read batches from their own generator seeded
-    with `seed`, and start from torch.manual_seed(seed)."""
+    """Run `name` (SPEEDRUN_RUNS) of recipe, stepped as nanoGPT's loop steps, its weights and its batches' own
+    generator seeded with `seed`."""
     if name == "nanogpt" and rt.device_type == "cpu":
         rt = dataclasses.replace(rt, dtype="float32")  # nanoGPT's train.py uses no autocast on a CPU
     torch.manual_seed(seed)
