@@ -270,9 +270,8 @@ def summary(seeds: list[dict], runs: list[str]) -> dict:
     first = out[runs[0]]
     for name in runs[1:]:
         if out[name] and first:
-            out[name]["wall_ratio"] = out[name]["wall_s"] / first["wall_s"]
-            out[name]["cpu_ratio"] = out[name]["cpu_s"] / first["cpu_s"]
-            out[name]["iter_ratio"] = out[name]["iter"] / first["iter"]
+            out[name] |= {f"{ratio}_ratio": out[name][key] / first[key]
+                          for ratio, key in (("wall", "wall_s"), ("cpu", "cpu_s"), ("iter", "iter"))}
     return out
 
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
 from benchmarks import markdown  # noqa: E402
-from benchmarks.common import at_least  # noqa: E402
+from benchmarks.common import at_least, spec_list  # noqa: E402
 from core import config as configlib, kernels, runtime  # noqa: E402
 from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
@@ -85,7 +85,7 @@ class CompareConfig:
 
 
 def variant_names(cmp: CompareConfig) -> list[str]:
-    names = list(VARIANTS) if cmp.variants == "all" else [v.strip() for v in cmp.variants.split(",") if v.strip()]
+    names = list(VARIANTS) if cmp.variants == "all" else spec_list(cmp.variants)
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
         raise UserError(f"unknown variant(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(VARIANTS)}")

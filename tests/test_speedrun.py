@@ -106,6 +106,7 @@ def test_summary_means_over_seeds_and_ratios_to_the_first_run():
     s = speedrun.summary(seeds, ["nanogpt", "ours"])
     assert s["nanogpt"] == {"iter": 110, "tokens": 1100, "wall_s": 12.0, "cpu_s": 10.0}
     assert s["ours"]["wall_ratio"] == pytest.approx(0.25) and s["ours"]["cpu_ratio"] == pytest.approx(0.25)
+    assert s["ours"]["iter_ratio"] == pytest.approx(25 / 110)
     seeds[1]["runs"]["ours"] = {"reached": None}
     assert speedrun.summary(seeds, ["nanogpt", "ours"])["ours"] is None  # a missed seed is no mean
 
