@@ -102,6 +102,7 @@ def machine_info(rt: runtime.Runtime) -> dict:
 
 
 def main(argv: Sequence[str]) -> dict:
+    """Measure the chosen sections in SECTIONS' order, printing each table as it is done."""
     start = time.perf_counter()
     cfg = load_config(argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
@@ -110,30 +111,23 @@ def main(argv: Sequence[str]) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads or threads)
     try:
-        result = run(cfg, rt)
+        result = {"machine": machine_info(rt), "config": to_dict(cfg)}
+        m = result["machine"]
+        print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
+              f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
+        for name, module in SECTIONS.items():
+            if name in spec_list(cfg.sections):
+                t0 = time.perf_counter()
+                result[name] = module.measure(cfg, rt)
+                result[name]["section_s"] = time.perf_counter() - t0
+                print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
+                write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
     finally:
         torch.set_num_threads(threads)  # main() called in-process (tests) leaves the count as it was
     result["wall_s"] = time.perf_counter() - start
     result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     write_json(cfg.out, result)
     print(f"\n{result['wall_s']:.0f} s in all; wrote {cfg.out}")
-    return result
-
-
-def run(cfg, rt: runtime.Runtime) -> dict:
-    """Measure the chosen sections in SECTIONS' order, printing each table as it is done."""
-    result = {"machine": machine_info(rt), "config": to_dict(cfg)}
-    m = result["machine"]
-    print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
-          f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
-    for name, module in SECTIONS.items():
-        if name not in spec_list(cfg.sections):
-            continue
-        t0 = time.perf_counter()
-        result[name] = module.measure(cfg, rt)
-        result[name]["section_s"] = time.perf_counter() - t0
-        print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
-        write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
     return result
 
 

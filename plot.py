@@ -9,21 +9,8 @@
     python plot.py attention --out_dir=out-shakespeare-char-cpu --prompt="ROMEO: But soft" --layer=1
     python plot.py attention --init_from=gpt2 --prompt="The cat sat on the mat because it" --summary=entropy
 
-Loss: train loss per logged step (faint), train and val loss at each eval, and the learning rate
-below; tokens seen (batch_size x block_size x gradient_accumulation_steps per iteration, from
-each run's config.json; shorter windows under sequence-length warm-up) on the top axis, or below with
---x=tokens (the top axis is left out where warm-up makes tokens not linear in iterations). A run still
-going or resumed is read as written: a last line cut short is skipped, and where an iteration appears
-twice the later record wins.
-
-Rewards (rl.py's runs, whose records hold a reward): the mean reward of each iteration's replies (faint) and
-its moving mean over the last 10 logged iterations, the held-out exact match of each task at each eval, the
-mean reply length, and the learning rate, against iterations.
-
-Attention: the weights of one layer, one panel per head, prompt tokens on both axes (query rows,
-key columns), from the naive attention backend (the fused kernel never forms them); and beside
-it, <out>_summary.png: per layer and head, the mean distance (in tokens) from a query to what it
-attends to, or the entropy of its attention.
+What each picture shows, and how a log still being written or resumed is read: docs/evaluation.md. An
+rl.py run (its records hold a reward) is drawn as rewards and each task's held-out exact match instead.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -42,6 +29,9 @@ from core.errors import UserError, run_cli
 
 # --x: the eval records' key of each time axis (bench.py --sections=speedrun --speedrun_log_dir writes both)
 TIMES = {"seconds": "train_s", "cpu_seconds": "train_cpu_s"}
+XLABELS = {"iter": "iteration", "tokens": "tokens seen", "elapsed": "seconds since the run started (wall clock)",
+           "seconds": "training seconds (evaluation excluded)",
+           "cpu_seconds": "training CPU seconds of the process (evaluation excluded)"}  # --x's values
 # Keys that say where or how a run was logged, not what was trained: never a label.
 UNLABELLED = {"out_dir", "wandb_log", "wandb_project", "wandb_run_name", "log_interval", "eval_only",
               "always_save_checkpoint", "checkpoint_interval", "dist_timeout_s", "hellaswag_file"}
@@ -58,7 +48,7 @@ class LossPlotConfig:
     ymax: float | None = None  # clip the loss axis (the first iterations' loss can dwarf the rest)
 
     def validate(self) -> None:
-        if self.x not in ("iter", "tokens", "elapsed", *TIMES):
+        if self.x not in XLABELS:
             raise UserError(f"x must be 'iter', 'tokens', 'elapsed', 'seconds' or 'cpu_seconds', got '{self.x}'")
 
 
@@ -75,10 +65,6 @@ class AttentionConfig:
     def validate(self) -> None:
         if self.summary not in ("distance", "entropy"):
             raise UserError(f"summary must be 'distance' or 'entropy', got '{self.summary}'")
-
-
-# -----------------------------------------------------------------------------
-# log.jsonl
 
 
 @dataclasses.dataclass
@@ -172,25 +158,18 @@ def run_labels(runs: list[RunHistory]) -> list[str]:
     return labels
 
 
-# -----------------------------------------------------------------------------
-# the loss picture
-
-
 def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = None, ymax: float | None = None,
                 target: float | None = None):
     """The figure: loss (top), HellaSwag acc_norm if a run logged it (train.py --hellaswag_file), and the
     learning rate (bottom) of every run, against iterations, tokens, or training seconds (x="seconds" or
     "cpu_seconds": evaluations only, at each one's train_s or train_cpu_s)."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.ticker import EngFormatter
 
     hellaswag = any("hellaswag_acc_norm" in r for run in runs for r in run.evals.values())
     ratios = [3, 1.2, 1] if hellaswag else [3, 1]
-    fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(9, 6.5 + 2 * hellaswag), height_ratios=ratios,
-                             layout="constrained")
+    fig, axes = pyplot().subplots(len(ratios), 1, sharex=True, figsize=(9, 6.5 + 2 * hellaswag),
+                                  height_ratios=ratios, layout="constrained")
     ax, ax_lr = axes[0], axes[-1]
     tpis = [r.tokens_per_iter for r in runs]
     if x == "tokens" and None in tpis:
@@ -233,7 +212,6 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
                     va="bottom", fontsize=8)
     if ymax is not None:
         ax.set_ylim(top=ymax)
-    ax.grid(alpha=0.3)
     # One legend: the runs by colour, then what each line style means.
     handles, labels = ax.get_legend_handles_labels()
     handles += [Line2D([], [], color="gray", lw=1.8, marker="o", ms=3), Line2D([], [], color="gray", lw=1.2, ls="--"),
@@ -243,12 +221,6 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     if hellaswag:
         axes[1].set_ylabel("HellaSwag acc_norm")
         axes[1].axhline(0.25, color="gray", lw=0.8, ls=":")  # chance: 4 endings
-        axes[1].grid(alpha=0.3)
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    ax_lr.grid(alpha=0.3)
-    ax_lr.set_xlabel({"tokens": "tokens seen", "elapsed": "seconds since the run started (wall clock)", "seconds": "training seconds (evaluation excluded)",
-                      "cpu_seconds": "training CPU seconds of the process (evaluation excluded)"}.get(x, "iteration"))
     if x == "tokens":
         ax_lr.xaxis.set_major_formatter(EngFormatter())
     elif x == "iter" and any(r.seq_len_warmup for r in runs):
@@ -262,22 +234,17 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
     elif x == "iter":
         print("note: the runs see different numbers of tokens per iteration; the top axis is left out "
               "(--x=tokens plots against tokens seen)", file=sys.stderr)
-    if title:
-        fig.suptitle(title)
-    return fig
+    return finish(fig, axes, XLABELS[x], title)
 
 
 def plot_rewards(runs: list[RunHistory], title: str | None = None):
     """rl.py's runs: reward (top: each logged iteration faint, the mean of the last 10 logged solid) with each
     task's held-out exact match at the evals (dashed, one marker per task), the mean reply length, and the
     learning rate."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, (ax, ax_len, ax_lr) = plt.subplots(3, 1, sharex=True, figsize=(9, 7), height_ratios=[3, 1, 1],
-                                            layout="constrained")
+    fig, axes = pyplot().subplots(3, 1, sharex=True, figsize=(9, 7), height_ratios=[3, 1, 1], layout="constrained")
+    ax, ax_len, ax_lr = axes
     tasks = sorted({k.removeprefix("heldout_") for run in runs for e in run.evals.values() for k in e
                     if k.startswith("heldout_")})
     markers = dict(zip(tasks, "osD^v<>"))
@@ -295,7 +262,6 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
         ax_lr.plot(its, [run.steps[s]["lr"] for s in its], color=color, lw=1.2)
     ax.set_ylabel("reward; held-out exact match")
     ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     handles += [Line2D([], [], color="gray", lw=0.8, alpha=0.4)]
     labels += ["mean reward of the iteration's replies (solid: over the last 10)"]
@@ -303,11 +269,16 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
     labels += [f"held-out exact match, {t} (eval, greedy)" for t in tasks]
     ax.legend(handles, labels, loc="lower right", fontsize=8)
     ax_len.set_ylabel("reply tokens")
-    ax_len.grid(alpha=0.3)
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    ax_lr.grid(alpha=0.3)
-    ax_lr.set_xlabel("iteration")
+    return finish(fig, axes, "iteration", title)
+
+
+def finish(fig, axes, xlabel: str, title: str | None):
+    """What both pictures end with: every panel gridded, the learning rate at the bottom against xlabel."""
+    for a in axes:
+        a.grid(alpha=0.3)
+    axes[-1].set_ylabel("learning rate")
+    axes[-1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    axes[-1].set_xlabel(xlabel)
     if title:
         fig.suptitle(title)
     return fig
@@ -331,20 +302,22 @@ def loss_main(argv: Sequence[str]) -> Path:
     return out
 
 
-def save(fig, out: Path) -> None:
+def pyplot():
+    """matplotlib.pyplot on its file backend (no display), imported only when a picture is drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def save(fig, out: Path) -> None:
     try:
         fig.savefig(out, dpi=110)
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
-        plt.close(fig)
+        pyplot().close(fig)
     print(f"wrote {out}")
-
-
-# -----------------------------------------------------------------------------
-# attention
 
 
 def attention_maps(model, ids: list[int]):
@@ -381,17 +354,14 @@ def token_labels(tok, ids: list[int]) -> list[str]:
 
 def plot_heads(att_layer, labels: list[str], title: str):
     """One panel per head: att_layer (nh, T, T), query tokens down, key tokens across."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     nh, T = att_layer.shape[0], att_layer.shape[-1]
     cols = math.ceil(math.sqrt(nh))  # 4 heads: 2 x 2; 12: 4 x 3
     rows = math.ceil(nh / cols)
     side = max(3.0, 0.2 * T + 1.2)  # inches per panel: room for T tick labels
-    fig, axes = plt.subplots(rows, cols, figsize=(side * cols + 1, side * rows + 0.6), squeeze=False,
-                             layout="constrained")
+    fig, axes = pyplot().subplots(rows, cols, figsize=(side * cols + 1, side * rows + 0.6), squeeze=False,
+                                  layout="constrained")
     upper = np.triu(np.ones((T, T), dtype=bool), k=1)  # keys after the query: never attended
     fontsize = 8 if T <= 32 else 6
     for h, ax in enumerate(axes.flat):
@@ -411,12 +381,8 @@ def plot_heads(att_layer, labels: list[str], title: str):
 
 def plot_summary(values, kind: str, title: str):
     """Heatmap of (n_layer, n_head) values, each cell written in."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     L, nh = values.shape
-    fig, ax = plt.subplots(figsize=(max(4.5, 0.7 * nh + 2.5), max(3.0, 0.45 * L + 1.8)), layout="constrained")
+    fig, ax = pyplot().subplots(figsize=(max(4.5, 0.7 * nh + 2.5), max(3.0, 0.45 * L + 1.8)), layout="constrained")
     image = ax.imshow(values.numpy(), cmap="magma", aspect="auto")
     for layer in range(L):
         for h in range(nh):

@@ -37,12 +37,8 @@ def check(cfg) -> None:
     int_list(cfg.attn_lengths, "attn_lengths")
 
 
-def naive_attention(q, k, v):
-    return scaled_dot_product_attention(q, k, v, causal=True)  # the reference: forms (B, nh, T, T)
-
-
-def fused_attention(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # what the sdpa backend calls for a full block
+ATTENTIONS = {"naive": lambda q, k, v: scaled_dot_product_attention(q, k, v, causal=True),  # forms (B, nh, T, T)
+              "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}  # the sdpa backend's
 
 
 def attention_run(attn: Callable, shape: tuple[int, ...], rt: runtime.Runtime, backward: bool) -> Callable[[], None]:
@@ -64,7 +60,7 @@ def attention_run(attn: Callable, shape: tuple[int, ...], rt: runtime.Runtime, b
 
 def sdpa_kernels(shape: tuple[int, ...], rt: runtime.Runtime) -> str:
     """Which aten kernel(s) F.scaled_dot_product_attention dispatched to, read from a profile."""
-    run = attention_run(fused_attention, shape, rt, backward=True)
+    run = attention_run(ATTENTIONS["sdpa"], shape, rt, backward=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run()
     kernels = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")
@@ -93,8 +89,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     lengths = int_list(cfg.attn_lengths, "attn_lengths")
     B, nh, hs = cfg.attn_batch_size, cfg.attn_n_head, cfg.attn_head_size
     itemsize = torch.empty(0, dtype=rt.ptdtype).element_size()
-    variants = {f"{name}_{mode}_bytes": (attn, mode == "forward_backward")
-                for name, attn in (("naive", naive_attention), ("sdpa", fused_attention))
+    variants = {f"{name}_{mode}_bytes": (attn, mode == "forward_backward") for name, attn in ATTENTIONS.items()
                 for mode in ("forward", "forward_backward")}
     for attn, backward in variants.values():  # warm-up: one-time buffers (thread pools, kernels) are not attention's
         or_oom(lambda: attention_run(attn, (B, nh, min(lengths), hs), rt, backward)(), rt)

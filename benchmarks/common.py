@@ -28,10 +28,6 @@ DEFAULT_CORPUS = "../shared/data/tinyshakespeare.txt"
 GENERATED_CHARS = 1_000_000  # the stand-in corpus when DEFAULT_CORPUS is absent: about Tiny Shakespeare's size
 
 
-# ---------------------------------------------------------------------------------------------
-# measuring
-
-
 def median_time(fn: Callable[[], object], warmup: int, repeats: int,
                 synchronize: Callable[[], None] = lambda: None) -> float:
     """Median seconds of `repeats` calls of fn, after `warmup` untimed calls.
@@ -88,10 +84,6 @@ def or_oom(fn: Callable[[], object], rt: runtime.Runtime):
         if rt.device_type == "cuda":
             torch.cuda.empty_cache()
         return OOM
-
-
-# ---------------------------------------------------------------------------------------------
-# settings
 
 
 def merged_config(name: str, general: type, sections: dict, module: str) -> type:
@@ -170,19 +162,13 @@ def generated_text(n_chars: int, seed: int = 0) -> str:
     return "".join(lines)[:n_chars]
 
 
-# ---------------------------------------------------------------------------------------------
-# tables
-
-
 def model_text(c: GPTConfig, batch_size: int) -> str:
     return (f"{c.n_layer} layers, {c.n_embd} wide, {c.n_head} heads, block_size {c.block_size}, "
             f"vocab {c.vocab_size}, batch {batch_size}")
 
 
 def mib(n: float | str) -> str:
-    if n == OOM:
-        return OOM
-    return f"{n / MiB:,.1f} MiB" if n >= MiB / 10 else f"{n / 1024:,.1f} KiB"
+    return OOM if n == OOM else f"{n / MiB:,.1f} MiB" if n >= MiB / 10 else f"{n / 1024:,.1f} KiB"
 
 
 def num(x: float, digits: int = 0) -> str:

@@ -9,6 +9,7 @@ alternation, train.py with --recipe_config on top (config/modern.py: Muon + the 
 user runs `train.py config/... config/modern.py`.
 """
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -25,7 +26,7 @@ from benchmarks.common import ROOT, at_least, model_text, num
 from core import kernels, runtime
 from core.config import apply_overrides, read_config_file
 from core.errors import UserError
-from core.training.train_config import TrainConfig, local_accum_steps
+from core.training.train_config import TrainConfig
 from model import GPT, GPTConfig
 
 
@@ -62,8 +63,6 @@ def train_py_ms(cfg, tmp: str, overrides: dict, warm: int, n: int, *recipe: str)
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
-    """ms per iteration: train.py itself and the plain loop, same model, data, optimizer and threads, in
-    alternating chunks."""
     if rt.distributed:
         raise UserError("the loop section runs on one process; start bench.py without torchrun")
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +73,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         torch.manual_seed(cfg.seed)
         model = kernels.choose_kernels(GPT(GPTConfig(**tcfg.model_args(), vocab_size=vocab)).to(rt.device).train())
         optimizer = nanogpt.adamw(model, tcfg, rt.device_type)
-        accum, state = local_accum_steps(tcfg, 1), {"it": 0, "timed": []}
+        its, timed = itertools.count(), []  # the plain loop's iterations; train.py's steps timed per chunk
         warm = max(1, cfg.warmup) * 2
         train_bin = Path(tmp) / "train.bin"
         step = nanogpt.train_step(model, optimizer, lambda it: nanogpt.get_batch(
@@ -83,19 +82,17 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         def plain(n: int) -> float:
             rt.synchronize()
             t0 = time.perf_counter()
-            for _ in range(n):
-                it = state["it"]
+            for it in itertools.islice(its, n):
                 loss = step(it)
                 if it % tcfg.log_interval == 0:
                     loss.item()  # nanoGPT's logging sync
-                state["it"] += 1
             rt.synchronize()
             return (time.perf_counter() - t0) / n
 
         def ours(n: int, *recipe: str) -> float:
             ms = train_py_ms(cfg, tmp, overrides, warm, n, *recipe)
             if not recipe:
-                state["timed"].append(len(ms))
+                timed.append(len(ms))
             return statistics.fmean(ms) / 1e3
 
         plain(warm)
@@ -106,13 +103,13 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
             times["recipe"].append(ours(cfg.loop_steps, cfg.recipe_config))
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     return {"config": cfg.loop_config, "corpus": source, "model": model_text(model.config, tcfg.batch_size),
-            "accum": accum, "steps_per_chunk": cfg.loop_steps, "chunks": cfg.repeats,
+            "accum": tcfg.gradient_accumulation_steps, "steps_per_chunk": cfg.loop_steps, "chunks": cfg.repeats,
             "plain_ms": ms["plain"], "train_py_ms": ms["train_py"], "train_py_over_plain": ms["train_py"] / ms["plain"],
             "recipe_config": cfg.recipe_config, "recipe_ms": ms["recipe"],
             # each chunk against the classic chunk run just before it: load that changes over the run cancels
             "recipe_over_train_py": statistics.median(r / c for r, c in zip(times["recipe"], times["train_py"])),
             "muon_newton_schulz": "bfloat16" if runtime.native_bf16(rt.device) else "float32",
-            "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}, "train_py_steps": state["timed"]}
+            "chunk_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()}, "train_py_steps": timed}
 
 
 def table(r: dict) -> str:

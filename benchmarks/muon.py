@@ -29,7 +29,6 @@ MUON_STEPS = {  # what core.training.optim.build_optimizer chooses between, per 
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
-    """ms per Muon step of each implementation on the same fixed gradients."""
     tcfg = read_recipe([cfg.loop_config, cfg.recipe_config, *spec_list(cfg.muon_shape)], "--muon_shape")
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(**tcfg.model_args(), vocab_size=65)).to(rt.device)  # the vocab only sizes wte and the head

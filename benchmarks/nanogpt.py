@@ -1,10 +1,5 @@
-"""nanoGPT's training loop, the yardstick the loop section and the speedrun measure against.
-
-As nanoGPT's train.py does it: batches from a fresh np.memmap of train.bin at random starts, AdamW
-(fused only on CUDA) with every parameter group at the cosine schedule's rate, micro-steps under
-autocast with the next batch read while the device works, gradient clipping, and no evaluation,
-checkpoints or logging inside the step. The data is the CPU quick start's: characters of
-common.DEFAULT_CORPUS (or a generated text), split 90/10.
+"""nanoGPT's training loop, the yardstick the loop section and the speedrun measure against: its batches,
+optimizer and step as nanoGPT's train.py makes them, on the CPU quick start's data (char_dataset).
 """
 from pathlib import Path
 from typing import Callable
@@ -22,7 +17,7 @@ from model import GPT
 
 
 def char_dataset(out_dir: Path) -> tuple[str, int]:
-    """A character dataset of DEFAULT_CORPUS (or a generated text) in out_dir; (its source, vocab size)."""
+    """DEFAULT_CORPUS (or a generated text) as characters, split 90/10, into out_dir: (its source, vocab size)."""
     if Path(common.DEFAULT_CORPUS).is_file():
         text, source = Path(common.DEFAULT_CORPUS).read_text(encoding="utf-8"), common.DEFAULT_CORPUS
     else:

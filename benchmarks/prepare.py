@@ -1,8 +1,7 @@
 """Data preparation: core.data.corpus.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path).
 
-Read, encode, write train.bin / val.bin / meta.json to a temporary folder; the first run is a warm-up
-too (it reads the file into the page cache). The corpus: --corpus, else common.DEFAULT_CORPUS where it
-exists, else a generated text of about its size.
+Read, encode, write train.bin / val.bin / meta.json to a temporary folder, from --corpus, else
+common.DEFAULT_CORPUS where it exists, else a generated text of about its size.
 """
 import contextlib
 import dataclasses

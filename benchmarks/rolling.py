@@ -28,8 +28,6 @@ def check(cfg) -> None:
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
-    """ms per token past the context, the window sliding one token per step, three ways; and the cached
-    step inside the context."""
     ways = {"learned, cache refilled": ("learned", False), "rope, cache refilled": ("rope", False),
             "rope, rolling cache": ("rope", True)}
     base = decode.model_config(cfg)

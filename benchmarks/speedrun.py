@@ -5,24 +5,25 @@ CUDA, its cosine schedule) against ours (speedrun_base + speedrun_ours: config/m
 core.training.optim's optimizer and schedule). Both read batches as nanoGPT does, from a generator of their own
 seeded alike. The runs take turns of speedrun_chunk iterations, so that load from other processes hits
 both, and are scored every speedrun_eval_every iterations, every speedrun_eval_fine once near the
-target; a run is done at its first score at or below the target. Per run: iterations, tokens,
-training wall seconds and this process's CPU seconds to the target (evaluation time apart), and the
-ratio to nanoGPT's, per seed and as the mean over seeds. The default target is nanoGPT's val loss
-after speedrun_target_iters (SPEEDRUN_TARGETS; measured first when none is recorded, as for the gpt2
-preset, which races GPT-2 small's shape on a GPU). The race itself is benchmarks/race.py.
+target; a run is done at its first score at or below the target, or unreached at its cap. Only iterations
+are timed, on two clocks (wall, and this process's CPU time), evaluation apart. Per run: iterations, tokens,
+training wall and CPU seconds to the target, and the ratio to nanoGPT's, per seed and as the mean over
+seeds. The default target is nanoGPT's val loss after speedrun_target_iters (SPEEDRUN_TARGETS; measured
+first when none is recorded, as for the gpt2 preset, which races GPT-2 small's shape on a GPU).
 """
 import dataclasses
 import json
 import math
 import statistics
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from benchmarks import markdown, nanogpt
 from benchmarks.common import at_least, int_list, model_text, num, read_recipe, spec_list
-from benchmarks.race import Racer, race
 from core import kernels, runtime
 from core.config import to_dict
 from core.data.loader import TokenData, read_meta
@@ -64,6 +65,96 @@ PRESETS = {"gpt2": dict(speedrun_shape="n_layer=12,n_head=12,n_embd=768,block_si
 #     python bench.py --sections=speedrun --speedrun_measure_target=True --speedrun_seeds=1337
 SPEEDRUN_TARGETS = {("config/train_shakespeare_char_cpu.py", "", 2000): 1.8883}
 SPEEDRUN_RUNS = ("nanogpt", "ours")
+CLOCKS = (time.perf_counter, time.process_time)  # wall, and this process's CPU time: a test scripts them
+
+
+@dataclasses.dataclass
+class Racer:
+    """One run of the race: step(it) trains iteration it, evaluate() returns the whole-val-split loss,
+    tokens_at(it) is how many tokens iteration it trains, sync() waits for the device, log(record) keeps an
+    evaluation. The rest is its record so far."""
+    name: str
+    step: Callable[[int], object]
+    evaluate: Callable[[], float]
+    max_iters: int  # the cap: a run that has not reached the target by then stops without it
+    tokens_at: Callable[[int], int]
+    sync: Callable[[], None] = lambda: None
+    log: Callable[[dict], None] = lambda record: None
+    it: int = 0  # iterations trained
+    tokens: int = 0  # tokens trained, the sum of tokens_at over them
+    train_wall_s: float = 0.0
+    train_cpu_s: float = 0.0
+    eval_wall_s: float = 0.0
+    curve: list = dataclasses.field(default_factory=list)  # [iter, val loss, train wall s, train CPU s]
+    reached: dict | None = None
+    turns: int = 0
+
+    @property
+    def done(self) -> bool:  # a turn that reaches the cap scores it before it ends
+        return self.reached is not None or self.it >= self.max_iters
+
+
+def eval_due(it: int, curve: list, target: float, every: int, fine_every: int, margin: float) -> bool:
+    """Evaluate at every `every`-th iteration, and at every `fine_every`-th once near the target: the last
+    evaluation within `margin` of it, or the line through the last two reaching it before the next coarse
+    one (from the second evaluation after the start on). Dense where the crossing is, cheap elsewhere."""
+    if it % every == 0:
+        return True
+    if not curve or it % fine_every:
+        return False
+    (i1, l1) = curve[-1][:2]
+    if l1 <= target + margin:
+        return True
+    if len(curve) < 2 or curve[-2][0] == 0:  # the untrained model's loss is far off the curve's line
+        return False
+    (i0, l0) = curve[-2][:2]
+    slope = (l1 - l0) / (i1 - i0)  # loss per iteration, negative while it falls
+    return slope < 0 and i1 + (target - l1) / slope < i1 + every
+
+
+def take_turn(r: Racer, n: int, target: float, every: int, fine_every: int, margin: float, clocks=CLOCKS) -> None:
+    """Up to n iterations of r, scored where due and at the cap. A stretch of iterations is closed with sync()
+    before the clocks are read; a score's own time goes to eval_wall_s."""
+    wall, cpu = clocks
+    w0, c0 = wall(), cpu()
+    for trained in range(n + 1):
+        if (not r.curve or r.curve[-1][0] != r.it) and (
+                r.it == r.max_iters or eval_due(r.it, r.curve, target, every, fine_every, margin)):
+            r.sync()
+            w = wall()
+            r.train_wall_s += w - w0
+            r.train_cpu_s += cpu() - c0
+            loss = r.evaluate()
+            w0, c0 = wall(), cpu()
+            r.eval_wall_s += w0 - w
+            r.curve.append([r.it, loss, r.train_wall_s, r.train_cpu_s])
+            r.log({"iter": r.it, "val_loss": loss, "train_s": r.train_wall_s, "train_cpu_s": r.train_cpu_s})
+            if loss <= target:
+                r.reached = {"iter": r.it, "tokens": r.tokens, "wall_s": r.train_wall_s,
+                             "cpu_s": r.train_cpu_s, "val_loss": loss}
+        if r.done:
+            return  # just scored: no stretch open
+        if trained == n:
+            break
+        r.step(r.it)
+        r.tokens += r.tokens_at(r.it)
+        r.it += 1
+    r.sync()
+    r.train_wall_s += wall() - w0
+    r.train_cpu_s += cpu() - c0
+
+
+def race(racers: list[Racer], chunk: int, target: float, every: int, fine_every: int, margin: float,
+         clocks=CLOCKS, label: str = "") -> None:
+    """Turns of `chunk` iterations, each run in order, until every one is done: whatever else loads the
+    machine meanwhile hits all of them alike."""
+    while not all(r.done for r in racers):
+        for r in racers:
+            if not r.done:
+                take_turn(r, chunk, target, every, fine_every, margin, clocks)
+                r.turns += 1
+                print(f"{label}{r.name}: iter {r.it}, val loss {r.curve[-1][1]:.4f}, {r.train_wall_s:.0f} s training",
+                      flush=True)
 
 
 def check(cfg) -> None:
@@ -87,9 +178,8 @@ def tokens_per_iter(cfg: TrainConfig, it: int | None = None) -> int:
 
 def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab: int, cap: int, cfg,
                 rt: runtime.Runtime, log_dir: Path | None) -> Racer:
-    """nanogpt: GPT-2 with nanoGPT's AdamW and cosine schedule; ours: the recipe's model and core.training.optim's
-    optimizer and schedule. Both step as nanoGPT's loop does, read batches from their own generator seeded
-    with `seed`, and start from torch.manual_seed(seed)."""
+    """Run `name` (SPEEDRUN_RUNS) of recipe, stepped as nanoGPT's loop steps, its weights and its batches' own
+    generator seeded with `seed`."""
     if name == "nanogpt" and rt.device_type == "cpu":
         rt = dataclasses.replace(rt, dtype="float32")  # nanoGPT's train.py uses no autocast on a CPU
     torch.manual_seed(seed)
@@ -116,15 +206,6 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
     return Racer(name, step, evaluate, cap, lambda it: tokens_per_iter(recipe, it), rt.synchronize, log)
 
 
-def speedrun_data(cfg, tmp: Path) -> tuple[str, str, int]:
-    """(data_dir, what it is, vocab size): speedrun_data_dir if given, else the quick-start character data
-    built from DEFAULT_CORPUS (or a generated text) into tmp."""
-    if cfg.speedrun_data_dir:
-        return cfg.speedrun_data_dir, cfg.speedrun_data_dir, read_meta(cfg.speedrun_data_dir)["vocab_size"]
-    source, vocab = nanogpt.char_dataset(tmp)
-    return str(tmp), f"{source}, characters, 90/10 split", vocab
-
-
 def speedrun_target(cfg, base: TrainConfig, data_dir: str, vocab: int, rt: runtime.Runtime) -> tuple[float, str]:
     """The target val loss and where it came from: --target, the recorded one, or measured now (nanoGPT's
     loop for speedrun_target_iters at the first seed, evaluated once at the end)."""
@@ -133,10 +214,10 @@ def speedrun_target(cfg, base: TrainConfig, data_dir: str, vocab: int, rt: runti
     recorded = SPEEDRUN_TARGETS.get((cfg.speedrun_base, cfg.speedrun_shape, cfg.speedrun_target_iters))
     if recorded is not None and not cfg.speedrun_measure_target and not cfg.speedrun_data_dir:
         return recorded, f"recorded: nanoGPT's loop at {cfg.speedrun_target_iters} iterations, seed 1337"
-    seed = int_list(cfg.speedrun_seeds, "speedrun_seeds")[0]
-    r = build_racer("nanogpt", base, seed, data_dir, vocab, cfg.speedrun_target_iters, cfg, rt, None)
-    race([r], cfg.speedrun_target_iters, -math.inf, cfg.speedrun_target_iters, cfg.speedrun_target_iters, 0.0)
-    return r.curve[-1][1], f"measured now: nanoGPT's loop at {cfg.speedrun_target_iters} iterations, seed {seed}"
+    n, seed = cfg.speedrun_target_iters, int_list(cfg.speedrun_seeds, "speedrun_seeds")[0]
+    r = build_racer("nanogpt", base, seed, data_dir, vocab, n, cfg, rt, None)
+    take_turn(r, n, -math.inf, n, n, 0.0)  # scored at the start and at n, its cap
+    return r.curve[-1][1], f"measured now: nanoGPT's loop at {n} iterations, seed {seed}"
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
@@ -147,7 +228,12 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     recipes = {"nanogpt": base, "ours": read_recipe([cfg.speedrun_base, *spec_list(cfg.speedrun_ours), *shape],
                                                     "--speedrun_ours")}
     with tempfile.TemporaryDirectory() as tmp:
-        data_dir, source, vocab = speedrun_data(cfg, Path(tmp))
+        if cfg.speedrun_data_dir:
+            data_dir = source = cfg.speedrun_data_dir
+            vocab = read_meta(data_dir)["vocab_size"]
+        else:  # the quick start's characters
+            data_dir, (source, vocab) = tmp, nanogpt.char_dataset(Path(tmp))
+            source += ", characters, 90/10 split"
         target, target_source = speedrun_target(cfg, base, data_dir, vocab, rt)
         print(f"speedrun target: val loss {target:.4f} ({target_source})", flush=True)
         seeds = []
@@ -157,13 +243,11 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
                                   math.ceil(cfg.speedrun_max_iters_factor * recipes[name].max_iters), cfg, rt,
                                   log_root / name if log_root else None) for name in runs]
             race(racers, cfg.speedrun_chunk, target, cfg.speedrun_eval_every, cfg.speedrun_eval_fine,
-                 cfg.speedrun_eval_margin, progress=lambda r: print(
-                     f"seed {seed} {r.name}: iter {r.it}, val loss {r.curve[-1][1]:.4f}, {r.train_wall_s:.0f} s "
-                     f"training", flush=True))
+                 cfg.speedrun_eval_margin, label=f"seed {seed} ")
             seeds.append({"seed": seed, "runs": {r.name: {"reached": r.reached, "iters_run": r.it,
                                                           "train_wall_s": r.train_wall_s, "train_cpu_s": r.train_cpu_s,
                                                           "eval_wall_s": r.eval_wall_s, "curve": r.curve,
-                                                          "alternated_chunks": len(r.chunks)} for r in racers}})
+                                                          "alternated_chunks": r.turns} for r in racers}})
     return {"target": target, "target_source": target_source, "data": source, "runs": runs,
             "recipes": {name: f"{cfg.speedrun_base}" + "".join(f" + {s}" for s in spec_list(cfg.speedrun_ours))
                         if name == "ours" else cfg.speedrun_base for name in runs},
@@ -186,9 +270,8 @@ def summary(seeds: list[dict], runs: list[str]) -> dict:
     first = out[runs[0]]
     for name in runs[1:]:
         if out[name] and first:
-            out[name]["wall_ratio"] = out[name]["wall_s"] / first["wall_s"]
-            out[name]["cpu_ratio"] = out[name]["cpu_s"] / first["cpu_s"]
-            out[name]["iter_ratio"] = out[name]["iter"] / first["iter"]
+            out[name] |= {f"{ratio}_ratio": out[name][key] / first[key]
+                          for ratio, key in (("wall", "wall_s"), ("cpu", "cpu_s"), ("iter", "iter"))}
     return out
 
 

@@ -4,8 +4,8 @@
 import os
 import runpy
 
-# The model, batch and schedule of gpt2_small.py: 12 batch * 1024 context * 40 accumulation (5 on each of
-# 8 GPUs) = 491,520 tokens per iteration, 600,000 iterations; only the data differs.
+# The model, batch and schedule of gpt2_small.py (491,520 tokens per iteration, 600,000 iterations); only the
+# data differs.
 globals().update({k: v for k, v in runpy.run_path(os.path.join(os.path.dirname(__file__), "gpt2_small.py")).items()
                   if not k.startswith("_")})
 out_dir = "out-train-gpt2"

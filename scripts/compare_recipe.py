@@ -10,17 +10,12 @@ equal compute on the same batches, each evaluated on the whole val split; a tabl
 
 Config files and --key=value set the training config (TrainConfig, as for train.py) shared by every
 variant; VARIANTS below change one switch each, "modern" applies config/modern.py. Each variant is
-built as train.py builds a run (the same seed, model, optimizer, learning-rate schedule and batches,
-drawn from seed and iteration) and takes train.py's step on one process, so the only difference is
-the switch.
+built and stepped as train.py builds and steps a run on one process, so the only difference is the switch.
 
 Phases: "train" trains the listed variants and writes results_dir/variants/<name>.json (a variant
 already there is skipped, so several processes can split the list); "time" measures ms/iter with
 the variants interleaved round by round (a busy shared machine then slows them all alike);
 "report" writes results_dir/table.md and results_dir/val_loss.png from what exists. "all" runs the three.
-
-Evaluation: core.evaluation.perplexity.evaluate_split, eval.py's whole-split loss: every token of the val split
-is predicted once, in non-overlapping windows of block_size; the mean is over tokens.
 """
 import dataclasses
 import json
@@ -36,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
 from benchmarks import markdown  # noqa: E402
-from benchmarks.common import at_least  # noqa: E402
+from benchmarks.common import at_least, spec_list  # noqa: E402
 from core import config as configlib, kernels, runtime  # noqa: E402
 from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
@@ -90,7 +85,7 @@ class CompareConfig:
 
 
 def variant_names(cmp: CompareConfig) -> list[str]:
-    names = list(VARIANTS) if cmp.variants == "all" else [v.strip() for v in cmp.variants.split(",") if v.strip()]
+    names = list(VARIANTS) if cmp.variants == "all" else spec_list(cmp.variants)
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
         raise UserError(f"unknown variant(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(VARIANTS)}")
@@ -112,10 +107,6 @@ def variant_config(name: str, base: TrainConfig) -> TrainConfig:
     cfg = configlib.apply_overrides(base, overrides, f"variant {name}")
     cfg.validate()
     return cfg
-
-
-# -----------------------------------------------------------------------------
-# training a variant
 
 
 def build(cfg: TrainConfig, rt: runtime.Runtime) -> tuple[GPT, object, TrainBatches]:
@@ -162,15 +153,11 @@ def train_variant(name: str, cfg: TrainConfig, cmp: CompareConfig, rt: runtime.R
         train_s += time.perf_counter() - t0
         if not math.isfinite(loss):
             raise UserError(f"variant {name}: loss is {loss} at iter {it}; lower its learning rate")
-    return {"name": name, "overrides": variant_overrides(cfg), "params": model.get_num_params(non_embedding=False),
+    switches = RECIPE_SWITCHES + ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
+    overrides = {k: getattr(cfg, k) for k in switches if getattr(cfg, k) != getattr(TrainConfig(), k)}
+    return {"name": name, "overrides": overrides, "params": model.get_num_params(non_embedding=False),
             "val_tokens": scored.tokens, "curve": curve, "train_s": train_s,
             "ms_per_iter_in_run": 1000 * train_s / cfg.max_iters, "config": configlib.to_dict(cfg)}
-
-
-def variant_overrides(cfg: TrainConfig) -> dict:
-    base = TrainConfig()
-    keys = RECIPE_SWITCHES + ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
-    return {k: getattr(cfg, k) for k in keys if getattr(cfg, k) != getattr(base, k)}
 
 
 def time_variants(names: list[str], base: TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
@@ -201,10 +188,6 @@ def time_variants(names: list[str], base: TrainConfig, cmp: CompareConfig, rt: r
             f"{n} {v[-1]:.0f}ms" for n, v in per_round.items()), flush=True)
     return {name: {"ms_per_iter": statistics.median(v), "rounds": v, "clock": clock.__name__,
                    "wall_ms_per_iter": statistics.median(wall[name])} for name, v in per_round.items()}
-
-
-# -----------------------------------------------------------------------------
-# the report
 
 
 def iters_to_reach(curve: list[list[float]], target: float) -> float | None:

@@ -1,19 +1,14 @@
 """lm-evaluation-harness's perplexity task three ways on one run (docs/evaluation.md's table): `--model hf` on
 export.py's folder, `--model local-completions` against serve.py with the folder's tokenizer, and against
 serve.py with its own tokenizer endpoints (/tokenizer_info, /tokenize). Prints one markdown row of
-bits per byte: the three, then hf with max_length the whole context, then the spread of the three.
-
-lm-eval 0.4.13's API model keeps one of max_length's tokens for generation and scores rolling windows of
-max_length - 2 tokens (one more for the window's context); its hf model scores windows of max_length. So
-the three compare at the same windows with hf's max_length two less than the context; the fourth column
-is hf at the whole context (a little more context per token, so a little lower).
+bits per byte: the three, then hf with max_length the whole context, then the spread of the three. Why hf's
+max_length is two less than the context for the three to score the same windows: docs/evaluation.md.
 
     python scripts/lm_eval_three_ways.py --out_dir=out-shakespeare-char-cpu --name="characters"
     python scripts/lm_eval_three_ways.py --out_dir=out-bpe --name="trained BPE" --task=shakespeare_rolling
 
-The task is tests/lm_eval_tasks/shakespeare_rolling.yaml (loglikelihood_rolling over 40 passages of tiny
-Shakespeare's val split); lm_eval's max_length is the context that /v1/models reports, as docs/serving.md
-says to pass it. Runs from the repo root, one thread for the server and one for lm_eval.
+lm_eval's max_length is the context that /v1/models reports, as docs/serving.md says to pass it. Runs from the
+repo root, one thread for the server and one for lm_eval.
 """
 import argparse
 import json
@@ -74,7 +69,7 @@ def main(argv: list[str]) -> str:
         local = dict(model="m", base_url=base + "/v1/completions", tokenized_requests=True, num_concurrent=1,
                      max_retries=1, max_length=context)
         hf = dict(pretrained=str(hf_dir), device="cpu", dtype="float32")
-        bits = [lm_eval(task, "hf", hf | dict(max_length=context - 2)),  # the API model's windows (see above)
+        bits = [lm_eval(task, "hf", hf | dict(max_length=context - 2)),  # the API model's windows (docs/evaluation.md)
                 lm_eval(task, "local-completions", local | dict(tokenizer=str(hf_dir), tokenizer_backend="huggingface")),
                 lm_eval(task, "local-completions", local),
                 lm_eval(task, "hf", hf | dict(max_length=context))]

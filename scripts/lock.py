@@ -6,12 +6,8 @@
     python scripts/lock.py upgrade --no-tests --write   # re-resolve only (after adding a dependency)
     python scripts/lock.py check              # does this environment hold exactly the lock? (CI)
 
-The lock is a pip constraints file: it pins versions but asks for nothing, so `-c requirements-lock.txt`
-beside `-r requirements.txt` installs only what the requirements name, at the locked versions, and a CUDA
-build of torch keeps its own extra wheels (nvidia-*, triton), which the lock leaves free. torch is written
-without its local build label (`torch==2.13.0`, not `2.13.0+cpu`): PEP 440 ignores the label when a pin
-has none, so 2.13.0+cpu and 2.13.0+cu128 both satisfy it. The upgrade keeps torch at the locked version;
-moving torch is its own decision, made by editing that line.
+Why a pip constraints file, why torch is pinned without its local build label (+cpu, +cu128), and why the
+upgrade keeps torch at the locked version: docs/reliability.md, "The version lock".
 """
 import argparse
 import os

@@ -1,23 +1,15 @@
 """Proof of where RL wins: more SFT, rejection-sampling fine-tuning and REINFORCE from one SFT checkpoint, at equal
-compute, three seeds, on tasks whose harder problems have a checker and no demonstrations (docs/chat.md).
+compute, three seeds, on tasks whose harder problems have a checker and no demonstrations (docs/chat.md: the
+setting, the tables and pass@k against k).
 
     python scripts/rl_proof.py                          # needs the base run: the README's CPU quick start
     python scripts/rl_proof.py --seeds=1337 --rl_args=--max_iters=50 --problems=50 --sampled=20
 
-The tasks are core/data/tasks.py's sort and palindrome: demonstrations of 3, 4, 5 and 8 letters and a few (one in
-fifty) of 6 or 7, RL's prompts and the held-out problems 6 or 7, the longer split 9 or 10. Runs, from the repo
-root, one command at a time on one thread: data/chat/tasks.py and data/chat/prepare.py (the demonstrations, in
-data/chat_checked), train.py with config/sft_tasks_char.py on them for 3,000 iterations (the SFT every arm starts
-from; an out-sft-checked-char that holds a checkpoint is reused), then per seed rl.py config/rl_checked_char.py
-(REINFORCE), the same with --update=rft (fine-tuning on the model's own accepted replies) and train.py continuing
-the SFT on its demonstrations for as many forward and backward tokens as the larger of the two RL runs used (rl.py
-logs each iteration's; an SFT iteration is 12 x 64 tokens forward and backward), at the RL arms' learning rates.
-Then each model's replies to the first --problems problems of every evaluation split, scored by the task's checker
-as eval.py --task=NAME --task_split=SPLIT scores them: heldout and longer greedily (pass@1), and the first
---sampled of them with 64 replies each at temperature 1 (pass@k, Chen et al.'s unbiased estimator), demos_heldout
-greedily (the task SFT taught: what an arm forgot). Prints the tables and draws pass@k against k (--plot: a panel per
-task and split, a color per arm, each seed faint and the mean over seeds solid); every number goes to rl_proof.json,
-and a rerun reuses the numbers and finished runs it holds (--fresh starts over).
+Runs from the repo root, one command at a time on one thread; an out-sft-checked-char that holds a checkpoint is
+reused as the SFT every arm starts from. More SFT gets as many forward and backward tokens as the larger of the
+two RL runs used (rl.py logs each iteration's). Each model is scored as eval.py --task=NAME --task_split=SPLIT
+scores it. Every number goes to rl_proof.json, and a rerun reuses the numbers and finished runs it holds (--fresh
+starts over).
 """
 import argparse
 import itertools
@@ -40,12 +32,6 @@ SPLITS = ("heldout", "longer")
 SAMPLES = 64
 RL_CONFIG = "config/rl_checked_char.py"
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def rl_learning_rates() -> list[str]:
-    """More SFT steps as the RL arms do (their config's rates, no warmup): the arms differ in their update only."""
-    rl = read_config_file(RL_CONFIG)
-    return [f"--learning_rate={rl['learning_rate']}", f"--min_lr={rl['min_lr']}", "--warmup_iters=0"]
 
 
 def run(cmd: list[str]) -> None:
@@ -111,6 +97,8 @@ def main(argv: list[str]) -> None:
              "--block_size=64", f"--out_dir={DATA}"])
     stage("SFT", ["train.py", *SFT, "--out_dir=out-sft-checked-char", "--max_iters=3000", "--lr_decay_iters=3000",
                   "--eval_interval=500", "--overwrite=True"], "out-sft-checked-char")
+    rl_config = read_config_file(RL_CONFIG)  # more SFT steps at the RL arms' rates: the arms differ in their update
+    rates = [f"--learning_rate={rl_config['learning_rate']}", f"--min_lr={rl_config['min_lr']}", "--warmup_iters=0"]
     for seed in args.seeds.split(","):
         rl = ["rl.py", RL_CONFIG, f"--seed={seed}", "--overwrite=True", *shlex.split(args.rl_args)]
         stage(f"REINFORCE {seed}", [*rl, f"--out_dir=out-rl-reinforce-s{seed}"], f"out-rl-reinforce-s{seed}")
@@ -119,7 +107,7 @@ def main(argv: list[str]) -> None:
         n = round(budget / SFT_TOKENS)
         stage(f"more SFT {seed}", ["train.py", *SFT, "--init_from=out-sft-checked-char", f"--seed={seed}",
                                    f"--out_dir=out-sft-more-s{seed}", f"--max_iters={n}", f"--lr_decay_iters={n}",
-                                   f"--eval_interval={n}", "--overwrite=True", *rl_learning_rates()],
+                                   f"--eval_interval={n}", "--overwrite=True", *rates],
               f"out-sft-more-s{seed}")
     for name, r in results["runs"].items():
         r["tokens"] = rl_tokens(r["out_dir"]) if name.startswith(("RFT", "REINFORCE")) else \

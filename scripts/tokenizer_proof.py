@@ -3,18 +3,9 @@
     python scripts/tokenizer_proof.py --work=/tmp/tokproof                 # tokenizer tables only
     python scripts/tokenizer_proof.py --work=/tmp/tokproof2 --vocabs=8192 --val_fraction=0.03 --train_iters=100
 
-Corpora:
-    code     Python's standard library source: the top-level *.py of the running Python's lib folder
-             (one document per file)
-    chinese  the zh_CN translations (msgstr) of the gettext catalogs the system's packages install in
-             /usr/share/locale/zh_CN/LC_MESSAGES/*.mo: one document per catalog
-
-For each corpus and tokenizer, data/text/prepare.py runs as its own process (peak RSS from wait4,
-training time from its own line); bytes per token are measured on the val split (whole documents the
-BPE never saw). With --train_iters, train.py runs config/train_shakespeare_char_cpu.py's model for that
-many iterations on GPT-2's BPE and on one trained BPE of each corpus (the same tokens per iteration,
-so equal compute in the transformer blocks; GPT-2's larger embedding and head cost more), all four at
-once, and eval.py gives bits per byte on each val split.
+The corpora (Python's standard library, and the zh_CN gettext catalogs the system's packages install) and what
+is measured: docs/tokenizers.md, "Measured: code and Chinese". Each data/text/prepare.py runs as its own process,
+so that wait4 gives its peak RSS; bytes per token are counted on the val split (documents the BPE never saw).
 """
 import argparse
 import gettext
@@ -45,10 +36,6 @@ def chinese_corpus(work: Path) -> str:
         text = "\n".join(v for k, v in catalog.items() if k and isinstance(v, str) and v.strip())
         (out / (Path(mo).stem + ".txt")).write_text(text + "\n", encoding="utf-8")
     return str(out / "*.txt")
-
-
-def code_corpus() -> str:
-    return str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")
 
 
 def prepare(inputs: str, tok: str, out: Path, val_fraction: float = 0.1) -> dict:
@@ -97,7 +84,8 @@ def main() -> None:
     ap.add_argument("--val_fraction", type=float, default=0.1)
     args = ap.parse_args()
     work = Path(args.work)
-    corpora = {"code": code_corpus(), "chinese": chinese_corpus(work)}
+    stdlib = Path(sysconfig.get_paths()["stdlib"])  # code: the top-level modules of the running Python's library
+    corpora = {"code": str(stdlib / "*.py"), "chinese": chinese_corpus(work)}
     runs = []
     for name, inputs in corpora.items():
         for tok in ["gpt2"] + [f"bpe:{v}" for v in args.vocabs.split(",")]:

@@ -68,6 +68,9 @@ def test_train_attention_decode_in_json_and_table(tmp_path, capsys):
     assert "prepare" not in result
     assert [r["mode"] for r in result["train"]["rows"]] == ["eager"]
     assert [r["T"] for r in result["attention"]["rows"]] == [16, 32, 64]
+    attention_memory = result["attention"]  # the naive reference forms the scores; the fused kernel does not
+    assert "aten::_scaled_dot_product" in attention_memory["sdpa_kernel"]
+    assert attention_memory["rows"][-1]["naive_over_sdpa"] > 1
     assert [r["context"] for r in result["decode"]["rows"]] == [4, 16]
     parts = result["decode"]["generation"]["parts"]
     assert {name: p["tokens"] for name, p in parts.items()} == {"inside_context": 13, "past_context": 7, "all": 20}

@@ -250,6 +250,7 @@ def test_an_rl_run_draws_rewards_and_each_tasks_heldout_exact_match(tmp_path):
     moving = next(y for x, y in lines if len(x) == 20 and y != [it / 40 for it in range(20)])
     assert moving[15] == sum(it / 40 for it in range(6, 16)) / 10  # the mean over the last 10 iterations
     assert list(ax_len.get_lines()[0].get_ydata()) == [5.0 + it / 20 for it in range(20)]
+    assert (ax_len.get_ylabel(), ax_lr.get_ylabel(), ax_lr.get_xlabel()) == ("reply tokens", "learning rate", "iteration")
     result = run_main(plot.main, [str(tmp_path / "rl")])
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "rl" / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -611,6 +611,11 @@ def test_compare_recipe_trains_evaluates_and_reports(tmp_path, data_dir):
     assert re.search(r"^\| +modern \|", table, re.M) and (tmp_path / "val_loss.png").stat().st_size > 1000
 
 
+def test_compare_recipe_refuses_an_unknown_variant_in_one_line():
+    assert_user_error(run_script("scripts/compare_recipe.py", "--variants=rope, nope", "--phase=report"),
+                      "unknown variant(s) nope; choose from classic, rope")
+
+
 def test_bench_rolling_section(tmp_path):
     import bench
 

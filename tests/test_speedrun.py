@@ -9,7 +9,7 @@ import pytest
 
 import bench
 import plot
-from benchmarks import common, race, speedrun
+from benchmarks import common, speedrun
 from core.errors import UserError
 from core.training import loop, optim
 from tests.helpers import REPO_ROOT, cli_args, make_char_dataset, one_thread
@@ -34,7 +34,7 @@ class Clock:
 
 def scripted(name, clock, losses, trace, max_iters=1000, step_s=(1.0, 0.5), eval_s=100.0):
     """A Racer whose step costs step_s (wall, CPU), whose evaluation costs eval_s of wall time, and whose
-    val loss at iteration it is losses(it); every step and evaluation is appended to trace."""
+    val loss at iteration it is losses(it); every step, sync and evaluation is appended to trace."""
     def step(it):
         trace.append((name, "step", it))
         clock.tick(*step_s)
@@ -43,31 +43,33 @@ def scripted(name, clock, losses, trace, max_iters=1000, step_s=(1.0, 0.5), eval
         trace.append((name, "eval", r.it))
         clock.tick(eval_s, 0.0)
         return losses(r.it)
-    r = race.Racer(name, step, evaluate, max_iters, tokens_at=lambda it: 768)
+    r = speedrun.Racer(name, step, evaluate, max_iters, tokens_at=lambda it: 768,
+                       sync=lambda: trace.append((name, "sync", r.it)))
     return r
 
 
 def test_eval_due_is_coarse_far_from_the_target_and_fine_near_it():
-    assert race.eval_due(0, [], 2.0, 100, 20, 0.05)  # the start is always scored
-    assert not race.eval_due(40, [[0, 2.5]], 2.0, 100, 20, 0.05)  # far: only every 100
-    assert race.eval_due(40, [[0, 2.04]], 2.0, 100, 20, 0.05)  # within the margin: every 20
-    assert not race.eval_due(50, [[0, 2.04]], 2.0, 100, 20, 0.05)
+    assert speedrun.eval_due(0, [], 2.0, 100, 20, 0.05)  # the start is always scored
+    assert not speedrun.eval_due(40, [[0, 2.5]], 2.0, 100, 20, 0.05)  # far: only every 100
+    assert speedrun.eval_due(40, [[0, 2.04]], 2.0, 100, 20, 0.05)  # within the margin: every 20
+    assert not speedrun.eval_due(50, [[0, 2.04]], 2.0, 100, 20, 0.05)
     # 2.3 -> 2.1 over 100 iterations: the line reaches 2.0 at 250, before the next coarse evaluation at 300
-    assert race.eval_due(220, [[100, 2.3], [200, 2.1]], 2.0, 100, 20, 0.05)
-    assert not race.eval_due(220, [[100, 2.5], [200, 2.4]], 2.0, 100, 20, 0.05)  # the line reaches it at 600
-    assert not race.eval_due(220, [[100, 2.3], [200, 2.4]], 2.0, 100, 20, 0.05)  # rising: no crossing ahead
-    assert not race.eval_due(120, [[0, 4.2], [100, 2.3]], 2.0, 100, 20, 0.05)  # not from the untrained start
+    assert speedrun.eval_due(220, [[100, 2.3], [200, 2.1]], 2.0, 100, 20, 0.05)
+    assert not speedrun.eval_due(220, [[100, 2.5], [200, 2.4]], 2.0, 100, 20, 0.05)  # the line reaches it at 600
+    assert not speedrun.eval_due(220, [[100, 2.3], [200, 2.4]], 2.0, 100, 20, 0.05)  # rising: no crossing ahead
+    assert not speedrun.eval_due(120, [[0, 4.2], [100, 2.3]], 2.0, 100, 20, 0.05)  # not from the untrained start
 
 
 def test_crossing_is_the_first_evaluation_at_or_below_the_target_and_evaluation_time_is_excluded():
     clock, trace = Clock(), []
     r = scripted("a", clock, lambda it: 5.0 - 0.01 * it, trace)  # 4.05 at iteration 95
-    race.race([r], chunk=1000, target=4.05, every=50, fine_every=5, margin=0.5, clocks=clock.clocks)
+    speedrun.race([r], chunk=1000, target=4.05, every=50, fine_every=5, margin=0.5, clocks=clock.clocks)
     evals = [it for _, kind, it in trace if kind == "eval"]
     # coarse until iteration 50 came within the margin (4.5 <= 4.55), then every 5 until the crossing
     assert evals == [0, 50, 55, 60, 65, 70, 75, 80, 85, 90, 95]
+    assert all(trace[i - 1][1] == "sync" for i, t in enumerate(trace) if t[1] == "eval")  # the device is waited for
     assert r.reached == {"iter": 95, "tokens": 95 * 768, "wall_s": 95.0, "cpu_s": 47.5, "val_loss": pytest.approx(4.05)}
-    assert r.it == 95 and r.done and not r.stopped  # no step after the crossing
+    assert r.it == 95 and r.done  # no step after the crossing
     assert r.eval_wall_s == 100.0 * len(evals)  # every evaluation's time, and none of it in wall_s
     assert [c[0] for c in r.curve] == evals and r.curve[-1][2:] == [95.0, 47.5]
 
@@ -76,13 +78,14 @@ def test_runs_take_turns_in_chunks_and_the_faster_one_stops_first():
     clock, trace = Clock(), []
     fast = scripted("fast", clock, lambda it: 3.0 if it < 6 else 1.0, trace)
     slow = scripted("slow", clock, lambda it: 3.0 if it < 10 else 1.0, trace)
-    race.race([fast, slow], chunk=3, target=2.0, every=2, fine_every=2, margin=0.0, clocks=clock.clocks)
+    speedrun.race([fast, slow], chunk=3, target=2.0, every=2, fine_every=2, margin=0.0, clocks=clock.clocks)
     steps = [(name, it) for name, kind, it in trace if kind == "step"]
     assert steps == ([("fast", i) for i in range(3)] + [("slow", i) for i in range(3)]
                      + [("fast", i) for i in range(3, 6)] + [("slow", i) for i in range(3, 6)]
                      + [("slow", i) for i in range(6, 10)])  # fast crossed at 6: slow goes on alone
     assert fast.reached["iter"] == 6 and slow.reached["iter"] == 10
-    assert fast.chunks == [(0, 0, 3), (1, 3, 6)]  # (turn, first iteration, iteration after the last)
+    assert trace[[t[0] for t in trace].index("slow") - 1] == ("fast", "sync", 3)  # a turn ends synced
+    assert (fast.turns, slow.turns) == (2, 4)
     # each run's time is its own: the other's steps and everyone's evaluations are not in it
     assert (fast.reached["wall_s"], slow.reached["wall_s"]) == (6.0, 10.0)
 
@@ -90,8 +93,8 @@ def test_runs_take_turns_in_chunks_and_the_faster_one_stops_first():
 def test_a_run_that_never_gets_there_stops_at_its_cap_unreached():
     clock, trace = Clock(), []
     r = scripted("a", clock, lambda it: 3.0, trace, max_iters=7)
-    race.race([r], chunk=5, target=2.0, every=5, fine_every=5, margin=0.0, clocks=clock.clocks)
-    assert r.reached is None and r.stopped and r.it == 7
+    speedrun.race([r], chunk=5, target=2.0, every=5, fine_every=5, margin=0.0, clocks=clock.clocks)
+    assert r.reached is None and r.done and r.it == 7
     assert [c[0] for c in r.curve] == [0, 5, 7]  # the cap is always scored
     assert r.train_wall_s == 7.0
 
@@ -103,6 +106,7 @@ def test_summary_means_over_seeds_and_ratios_to_the_first_run():
     s = speedrun.summary(seeds, ["nanogpt", "ours"])
     assert s["nanogpt"] == {"iter": 110, "tokens": 1100, "wall_s": 12.0, "cpu_s": 10.0}
     assert s["ours"]["wall_ratio"] == pytest.approx(0.25) and s["ours"]["cpu_ratio"] == pytest.approx(0.25)
+    assert s["ours"]["iter_ratio"] == pytest.approx(25 / 110)
     seeds[1]["runs"]["ours"] = {"reached": None}
     assert speedrun.summary(seeds, ["nanogpt", "ours"])["ours"] is None  # a missed seed is no mean
 
@@ -191,7 +195,7 @@ def test_ours_trains_on_the_warm_ups_windows_and_the_race_counts_their_tokens(ti
     r = speedrun.build_racer("ours", recipe, 1, str(tiny_data), vocab, 10, cfg, rt, None)
     r.evaluate = lambda: 5.0 if r.it < 6 else 1.0  # crosses at 6
     with one_thread():
-        race.race([r], chunk=10, target=2.0, every=6, fine_every=6, margin=0.0)
+        speedrun.race([r], chunk=10, target=2.0, every=6, fine_every=6, margin=0.0)
     lengths = [4, 4, 8, 12, 16, 16]  # 4 + 12 * it / 4 in multiples of 4, then block_size
     assert shapes == [(4, n) for n in lengths for _ in range(2)]
     assert r.reached["iter"] == 6 and r.reached["tokens"] == 8 * sum(lengths) == 480
@@ -203,12 +207,14 @@ def test_speedrun_section_end_to_end_and_its_logs_plot_against_seconds(tmp_path,
         result = bench.main(tiny_speedrun(tmp_path, tiny_data, target=3.0))["speedrun"]
     out = capsys.readouterr().out
     assert "### Speedrun: training time to val loss 3.0000" in out and "| mean |" in out
+    assert "seed 2 ours: iter 7, val loss " in out  # a line per turn
     assert result["target_source"] == "--target" and [s["seed"] for s in result["seeds"]] == [1, 2]
     for s in result["seeds"]:
         for name in ("nanogpt", "ours"):
             run, got = s["runs"][name], s["runs"][name]["reached"]
             assert got is not None and got["val_loss"] <= 3.0 and got["tokens"] == got["iter"] * 64, (s["seed"], name)
             assert [c[0] for c in run["curve"]][-1] == got["iter"] and run["eval_wall_s"] > 0
+            assert run["alternated_chunks"] == max(1, -(-got["iter"] // 7))  # turns of speedrun_chunk=7
             assert all(prev[1] > 3.0 for prev in run["curve"][:-1])  # the first evaluation at the target ends it
     assert result["summary"]["ours"]["wall_ratio"] > 0
     # the two seeds differ (weights and batches), and each run is seeded alike: same first loss per seed
@@ -239,7 +245,7 @@ def test_speedrun_measures_its_target_when_none_is_recorded(tmp_path, tiny_data)
     assert result["target_source"].startswith("measured now: nanoGPT's loop at 12 iterations, seed 3")
     # the same seed, the same run, scored at 12: nanoGPT reaches its own 12-iteration loss by then
     run = result["seeds"][0]["runs"]["nanogpt"]
-    assert run["reached"]["iter"] <= 12 and run["curve"][-1][1] <= result["target"]
+    assert 0 < run["reached"]["iter"] <= 12 and run["curve"][-1][1] <= result["target"]
 
 
 @pytest.mark.parametrize("arg, fragment", [("--speedrun_runs=ours,gpt", "speedrun_runs must list"),
