@@ -5,6 +5,7 @@ rows in flight.
     python -m pytest tests/test_engine.py
 """
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -288,23 +289,23 @@ def test_prompts_that_share_a_prefix_at_once_compute_it_once(trained, monkeypatc
         assert g["rows"] == alone(model, *r), r
 
 
-def test_sample_replies_prefills_each_prompt_once_for_its_group(monkeypatch):
+def test_sample_replies_prefills_each_prompt_once_for_its_group(trained, monkeypatch):
     """The same sharing outside the server (rl.py's groups, eval.py's pass@k): replies.sample_replies prefills
     each prompt in one row and copies its keys to its other n rows; each row is what generate draws for it from
-    the prompt's generator, up to the token that ends it."""
-    from core.data.chat import ChatTemplate, with_chat_tokens
-    from core.data.tokenizer import CharTokenizer, tokenizer_from_meta
+    the prompt's generator, up to the token that ends it (here a newline, as a chat's <|end|>)."""
     from core.decoding.replies import sample_replies
-    template = ChatTemplate.for_tokenizer(tokenizer_from_meta(with_chat_tokens(CharTokenizer.from_text("abc").meta())))
-    V, model = template.tok.vocab_size, sharp_model(vocab_size=template.tok.vocab_size)
-    prompts, T = [[1, 2, 0, 1, 2], [2, 2, 1]], 5.0  # hot: the sharp model's rows then differ
+    model, tok = trained
+    template = SimpleNamespace(tok=tok, stop_tokens={tok.encode("\n")[0]})  # what sample_replies reads of one
+    prompts = [tok.encode("ROMEO: But soft, what"), tok.encode("JULIET:")]
     calls = forwards(model, monkeypatch)
-    together = sample_replies(model, template, prompts, 4, 12, T, generators=[torch.Generator().manual_seed(s) for s in (0, 1)])
-    assert calls[0] == (2, 5)  # two prompts, not eight rows
+    together = sample_replies(model, template, prompts, 4, 20, generators=[torch.Generator().manual_seed(s) for s in (0, 1)])
+    assert calls[0] == (2, len(prompts[0]))  # two prompts, not eight rows
     for seed, (prompt, group) in enumerate(zip(prompts, together)):
-        s = Sampling(temperature=T, generator=torch.Generator().manual_seed(seed), vocab_size=V)
-        rows = generate(model, torch.tensor([prompt] * 4), 12, s)[:, len(prompt):].tolist()
-        assert group == [row[:next((i + 1 for i, t in enumerate(row) if t in template.stop_tokens), 12)] for row in rows]
+        s = Sampling(generator=torch.Generator().manual_seed(seed), vocab_size=tok.vocab_size)
+        budget = min(20, model.config.block_size - len(prompt))  # the context's room
+        rows = generate(model, torch.tensor([prompt] * 4), budget, s)[:, len(prompt):].tolist()
+        assert group == [row[:next((i + 1 for i, t in enumerate(row) if t in template.stop_tokens), budget)]
+                         for row in rows]
     assert len({tuple(r) for group in together for r in group}) > 4  # the rows of a prompt differ
 
 
