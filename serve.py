@@ -74,7 +74,7 @@ class ServeConfig:
     prefix_cache_tokens: int | None = None  # KV kept for later prompts; None: as many as the slots hold, 0: none
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
-    threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
+    threads: int = 0                 # the engine's torch threads; 0: torch's default (one per core), less one for HTTP
     quantize: str = "none"           # int8 | int4: the weights quantized once, CPU only (core/decoding/quantize.py)
     engine: str = "auto"             # process: the engine in a process of its own (CPU); thread: in this one; auto: process on a CPU
 
@@ -402,8 +402,12 @@ def main(argv: Sequence[str]) -> None:
     if cfg.port != 0:  # one line, before the model loads, when another program holds the port
         bind_port(cfg.host, cfg.port).close()
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
-    threads = torch.get_num_threads()  # what the engine computes with
+    threads = torch.get_num_threads()  # what the engine computes with: --threads, OMP_NUM_THREADS, or one per core
     if engine_kind(cfg, rt.device) == "process":
+        if not cfg.threads and "OMP_NUM_THREADS" not in os.environ:
+            # A core left to the HTTP side and the clients, as vLLM's CPU build leaves one: with all of them, the
+            # engine's threads wait for each other whenever another process runs (docs/serving.md, "Threads").
+            threads = max(1, threads - 1)
         # The engine process is forked from this one, and OpenMP's thread pool does not survive a fork: a pool of
         # several threads made here would leave the child waiting on threads it does not have. This process
         # only loads the model and speaks HTTP, so it keeps to one thread and the child gets the pool.

@@ -184,6 +184,25 @@ def test_threads_reach_the_runtime(char_out, monkeypatch):
     assert seen == [1]
 
 
+def test_the_engine_process_leaves_a_core_to_the_http_side_by_default(char_out, monkeypatch):
+    """Unless --threads or OMP_NUM_THREADS says otherwise, the engine's process computes with one thread fewer than
+    torch's default (one per core), and at least one: the HTTP side and the clients keep a core."""
+    got = []
+    monkeypatch.setattr(serve, "EngineProcess", lambda model, settings, metrics, n: got.append(n) or SimpleNamespace(failure=None))
+    monkeypatch.setattr(serve, "serve", lambda app, host, port: None)
+    monkeypatch.setattr(serve.runtime, "set_threads", lambda n: None)
+    monkeypatch.setattr(serve.torch, "set_num_threads", lambda n: None)
+    args = [f"--out_dir={char_out}", "--device=cpu", "--port=0"]
+    for cores, env, flags, want in ((8, {}, [], 7), (1, {}, [], 1), (8, {"OMP_NUM_THREADS": "8"}, [], 8),
+                                    (8, {}, ["--threads=8"], 8)):
+        monkeypatch.setattr(serve.torch, "get_num_threads", lambda: cores)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert run_main(serve.main, args + flags).returncode == 0
+        assert got[-1] == want, (cores, env, flags)
+
+
 def test_an_engine_process_of_several_threads_starts_and_serves(char_out, tmp_path, monkeypatch):
     """--threads=2 with the engine in a process of its own: the server keeps to one thread until the fork (OpenMP's
     pool does not survive one: a server that computed with two threads first hung at start, its engine waiting on
