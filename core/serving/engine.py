@@ -192,12 +192,12 @@ class PrefixCache:
     def keep(self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor, scores=None, top: int = -1) -> None:
         """Blocks keys of a row's keys and values k, v (L, nkv, T, hs) (and of its prompt scores) kept; a block
         already held is only marked used, unless these scores are wider."""
-        for j, key in enumerate(keys if self.capacity else ()):
+        for j, key in enumerate(keys if self.capacity else []):
             if key not in self.blocks or self.blocks[key].top < top:
                 part = slice(j * BLOCK, (j + 1) * BLOCK)
                 self.blocks[key] = Block(k[:, :, part].clone(), v[:, :, part].clone(),
                                          None if scores is None else scores[part], top)
-        self._used(keys if self.capacity else [])
+        self._used([key for key in keys if key in self.blocks])
         while len(self.blocks) > self.capacity:
             self.blocks.popitem(last=False)
 
@@ -462,8 +462,10 @@ class BatchEngine:
             return False
         active.cached = max(0, min(len(blocks) * BLOCK - (top is not None), len(active.tokens[0]) - active.start - 1))
         if c := active.cached:
-            self.cache.k[:, slot, :, :c] = torch.cat([b.k for b in blocks], dim=2)[:, :, :c]
-            self.cache.v[:, slot, :, :c] = torch.cat([b.v for b in blocks], dim=2)[:, :, :c]
+            for j, block in enumerate(blocks[:math.ceil(c / BLOCK)]):
+                part = slice(j * BLOCK, min(c, (j + 1) * BLOCK))
+                self.cache.k[:, slot, :, part] = block.k[:, :, :part.stop - part.start]
+                self.cache.v[:, slot, :, part] = block.v[:, :, :part.stop - part.start]
             self.cache.pos[slot] = c
             if top is not None:
                 active.prompt_scores += [s.cut(top) for s in [s for b in blocks for s in b.scores][1:c + 1]]
@@ -484,7 +486,9 @@ class BatchEngine:
         slots, lengths = [active.slots[r] for active, r, _ in feeds], [len(chunk) for _, _, chunk in feeds]
         T = max(lengths)
         idx = torch.tensor([chunk + [0] * (T - len(chunk)) for _, _, chunk in feeds], device=self.device)  # (B, T)
-        logits, _ = self.model(idx, kv_cache=self.cache.take(slots, lengths), last_only=True)  # (B, 1, V)
+        one = self.cache.rows(slots[0], slots[0] + 1)  # a row alone: its own keys, no gather, no mask
+        logits, _ = self.model(idx, kv_cache=one if len(feeds) == 1 else self.cache.take(slots, lengths),
+                               last_only=True)  # (B, 1, V)
         for (active, r, _), slot, row in zip(feeds, slots, logits[:, 0]):
             if int(self.cache.pos[slot]) == len(active.tokens[r]) - active.start:
                 active.last[r] = row

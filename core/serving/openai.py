@@ -233,13 +233,16 @@ def check_model(served: ServedModel, model: str | None) -> None:
                        "model", "model_not_found")
 
 
+def text_of(content, kinds: tuple[str, ...] = ("text",)):
+    """content given as OpenAI's list of text parts (of these kinds) joined into one string; else as it is."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
+
+
 def messages_of(req: ChatRequest) -> list[dict]:
-    """{role, content} dicts; content given as OpenAI's list of text parts is joined into one string."""
-    def text(content):
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            return "".join(str(p.get("text", "")) for p in content)
-        return content
-    return [{"role": m.get("role"), "content": text(m.get("content"))} if "content" in m else m
+    """{role, content} dicts, their content as text_of reads it."""
+    return [{"role": m.get("role"), "content": text_of(m.get("content"))} if "content" in m else m
             for m in req.messages]
 
 
@@ -664,11 +667,8 @@ def response_messages(served: ServedModel, req: ResponsesRequest) -> tuple[list[
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     turns = []
     for i, item in enumerate(items):
-        content, kind = item.get("content"), item.get("type", "message")
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
-                                             for p in content):
-            content = "".join(str(p.get("text", "")) for p in content)
-        if kind != "message" or not isinstance(content, str):
+        content = text_of(item.get("content"), ("input_text", "output_text"))
+        if item.get("type", "message") != "message" or not isinstance(content, str):
             raise APIError(400, f"input[{i}]: only messages of text are served here (input_text, output_text), got "
                                 f"{json.dumps(item)[:80]}", "input")
         turns.append({"role": {"developer": "system"}.get(item.get("role"), item.get("role")), "content": content})
