@@ -46,9 +46,8 @@ from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineSettings
 from core.serving.metrics import Metrics
 from core.serving.openai import (CHAT, COMPLETION, HANDLERS, APIError, ChatRequest, CompletionRequest,
                                  DetokenizeRequest, ErrorResponse, ResponsesRequest, ServedModel, TokenizeRequest,
-                                 check_length, errors,
-                                 check_model, check_params, encode, engine_dead_body, engine_request, error,
-                                 messages_of, prompts_of, reply, respond, truncated, with_special_tokens)
+                                 check_length, check_model, check_params, encode, engine_dead_body, engine_request,
+                                 error, errors, messages_of, prompts_of, reply, respond, truncated, with_special_tokens)
 from core.serving.process import EngineProcess
 from core.weights import resolver
 from model import GPT

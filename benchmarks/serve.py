@@ -272,21 +272,27 @@ def prefix_row(cfg, url: str, vocab: int, block_size: int) -> dict:
 
 @torch.no_grad()
 def budget_rows(model: GPT, repeats: int) -> list[dict]:
-    """What serve.py's step_tokens trades: the CPU ms per prompt token fed in one row's chunks of each size (from
-    position 0), beside a decoding step of 1, 4 and 16 rows (at position block_size // 4); every size once per
-    repeat, interleaved, medians."""
-    cache, T = RowCache(model.new_kv_cache(16)), model.config.block_size
+    """What serve.py's --step_tokens and --threads trade: the wall and CPU ms of one row's prompt chunk of each size
+    (from position 0) and of a decoding step of 1, 4 and 16 rows (at position block_size // 4), at this process's
+    threads and at one fewer (serve.py's engine default); every size and count once per repeat, interleaved,
+    medians. On a busy machine the second shows what a core left to others saves."""
+    cache, T, threads = RowCache(model.new_kv_cache(16)), model.config.block_size, torch.get_num_threads()
     shapes = [(1, c) for c in (16, 32, 64, 128, 256, 512, 1024) if c <= T] + [(b, 1) for b in (1, 4, 16)]
-    cpu = {shape: [] for shape in shapes}
-    for _ in range(repeats + 1):  # the first, warming up, left out
-        for B, chunk in shapes:
-            cache.pos[:] = 0 if chunk > 1 else T // 4
-            t0 = time.process_time()
-            model(torch.zeros(B, chunk, dtype=torch.long, device=cache.k.device), kv_cache=cache.rows(0, B),
-                  last_only=True)
-            cpu[B, chunk].append(time.process_time() - t0)
-    return [{"rows": B, "tokens": chunk, "cpu_ms": 1000 * statistics.median(xs[1:]),
-             "cpu_ms_per_token": 1000 * statistics.median(xs[1:]) / chunk} for (B, chunk), xs in cpu.items()]
+    counts = sorted({max(1, threads - 1), threads})
+    times = {(shape, n): [] for shape in shapes for n in counts}
+    try:
+        for _ in range(repeats + 1):  # the first, warming up, left out
+            for (B, chunk), n in times:
+                torch.set_num_threads(n)
+                cache.pos[:] = 0 if chunk > 1 else T // 4
+                t0, w0 = time.process_time(), time.perf_counter()
+                model(torch.zeros(B, chunk, dtype=torch.long, device=cache.k.device), kv_cache=cache.rows(0, B),
+                      last_only=True)
+                times[(B, chunk), n].append((time.perf_counter() - w0, time.process_time() - t0))
+    finally:
+        torch.set_num_threads(threads)
+    return [{"rows": B, "tokens": chunk, "threads": n, "wall_ms": 1000 * statistics.median(w for w, _ in xs[1:]),
+             "cpu_ms": 1000 * statistics.median(c for _, c in xs[1:])} for ((B, chunk), n), xs in times.items()]
 
 
 def side(runs: list[dict], tokens: int) -> dict:
@@ -386,7 +392,7 @@ def table(r: dict) -> str:
                 ["prompt tokens", "TTFT first ms", "TTFT again ms", "first / again", "cached tokens", "same text"],
                 [[p["prompt_tokens"], num(p["cold_ttft_ms"]), num(p["warm_ttft_ms"]), f"{p['speedup']:.1f}x",
                   num(p["cached_tokens"]), "yes" if p["same_text"] else "NO"]])
-            + f"\n\nA step's costs at {r['threads']} torch thread(s), what --step_tokens trades (CPU ms, medians):\n\n"
-            + markdown.table(["rows x tokens", "CPU ms", "CPU ms per token"],
-                             [[f"{b['rows']} x {b['tokens']}", num(b["cpu_ms"], 1), num(b["cpu_ms_per_token"], 2)]
-                              for b in r["budget"]]))
+            + "\n\nA step's costs, what --step_tokens and --threads trade (wall / CPU ms, medians):\n\n"
+            + markdown.table(["rows x tokens", "torch threads", "wall ms", "CPU ms", "CPU ms per token"],
+                             [[f"{b['rows']} x {b['tokens']}", b["threads"], num(b["wall_ms"], 1), num(b["cpu_ms"], 1),
+                               num(b["cpu_ms"] / b["tokens"], 2)] for b in r["budget"]]))

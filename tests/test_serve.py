@@ -959,6 +959,24 @@ def test_min_p_stop_token_ids_allowed_token_ids_and_bad_words_change_what_is_dra
     assert letter not in banned and word not in banned and banned != greedy
 
 
+def test_a_request_whose_rules_leave_no_token_fails_alone_and_a_tiny_temperature_is_greedy(base):
+    """allowed_token_ids that bad_words all ban: a 400 for that request, while one decoding beside it in the same
+    steps ends as it would alone (its NaN probabilities once failed every request of the step); a temperature too
+    small for float32 is greedy, as vLLM's (it made NaN probabilities too)."""
+    tok = CharTokenizer.from_text(TEXT)
+    lone = complete(base, prompt="ROMEO:", max_tokens=1500, temperature=1.0, seed=5).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(lambda: complete(base, prompt="ROMEO:", max_tokens=1500, temperature=1.0, seed=5))
+        time.sleep(0.2)
+        for stream in (False, True):
+            r = httpx.post(base.url + "/v1/completions", timeout=30, json={
+                "prompt": "ROMEO:", "stream": stream, "allowed_token_ids": tok.encode("ab"), "bad_words": ["a", "b"]})
+            assert ("no token to draw" in r.text) and (r.status_code == 200 if stream else r.status_code == 400), r.text
+        assert beside.result().choices[0].text == lone
+    greedy = complete(base, prompt="ROMEO:", max_tokens=30, temperature=0).choices[0].text
+    assert complete(base, prompt="ROMEO:", max_tokens=30, temperature=1e-300, seed=1).choices[0].text == greedy
+
+
 def test_prompt_logprobs_and_return_token_ids_are_vllms_fields(base, chat):
     """prompt_logprobs: each prompt token's logprob and rank and the k likeliest, the floats echo reports;
     return_token_ids: the prompt's ids and each choice's, whole and streamed (the prompt's in the first chunk)."""

@@ -110,6 +110,11 @@ class EngineDied(Exception):
     """The engine's process ended on its own (killed, out of memory): nothing can be generated any more."""
 
 
+class NothingToDraw(ValueError):
+    """A request's own rules ban every token (allowed_token_ids, bad_words, min_tokens' ban): it ends alone, the
+    client's error, and the requests beside it go on."""
+
+
 def adjust_logits(logits: torch.Tensor, req: EngineRequest, generated: int, counts: torch.Tensor | None,
                   prompt_seen: torch.Tensor | None, bias: torch.Tensor | None, outputs: list[list[int]] = ()):
     """The request's rules on logits (n, V), in vLLM's sampler's order (docs/serving.md): logit_bias and
@@ -560,6 +565,9 @@ class BatchEngine:
                 continue
             cut = adjust_logits(logits[:, :s.vocab_size], req, active.generated, active.counts, active.prompt_seen,
                                 active.bias, active.outputs() if req.bad_words else ())  # (n, V)
+            if not bool(torch.isfinite(cut).any(dim=-1).all()):  # else its NaN probabilities would fail the step's all
+                self._finish(active, NothingToDraw("allowed_token_ids, bad_words and min_tokens leave no token to draw"))
+                continue
             groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((active, cut, logits))
         for (temperature, top_k, top_p, _), members in groups.items():
             check_sampling_args(temperature, top_k, top_p)

@@ -24,8 +24,8 @@ from core.data.chat import ChatTemplate
 from core.data.tokenizer import StreamDecoder, Tokenizer
 from core.decoding.decode import check_sampling_args
 from core.errors import UserError, first_line
-from core.serving.engine import (MAX_LOGPROBS, BatchEngine, EngineDied, EngineRequest, PromptScores, ServerStopping,
-                                 TokenScore, engine_sampling)
+from core.serving.engine import (MAX_LOGPROBS, BatchEngine, EngineDied, EngineRequest, NothingToDraw, PromptScores,
+                                 ServerStopping, TokenScore, engine_sampling)
 from core.serving.metrics import Metrics
 from core.serving.process import EngineProcess
 
@@ -197,13 +197,17 @@ async def engine_died(request, e: EngineDied):
     return ErrorResponse(engine_dead_body(str(e)), status_code=503)
 
 
+async def nothing_to_draw(request, e: NothingToDraw):
+    return error(400, f"{e}; allow more tokens or ban fewer")
+
+
 async def crash(request, e: Exception):
     return error(500, f"internal error: {first_line(e)}", "server_error")
 
 
 # The app's exception handlers: every error a JSON body in OpenAI's shape.
 HANDLERS = {APIError: api_error, RequestValidationError: invalid, HTTPException: http_error, EngineDied: engine_died,
-            Exception: crash}
+            NothingToDraw: nothing_to_draw, Exception: crash}
 
 
 # -----------------------------------------------------------------------------
@@ -253,7 +257,8 @@ def engine_request(served: ServedModel, req: RequestBase, prompt: list[int], max
     # the id that ends a row in the engine, and every id that ends a choice (the chat template's others too)
     eot, ends = ((served.template.end_of_turn, served.template.stop_tokens) if chat
                  else (served.tok.eot_token, {served.tok.eot_token} - {None}))
-    sampling = engine_sampling(req.temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot,
+    temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
+    sampling = engine_sampling(temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot,
                                settings.window_shift, settings.vocab_size)
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     if req.prompt_logprobs is not None:  # echo's and vLLM's prompt logprobs share the engine's scores
@@ -647,7 +652,8 @@ class Reply:
         except EngineDied as e:
             yield sse(engine_dead_body(str(e)))
         except Exception as e:  # the headers are sent: the error goes in the stream, as OpenAI's does
-            yield sse(error_body(first_line(e), "server_error"))
+            kind = "invalid_request_error" if isinstance(e, NothingToDraw) else "server_error"
+            yield sse(error_body(first_line(e), kind))
 
 
 # -----------------------------------------------------------------------------
