@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Annotated, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 import torch
 
@@ -44,9 +45,9 @@ from core.errors import UserError, first_line, run_cli
 from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineSettings
 from core.serving.metrics import Metrics
 from core.serving.openai import (CHAT, COMPLETION, HANDLERS, APIError, ChatRequest, CompletionRequest,
-                                 DetokenizeRequest, ErrorResponse, ServedModel, TokenizeRequest, check_length,
-                                 check_model, check_params, encode, engine_dead_body, engine_request, error,
-                                 messages_of, prompts_of, reply)
+                                 DetokenizeRequest, ErrorResponse, ResponsesRequest, ServedModel, TokenizeRequest,
+                                 check_length, check_model, check_params, encode, engine_dead_body, engine_request,
+                                 error, errors, messages_of, prompts_of, reply, respond, truncated, with_special_tokens)
 from core.serving.process import EngineProcess
 from core.weights import resolver
 from model import GPT
@@ -68,19 +69,22 @@ class ServeConfig:
     max_body_bytes: int = 1_000_000  # a larger request body gets 413
     window_shift: int | None = None  # past block_size the window slides this far at once; None: block_size // 2
     max_batch: int = 16              # the most rows decoded at once (KV cache slots); more requests wait their turn
-    prefill_chunk: int = 512         # at most this many prompt tokens fed per step (all requests), between decodes
+    step_tokens: int = 512           # tokens computed per step: one per decoding row, prompt chunks the rest
+    prefix_cache_tokens: int | None = None  # KV kept for later prompts; None: as many as the slots hold, 0: none
     device: str = "auto"             # auto, cpu, cuda, cuda:N, mps
     dtype: str = "auto"              # auto, float32, bfloat16, float16
-    threads: int = 0                 # torch's CPU threads; 0: torch's default, one per core (docs/performance.md)
+    threads: int = 0                 # the engine's torch threads; 0: torch's default (one per core), less one for HTTP
     quantize: str = "none"           # int8 | int4: the weights quantized once, CPU only (core/decoding/quantize.py)
     engine: str = "auto"             # process: the engine in a process of its own (CPU); thread: in this one; auto: process on a CPU
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise UserError(f"port must be in 0..65535, got {self.port}")
-        for key in ("max_tokens_limit", "max_n", "max_body_bytes", "max_batch", "prefill_chunk"):
+        for key in ("max_tokens_limit", "max_n", "max_body_bytes", "max_batch", "step_tokens"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
+            raise UserError(f"prefix_cache_tokens must be at least 0 (0: no prefix cache), got {self.prefix_cache_tokens}")
         if self.api_key == "":
             raise UserError("--api_key is empty; pass a secret, or leave it out to serve without one")
         resolver.check_init_from(self.init_from)
@@ -116,7 +120,10 @@ async def check_key(served: Served, request: Request) -> None:  # async: a plain
 # routes
 
 router = APIRouter()
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)], responses=errors(401))
+# what the routes that generate answer: the reply (streamed as server-sent events), or an error
+GENERATES = errors(400, 404, 413, 500, 503) | {200: {"description": "the reply; with stream, server-sent events",
+                                                     "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -126,7 +133,8 @@ async def page():
         "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'"})
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.get("/health", responses=errors(503))
+@router.head("/health", responses=errors(503))
 async def health(served: Served):
     if served.engine.failure is not None:  # a load balancer stops sending here; the server is about to exit
         return ErrorResponse(engine_dead_body(served.engine.failure), status_code=503)
@@ -136,7 +144,8 @@ async def health(served: Served):
             "tokens_generated": served.engine.tokens_generated}
 
 
-@router.api_route("/metrics", methods=["GET", "HEAD"])
+@router.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
+@router.head("/metrics", response_class=PlainTextResponse)
 async def metrics(served: Served):
     return Response(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
 
@@ -152,7 +161,7 @@ async def models(served: Served):
     return {"object": "list", "data": [model_card(served)]}
 
 
-@v1.get("/models/{model_id:path}")
+@v1.get("/models/{model_id:path}", responses=errors(404))
 async def model_info(model_id: str, served: Served):
     check_model(served, model_id)
     return model_card(served)
@@ -168,14 +177,14 @@ async def tokenizer_info(served: Served):
             "model_max_length": served.block_size}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=errors(400, 404, 413))
 async def tokenize(req: TokenizeRequest, served: Served):
     check_model(served, req.model)
-    ids = encode(served.tok, req.prompt)  # as vLLM: lm_eval reads eos_token_id from this
+    ids = encode(served.tok, req.prompt, req.add_special_tokens)  # as vLLM: lm_eval reads eos_token_id from this
     return {"tokens": ids, "count": len(ids), "max_model_len": served.block_size}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=errors(400, 404, 413))
 async def detokenize(req: DetokenizeRequest, served: Served):
     check_model(served, req.model)
     if any(not 0 <= i < served.tok.vocab_size for i in req.tokens):
@@ -183,7 +192,7 @@ async def detokenize(req: DetokenizeRequest, served: Served):
     return {"prompt": served.tok.decode(req.tokens)}
 
 
-@v1.post("/completions")
+@v1.post("/completions", responses=GENERATES)
 async def completions(req: CompletionRequest, served: Served):
     check_model(served, req.model)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
@@ -191,12 +200,12 @@ async def completions(req: CompletionRequest, served: Served):
     max_tokens, stops, seed = check_params(served, req, default_max=16, allow_zero=req.echo)  # 16: OpenAI's default
     if req.echo and req.stream:
         raise APIError(400, "echo with stream is not supported; leave one out", "echo")
-    reqs = [engine_request(served, req, p, max_tokens, False, req.logprobs, req.echo, seed)
-            for p in prompts_of(served, req)]
+    reqs = [engine_request(served, req, p, max_tokens, False, req.logprobs, (req.logprobs or 0) if req.echo else None,
+                           seed) for p in prompts_of(served, req)]
     return await reply(served, req, reqs, stops, COMPLETION)
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", responses=GENERATES)
 async def chat_completions(req: ChatRequest, served: Served):
     check_model(served, req.model)
     if served.template is None:
@@ -208,12 +217,19 @@ async def chat_completions(req: ChatRequest, served: Served):
         prompt = served.template.render_prompt(messages_of(req))
     except UserError as e:
         raise APIError(400, str(e), "messages") from None
-    prompt = check_length(served, prompt, "messages")
+    if req.add_special_tokens:
+        prompt = with_special_tokens(served.tok, prompt)
+    prompt = check_length(served, truncated(served, req, prompt), "messages")
     default = max(1, min(served.max_tokens_limit, served.block_size - len(prompt)))
     max_tokens, stops, seed = check_params(served, req, default_max=default)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    reqs = [engine_request(served, req, prompt, max_tokens, True, logprobs, False, seed)]
+    reqs = [engine_request(served, req, prompt, max_tokens, True, logprobs, None, seed)]
     return await reply(served, req, reqs, stops, CHAT)
+
+
+@v1.post("/responses", responses=GENERATES)
+async def responses(req: ResponsesRequest, served: Served):
+    return await respond(served, req)
 
 
 router.include_router(v1)
@@ -305,7 +321,7 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
     except ValueError as e:
         raise UserError(f"--window_shift: {e}") from None
     metrics = Metrics(name)
-    settings = EngineSettings(cfg.max_batch, shift, tok.vocab_size, cfg.prefill_chunk)
+    settings = EngineSettings(cfg.max_batch, shift, tok.vocab_size, cfg.step_tokens, cfg.prefix_cache_tokens)
     try:
         if engine_kind(cfg, device) == "process":  # threads: the engine's own (main keeps this process to one)
             engine = EngineProcess(model, settings, metrics, threads or torch.get_num_threads())
@@ -313,13 +329,27 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
             engine = BatchEngine(model, settings, metrics)
     except RuntimeError as e:
         raise UserError(f"{first_line(e)}; try a smaller --max_batch, or --engine=thread") from None
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, exception_handlers=HANDLERS)
+    app = FastAPI(title="serve.py", version="1", summary=__doc__.splitlines()[0], lifespan=lifespan, redoc_url=None,
+                  exception_handlers=HANDLERS)
+    app.openapi = lambda: openapi(app)
     app.state.served = ServedModel(engine, tok, ChatTemplate.for_tokenizer(tok), name, device, model.config.block_size,
                                    cfg.max_tokens_limit, cfg.max_n, cfg.api_key or os.environ.get(API_KEY_ENV) or None,
                                    int(time.time()), metrics)
     app.add_middleware(RequestBody, max_bytes=cfg.max_body_bytes)
     app.include_router(router)
     return app
+
+
+def openapi(app: FastAPI) -> dict:
+    """/openapi.json (and /docs): FastAPI's schema of the routes, without the 422 it gives each route that takes
+    a body: this server answers a body it cannot read with 400 in OpenAI's shape, as each route declares."""
+    if app.openapi_schema is None:
+        app.openapi_schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for operation in (op for path in app.openapi_schema["paths"].values() for op in path.values()):
+            operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            app.openapi_schema["components"]["schemas"].pop(name, None)
+    return app.openapi_schema
 
 
 # -----------------------------------------------------------------------------
@@ -371,8 +401,12 @@ def main(argv: Sequence[str]) -> None:
     if cfg.port != 0:  # one line, before the model loads, when another program holds the port
         bind_port(cfg.host, cfg.port).close()
     rt = runtime.setup(cfg.device, cfg.dtype, threads=cfg.threads)
-    threads = torch.get_num_threads()  # what the engine computes with
+    threads = torch.get_num_threads()  # what the engine computes with: --threads, OMP_NUM_THREADS, or one per core
     if engine_kind(cfg, rt.device) == "process":
+        if not cfg.threads and "OMP_NUM_THREADS" not in os.environ:
+            # A core left to the HTTP side and the clients, as vLLM's CPU build leaves one: with all of them, the
+            # engine's threads wait for each other whenever another process runs (docs/serving.md, "Threads").
+            threads = max(1, threads - 1)
         # The engine process is forked from this one, and OpenMP's thread pool does not survive a fork: a pool of
         # several threads made here would leave the child waiting on threads it does not have. This process
         # only loads the model and speaks HTTP, so it keeps to one thread and the child gets the pool.

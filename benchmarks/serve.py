@@ -7,8 +7,11 @@ character vocabulary, serve_shape=gpt2 is GPT-2 small (GPTConfig's defaults) ove
 TIKTOKEN_CACHE_DIR). For each count in serve_clients, that many clients each stream one
 /v1/completions request at once (a serve_prompt_len-token prompt, serve_max_tokens new tokens, sampled
 at temperature 1 with their own seeds, no stop), against the same requests submitted at once to a
-BatchEngine in this process (no HTTP, no JSON, no text), with the same serve_max_batch: the ceiling.
-The two sides alternate at each count, each repeat, so the load drifts less between them.
+BatchEngine in this process (no HTTP, no JSON, no text), with the same serve_max_batch and threads: the
+ceiling. The two sides alternate at each count, each repeat, so the load drifts less between them. Then the
+prefix cache: a serve_prefix_tokens-token prompt sent twice to the first server, each time's time to first
+token, and whether the second's greedy text is the first's. And what serve.py's --step_tokens trades, in this
+process: the CPU time per prompt token by chunk size, beside a decoding step's (budget_rows).
 
 Each side: aggregate tokens/s, time to first token at p50 and p95, wall seconds and CPU seconds (the
 server's from /proc, the in-process engine's from this process; the HTTP clients' CPU, also this
@@ -42,6 +45,7 @@ from benchmarks.common import ROOT, at_least, int_list, num, spec_list
 from core import runtime
 from core.config import read_config_file
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
+from core.decoding.cache import RowCache
 from core.decoding.decode import inference_model, window_shift
 from core.decoding.quantize import check_quantize
 from core.errors import UserError
@@ -63,13 +67,14 @@ class Settings:
     serve_engines: str = "process,thread"  # serve.py's --engine for each server measured, side by side
     serve_client: str = "lean"       # the HTTP clients: lean (lean_stream, asyncio's streams) or httpx
     serve_quantize: str = "none"     # int8 | int4: serve.py --quantize and the in-process engine's model alike
+    serve_prefix_tokens: int = 1000  # a prompt this long (at most the context less serve_max_tokens) sent twice
 
 
 PRESETS = {"gpt2": dict(serve_shape="gpt2")}
 
 
 def check(cfg) -> None:
-    at_least(cfg, 1, "serve_max_tokens", "serve_prompt_len", "serve_max_batch")
+    at_least(cfg, 1, "serve_max_tokens", "serve_prompt_len", "serve_max_batch", "serve_prefix_tokens")
     int_list(cfg.serve_clients, "serve_clients")
     for engine in spec_list(cfg.serve_engines):
         if engine not in ("auto", "process", "thread"):
@@ -128,7 +133,7 @@ def start_server(cfg, rt: runtime.Runtime, out_dir: Path, engine: str) -> tuple[
     log = open(out_dir / f"serve-{engine}.log", "w")
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"--out_dir={out_dir}", "--model_name=bench",
                              f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
-                             f"--threads={cfg.threads}", f"--max_batch={cfg.serve_max_batch}",
+                             f"--threads={torch.get_num_threads()}", f"--max_batch={cfg.serve_max_batch}",
                              f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1", f"--engine={engine}",
                              f"--quantize={cfg.serve_quantize}"],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -163,7 +168,8 @@ def in_process(engine: BatchEngine, prompt: list[int], clients: int, max_tokens:
         first, tokens = None, 0
         async for step in engine.submit(EngineRequest(prompt, 1, max_tokens, sampling), asyncio.get_running_loop()
                                         ).events():
-            first, tokens = first or time.perf_counter() - t0, tokens + len(step)
+            if isinstance(step, list):  # a step's rows (after the prompt's PromptScores)
+                first, tokens = first or time.perf_counter() - t0, tokens + len(step)
         if tokens != max_tokens:
             raise UserError(f"the in-process engine gave {tokens} tokens, not {max_tokens}")
         return first
@@ -236,6 +242,59 @@ def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
     return asyncio.run(every())
 
 
+def sent_twice(url: str, prompt: list[int], max_tokens: int) -> list[dict]:
+    """One prompt sent twice, greedy and streamed: each time's TTFT, text and cached tokens (the prefix cache)."""
+    async def once() -> dict:
+        t0, first, text, usage = time.perf_counter(), None, "", None
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        async for _, line in lean_stream(url, "/v1/completions", body):
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                first = first or time.perf_counter() - t0
+                text += "".join(c["text"] for c in chunk["choices"])
+                usage = chunk.get("usage") or usage
+        return {"ttft_ms": 1000 * first, "text": text, "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+    return [asyncio.run(once()) for _ in range(2)]
+
+
+def prefix_row(cfg, url: str, vocab: int, block_size: int) -> dict:
+    """serve_prefix_tokens' prompt (another each repeat, so that its first time is cold) sent twice: the medians of
+    the two TTFTs, the tokens the second took from the prefix cache, and whether its greedy text was the first's."""
+    n = min(cfg.serve_prefix_tokens, block_size - cfg.serve_max_tokens)
+    runs = [sent_twice(url, [(7 * i + r) % vocab for i in range(n)], cfg.serve_max_tokens)
+            for r in range(cfg.warmup + cfg.repeats)][cfg.warmup:]
+    cold, warm = (statistics.median(run[k]["ttft_ms"] for run in runs) for k in (0, 1))
+    return {"prompt_tokens": n, "cold_ttft_ms": cold, "warm_ttft_ms": warm, "speedup": cold / warm,
+            "cached_tokens": statistics.median(run[1]["cached"] for run in runs),
+            "same_text": all(run[0]["text"] == run[1]["text"] for run in runs)}
+
+
+@torch.no_grad()
+def budget_rows(model: GPT, repeats: int) -> list[dict]:
+    """What serve.py's --step_tokens and --threads trade: the wall and CPU ms of one row's prompt chunk of each size
+    (from position 0) and of a decoding step of 1, 4 and 16 rows (at position block_size // 4), at this process's
+    threads and at one fewer (serve.py's engine default); every size and count once per repeat, interleaved,
+    medians. On a busy machine the second shows what a core left to others saves."""
+    cache, T, threads = RowCache(model.new_kv_cache(16)), model.config.block_size, torch.get_num_threads()
+    shapes = [(1, c) for c in (16, 32, 64, 128, 256, 512, 1024) if c <= T] + [(b, 1) for b in (1, 4, 16)]
+    counts = sorted({max(1, threads - 1), threads})
+    times = {(shape, n): [] for shape in shapes for n in counts}
+    try:
+        for _ in range(repeats + 1):  # the first, warming up, left out
+            for (B, chunk), n in times:
+                torch.set_num_threads(n)
+                cache.pos[:] = 0 if chunk > 1 else T // 4
+                t0, w0 = time.process_time(), time.perf_counter()
+                model(torch.zeros(B, chunk, dtype=torch.long, device=cache.k.device), kv_cache=cache.rows(0, B),
+                      last_only=True)
+                times[(B, chunk), n].append((time.perf_counter() - w0, time.process_time() - t0))
+    finally:
+        torch.set_num_threads(threads)
+    return [{"rows": B, "tokens": chunk, "threads": n, "wall_ms": 1000 * statistics.median(w for w, _ in xs[1:]),
+             "cpu_ms": 1000 * statistics.median(c for _, c in xs[1:])} for ((B, chunk), n), xs in times.items()]
+
+
 def side(runs: list[dict], tokens: int) -> dict:
     """The medians of one side's runs at one client count."""
     med = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
@@ -288,12 +347,14 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
         prompt = [i % tok.vocab_size for i in range(1, cfg.serve_prompt_len + 1)]
         settings = EngineSettings(cfg.serve_max_batch, window_shift(None, model.config.block_size), tok.vocab_size)
         engine = BatchEngine(model, settings)
+        budget = budget_rows(model, max(cfg.repeats, 3))
         engine.start()
         servers = {}
         try:
             for name in spec_list(cfg.serve_engines):
                 servers[name] = start_server(cfg, rt, Path(tmp), name)
             rows = clients_rows(cfg, engine, servers, prompt)
+            prefix = prefix_row(cfg, next(iter(servers.values()))[1], tok.vocab_size, model.config.block_size)
         finally:
             for server, _ in servers.values():
                 server.terminate()
@@ -305,11 +366,12 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
             "model": f"{mc.n_layer} layers x {mc.n_embd} wide, {mc.n_head} heads, block_size {mc.block_size}, "
                      f"vocab {mc.vocab_size}",
             "prompt_tokens": cfg.serve_prompt_len, "max_tokens": cfg.serve_max_tokens,
-            "max_batch": cfg.serve_max_batch, "client": cfg.serve_client, "repeats": cfg.repeats, "rows": rows}
+            "max_batch": cfg.serve_max_batch, "client": cfg.serve_client, "repeats": cfg.repeats, "rows": rows,
+            "prefix": prefix, "budget": budget, "threads": torch.get_num_threads()}
 
 
 def table(r: dict) -> str:
-    rows = []
+    rows, p = [], r["prefix"]
     for row in r["rows"]:
         sv, ip = row["server"], row["in_process"]
         rows.append([row["engine"], row["clients"], num(sv["tokens_per_s"], 1), f"{row['vs_first']:.1f}x",
@@ -324,4 +386,13 @@ def table(r: dict) -> str:
             f"clients); max_batch {r['max_batch']} on both sides; medians of {r['repeats']}\n\n"
             + markdown.table(["engine", "clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms",
                               "in-process tok/s", "in-process TTFT ms", "time ratio", "CPU s server / in-process",
-                              "CPU ratio", "client CPU s"], rows))
+                              "CPU ratio", "client CPU s"], rows)
+            + f"\n\nThe prefix cache, a {p['prompt_tokens']}-token prompt sent twice (greedy, streamed; medians of "
+              f"{r['repeats']}):\n\n" + markdown.table(
+                ["prompt tokens", "TTFT first ms", "TTFT again ms", "first / again", "cached tokens", "same text"],
+                [[p["prompt_tokens"], num(p["cold_ttft_ms"]), num(p["warm_ttft_ms"]), f"{p['speedup']:.1f}x",
+                  num(p["cached_tokens"]), "yes" if p["same_text"] else "NO"]])
+            + "\n\nA step's costs, what --step_tokens and --threads trade (wall / CPU ms, medians):\n\n"
+            + markdown.table(["rows x tokens", "torch threads", "wall ms", "CPU ms", "CPU ms per token"],
+                             [[f"{b['rows']} x {b['tokens']}", b["threads"], num(b["wall_ms"], 1), num(b["cpu_ms"], 1),
+                               num(b["cpu_ms"] / b["tokens"], 2)] for b in r["budget"]]))

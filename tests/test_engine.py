@@ -5,6 +5,7 @@ rows in flight.
     python -m pytest tests/test_engine.py
 """
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ SHIFT = 16
 def sharp_model(**overrides) -> GPT:
     """A random model made peaked (embeddings and attention scaled up), so its tokens depend on the context."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=4, n_embd=32, **overrides)).eval()
+    model = GPT(GPTConfig(**dict(block_size=32, vocab_size=50, n_layer=2, n_head=4, n_embd=32) | overrides)).eval()
     with torch.no_grad():
         model.transformer.wte.weight.mul_(20)
         for block in model.transformer.h:
@@ -60,13 +61,14 @@ def request(model, prompt, n, max_tokens, temperature, seed, eot=None, **kw) -> 
 
 
 def run(engine: BatchEngine, reqs: list[EngineRequest]) -> list[dict]:
-    """Submit every request at once; each one's rows' ids, its steps and its prompt scores."""
+    """Submit every request at once; each one's rows' ids, its steps, its prompt scores and its prompt's tokens
+    taken from the prefix cache."""
     async def one(req, loop):
         handle = engine.submit(req, loop)
-        got = {"rows": [[] for _ in range(req.n)], "steps": [], "prompt": None}
+        got = {"rows": [[] for _ in range(req.n)], "steps": [], "prompt": None, "cached": None}
         async for event in handle.events():
             if isinstance(event, PromptScores):
-                got["prompt"] = event.scores
+                got["prompt"], got["cached"] = event.scores, event.cached
                 continue
             got["steps"].append(event)
             for r, step in enumerate(event):
@@ -101,7 +103,7 @@ def test_every_request_gets_what_generate_gives_it_alone(variant, kind):
     """stepped: every request queued before the first step, so prompts of many lengths share prefill forwards
     (ragged, chunked at 7 tokens), and windows of many lengths refill together."""
     model = sharp_model(**VARIANTS[variant])
-    settings = EngineSettings(max_batch=8, window_shift=SHIFT, vocab_size=50, prefill_chunk=7)
+    settings = EngineSettings(max_batch=8, window_shift=SHIFT, vocab_size=50, step_tokens=7)
     engine = ENGINES.get(kind, BatchEngine)(model, settings)
     reqs = [request(model, *r) for r in REQUESTS]  # 11 rows for 8 slots: some wait their turn
     got = stepped(engine, reqs) if kind == "stepped" else run(engine, reqs)
@@ -182,11 +184,14 @@ def stepped(engine: BatchEngine, reqs: list[EngineRequest]) -> list[dict]:
         assert not engine.active, "the requests did not end in 1000 steps"
 
     async def rows(handle):
-        got = [[] for _ in range(handle.req.n)]
+        got = {"rows": [[] for _ in range(handle.req.n)]}
         async for event in handle.events():
+            if isinstance(event, PromptScores):
+                got["cached"], got["prompt"] = event.cached, event.scores
+                continue
             for r, step in enumerate(event):
-                got[r].append(step.token)
-        return {"rows": got}
+                got["rows"][r].append(step.token)
+        return got
 
     async def every():
         return await asyncio.gather(*(rows(h) for h in handles))
@@ -223,14 +228,108 @@ def test_one_forward_per_step_for_every_row(trained, monkeypatch):
         assert g["rows"] == alone(model, prompt, 1, 40, 1.0, seed)
 
 
+def forwards(model, monkeypatch) -> list[tuple[int, ...]]:
+    """The shape of every token batch the model is given from now on."""
+    calls, real = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda idx, *a, **kw: calls.append(tuple(idx.shape)) or real(idx, *a, **kw))
+    return calls
+
+
+def test_a_prompt_sent_again_is_prefilled_from_the_prefix_cache(trained, monkeypatch):
+    """A prompt sent again takes its leading block's keys from the prefix cache and feeds only the rest; its
+    tokens are a cold start's, greedy and sampled, and so are its prompt scores (prompt_logprobs)."""
+    model, tok = trained
+    engine = BatchEngine(model, EngineSettings(max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size))
+    prompt = tok.encode("ROMEO: But soft, what light thr")  # 31 tokens: a block of 16 and 15 more
+    reqs = [(prompt, 1, 12, 0.0, 0), (prompt, 2, 40, 1.0, 3)]  # the second slides its window past block 32
+    cold = stepped(engine, [request(model, *r) for r in reqs[:1]])[0]
+    calls = forwards(model, monkeypatch)
+    warm = stepped(engine, [request(model, *r) for r in reqs])
+    assert cold["cached"] == 0 and [g["cached"] for g in warm] == [16, 16]
+    assert calls[0] == (2, 15)  # both prompts' last 15 tokens in one forward
+    for r, g in zip([reqs[0]] + reqs, [cold] + warm):
+        assert g["rows"] == alone(model, *r), r
+    scored = [request(model, prompt, 1, 1, 0.0, 0, logprobs=2, prompt_logprobs=2) for _ in range(2)]
+    first, again = stepped(engine, scored[:1])[0], stepped(engine, scored[1:])[0]
+    # blocks without scores serve no request that wants them; with them, all but the last cached token's keys
+    # (its logits score the next token)
+    assert first["cached"] == 0 and again["cached"] == 15
+    assert again["rows"] == first["rows"] and len(again["prompt"]) == len(prompt)
+    assert [s.logprob for s in again["prompt"][1:]] == pytest.approx([s.logprob for s in first["prompt"][1:]], abs=1e-5)
+    assert [[i for i, _ in s.top] for s in again["prompt"][1:]] == [[i for i, _ in s.top] for s in first["prompt"][1:]]
+
+
+def test_a_chats_next_turn_reuses_the_last_turns_prompt_and_reply():
+    """Each turn's prompt is the last turn's prompt and reply and 4 new tokens: every whole block of the last
+    turn (all but its last token drawn, never fed) comes from the prefix cache, and each turn's tokens are what a
+    cold start gives."""
+    model = sharp_model(block_size=128)
+    engine = BatchEngine(model, EngineSettings(max_batch=2, window_shift=SHIFT, vocab_size=50))
+    prompt, cached = [1, 2, 3, 4, 5], []
+    for turn in range(5):
+        got = stepped(engine, [request(model, prompt, 1, 12, 0.0, turn)])[0]
+        assert got["rows"] == alone(model, prompt, 1, 12, 0.0, turn), turn
+        cached.append(got["cached"])
+        prompt = prompt + got["rows"][0] + [turn + 6, 7, 8, 9]
+    assert cached == [0, 16, 32, 48, 64]  # (len(last prompt) + 12 - 1) // 16 blocks
+
+
+def test_prompts_that_share_a_prefix_at_once_compute_it_once(trained, monkeypatch):
+    """lm-eval's endings after one context, sent together: the first computes the context's blocks, the others
+    wait a step for them, then feed only their own tokens; each gets a cold start's tokens."""
+    model, tok = trained
+    engine = BatchEngine(model, EngineSettings(max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size))
+    context = tok.encode("ROMEO: But soft, what ")
+    reqs = [(context + tok.encode(end), 1, 5, 0.0, 0) for end in ("light", "dark", "sun", "moon")]
+    calls = forwards(model, monkeypatch)
+    got = stepped(engine, [request(model, *r) for r in reqs])
+    assert [g["cached"] for g in got] == [0, 16, 16, 16]
+    assert sum(T for B, T in calls if T > 1) == len(reqs[0][0]) + max(len(r[0]) - 16 for r in reqs[1:])
+    for r, g in zip(reqs, got):
+        assert g["rows"] == alone(model, *r), r
+
+
+def test_sample_replies_prefills_each_prompt_once_for_its_group(trained, monkeypatch):
+    """The same sharing outside the server (rl.py's groups, eval.py's pass@k): replies.sample_replies prefills
+    each prompt in one row and copies its keys to its other n rows; each row is what generate draws for it from
+    the prompt's generator, up to the token that ends it (here a newline, as a chat's <|end|>)."""
+    from core.decoding.replies import sample_replies
+    model, tok = trained
+    template = SimpleNamespace(tok=tok, stop_tokens={tok.encode("\n")[0]})  # what sample_replies reads of one
+    prompts = [tok.encode("ROMEO: But soft, what"), tok.encode("JULIET:")]
+    calls = forwards(model, monkeypatch)
+    together = sample_replies(model, template, prompts, 4, 20, generators=[torch.Generator().manual_seed(s) for s in (0, 1)])
+    assert calls[0] == (2, len(prompts[0]))  # two prompts, not eight rows
+    for seed, (prompt, group) in enumerate(zip(prompts, together)):
+        s = Sampling(generator=torch.Generator().manual_seed(seed), vocab_size=tok.vocab_size)
+        budget = min(20, model.config.block_size - len(prompt))  # the context's room
+        rows = generate(model, torch.tensor([prompt] * 4), budget, s)[:, len(prompt):].tolist()
+        assert group == [row[:next((i + 1 for i, t in enumerate(row) if t in template.stop_tokens), budget)]
+                         for row in rows]
+    assert len({tuple(r) for group in together for r in group}) > 4  # the rows of a prompt differ
+
+
+def test_the_prefix_cache_drops_the_least_recently_used_tail_first():
+    """Two blocks of room: a 35-token prompt's two blocks, then another prompt's one, drop the first prompt's
+    second block, not its first (useless without it); no room, nothing is kept."""
+    model = sharp_model(block_size=64)
+    a, b = [1 + i % 7 for i in range(35)], [2 + i % 5 for i in range(20)]
+    engine = BatchEngine(model, EngineSettings(max_batch=2, window_shift=SHIFT, vocab_size=50,
+                                               prefix_cache_tokens=32))
+    cached = [stepped(engine, [request(model, p, 1, 1, 0.0, 0)])[0]["cached"] for p in (a, b, a)]
+    assert cached == [0, 0, 16]
+    engine = BatchEngine(model, EngineSettings(max_batch=2, window_shift=SHIFT, vocab_size=50, prefix_cache_tokens=0))
+    assert [stepped(engine, [request(model, a, 1, 1, 0.0, 0)])[0]["cached"] for _ in range(2)] == [0, 0]
+
+
 def test_logprobs_are_the_models_log_softmax_and_echo_scores_the_prompt(trained):
     model, tok = trained
     text = "ROMEO: But soft, what light"
     ids = tok.encode(text)
     engine = BatchEngine(model, EngineSettings(max_batch=4, window_shift=SHIFT, vocab_size=tok.vocab_size,
-                                               prefill_chunk=5))
-    got = run(engine, [request(model, ids, 1, 6, 0.0, 0, logprobs=3, echo=True),
-                       request(model, ids, 1, 0, 0.0, 0, logprobs=0, echo=True)])
+                                               step_tokens=5))
+    got = run(engine, [request(model, ids, 1, 6, 0.0, 0, logprobs=3, prompt_logprobs=3),
+                       request(model, ids, 1, 0, 0.0, 0, logprobs=0, prompt_logprobs=0)])
     whole = ids + got[0]["rows"][0]
     with torch.no_grad():
         logits, _ = model(torch.tensor([whole[:-1]]))
@@ -305,7 +404,7 @@ def test_max_batch_queues_and_cancel_frees_the_slot(trained, kind):
             await events.__anext__()
         assert engine.waiting_count() == 1 and engine.running == 1
         await events.aclose()  # the client leaves
-        return [[s.token for s in e] async for e in second.events()]
+        return [[s.token for s in e] async for e in second.events() if not isinstance(e, PromptScores)]
 
     engine.start()
     try:

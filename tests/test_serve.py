@@ -109,19 +109,22 @@ def running(tmp: Path, *args: str, env: dict | None = None):
         assert code == 0 and "Traceback" not in server.output(), server.output()
 
 
-def train_chat_model(root: Path) -> Path:
+def chat_tokenizer():
+    return tokenizer_from_meta(with_chat_tokens(CharTokenizer.from_text("".join(q + a for q, a in CONVERSATIONS)).meta()))
+
+
+def train_chat_model(root: Path, block_size: int = 96, iters: int = 250) -> Path:
     """A char model trained on CONVERSATIONS rendered through the chat template, each followed by <|endoftext|>:
     it answers each question with its answer, then <|end|>, then <|endoftext|>."""
-    meta = with_chat_tokens(CharTokenizer.from_text("".join(q + a for q, a in CONVERSATIONS)).meta())
-    tok = tokenizer_from_meta(meta)
-    template = ChatTemplate.for_tokenizer(tok)
+    tok = chat_tokenizer()
+    meta, template = tok.meta(), ChatTemplate.for_tokenizer(tok)
     ids = []
     for q, a in CONVERSATIONS * 60:
         ids += template.render([{"role": "user", "content": q}, {"role": "assistant", "content": a}])[0]
         ids.append(tok.eot_token)
     write_dataset(root / "data", meta, {"train": ids, "val": ids})
-    train_tiny(root / "out", root / "data", block_size=96, n_embd=48, max_iters=250, lr_decay_iters=250,
-               eval_interval=250)
+    train_tiny(root / "out", root / "data", block_size=block_size, n_embd=48, max_iters=iters, lr_decay_iters=iters,
+               eval_interval=iters)
     return root / "out"
 
 
@@ -179,6 +182,25 @@ def test_threads_reach_the_runtime(char_out, monkeypatch):
     monkeypatch.setattr(serve, "serve", lambda app, host, port: None)
     assert run_main(serve.main, [f"--out_dir={char_out}", "--device=cpu", "--port=0", "--threads=1"]).returncode == 0
     assert seen == [1]
+
+
+def test_the_engine_process_leaves_a_core_to_the_http_side_by_default(char_out, monkeypatch):
+    """Unless --threads or OMP_NUM_THREADS says otherwise, the engine's process computes with one thread fewer than
+    torch's default (one per core), and at least one: the HTTP side and the clients keep a core."""
+    got = []
+    monkeypatch.setattr(serve, "EngineProcess", lambda model, settings, metrics, n: got.append(n) or SimpleNamespace(failure=None))
+    monkeypatch.setattr(serve, "serve", lambda app, host, port: None)
+    monkeypatch.setattr(serve.runtime, "set_threads", lambda n: None)
+    monkeypatch.setattr(serve.torch, "set_num_threads", lambda n: None)
+    args = [f"--out_dir={char_out}", "--device=cpu", "--port=0"]
+    for cores, env, flags, want in ((8, {}, [], 7), (1, {}, [], 1), (8, {"OMP_NUM_THREADS": "8"}, [], 8),
+                                    (8, {}, ["--threads=8"], 8)):
+        monkeypatch.setattr(serve.torch, "get_num_threads", lambda: cores)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert run_main(serve.main, args + flags).returncode == 0
+        assert got[-1] == want, (cores, env, flags)
 
 
 def test_an_engine_process_of_several_threads_starts_and_serves(char_out, tmp_path, monkeypatch):
@@ -512,7 +534,10 @@ def test_chat_streamed_and_not(chat):
                                                      stream_options={"include_usage": True}))
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
-        assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage == whole.usage
+        assert chunks[-2].choices[0].finish_reason == "stop"
+        got, want = chunks[-1].usage, whole.usage  # the stream's prompt may now come from the prefix cache
+        assert (got.prompt_tokens, got.completion_tokens, got.total_tokens) == (want.prompt_tokens,
+                                                                                want.completion_tokens, want.total_tokens)
 
 
 def test_chat_bad_messages(chat):
@@ -531,6 +556,7 @@ ROUTES = {  # every route serve.py has: (method, path) -> a body it takes
     ("GET", "/v1/models"): None, ("GET", "/v1/models/{model_id:path}"): None,
     ("POST", "/v1/completions"): {"prompt": "who?", "max_tokens": 2},
     ("POST", "/v1/chat/completions"): {"messages": [{"role": "user", "content": "who?"}], "max_tokens": 2},
+    ("POST", "/v1/responses"): {"input": "who?", "max_output_tokens": 2},
     ("GET", "/tokenizer_info"): None, ("POST", "/tokenize"): {"prompt": "who?"}, ("POST", "/detokenize"): {"tokens": [1]},
     ("GET", "/metrics"): None, ("HEAD", "/metrics"): None, ("GET", "/health"): None, ("HEAD", "/health"): None,
     ("GET", "/"): None,
@@ -897,7 +923,8 @@ def test_logit_bias_forces_and_bans(base):
 REFUSED = {"best_of": 2, "suffix": "x", "response_format": {"type": "json_object"}, "foo": 1, "max_token": 5,
            "tools": [], "user": "me", "logprobs_": 1,  # OpenAI's, and misspellings; then vLLM's, meaningless here
            "use_beam_search": True, "guided_json": {}, "guided_regex": "a+", "guided_choice": ["a"],
-           "structured_outputs": {"regex": "a"}, "lora_request": {}, "stop_token_ids": [1], "min_p": 0.1}
+           "structured_outputs": {"regex": "a"}, "lora_request": {}, "logits_processors": ["f"],
+           "spaces_between_special_tokens": False, "prompt_embeds": "AAAA", "cache_salt": "s"}
 
 
 @pytest.mark.parametrize("field", REFUSED)
@@ -906,6 +933,236 @@ def test_every_field_not_implemented_is_refused_by_name(base, field):
     r = httpx.post(base.url + "/v1/completions", json=body, timeout=30)
     assert_error(r, 400, field, f"'{field}'")
     assert r.json()["error"]["code"] == "unsupported_field"
+
+
+def test_min_p_stop_token_ids_allowed_token_ids_and_bad_words_change_what_is_drawn(base):
+    """vLLM's sampling fields on the trained model, each against the text it changes: min_p=1 keeps only the
+    likeliest token, so sampling draws the greedy text; a stop id ends the choice where that character comes;
+    allowed ids draw from those alone; a bad word never appears (a one-character word anywhere, a longer one
+    where its first characters were just drawn)."""
+    tok = CharTokenizer.from_text(TEXT)
+    greedy = complete(base, prompt="ROMEO:", max_tokens=60, temperature=0).choices[0].text
+    sampled = complete(base, prompt="ROMEO:", max_tokens=60, temperature=1.0, seed=3).choices[0].text
+    assert complete(base, prompt="ROMEO:", max_tokens=60, temperature=1.0, seed=3,
+                    extra_body={"min_p": 1.0}).choices[0].text == greedy != sampled
+    at = next(i for i, ch in enumerate(greedy) if i > 10 and ch not in greedy[:i])  # a character's first time
+    cut = complete(base, prompt="ROMEO:", max_tokens=60, temperature=0, extra_body={"stop_token_ids": tok.encode(greedy[at])})
+    assert cut.choices[0].text == greedy[:at] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens == at + 1  # the stop id counted, as vLLM counts it
+    allowed = complete(base, prompt="ROMEO:", max_tokens=30, temperature=1.0, seed=3,
+                       extra_body={"allowed_token_ids": tok.encode("ab")}).choices[0].text
+    assert set(allowed) <= set("ab") and len(set(allowed)) == 2
+    letter = next(ch for ch in greedy if ch.isalpha())
+    word = next(greedy[i:i + 2] for i in range(len(greedy) - 1) if greedy[i:i + 2].isalpha() and letter not in greedy[i:i + 2])
+    banned = complete(base, prompt="ROMEO:", max_tokens=60, temperature=0,
+                      extra_body={"bad_words": [letter, word]}).choices[0].text
+    assert letter not in banned and word not in banned and banned != greedy
+
+
+def test_a_request_whose_rules_leave_no_token_fails_alone_and_a_tiny_temperature_is_greedy(base):
+    """allowed_token_ids that bad_words all ban: a 400 for that request, while one decoding beside it in the same
+    steps ends as it would alone (its NaN probabilities once failed every request of the step); a temperature too
+    small for float32 is greedy, as vLLM's (it made NaN probabilities too)."""
+    tok = CharTokenizer.from_text(TEXT)
+    lone = complete(base, prompt="ROMEO:", max_tokens=1500, temperature=1.0, seed=5).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(lambda: complete(base, prompt="ROMEO:", max_tokens=1500, temperature=1.0, seed=5))
+        time.sleep(0.2)
+        for stream in (False, True):
+            r = httpx.post(base.url + "/v1/completions", timeout=30, json={
+                "prompt": "ROMEO:", "stream": stream, "allowed_token_ids": tok.encode("ab"), "bad_words": ["a", "b"]})
+            assert ("no token to draw" in r.text) and (r.status_code == 200 if stream else r.status_code == 400), r.text
+        assert beside.result().choices[0].text == lone
+    greedy = complete(base, prompt="ROMEO:", max_tokens=30, temperature=0).choices[0].text
+    assert complete(base, prompt="ROMEO:", max_tokens=30, temperature=1e-300, seed=1).choices[0].text == greedy
+
+
+def test_prompt_logprobs_and_return_token_ids_are_vllms_fields(base, chat):
+    """prompt_logprobs: each prompt token's logprob and rank and the k likeliest, the floats echo reports;
+    return_token_ids: the prompt's ids and each choice's, whole and streamed (the prompt's in the first chunk)."""
+    tok = CharTokenizer.from_text(TEXT)
+    ids = tok.encode("ROMEO: But soft")
+    echo = httpx.post(base.url + "/v1/completions", json={"prompt": "ROMEO: But soft", "max_tokens": 0, "echo": True,
+                                                          "logprobs": 0}).json()["choices"][0]["logprobs"]
+    got = httpx.post(base.url + "/v1/completions", json={
+        "prompt": "ROMEO: But soft", "max_tokens": 5, "temperature": 0, "prompt_logprobs": 2, "return_token_ids": True}
+    ).json()["choices"][0]
+    assert got["prompt_token_ids"] == ids and got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(ids)
+    for t, entry, want in zip(ids[1:], got["prompt_logprobs"][1:], echo["token_logprobs"][1:]):
+        assert entry[str(t)]["logprob"] == pytest.approx(want, abs=1e-5) and entry[str(t)]["decoded_token"] == tok.decode([t])
+        ranked = sorted(entry.values(), key=lambda e: e["rank"])
+        assert ranked[0]["rank"] == 1 and ranked[0]["logprob"] == max(e["logprob"] for e in entry.values())
+        lp = entry[str(t)]["logprob"]  # its rank counts the whole vocabulary's likelier tokens, these among them
+        assert len(entry) in (2, 3) and entry[str(t)]["rank"] >= 1 + sum(e["logprob"] > lp for e in entry.values())
+        assert (entry[str(t)]["rank"] <= 2) == (len(entry) == 2)
+    assert tok.decode(got["token_ids"]) == got["text"] and len(got["token_ids"]) == 5
+    events = stream_events(base, "/v1/completions", model="romeo", prompt="ROMEO: But soft", max_tokens=5,
+                           temperature=0, return_token_ids=True)
+    assert events[0]["choices"][0]["prompt_token_ids"] == ids and "prompt_token_ids" not in events[1]["choices"][0]
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == got["token_ids"]
+    reply = post(chat, "/v1/chat/completions", messages=ASK, temperature=0, return_token_ids=True, prompt_logprobs=0)
+    assert reply["prompt_token_ids"] == ChatTemplate.for_tokenizer(chat_tokenizer()).render_prompt(ASK)
+    assert len(reply["prompt_logprobs"]) == len(reply["prompt_token_ids"]) == reply["usage"]["prompt_tokens"]
+    assert len(reply["choices"][0]["token_ids"]) == reply["usage"]["completion_tokens"]
+    events = stream_events(chat, "/v1/chat/completions", messages=ASK, temperature=0, return_token_ids=True)
+    assert events[0]["prompt_token_ids"] == reply["prompt_token_ids"] and "prompt_token_ids" not in events[1]
+    assert [t for e in events for t in e["choices"][0].get("token_ids", [])] == reply["choices"][0]["token_ids"]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(base):
+    long = "ROMEO: " * 10  # 70 tokens, past the context of 32
+    assert_error(httpx.post(base.url + "/v1/completions", json={"prompt": long}), 400, "prompt", "longer")
+    got = complete(base, prompt=long, max_tokens=20, temperature=0, extra_body={"truncate_prompt_tokens": 20})
+    assert got.usage.prompt_tokens == 20
+    assert got.choices[0].text == complete(base, prompt=long[-20:], max_tokens=20, temperature=0).choices[0].text
+    assert complete(base, prompt=long, max_tokens=1, extra_body={"truncate_prompt_tokens": -1}).usage.prompt_tokens == 32
+    assert_error(httpx.post(base.url + "/v1/completions", json={"prompt": long, "truncate_prompt_tokens": 33}), 400,
+                 "truncate_prompt_tokens", "1..32")
+
+
+def test_responses_create_and_stream_with_the_openai_client(chat):
+    """OpenAI's Responses API through the official client: responses.create and responses.stream give the chat
+    completion's text; previous_response_id continues a stored conversation (as the messages spelled out would),
+    with the earlier turns' tokens from the prefix cache; instructions are a system message; max_output_tokens
+    ends a response incomplete; an unstored or unknown id, a base model and a tool are refused by name."""
+    client = chat.client(KEY)
+    (q1, a1), (q2, a2) = CONVERSATIONS[:2]
+    r = client.responses.create(model="chatty", input=q1, temperature=0)
+    assert r.output_text == a1 and r.status == "completed" and r.id.startswith("resp_")
+    assert r.usage.input_tokens == len(q1) + 3 and r.usage.output_tokens == len(a1) + 1  # and <|end|>
+    with client.responses.stream(model="chatty", input=[{"role": "user", "content": q1}], temperature=0) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert final.output_text == a1 and kinds[:4] == ["response.created", "response.in_progress",
+                                                      "response.output_item.added", "response.content_part.added"]
+    assert kinds.count("response.output_text.delta") > 3 and kinds[-1] == "response.completed"
+    nxt = client.responses.create(model="chatty", input=q2, previous_response_id=r.id, temperature=0)
+    spelled = client.chat.completions.create(model="chatty", temperature=0, messages=[
+        {"role": "user", "content": q1}, {"role": "assistant", "content": a1}, {"role": "user", "content": q2}])
+    assert nxt.output_text == spelled.choices[0].message.content and nxt.previous_response_id == r.id
+    assert nxt.usage.input_tokens_details.cached_tokens >= 32  # the first turn's whole blocks
+    system = client.responses.create(model="chatty", input=q1, instructions="be terse", temperature=0)
+    assert system.usage.input_tokens == r.usage.input_tokens + len("be terse") + 2 and system.instructions == "be terse"
+    cut = client.responses.create(model="chatty", input=q1, max_output_tokens=3, temperature=0, store=False)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output_text == a1[:3] and cut.usage.output_tokens == 3
+    for bad, param in (({"previous_response_id": cut.id}, "previous_response_id"),
+                       ({"previous_response_id": "resp_nowhere"}, "previous_response_id"),
+                       ({"tools": [{"type": "web_search"}]}, "tools"), ({"max_output_tokens": 0}, "max_output_tokens"),
+                       ({"input": [{"type": "function_call_output", "output": "x"}]}, "input")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="chatty", **({"input": q1} | bad))
+        assert e.value.body["param"] == param, e.value.body
+    assert_error(httpx.post(chat.url + "/v1/responses", json={"input": q1}), 401, None, "API key")
+
+
+def test_responses_on_a_base_model_is_refused(base):
+    assert_error(httpx.post(base.url + "/v1/responses", json={"input": "ROMEO:"}), 400, "input", "no chat template")
+
+
+def test_add_special_tokens_wraps_the_prompt_as_its_tokenizer_json_says(monkeypatch):
+    """A tokenizer.json whose post-processor starts a sequence with <s>: completions and /tokenize add it by
+    default (vLLM's), not with add_special_tokens false; chat's default is false."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from core.data.tokenizer import HFTokenizer
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<s>": 0, "h": 1, "i": 2, "?": 3}, unk_token="?"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    backend.add_special_tokens(["<s>"])
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = HFTokenizer(backend.to_str(), eot_token=3)
+    monkeypatch.setattr(serve, "BatchEngine", ScriptedEngine)
+    model = GPT(GPTConfig(block_size=16, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_embd=8))
+    with TestClient(serve.build_app(model, tok, serve.ServeConfig(engine="thread"), "m", "cpu")) as client:
+        def ids(**body):
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "return_token_ids": True, **body})
+            return r.json()["choices"][0]["prompt_token_ids"]
+        assert ids() == [0, 1, 2] and ids(add_special_tokens=False) == [1, 2]
+        assert client.post("/tokenize", json={"prompt": "hi"}).json()["tokens"] == [0, 1, 2]
+        assert client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False}).json()["tokens"] == [1, 2]
+
+
+def test_a_prompt_sent_again_reports_its_cached_tokens_and_vllms_counters(base):
+    """usage.prompt_tokens_details.cached_tokens: none the first time, all but the last token's whole blocks the
+    second, the same greedy text; vLLM's prefix-cache counters move by the tokens looked up and found."""
+    m = lambda name: f'{name}{{model_name="romeo"}}'  # noqa: E731
+    prompt = "O Romeo, Romeo! wherefore art"  # 29 tokens: one block of 16
+    before = scrape(base)
+    first, again = (complete(base, prompt=prompt, max_tokens=2, temperature=0) for _ in range(2))
+    after = scrape(base)
+    assert (first.usage.prompt_tokens_details.cached_tokens, again.usage.prompt_tokens_details.cached_tokens) == (0, 16)
+    assert first.choices[0].text == again.choices[0].text
+    assert after[m("vllm:prefix_cache_queries_total")] - before.get(m("vllm:prefix_cache_queries_total"), 0) == 2 * 29
+    assert after[m("vllm:prefix_cache_hits_total")] - before.get(m("vllm:prefix_cache_hits_total"), 0) == 16
+
+
+@pytest.fixture(scope="module")
+def long_chat_out(tmp_path_factory):
+    """The chat model with a context of 512 tokens: room for a conversation of eight turns."""
+    return train_chat_model(tmp_path_factory.mktemp("long-chat"), block_size=512, iters=60)
+
+
+def test_a_chat_of_eight_turns_prefills_only_each_turns_new_tokens(long_chat_out, tmp_path):
+    """Eight turns through the openai client, each resending the history: each turn takes the last turn's prompt
+    and reply from the prefix cache, to a whole block (all but the reply's last token, drawn and never fed), and
+    its replies are those of a server without the cache, token for token."""
+    questions = [q for q, _ in CONVERSATIONS] * 3
+    turns = {}
+    for cache in ("auto", "0"):
+        flags = [f"--out_dir={long_chat_out}", "--model_name=chatty"] + (["--prefix_cache_tokens=0"] if cache == "0" else [])
+        with running(tmp_path, *flags) as server:
+            messages, turns[cache] = [], []
+            for question in questions[:8]:
+                messages.append({"role": "user", "content": question})
+                r = server.client().chat.completions.create(model="chatty", messages=messages, temperature=0,
+                                                            max_tokens=40)
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+                turns[cache].append((r.choices[0].message.content, r.usage))
+    assert [text for text, _ in turns["auto"]] == [text for text, _ in turns["0"]]
+    assert all(u.prompt_tokens_details.cached_tokens == 0 for _, u in turns["0"])
+    for (_, last), (text, now) in zip(turns["auto"], turns["auto"][1:]):
+        assert now.prompt_tokens_details.cached_tokens == (last.prompt_tokens + last.completion_tokens - 1) // 16 * 16
+    assert turns["auto"][-1][1].prompt_tokens > 300
+
+
+def test_openapi_json_and_docs_describe_every_route_and_its_errors(base):
+    """/openapi.json lists every route with its request fields and its errors in OpenAI's shape (the 400s
+    included, never FastAPI's 422, which this server does not send); /docs is the page that reads it."""
+    schema = httpx.get(base.url + "/openapi.json").json()
+    operations = {(method.upper(), path) for path, ops in schema["paths"].items() for method in ops}
+    assert operations == {(m, p.replace("{model_id:path}", "{model_id}")) for m, p in ROUTES}
+    completions = schema["paths"]["/v1/completions"]["post"]
+    assert set(completions["responses"]) == {"200", "400", "401", "404", "413", "500", "503"}
+    assert completions["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    assert not any("422" in op["responses"] for ops in schema["paths"].values() for op in ops.values())
+    fields = schema["components"]["schemas"]["CompletionRequest"]
+    assert {"prompt", "min_p", "prompt_logprobs", "return_token_ids"} <= set(fields["properties"])
+    assert fields["additionalProperties"] is False and fields["required"] == ["prompt"]
+    assert "/openapi.json" in httpx.get(base.url + "/docs").text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_a_fuzzer_reading_openapi_json_gets_no_5xx_and_only_what_it_documents(char_out, tmp_path, mode):
+    """schemathesis makes requests from /openapi.json for every route, valid by the schema and not (a few of
+    each, for the suite's time): none is a 5xx, each status, content type and error body is one the route
+    documents, and every request the schema forbids is refused."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    checks = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_code_conformance,
+              schemathesis.checks.content_type_conformance, schemathesis.checks.response_schema_conformance]
+    if mode == "negative":
+        checks.append(schemathesis.checks.negative_data_rejection)
+    with running(tmp_path, f"--out_dir={char_out}", "--model_name=romeo", "--max_tokens_limit=4") as server:
+        schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+        for operation in (result.ok() for result in schema.get_all_operations()):
+            if mode == "negative" and not operation.body:
+                continue  # nothing to get wrong: no body (a path's model id is any string)
+            @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+            @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            def fuzz(case):
+                case.call_and_validate(checks=checks)
+            fuzz()
 
 
 def test_chat_logprobs_and_refused_tools(chat):
@@ -1266,8 +1523,8 @@ class ScriptedEngine:
 
         def score(t):
             return None if req.logprobs is None else TokenScore(-0.5, [(t, -0.5), (i, -1.5)][:req.logprobs])
-        if req.echo:
-            handle.out.put_nowait(PromptScores([None] + [score(t) for t in req.prompt[1:]]))
+        scored = req.prompt_logprobs is not None
+        handle.out.put_nowait(PromptScores([None] + [score(t) for t in req.prompt[1:]] if scored else None))
         for t in (h, i, req.stop_tokens[0])[:req.max_tokens]:
             handle.out.put_nowait([RowStep(t, score(t))] * req.n)
         handle.out.put_nowait(None)
@@ -1279,6 +1536,7 @@ ASK_HI = '"messages": [{"role": "user", "content": "hi"}]'
 # a stream chunk's first fields, and a completion's logprobs of "h", "i", <|endoftext|>
 CMPL = 'data: {"id": "cmpl-ID", "object": "text_completion", "created": T, "model": "m", "choices": ['
 CHAT = 'data: {"id": "chatcmpl-ID", "object": "chat.completion.chunk", "created": T, "model": "m", "choices": ['
+CACHED0 = '"prompt_tokens_details": {"cached_tokens": 0}'
 HI = ('{"tokens":["h","i","<|endoftext|>"],"token_logprobs":[-0.5,-0.5,-0.5],'
       '"top_logprobs":[{"h":-0.5},{"i":-0.5},{"<|endoftext|>":-0.5}],"text_offset":[0,1,2]}')
 WIRE = {  # (name, path, body) -> the reply's bytes, its id's random part and its time written ID and T
@@ -1286,12 +1544,13 @@ WIRE = {  # (name, path, body) -> the reply's bytes, its id's random part and it
         '{"id":"cmpl-ID","object":"text_completion","created":T,"model":"m","choices":['
         '{"index":0,"text":"hi","logprobs":' + HI + ',"finish_reason":"stop"},'
         '{"index":1,"text":"hi","logprobs":' + HI + ',"finish_reason":"stop"}],'
-        '"usage":{"prompt_tokens":2,"completion_tokens":6,"total_tokens":8}}',
+        '"usage":{"prompt_tokens":2,"completion_tokens":6,"total_tokens":8,'
+        '"prompt_tokens_details":{"cached_tokens":0}}}',
     ("completion echo", "/v1/completions", '{"prompt": "ih", "echo": true, "logprobs": 1, "max_tokens": 1}'):
         '{"id":"cmpl-ID","object":"text_completion","created":T,"model":"m","choices":[{"index":0,"text":"ihh",'
         '"logprobs":{"tokens":["i","h","h"],"token_logprobs":[null,-0.5,-0.5],"top_logprobs":[null,{"h":-0.5},'
         '{"h":-0.5}],"text_offset":[0,1,2]},"finish_reason":"length"}],'
-        '"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}',
+        '"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3,"prompt_tokens_details":{"cached_tokens":0}}}',
     ("completion streamed", "/v1/completions",
      '{"prompt": "ih", "stream": true, "logprobs": 0, "stream_options": {"include_usage": true}}'):
         CMPL + '{"index": 0, "text": "h", "logprobs": {"tokens": ["h"], "token_logprobs": [-0.5], '
@@ -1300,27 +1559,29 @@ WIRE = {  # (name, path, body) -> the reply's bytes, its id's random part and it
                  '"top_logprobs": [{}], "text_offset": [0]}, "finish_reason": null}], "usage": null}\n\n'
         + CMPL + '{"index": 0, "text": "", "logprobs": {"tokens": ["<|endoftext|>"], "token_logprobs": [-0.5], '
                  '"top_logprobs": [{}], "text_offset": [0]}, "finish_reason": "stop"}], "usage": null}\n\n'
-        + CMPL + '], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}\n\n'
+        + CMPL + '], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5, '
+                 '"prompt_tokens_details": {"cached_tokens": 0}}}\n\n'
         'data: [DONE]\n\n',
     ("chat", "/v1/chat/completions", "{" + ASK_HI + ', "logprobs": true, "top_logprobs": 1}'):
         '{"id":"chatcmpl-ID","object":"chat.completion","created":T,"model":"m","choices":[{"index":0,'
         '"message":{"role":"assistant","content":"hi"},"logprobs":{"content":['
         '{"token":"h","logprob":-0.5,"bytes":[104],"top_logprobs":[{"token":"h","logprob":-0.5,"bytes":[104]}]},'
         '{"token":"i","logprob":-0.5,"bytes":[105],"top_logprobs":[{"token":"i","logprob":-0.5,"bytes":[105]}]}]},'
-        '"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}',
+        '"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8,'
+        '"prompt_tokens_details":{"cached_tokens":0}}}',
     ("chat streamed", "/v1/chat/completions", "{" + ASK_HI + ', "stream": true, "logprobs": true, '
      '"stream_options": {"include_usage": true, "continuous_usage_stats": true}}'):
         CHAT + '{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}'
-               '], "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}}\n\n'
+               '], "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5, ' + CACHED0 + '}}\n\n'
         + CHAT + '{"index": 0, "delta": {"content": "h"}, "logprobs": {"content": [{"token": "h", "logprob": -0.5, '
                  '"bytes": [104], "top_logprobs": []}]}, "finish_reason": null}], '
-                 '"usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}\n\n'
+                 '"usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6, ' + CACHED0 + '}}\n\n'
         + CHAT + '{"index": 0, "delta": {"content": "i"}, "logprobs": {"content": [{"token": "i", "logprob": -0.5, '
                  '"bytes": [105], "top_logprobs": []}]}, "finish_reason": null}], '
-                 '"usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}\n\n'
+                 '"usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, ' + CACHED0 + '}}\n\n'
         + CHAT + '{"index": 0, "delta": {}, "logprobs": {"content": []}, "finish_reason": "stop"}], '
-                 '"usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}\n\n'
-        + CHAT + '], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}\n\n'
+                 '"usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, ' + CACHED0 + '}}\n\n'
+        + CHAT + '], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, ' + CACHED0 + '}}\n\n'
         'data: [DONE]\n\n',
     ("chat streamed n=2", "/v1/chat/completions", "{" + ASK_HI + ', "stream": true, "n": 2}'):  # roles first
         "".join(CHAT + f'{{"index": {i}, "delta": {delta}, "logprobs": null, "finish_reason": {finish}}}]}}\n\n'

@@ -39,19 +39,26 @@ def sample_replies(model, template: ChatTemplate, prompts: list[list[int]], n: i
     """n replies to each of `prompts` (render_prompt's ids, of any lengths), all in one batched decode with the KV
     cache (core/decoding/cache.py's ragged path, as the server batches): per prompt, n replies, each its ids up to
     and including the token that ended it (<|end|>, a role token, <|endoftext|>), or max_new_tokens ids (fewer
-    where the prompt leaves less of block_size) when none did. Prompt i's rows draw their noise from generators[i]
-    (decode.sample_next's exponential race), so its replies follow from that generator and not from the other
-    prompts' draws; temperature 0 is greedy. A row that ends leaves the batch."""
+    where the prompt leaves less of block_size) when none did. Each prompt is prefilled once, in its first row, and
+    its keys copied to its other rows (as the server's engine shares a prompt among a request's n choices). Prompt
+    i's rows draw their noise from generators[i] (decode.sample_next's exponential race), so its replies follow from
+    that generator and not from the other prompts' draws; temperature 0 is greedy. A row that ends leaves the batch."""
     device, V = model.transformer.wte.weight.device, template.tok.vocab_size
     lengths = [len(p) for p in prompts for _ in range(n)]  # (B,)
     budgets = [min(max_new_tokens, model.config.block_size - length) for length in lengths]
     cache = RowCache(model.new_kv_cache(len(lengths), max(t + b for t, b in zip(lengths, budgets))))
-    idx = torch.zeros(len(lengths), max(lengths), dtype=torch.long)  # (B, T): the prompts, right-padded
+    idx = torch.zeros(len(prompts), max(lengths), dtype=torch.long)  # (P, T): the prompts, right-padded
     for i, prompt in enumerate(prompts):
-        idx[i * n:(i + 1) * n, :len(prompt)] = torch.tensor(prompt)
-    replies, active, chunk = [[] for _ in lengths], list(range(len(lengths))), lengths
-    while active:
-        logits = model(idx.to(device), kv_cache=cache.take(active, chunk), last_only=True)[0][:, -1, :V]  # (rows, V)
+        idx[i, :len(prompt)] = torch.tensor(prompt)
+    first = list(range(0, len(lengths), n))  # each prompt's first row
+    logits = model(idx.to(device), kv_cache=cache.take(first, lengths[::n]), last_only=True)[0][:, -1, :V]  # (P, V)
+    for row, T in zip(first, lengths[::n]):  # the prompt's keys to its other rows
+        cache.k[:, row + 1:row + n, :, :T] = cache.k[:, row:row + 1, :, :T]
+        cache.v[:, row + 1:row + n, :, :T] = cache.v[:, row:row + 1, :, :T]
+        cache.pos[row + 1:row + n] = T
+    logits = logits.repeat_interleave(n, dim=0)  # (B, V)
+    replies, active = [[] for _ in lengths], list(range(len(lengths)))
+    while True:
         if temperature == 0:
             drawn = logits.argmax(dim=-1)
         else:  # every row's noise is drawn, ended or not, as generate draws it: a row's draws follow its generator
@@ -60,8 +67,10 @@ def sample_replies(model, template: ChatTemplate, prompts: list[list[int]], n: i
         for row, token in zip(active, drawn.tolist()):
             replies[row].append(token)
         active = [r for r in active if replies[r][-1] not in template.stop_tokens and len(replies[r]) < budgets[r]]
-        idx, chunk = torch.tensor([replies[r][-1:] for r in active], dtype=torch.long), [1] * len(active)
-    return [replies[i * n:(i + 1) * n] for i in range(len(prompts))]
+        if not active:
+            return [replies[i * n:(i + 1) * n] for i in range(len(prompts))]
+        idx = torch.tensor([replies[r][-1:] for r in active], dtype=torch.long)  # (rows, 1)
+        logits = model(idx.to(device), kv_cache=cache.take(active, [1] * len(active)), last_only=True)[0][:, -1, :V]
 
 
 def sample_seed(seed: int, *path: int) -> int:

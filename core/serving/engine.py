@@ -1,11 +1,14 @@
 """BatchEngine: continuous batching for the server (docs/serving.md, "Requests at once"). One thread; each step runs
 one model forward over the next token of every decoding row of every request, each row at its own position in
-one KV cache (core/decoding/cache.py's RowCache, max_batch slots: a request's n rows take n of them).
+one KV cache (core/decoding/cache.py's RowCache, max_batch slots: a request's n rows take n of them), and the
+next chunks of the prompts being prefilled, within one token budget (step_tokens). The KV of every prompt's and
+reply's leading blocks outlives its request in a PrefixCache, and a later prompt that starts with the same tokens
+is prefilled from there on.
 
     engine = BatchEngine(model, EngineSettings(max_batch=16, window_shift=128, vocab_size=tok.vocab_size))
     engine.start()
     handle = engine.submit(EngineRequest(prompt=ids, n=1, max_tokens=50, sampling=Sampling(temperature=0)), loop)
-    async for event in handle.events(): ...     # PromptScores once (with echo), then one list[RowStep] per step
+    async for event in handle.events(): ...     # PromptScores once, then one list[RowStep] per step
 
 The decoding math is decode.py's, not a second copy (sampling_probs and draw, each request's rows from its own
 generator; slide_window; uncached tokens fed as _next_logits feeds them), so a request's text is what
@@ -14,8 +17,11 @@ rules (adjust_logits) are the engine's alone.
 EngineProcess (core/serving/process.py) runs a BatchEngine in a process of its own behind the same caller's side.
 """
 import asyncio
+import collections
 import dataclasses
+import hashlib
 import itertools
+import math
 import queue
 import threading
 import time
@@ -30,6 +36,7 @@ from core.errors import first_line
 from model import GPT
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+BLOCK = 16  # tokens per prefix-cache block, vLLM's default: a prompt reuses a cached prefix to a multiple of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +45,8 @@ class EngineSettings:
     max_batch: int  # the most rows decoded at once: the KV cache's slots, allocated once
     window_shift: int  # past block_size a row's window slides this far at once (decode.window_shift)
     vocab_size: int  # the tokenizer's: logprobs list no id past it
-    prefill_chunk: int = 512  # at most this many prompt tokens fed per step, over all requests
+    step_tokens: int = 512  # the tokens one step computes: a decoding row's one, prompt chunks the rest
+    prefix_cache_tokens: int | None = None  # the prefix cache's size; None: as many as the KV cache's slots hold
 
     def check_n(self, n: int, max_n: int | None = None) -> None:
         """Each row takes a KV cache slot: n in 1..max_batch (and 1..max_n where the server allows fewer)."""
@@ -53,23 +61,31 @@ class EngineRequest:
     """One prompt's generation: n rows drawn with `sampling` (its generator seeded by the caller)."""
     prompt: list[int]
     n: int
-    max_tokens: int  # 0: score the prompt only (with echo)
+    max_tokens: int  # 0: score the prompt only (with prompt_logprobs)
     sampling: Sampling
     logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and the k most likely
-    echo: bool = False  # also the prompt's own logprobs (PromptScores)
+    prompt_logprobs: int | None = None  # likewise for the prompt's own tokens (PromptScores)
     presence_penalty: float = 0.0  # OpenAI's, on generated tokens (adjust_logits)
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     repetition_penalty: float = 1.0  # vLLM's, on tokens of the prompt or generated
     min_tokens: int = 0  # stop_tokens are banned until this many tokens are generated
     stop_tokens: tuple[int, ...] = ()  # the ids that end a choice (its end of text, or of a chat turn)
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the likeliest (at the temperature) are dropped
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: no other id is drawn
+    bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's: a word's last id is banned where its others were just drawn
 
 
 @dataclasses.dataclass
 class TokenScore:
-    """A token's log-probability and the `top` most likely tokens at its position, [(id, logprob)]."""
+    """A token's log-probability, its rank (1: the likeliest) and the `top` most likely tokens at its position,
+    [(id, logprob)]."""
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 1
+
+    def cut(self, k: int) -> "TokenScore":  # the k most likely only
+        return self if len(self.top) <= k else TokenScore(self.logprob, self.top[:k], self.rank)
 
 
 @dataclasses.dataclass
@@ -80,8 +96,10 @@ class RowStep:
 
 @dataclasses.dataclass
 class PromptScores:
-    """The prompt's tokens scored by the model: scores[0] is None (nothing predicts the first token)."""
-    scores: list[TokenScore | None]
+    """A request's prompt is prefilled: `cached` of its tokens came from the prefix cache; with prompt_logprobs its
+    tokens scored by the model (scores[0] is None: nothing predicts the first token)."""
+    scores: list[TokenScore | None] | None
+    cached: int = 0
 
 
 class ServerStopping(Exception):
@@ -92,33 +110,105 @@ class EngineDied(Exception):
     """The engine's process ended on its own (killed, out of memory): nothing can be generated any more."""
 
 
+class NothingToDraw(ValueError):
+    """A request's own rules ban every token (allowed_token_ids, bad_words, min_tokens' ban): it ends alone, the
+    client's error, and the requests beside it go on."""
+
+
 def adjust_logits(logits: torch.Tensor, req: EngineRequest, generated: int, counts: torch.Tensor | None,
-                  prompt_seen: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """The request's rules on logits (n, V), in vLLM's sampler's order (docs/serving.md): logit_bias (V,); the
+                  prompt_seen: torch.Tensor | None, bias: torch.Tensor | None, outputs: list[list[int]] = ()):
+    """The request's rules on logits (n, V), in vLLM's sampler's order (docs/serving.md): logit_bias and
+    allowed_token_ids (bias (V,)); bad_words, after each row's outputs (its ids so far, given with bad_words); the
     stop tokens banned below min_tokens; repetition_penalty on tokens of the prompt (prompt_seen (V,)) or
-    generated (counts (n, V)); then OpenAI's frequency and presence penalties."""
+    generated (counts (n, V)); OpenAI's frequency and presence penalties; then min_p, at the temperature."""
     if bias is not None:
         logits = logits + bias
+    if req.bad_words:
+        logits = logits.clone()
+        for row, out in enumerate(outputs):
+            logits[row, [w[-1] for w in req.bad_words if len(w) - 1 <= len(out)
+                         and out[len(out) - len(w) + 1:] == list(w[:-1])]] = float("-inf")
     if generated < req.min_tokens and req.stop_tokens:
         logits = logits.index_fill(1, torch.tensor(req.stop_tokens, device=logits.device), float("-inf"))
-    if counts is None:
-        return logits
-    if req.repetition_penalty != 1:
-        seen = counts > 0 if prompt_seen is None else (counts > 0) | prompt_seen
-        penalised = torch.where(logits > 0, logits / req.repetition_penalty, logits * req.repetition_penalty)
-        logits = torch.where(seen, penalised, logits)
-    return logits - req.frequency_penalty * counts - req.presence_penalty * (counts > 0).to(logits.dtype)
+    if counts is not None:
+        if req.repetition_penalty != 1:
+            seen = counts > 0 if prompt_seen is None else (counts > 0) | prompt_seen
+            penalised = torch.where(logits > 0, logits / req.repetition_penalty, logits * req.repetition_penalty)
+            logits = torch.where(seen, penalised, logits)
+        logits = logits - req.frequency_penalty * counts - req.presence_penalty * (counts > 0).to(logits.dtype)
+    if req.min_p > 0 and req.sampling.temperature > 0:  # p < min_p * p_max at temperature T, in logits
+        floor = logits.max(dim=-1, keepdim=True).values + req.sampling.temperature * math.log(req.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    return logits
 
 
 def score(logprobs: torch.Tensor, tokens: torch.Tensor, k: int, vocab_size: int) -> list[TokenScore]:
-    """TokenScores of tokens (n,) under logprobs (n, V): the token's float and the k most likely ids below
+    """TokenScores of tokens (n,) under logprobs (n, V): the token's float, its rank and the k most likely ids below
     vocab_size, taken from the same tensor, so the argmax's float is identical in both."""
-    picked = logprobs.gather(1, tokens[:, None])[:, 0].tolist()  # (n,)
+    picked = logprobs.gather(1, tokens[:, None])  # (n, 1)
+    ranks = ((logprobs[:, :vocab_size] > picked).sum(dim=-1) + 1).tolist()  # (n,)
+    picked = picked[:, 0].tolist()
     if k == 0:
-        return [TokenScore(lp, []) for lp in picked]
+        return [TokenScore(lp, [], rank) for lp, rank in zip(picked, ranks)]
     top = logprobs[:, :vocab_size].topk(min(k, vocab_size), dim=-1)
-    return [TokenScore(lp, list(zip(ids, vals))) for lp, ids, vals in
-            zip(picked, top.indices.tolist(), top.values.tolist())]
+    return [TokenScore(lp, list(zip(ids, vals)), rank) for lp, ids, vals, rank in
+            zip(picked, top.indices.tolist(), top.values.tolist(), ranks)]
+
+
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    """One key per full BLOCK of tokens: a hash of the block and of every token before it (vLLM's chained block
+    hash), so that equal keys mean equal prefixes. SHA-256: a client cannot make two prefixes collide."""
+    keys, key = [], b""
+    for i in range(BLOCK, len(tokens) + 1, BLOCK):
+        key = hashlib.sha256(key + b"".join(t.to_bytes(4, "little") for t in tokens[i - BLOCK:i])).digest()
+        keys.append(key)
+    return keys
+
+
+@dataclasses.dataclass
+class Block:
+    """A prefix-cache block: BLOCK positions of keys and values (L, nkv, BLOCK, hs); with the prompt scores of its
+    tokens where a request with prompt_logprobs computed it, each with the `top` most likely."""
+    k: torch.Tensor
+    v: torch.Tensor
+    scores: list[TokenScore | None] | None = None
+    top: int = -1
+
+
+class PrefixCache:
+    """The KV of token blocks kept after their requests end (docs/serving.md, "The prefix cache"), found by
+    block_hashes; once it holds `capacity` blocks, the least recently used goes first, and of a prefix's blocks
+    used together the last first (as vLLM frees them): a block is of no use once the one before it has gone."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.blocks = capacity, collections.OrderedDict()
+
+    def match(self, keys: list[bytes], top: int | None) -> list[Block]:
+        """The cached blocks of keys' leading run (each with scores of at least `top`, given it)."""
+        found = []
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is None or (top is not None and block.top < top):
+                break
+            found.append(block)
+        self._used(keys[:len(found)])
+        return found
+
+    def keep(self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor, scores=None, top: int = -1) -> None:
+        """Blocks keys of a row's keys and values k, v (L, nkv, T, hs) (and of its prompt scores) kept; a block
+        already held is only marked used, unless these scores are wider."""
+        for j, key in enumerate(keys if self.capacity else []):
+            if key not in self.blocks or self.blocks[key].top < top:
+                part = slice(j * BLOCK, (j + 1) * BLOCK)
+                self.blocks[key] = Block(k[:, :, part].clone(), v[:, :, part].clone(),
+                                         None if scores is None else scores[part], top)
+        self._used([key for key in keys if key in self.blocks])
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+    def _used(self, keys: list[bytes]) -> None:
+        for key in reversed(keys):  # the first block most recently used: evicted last
+            self.blocks.move_to_end(key)
 
 
 def check_submission(req: EngineRequest, settings: EngineSettings, stopping) -> None:
@@ -173,8 +263,10 @@ class Active:
         self.start = max(0, len(req.prompt) - block_size)
         self.generated = 0
         self.done = [False] * len(slots)  # rows that emitted eot (then padded with it)
+        self.keys = block_hashes(self.tokens[0][self.start:])  # the prompt window's blocks, for the prefix cache
+        self.cached: int | None = None  # the prompt's tokens taken from the prefix cache, once looked up
         self.prompt_scores: list[TokenScore | None] = [None]
-        self.prompt_last: torch.Tensor | None = None  # log-softmax of the last prefilled position (with echo)
+        self.prompt_last: torch.Tensor | None = None  # log-softmax of the last prefilled position (prompt_logprobs)
         self.last: list[torch.Tensor | None] = [None] * len(slots)  # each row's next-token logits, once prefilled
         vocab = req.sampling.vocab_size or vocab  # the ids drawn from, and so counted and biased
         penalised = req.presence_penalty or req.frequency_penalty or req.repetition_penalty != 1
@@ -184,10 +276,16 @@ class Active:
             self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             self.prompt_seen[[t for t in req.prompt if t < vocab]] = True
         self.bias = None
-        if req.logit_bias:
+        if req.logit_bias or req.allowed_token_ids is not None:
             self.bias = torch.zeros(vocab, device=device)
             self.bias[list(req.logit_bias)] = torch.tensor(list(req.logit_bias.values()), dtype=torch.float32,
                                                           device=device)
+        if req.allowed_token_ids is not None:
+            self.bias += torch.full((vocab,), float("-inf"), device=device).index_fill(
+                0, torch.tensor(req.allowed_token_ids, device=device), 0.0)
+
+    def outputs(self) -> list[list[int]]:  # each row's generated ids
+        return [row[len(self.req.prompt):] for row in self.tokens]
 
 
 class BatchEngine:
@@ -198,6 +296,8 @@ class BatchEngine:
         self.block_size = model.config.block_size
         self.device = model.transformer.wte.weight.device
         self.cache = RowCache(model.new_kv_cache(settings.max_batch))  # each slot at its own position
+        tokens = settings.prefix_cache_tokens
+        self.prefix = PrefixCache((settings.max_batch * self.block_size if tokens is None else tokens) // BLOCK)
         self.free = list(range(settings.max_batch))
         self.active: list[Active] = []
         self.pending: queue.Queue[Handle] = queue.Queue()
@@ -294,6 +394,9 @@ class BatchEngine:
         self.running = len(self.active)
 
     def _finish(self, active: Active, end) -> None:
+        if end is None:  # done or cancelled: each row's blocks (its prompt's, its reply's) for a later prompt
+            for r in range(len(active.slots)):
+                self._keep(active, r)
         self._send(active.handle, end)
         self.active.remove(active)
         self.cache.pos[active.slots] = 0  # a free slot rides along as a dummy at position 0
@@ -302,39 +405,45 @@ class BatchEngine:
 
     @torch.no_grad()  # as generate: no graph (the cache's in-place writes would chain every step's into it)
     def step(self) -> None:
-        """One forward over every decoding row, then up to prefill_chunk tokens of the other requests' prefill;
+        """One forward over every decoding row, then the other requests' prefill in what is left of step_tokens;
         then every request whose rows have next-token logits draws. Decoding first: a prefilling slot then rides
         along at a position its next chunk overwrites, never at block_size (where a full prompt would leave it)."""
         decoding = [active for active in self.active if active.generated and self._uncached(active) == 1]
+        budget = max(1, self.settings.step_tokens - sum(len(active.slots) for active in decoding))
         ready = self._decode(decoding) if decoding else []
-        ready += self._prefill([active for active in self.active if active not in decoding])
+        ready += self._prefill([active for active in self.active if active not in decoding], budget)
         self._draw(ready)
 
     def _uncached(self, active: Active) -> int:
         """Tokens of the request's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
         return len(active.tokens[0]) - active.start - int(self.cache.pos[active.slots[0]])
 
-    def _prefill(self, waiting: list[Active]) -> list[tuple[Active, torch.Tensor]]:
-        """Feed up to prefill_chunk uncached tokens, first come first served, to the rows that need them: a
-        new prompt's first row (its keys then copied to its other rows), or every row of a request whose
-        window moved (each refills its own window, as generate does). Rows of about one length go through
-        one forward, ragged (RowCache.take); a prompt with echo, scored at every position, goes alone.
+    def _prefill(self, waiting: list[Active], budget: int) -> list[tuple[Active, torch.Tensor]]:
+        """Feed up to budget uncached tokens, first come first served, to the rows that need them: a new
+        prompt's first row, from where the prefix cache leaves it (its keys then copied to its other rows), or
+        every row of a request whose window moved (each refills its own window, as generate does). Rows of about
+        one length go through one forward, ragged (RowCache.take); a prompt scored at every position
+        (prompt_logprobs) goes alone. A prompt whose next block an earlier one is computing waits for it.
         -> (request, logits (n, V)) for each request whose rows are now all cached."""
-        budget, feeds, ready = self.settings.prefill_chunk, [], []
+        feeds, ready, computing = [], [], set()  # computing: the keys of blocks this step's prompts compute
         for active in waiting:
             if budget <= 0:
                 break
-            if active.generated == 0 and active.req.echo:
+            if active.cached is None and not self._reuse(active, computing):
+                continue
+            if active.generated == 0:
+                computing.update(active.keys[int(self.cache.pos[active.slots[0]]) // BLOCK:])
+            if active.generated == 0 and active.req.prompt_logprobs is not None:
                 logits, used = self._prefill_echo(active, budget)
                 budget -= used
                 if logits is not None:
                     ready.append((active, logits))
-                continue
-            for r in range(1 if active.generated == 0 else len(active.slots)):
-                chunk = active.tokens[r][active.start + int(self.cache.pos[active.slots[r]]):][:budget]
-                if chunk and budget > 0:
-                    feeds.append((active, r, chunk))
-                    budget -= len(chunk)
+            else:
+                for r in range(1 if active.generated == 0 else len(active.slots)):
+                    chunk = active.tokens[r][active.start + int(self.cache.pos[active.slots[r]]):][:budget]
+                    if chunk and budget > 0:
+                        feeds.append((active, r, chunk))
+                        budget -= len(chunk)
         for group in ragged_groups(feeds):
             self._feed_rows(group)
         for active in dict.fromkeys(active for active, _, _ in feeds):  # each request once, in order
@@ -347,20 +456,51 @@ class BatchEngine:
             active.last = [None] * len(active.slots)
         return ready
 
+    def _reuse(self, active: Active, computing: set[bytes]) -> bool:
+        """A new prompt's leading blocks that the prefix cache holds, copied into its first row (with their prompt
+        scores, where it wants them): all but its last token, which gives the first draw's logits (with
+        prompt_logprobs, the last cached token's too, whose logits score the next). False, nothing copied, where
+        its next block is among those computing: it waits a step for them."""
+        top, slot = active.req.prompt_logprobs, active.slots[0]
+        blocks = self.prefix.match(active.keys, top)
+        if len(blocks) < len(active.keys) and active.keys[len(blocks)] in computing:
+            return False
+        active.cached = max(0, min(len(blocks) * BLOCK - (top is not None), len(active.tokens[0]) - active.start - 1))
+        if c := active.cached:
+            for j, block in enumerate(blocks[:math.ceil(c / BLOCK)]):
+                part = slice(j * BLOCK, min(c, (j + 1) * BLOCK))
+                self.cache.k[:, slot, :, part] = block.k[:, :, :part.stop - part.start]
+                self.cache.v[:, slot, :, part] = block.v[:, :, :part.stop - part.start]
+            self.cache.pos[slot] = c
+            if top is not None:
+                active.prompt_scores += [s.cut(top) for s in [s for b in blocks for s in b.scores][1:c + 1]]
+        return True
+
+    def _keep(self, active: Active, r: int, scored: bool = False) -> None:
+        """Row r's cached window's full blocks into the prefix cache (scored: the prompt's, just prefilled, with
+        its prompt scores)."""
+        slot, top = active.slots[r], active.req.prompt_logprobs
+        window = active.tokens[r][active.start:active.start + int(self.cache.pos[slot])]
+        scored = scored and top is not None
+        self.prefix.keep(block_hashes(window), self.cache.k[:, slot], self.cache.v[:, slot],
+                         active.prompt_scores if scored else None, top if scored else -1)
+
     def _feed_rows(self, feeds: list[tuple[Active, int, list[int]]]) -> None:
         """One forward over the chunks of feeds ((request, row, tokens)), padded to the longest; a row whose
         window is then all cached keeps its last token's logits in its request's last."""
         slots, lengths = [active.slots[r] for active, r, _ in feeds], [len(chunk) for _, _, chunk in feeds]
         T = max(lengths)
         idx = torch.tensor([chunk + [0] * (T - len(chunk)) for _, _, chunk in feeds], device=self.device)  # (B, T)
-        logits, _ = self.model(idx, kv_cache=self.cache.take(slots, lengths), last_only=True)  # (B, 1, V)
+        one = self.cache.rows(slots[0], slots[0] + 1)  # a row alone: its own keys, no gather, no mask
+        logits, _ = self.model(idx, kv_cache=one if len(feeds) == 1 else self.cache.take(slots, lengths),
+                               last_only=True)  # (B, 1, V)
         for (active, r, _), slot, row in zip(feeds, slots, logits[:, 0]):
             if int(self.cache.pos[slot]) == len(active.tokens[r]) - active.start:
                 active.last[r] = row
 
     def _prefill_echo(self, active: Active, budget: int):
-        """The next chunk of a prompt with echo through its first row, every position's logits scored ->
-        (logits (n, V) once the prompt is all cached, else None; tokens fed)."""
+        """The next chunk of a prompt with prompt_logprobs through its first row, every position's logits scored
+        -> (logits (n, V) once the prompt is all cached, else None; tokens fed)."""
         slot, seq = active.slots[0], active.tokens[0][active.start:]
         view = self.cache.rows(slot, slot + 1)
         first = int(view.pos[0])
@@ -369,12 +509,14 @@ class BatchEngine:
         self._score_prompt(active, seq, first, logits)
         if first + len(chunk) < len(seq):
             return None, len(chunk)
-        self._send(active.handle, PromptScores(active.prompt_scores))
         return self._prompt_cached(active, logits[:, -1]), len(chunk)
 
     def _prompt_cached(self, active: Active, logits: torch.Tensor) -> torch.Tensor:
-        """The request's prompt is in its first row's cache: the other choices start from the same keys.
-        logits (1, V) of its last token -> (n, V)."""
+        """The request's prompt is in its first row's cache: the prefix cache keeps its blocks, the caller hears
+        (PromptScores), and the other choices start from the same keys. logits (1, V) of its last token -> (n, V)."""
+        self._keep(active, 0, scored=True)
+        scored = active.req.prompt_logprobs is not None
+        self._send(active.handle, PromptScores(active.prompt_scores if scored else None, active.cached))
         slot, T = active.slots[0], int(self.cache.pos[active.slots[0]])
         for other in active.slots[1:]:
             self.cache.k[:, other, :, :T] = self.cache.k[:, slot, :, :T]
@@ -391,7 +533,7 @@ class BatchEngine:
         targets = torch.tensor(seq[first + 1 - (active.prompt_last is not None):first + T], dtype=torch.long,
                                device=lp.device)
         if len(targets):
-            active.prompt_scores += score(lp[:len(targets)], targets, active.req.logprobs or 0,
+            active.prompt_scores += score(lp[:len(targets)], targets, active.req.prompt_logprobs,
                                           self.settings.vocab_size)
         active.prompt_last = lp[-1:]
 
@@ -422,7 +564,10 @@ class BatchEngine:
                 self._finish(active, None)
                 continue
             cut = adjust_logits(logits[:, :s.vocab_size], req, active.generated, active.counts, active.prompt_seen,
-                                active.bias)  # (n, V)
+                                active.bias, active.outputs() if req.bad_words else ())  # (n, V)
+            if not bool(torch.isfinite(cut).any(dim=-1).all()):  # else its NaN probabilities would fail the step's all
+                self._finish(active, NothingToDraw("allowed_token_ids, bad_words and min_tokens leave no token to draw"))
+                continue
             groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((active, cut, logits))
         for (temperature, top_k, top_p, _), members in groups.items():
             check_sampling_args(temperature, top_k, top_p)

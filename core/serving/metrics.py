@@ -1,6 +1,7 @@
 """The server's metrics in Prometheus' text format, at serve.py's /metrics: vLLM's names, labelled with model_name
 as vLLM's are, so that a dashboard made for vLLM reads them; and the decode batch's size, which vLLM has not.
-The engine tells them of each step (batch, token), the replies of each request's end (done).
+The engine tells them of each step (batch, token), the replies of each prompt's prefill (prefix) and each request's
+end (done).
 """
 import time
 
@@ -26,6 +27,8 @@ class Metrics:
                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
         self.e2e = labelled(Histogram, "vllm:e2e_request_latency_seconds", "From submission to the request's end",
                             buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.prefix_queries = labelled(Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = labelled(Counter, "vllm:prefix_cache_hits", "Prompt tokens the prefix cache held")
         self.batch_size = labelled(Histogram, "nanogpt_batch_size", "Rows in each decoding forward",
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.last: dict[int, float] = {}  # id(handle) -> when its last tokens were drawn
@@ -43,6 +46,10 @@ class Metrics:
         else:
             self.ttft.observe(now - handle.submitted)
         self.last[key] = now
+
+    def prefix(self, queried: int, hit: int) -> None:  # a prompt prefilled, hit of its tokens from the prefix cache
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
 
     def done(self, handle) -> None:
         self.last.pop(id(handle), None)

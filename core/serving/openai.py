@@ -5,6 +5,8 @@ is a 400 that names it (extra="forbid"). A request's checks raise APIError; what
 (core/serving/engine.py), whose steps become the reply: whole characters, cut at a stop string, whole or streamed.
 """
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -22,8 +24,8 @@ from core.data.chat import ChatTemplate
 from core.data.tokenizer import StreamDecoder, Tokenizer
 from core.decoding.decode import check_sampling_args
 from core.errors import UserError, first_line
-from core.serving.engine import (BatchEngine, EngineDied, EngineRequest, PromptScores, ServerStopping, TokenScore,
-                                 engine_sampling)
+from core.serving.engine import (MAX_LOGPROBS, BatchEngine, EngineDied, EngineRequest, NothingToDraw, PromptScores,
+                                 ServerStopping, TokenScore, engine_sampling)
 from core.serving.metrics import Metrics
 from core.serving.process import EngineProcess
 
@@ -62,23 +64,47 @@ class RequestBase(StrictModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionRequest(RequestBase):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's default for completions
 
 
 class ChatRequest(RequestBase):
     messages: list[dict[str, Any]]  # checked by the template, whose errors name the message
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_special_tokens: bool = False  # vLLM's default for chat: the template has placed what it needs
+
+
+class ResponsesRequest(StrictModel):
+    """OpenAI's Responses API, text in and text out; vLLM's stop and ignore_eos (guidellm sends them)."""
+    model: str | None = None
+    input: str | list[dict[str, Any]]  # a user message's text, or messages (checked by respond)
+    instructions: str | None = None  # a system message before the input; not carried to the next response
+    previous_response_id: str | None = None  # the conversation so far: a response this server stored
+    store: bool = True  # kept for a later previous_response_id
+    max_output_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stream: bool = False
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
 
 
 class TokenizeRequest(StrictModel):
     prompt: str
-    add_special_tokens: bool = True  # vLLM's field; this tokenizer adds no special tokens either way
+    add_special_tokens: bool = True
     model: str | None = None
 
 
@@ -98,6 +124,28 @@ class APIError(Exception):
                  type: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None  # the request's field at fault
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error's body (OpenAI's shape), as /openapi.json declares it."""
+    error: ErrorDetail
+
+
+# Each status a route may answer besides 200, why, and its body: what the routes declare (serve.py's ERRORS).
+WHY = {400: "the body, a field or the prompt refused: `param` names the field", 401: "no API key, or a wrong one "
+       "(with --api_key)", 404: "a model not served here", 413: "a body over --max_body_bytes", 500: "generation "
+       "failed (out of memory, say)", 503: "the engine's process has died: the server exits, for its supervisor"}
+
+
+def errors(*statuses: int) -> dict:
+    return {status: {"model": ErrorBody, "description": WHY[status]} for status in statuses}
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -149,13 +197,17 @@ async def engine_died(request, e: EngineDied):
     return ErrorResponse(engine_dead_body(str(e)), status_code=503)
 
 
+async def nothing_to_draw(request, e: NothingToDraw):
+    return error(400, f"{e}; allow more tokens or ban fewer")
+
+
 async def crash(request, e: Exception):
     return error(500, f"internal error: {first_line(e)}", "server_error")
 
 
 # The app's exception handlers: every error a JSON body in OpenAI's shape.
 HANDLERS = {APIError: api_error, RequestValidationError: invalid, HTTPException: http_error, EngineDied: engine_died,
-            Exception: crash}
+            NothingToDraw: nothing_to_draw, Exception: crash}
 
 
 # -----------------------------------------------------------------------------
@@ -176,6 +228,7 @@ class ServedModel:
     api_key: str | None
     created: int
     metrics: Metrics
+    stored: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # Responses' memory
 
 
 def check_model(served: ServedModel, model: str | None) -> None:
@@ -184,28 +237,52 @@ def check_model(served: ServedModel, model: str | None) -> None:
                        "model", "model_not_found")
 
 
+def text_of(content, kinds: tuple[str, ...] = ("text",)):
+    """content given as OpenAI's list of text parts (of these kinds) joined into one string; else as it is."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
+
+
 def messages_of(req: ChatRequest) -> list[dict]:
-    """{role, content} dicts; content given as OpenAI's list of text parts is joined into one string."""
-    def text(content):
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            return "".join(str(p.get("text", "")) for p in content)
-        return content
-    return [{"role": m.get("role"), "content": text(m.get("content"))} if "content" in m else m
+    """{role, content} dicts, their content as text_of reads it."""
+    return [{"role": m.get("role"), "content": text_of(m.get("content"))} if "content" in m else m
             for m in req.messages]
 
 
 def engine_request(served: ServedModel, req: RequestBase, prompt: list[int], max_tokens: int, chat: bool,
-                   logprobs: int | None, echo: bool, seed: int) -> EngineRequest:
+                   logprobs: int | None, prompt_logprobs: int | None, seed: int) -> EngineRequest:
     top_p = None if req.top_p == 1 else req.top_p
     settings = served.engine.settings
     # the id that ends a row in the engine, and every id that ends a choice (the chat template's others too)
     eot, ends = ((served.template.end_of_turn, served.template.stop_tokens) if chat
                  else (served.tok.eot_token, {served.tok.eot_token} - {None}))
-    sampling = engine_sampling(req.temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot,
+    temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
+    sampling = engine_sampling(temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot,
                                settings.window_shift, settings.vocab_size)
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-    return EngineRequest(prompt, req.n, max_tokens, sampling, logprobs, echo, req.presence_penalty,
-                         req.frequency_penalty, bias, req.repetition_penalty, req.min_tokens, tuple(sorted(ends)))
+    if req.prompt_logprobs is not None:  # echo's and vLLM's prompt logprobs share the engine's scores
+        prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
+    return EngineRequest(prompt, req.n, max_tokens, sampling, logprobs, prompt_logprobs, req.presence_penalty,
+                         req.frequency_penalty, bias, req.repetition_penalty, req.min_tokens,
+                         tuple(sorted(ends | set(req.stop_token_ids or ()))), req.min_p,
+                         None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+                         bad_word_ids(served.tok, req.bad_words or []))
+
+
+def bad_word_ids(tok: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of bad_words: each word's ids, and those of the word after a space where that is another
+    spelling of as many ids (a BPE's word inside a sentence)."""
+    ids = []
+    for word in words:
+        try:
+            ids.append(plain := tuple(tok.encode(word.lstrip())))
+        except UserError as e:  # a char vocabulary names the characters it lacks
+            raise APIError(400, f"bad_words: {e}", "bad_words") from None
+        with contextlib.suppress(UserError):  # a vocabulary without the space has no other spelling
+            if (spaced := tuple(tok.encode(" " + word.lstrip())))[0] != plain[0] and len(spaced) == len(plain):
+                ids.append(spaced)
+    return tuple(ids)
 
 
 def check_params(served: ServedModel, req: RequestBase, default_max: int,
@@ -247,23 +324,59 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
     seed = req.seed if req.seed is not None else secrets.randbits(63)
     if not 0 <= seed < 2 ** 64:
         raise APIError(400, f"seed must be in 0..2**64-1, got {seed}", "seed")
+    if not 0 <= req.min_p <= 1:  # also NaN
+        raise APIError(400, f"min_p must be in [0, 1] (0: none), got {req.min_p}", "min_p")
+    for field, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids)):
+        if ids is not None and not all(0 <= i < served.tok.vocab_size for i in ids):
+            raise APIError(400, f"{field} takes token ids in 0..{served.tok.vocab_size - 1}", field)
+    if req.allowed_token_ids == []:
+        raise APIError(400, "allowed_token_ids must hold at least one id (leave it out for any)", "allowed_token_ids")
+    if any(not w.strip() for w in req.bad_words or ()):
+        raise APIError(400, "bad_words takes words, not empty or blank strings", "bad_words")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {req.prompt_logprobs}",
+                       "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs with stream is not supported (as vLLM's); leave one out", "prompt_logprobs")
     return max_tokens, stops, seed
 
 
-def encode(tok: Tokenizer, text: str) -> list[int]:
+def encode(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """text's ids, "<|endoftext|>" in it the token (as vLLM), with the special tokens wrapped around it."""
     try:
-        return tok.encode_with_specials(text)  # as vLLM: "<|endoftext|>" in a prompt is the token
+        ids = tok.encode_with_specials(text)
     except UserError as e:  # a char vocabulary names the characters it lacks
         raise APIError(400, f"the prompt cannot be encoded: {e}", "prompt") from None
+    return with_special_tokens(tok, ids) if add_special_tokens else ids
 
 
-def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
+def with_special_tokens(tok: Tokenizer, ids: list[int]) -> list[int]:
+    """ids wrapped as transformers' add_special_tokens wraps them: by a tokenizer.json's post-processor (a BOS,
+    say); GPT-2's vocabulary and ours have none, as transformers' GPT-2 tokenizer adds none."""
+    backend = getattr(tok, "backend", None)  # an HFTokenizer's tokenizers.Tokenizer
+    if backend is None or backend.post_processor is None:
+        return ids
+    bare, wrapped = backend.encode("a", add_special_tokens=False).ids, backend.encode("a").ids
+    at = next(i for i in range(len(wrapped)) if wrapped[i:i + len(bare)] == bare)
+    return wrapped[:at] + ids + wrapped[at + len(bare):]
+
+
+def prompt_ids(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
     """A prompt's ids; an empty one starts from <|endoftext|>."""
-    if ids := encode(tok, text):
+    if ids := encode(tok, text, add_special_tokens):
         return ids
     if tok.eot_token is None:
         raise APIError(400, "the prompt is empty and this vocabulary has no <|endoftext|> to start from", "prompt")
     return [tok.eot_token]
+
+
+def truncated(served: ServedModel, req: RequestBase, ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k ids (-1: the model's context)."""
+    k = req.truncate_prompt_tokens
+    if k is not None and not (k == -1 or 1 <= k <= served.block_size):
+        raise APIError(400, f"truncate_prompt_tokens must be -1 (the context) or in 1..{served.block_size}, got {k}",
+                       "truncate_prompt_tokens")
+    return ids if k is None else ids[-(served.block_size if k == -1 else k):]
 
 
 def check_length(served: ServedModel, ids: list[int], param: str) -> list[int]:
@@ -281,8 +394,8 @@ def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
         p = [p]  # one prompt: text or token ids
     if not p or not all(isinstance(x, str) or x for x in p):  # the model's types allow no other mix
         raise APIError(400, "prompt must be a string, a list of strings, or token ids; got an empty list", "prompt")
-    prompts = [prompt_ids(served.tok, x) if isinstance(x, str) else list(x) for x in p]
-    return [check_length(served, ids, "prompt") for ids in prompts]
+    prompts = [prompt_ids(served.tok, x, req.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
+    return [check_length(served, truncated(served, req, ids), "prompt") for ids in prompts]
 
 
 # -----------------------------------------------------------------------------
@@ -301,7 +414,7 @@ class ChoiceText:
                  include_stop: bool = False, hidden: set[int] = frozenset(), prompt: list[int] = ()):
         self.decoder, self.stops, self.stop_ids, self.max_tokens = StreamDecoder(tok), stops, stop_ids, max_tokens
         self.min_tokens, self.include_stop, self.hidden = min_tokens, include_stop, hidden
-        self.prompt, self.prompt_scores = prompt, None
+        self.prompt, self.prompt_scores, self.cached = prompt, None, 0  # cached: the prompt's ids the prefix cache held
         self.text, self.sent, self.tokens, self.floor = "", 0, 0, 0  # floor: the text of the first min_tokens ids
         self.finish: str | None = None
         self.scored: list[tuple[int, TokenScore | None]] = []  # every id taken, with its score
@@ -351,6 +464,15 @@ def completion_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | Non
             "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1]}
 
 
+def prompt_logprobs(tok: Tokenizer, prompt: list[int], scores: list[TokenScore | None], k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: for each prompt token but the first, {id: {logprob, rank, decoded_token}} of the
+    token and of the k most likely there."""
+    def entry(i: int, lp: float, rank: int) -> dict:
+        return {"logprob": lp, "rank": rank, "decoded_token": tok.decode([i])}
+    return [None] + [{t: entry(t, s.logprob, s.rank)} | {i: entry(i, lp, r + 1) for r, (i, lp) in enumerate(s.top[:k])}
+                     for t, s in zip(prompt[1:], scores[1:])]
+
+
 def chat_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]], stop_ids: set[int]) -> list[dict]:
     """OpenAI's chat logprobs.content: one entry per token of the reply (the end-of-turn token left out)."""
     def entry(i: int, lp: float) -> dict:
@@ -370,8 +492,9 @@ def sse(obj: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """What a completions reply and a chat completions reply differ in: their names, and how a choice carries its
-    text (whole, or a stream chunk's piece) and its logprobs."""
+    """What a completions reply and a chat completions reply differ in: their names, how a choice carries its
+    text (whole, or a stream chunk's piece) and its logprobs, and where vLLM's prompt fields go (each choice's,
+    or the reply's once)."""
     id_prefix: str
     object: str
     chunk_object: str
@@ -379,15 +502,17 @@ class Shape:
     chunk_text: Callable[[str], dict]
     logprobs: Callable[[Tokenizer, list, set[int]], dict]
     opening: dict | None  # each choice's first chunk, before its text: chat's names the role
+    prompt_per_choice: bool
 
 
 COMPLETION = Shape("cmpl", "text_completion", "text_completion", lambda text: {"text": text},
-                   lambda text: {"text": text}, lambda tok, scored, stop_ids: completion_logprobs(tok, scored), None)
+                   lambda text: {"text": text}, lambda tok, scored, stop_ids: completion_logprobs(tok, scored), None,
+                   True)
 CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk",
              lambda text: {"message": {"role": "assistant", "content": text}},
              lambda text: {"delta": {"content": text} if text else {}},
              lambda tok, scored, stop_ids: {"content": chat_logprobs(tok, scored, stop_ids)},
-             {"delta": {"role": "assistant", "content": ""}})
+             {"delta": {"role": "assistant", "content": ""}}, False)
 
 
 async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choices: list[ChoiceText]):
@@ -405,7 +530,8 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
             async for event in events:
                 if isinstance(event, PromptScores):
                     for c in its:
-                        c.prompt_scores = event.scores
+                        c.prompt_scores, c.cached = event.scores, event.cached
+                    served.metrics.prefix(len(r.prompt), event.cached)
                     continue
                 for i, (c, step) in enumerate(zip(its, event)):
                     if not c.finish:
@@ -457,27 +583,38 @@ class Reply:
 
     def usage(self) -> dict:
         done = sum(c.tokens for c in self.choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done, "total_tokens": self.prompt_tokens + done,
+                "prompt_tokens_details": {"cached_tokens": sum(c.cached for c in self.choices[::self.reqs[0].n])}}
 
-    def choice(self, i: int, text: dict, scored: list, finish: str | None) -> dict:
+    def choice(self, i: int, text: dict, scored: list, finish: str | None, ids: list[int]) -> dict:
         logprobs = None if self.reqs[0].logprobs is None else self.shape.logprobs(self.served.tok, scored,
                                                                                   self.stop_ids)
-        return {"index": i, **text, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": i, **text, "logprobs": logprobs, "finish_reason": finish}
+        return choice | ({"token_ids": ids} if self.req.return_token_ids else {})
+
+    def prompt_fields(self, c: ChoiceText) -> dict:
+        """vLLM's fields of a choice's prompt, as asked for: its ids, its scores."""
+        fields = {"prompt_token_ids": list(c.prompt)} if self.req.return_token_ids else {}
+        if self.req.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprobs(self.served.tok, c.prompt, c.prompt_scores,
+                                                        self.req.prompt_logprobs)
+        return fields
 
     async def whole(self) -> dict:
         """Every choice whole; with echo (completions), its prompt's text and scores first."""
         async for _ in pieces(self.served, self.reqs, self.make_text, self.choices):
             pass
-        choices = []
+        choices, per_choice = [], self.shape.prompt_per_choice
         for i, c in enumerate(self.choices):
             text, scored = c.text, c.scored
-            if self.reqs[0].echo:
+            if getattr(self.req, "echo", False):
                 text = self.served.tok.decode(c.prompt) + text
-                scored = list(zip(c.prompt, c.prompt_scores or [None] * len(c.prompt))) + scored
-            choices.append(self.choice(i, self.shape.whole_text(text), scored, c.finish))
-        return {"id": self.id, "object": self.shape.object, "created": self.created, "model": self.served.name,
-                "choices": choices, "usage": self.usage()}
+                scored = [(t, s and s.cut(self.reqs[0].logprobs or 0)) for t, s in
+                          zip(c.prompt, c.prompt_scores or [None] * len(c.prompt))] + scored
+            choices.append(self.choice(i, self.shape.whole_text(text), scored, c.finish, [t for t, _ in c.scored])
+                           | (self.prompt_fields(c) if per_choice else {}))
+        return ({"id": self.id, "object": self.shape.object, "created": self.created, "model": self.served.name,
+                 "choices": choices, "usage": self.usage()} | ({} if per_choice else self.prompt_fields(self.choices[0])))
 
     async def events(self) -> AsyncIterator[str]:
         """Each choice's opening chunk (chat's), a chunk per piece of text, with include_usage a last chunk of
@@ -489,16 +626,24 @@ class Reply:
         head = json.dumps({"id": self.id, "object": self.shape.chunk_object, "created": self.created,
                            "model": self.served.name}, ensure_ascii=False)[:-1]
 
-        def chunk(choices: list[dict], last: bool = False) -> str:
+        def chunk(choices: list[dict], last: bool = False, prompt: dict = {}) -> str:
             tail = f', "usage": {json.dumps(self.usage() if continuous or last else None)}}}' if include_usage else "}"
-            return f'data: {head}, "choices": {json.dumps(choices, ensure_ascii=False)}{tail}\n\n'
+            more = "".join(f', "{k}": {json.dumps(v)}' for k, v in prompt.items())  # vLLM's, the first chunk's
+            return f'data: {head}, "choices": {json.dumps(choices, ensure_ascii=False)}{more}{tail}\n\n'
+        prompts = ({"prompt_token_ids": list(r.prompt)} if self.req.return_token_ids else {} for r in self.reqs)
         try:
             if self.shape.opening:
                 for i in range(sum(r.n for r in self.reqs)):
-                    yield chunk([{"index": i, **self.shape.opening, "logprobs": None, "finish_reason": None}])
+                    yield chunk([{"index": i, **self.shape.opening, "logprobs": None, "finish_reason": None}],
+                                prompt=next(prompts, {}))
+            started = set()
             async for i, piece in pieces(self.served, self.reqs, self.make_text, self.choices):
-                c = self.choices[i]
-                yield chunk([self.choice(i, self.shape.chunk_text(piece), c.take_scores(), c.finish)])
+                c, scored = self.choices[i], self.choices[i].take_scores()
+                choice = self.choice(i, self.shape.chunk_text(piece), scored, c.finish, [t for t, _ in scored])
+                if self.shape.prompt_per_choice and i not in started:
+                    started.add(i)
+                    choice |= self.prompt_fields(c)
+                yield chunk([choice])
             if include_usage:
                 yield chunk([], last=True)
             yield "data: [DONE]\n\n"
@@ -507,4 +652,131 @@ class Reply:
         except EngineDied as e:
             yield sse(engine_dead_body(str(e)))
         except Exception as e:  # the headers are sent: the error goes in the stream, as OpenAI's does
-            yield sse(error_body(first_line(e), "server_error"))
+            kind = "invalid_request_error" if isinstance(e, NothingToDraw) else "server_error"
+            yield sse(error_body(first_line(e), kind))
+
+
+# -----------------------------------------------------------------------------
+# the Responses API: a chat completion's one choice, as a response object or its events
+
+STORED_RESPONSES = 1000  # conversations kept for previous_response_id, the oldest forgotten first: a bound on memory
+
+
+def response_messages(served: ServedModel, req: ResponsesRequest) -> tuple[list[dict], list[dict]]:
+    """(the messages to render: instructions, the stored conversation, the input; the conversation to store)."""
+    history = []
+    if req.previous_response_id is not None:
+        if (history := served.stored.get(req.previous_response_id)) is None:
+            raise APIError(400, f"previous_response_id '{req.previous_response_id}' is not a response this server "
+                                f"stored (it keeps the last {STORED_RESPONSES}, until it restarts)",
+                           "previous_response_id", "previous_response_not_found")
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    turns = []
+    for i, item in enumerate(items):
+        content = text_of(item.get("content"), ("input_text", "output_text"))
+        if item.get("type", "message") != "message" or not isinstance(content, str):
+            raise APIError(400, f"input[{i}]: only messages of text are served here (input_text, output_text), got "
+                                f"{json.dumps(item)[:80]}", "input")
+        turns.append({"role": {"developer": "system"}.get(item.get("role"), item.get("role")), "content": content})
+    system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+    return system + history + turns, history + turns
+
+
+async def respond(served: ServedModel, req: ResponsesRequest):
+    """POST /v1/responses: the request checked as a chat completion of one choice, then replied to."""
+    check_model(served, req.model)
+    if served.template is None:
+        raise APIError(400, f"model '{served.name}' has no chat template (a base model); use /v1/completions",
+                       "input", "no_chat_template")
+    messages, conversation = response_messages(served, req)
+    try:
+        prompt = check_length(served, served.template.render_prompt(messages), "input")
+    except UserError as e:
+        raise APIError(400, str(e), "input") from None
+    chat = ChatRequest(messages=messages, max_tokens=req.max_output_tokens, temperature=req.temperature,
+                       top_p=req.top_p, stop=req.stop, ignore_eos=req.ignore_eos, stream=req.stream)
+    try:
+        max_tokens, stops, seed = check_params(served, chat, max(1, min(served.max_tokens_limit,
+                                                                        served.block_size - len(prompt))))
+    except APIError as e:  # named as this API names it
+        e.param = "max_output_tokens" if e.param == "max_tokens" else e.param
+        e.message = e.message.replace("max_tokens", "max_output_tokens")
+        raise
+    r = Response(served, req, chat, engine_request(served, chat, prompt, max_tokens, True, None, None, seed), stops,
+                 conversation)
+    if not req.stream:
+        return await r.whole()
+    return StreamingResponse(r.events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class Response(Reply):
+    """A response: Reply's one choice (its text rules, usage, pieces), as the Responses API's object, whole or as
+    its events; stored, with its conversation, for a later previous_response_id."""
+
+    def __init__(self, served: ServedModel, request: ResponsesRequest, chat: ChatRequest, ereq: EngineRequest,
+                 stops: list[str], conversation: list[dict]):
+        super().__init__(served, chat, [ereq], stops, CHAT)
+        self.request, self.conversation = request, conversation
+        self.id, self.message_id = f"resp_{secrets.token_hex(24)}", f"msg_{secrets.token_hex(24)}"
+
+    def message(self, status: str) -> dict:
+        text = self.choices[0].text if self.choices else ""
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []}
+
+    def body(self, status: str) -> dict:
+        """The response object: in_progress (no output yet), completed, or incomplete (max_output_tokens)."""
+        r, usage = self.request, self.usage()
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.served.name,
+                "output": [] if status == "in_progress" else [self.message(status)], "parallel_tool_calls": False,
+                "previous_response_id": r.previous_response_id, "store": r.store, "temperature": r.temperature,
+                "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "top_p": r.top_p,
+                "truncation": "disabled", "usage": None if status == "in_progress" else {
+                    "input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
+                    "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": usage["total_tokens"]}}
+
+    def finished(self) -> str:
+        """The final status; a completed response stored with its conversation (the oldest forgotten first)."""
+        status = "incomplete" if self.choices[0].finish == "length" else "completed"
+        if self.request.store:
+            self.served.stored[self.id] = self.conversation + [{"role": "assistant", "content": self.choices[0].text}]
+            while len(self.served.stored) > STORED_RESPONSES:
+                self.served.stored.popitem(last=False)
+        return status
+
+    async def whole(self) -> dict:
+        async for _ in pieces(self.served, self.reqs, self.make_text, self.choices):
+            pass
+        return self.body(self.finished())
+
+    async def events(self) -> AsyncIterator[str]:
+        """The Responses API's events, each named and numbered: created, in_progress, the message and its text
+        part added, a delta per piece of text, then each done, then completed (or incomplete)."""
+        numbers = itertools.count()
+
+        def event(kind: str, **fields) -> str:
+            body = {"type": kind, "sequence_number": next(numbers), **fields}
+            return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        at = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        yield event("response.created", response=self.body("in_progress"))
+        yield event("response.in_progress", response=self.body("in_progress"))
+        yield event("response.output_item.added", output_index=0, item=self.message("in_progress"))
+        yield event("response.content_part.added", **at, part=part)
+        try:
+            async for _, piece in pieces(self.served, self.reqs, self.make_text, self.choices):
+                if piece:
+                    yield event("response.output_text.delta", **at, delta=piece, logprobs=[])
+        except Exception as e:  # the headers are sent: the error is an event, as OpenAI's
+            code = "engine_dead" if isinstance(e, EngineDied) else "server_error"
+            yield event("error", code=code, message=first_line(e) or "the server is shutting down", param=None)
+            return
+        status, text = self.finished(), self.choices[0].text
+        yield event("response.output_text.done", **at, text=text, logprobs=[])
+        yield event("response.content_part.done", **at, part=part | {"text": text})
+        yield event("response.output_item.done", output_index=0, item=self.message(status))
+        yield event(f"response.{status}", response=self.body(status))
