@@ -1,9 +1,6 @@
-"""Training memory: a rough estimate from the model's shape alone, what a device has free, and
-out-of-memory errors turned into one line.
-
-The estimate is a pure function of the config: the parameter count is exact (the model is built on the meta
-device, so every GPTConfig switch counts), and activations use Korthikanti et al. 2022's per-layer count (section
-4.1), which is rough: it refuses runs that plainly do not fit, never tunes one.
+"""Training memory: an estimate from the config alone, what a device has free, out-of-memory errors in one line. The
+parameter count is exact (built on the meta device); activations follow Korthikanti et al. 2022 (section 4.1),
+which is rough: it refuses runs that plainly do not fit, never tunes one.
 """
 import dataclasses
 import os
@@ -18,7 +15,6 @@ from model import GPT
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one process needs to train a model: its parts and their total."""
     params: int
     grads: int
     optimizer: int
@@ -97,9 +93,8 @@ def available_bytes(device: str) -> int | None:
 
 
 def check_fits(est: MemoryEstimate, device: str, processes_sharing: int = 1, what: str = "") -> None:
-    """Refuse with one line when the estimate plainly exceeds what the device has free.
-
-    processes_sharing: processes on this machine drawing from the same memory (CPU ranks share RAM)."""
+    """Refuse with one line when the estimate plainly exceeds what the device has free; processes_sharing: processes
+    on this machine drawing from the same memory (CPU ranks share RAM)."""
     free = available_bytes(device)
     needed = est.total * processes_sharing
     if free is None or needed <= free:

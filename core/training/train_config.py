@@ -1,6 +1,5 @@
-"""The training loops' configuration: RunConfig, the keys train.py and rl.py share, and TrainConfig, train.py's.
-Defaults, overridden by config files, overridden by --key=value (core/config.py). bench.py and
-scripts/compare_recipe.py read the same config files, so it lives here rather than in train.py.
+"""RunConfig, the keys train.py and rl.py share, and TrainConfig, train.py's (core/config.py parses them); here,
+not in train.py, since bench.py and scripts/compare_recipe.py read the same config files.
 """
 import dataclasses
 import math
@@ -171,10 +170,8 @@ def get_lr(it: int, cfg: TrainConfig) -> float:
 
 
 def seq_len_at(it: int, cfg: TrainConfig) -> int:
-    """The training window's length at iteration it: seq_len_warmup_start, growing linearly to block_size over
-    seq_len_warmup_iters, rounded down to a multiple of the start (at most block_size / start shapes, each a
-    recompile under torch.compile): DeepSpeed's fixed_linear curriculum (Li et al. 2022). A function of it alone,
-    in integers, so every rank and resumed run agrees on it; the learning rate stays get_lr(it), as in Li et al."""
+    """The training window's length at iteration it (docs/recipe.md, seq_len_warmup_iters): a function of it alone,
+    in integers, so every rank and resumed run agrees on it."""
     if it >= cfg.seq_len_warmup_iters:
         return cfg.block_size
     start = cfg.seq_len_warmup_start
