@@ -10,13 +10,9 @@
     python train.py config/train_shakespeare_char_cpu.py config/sft_tasks_char.py   # chat fine-tune of that base
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/training/parallel.py
 
-Configuration: the TrainConfig defaults (core/training/train_config.py), overridden by config files (Python
-files that assign names), overridden by --key=value; a resumed run starts from its own config.json instead of
-the defaults. The resolved config is written to out_dir/config.json, every logged iteration and eval to log.jsonl.
-
-SIGTERM, SIGINT (Ctrl-C) or SIGHUP (the terminal closed; ignored under nohup) finishes the current step or eval
-batch, saves a checkpoint of the last completed step and exits 0; during start-up it stops before training,
-writing nothing (exit 128 + the signal).
+TrainConfig's defaults, then config files, then --key=value (a resume: its own config.json first); the result goes
+to out_dir/config.json, every logged iteration and eval to log.jsonl. SIGTERM, SIGINT or SIGHUP (not under nohup)
+finishes the step or eval batch, saves and exits 0; during start-up it stops, writing nothing (docs/training.md).
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
