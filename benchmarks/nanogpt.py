@@ -55,11 +55,8 @@ def adamw(model: GPT, recipe: TrainConfig, device_type: str) -> torch.optim.Adam
 
 def train_step(model, optimizer, batches: Callable[[int], tuple], recipe: TrainConfig,
                rt: runtime.Runtime) -> Callable[[int], torch.Tensor]:
-    """nanoGPT's train.py iteration without its eval, checkpoints and logging: set the lr, micro-steps
-    (forward under autocast, the next batch read while the device works, backward), clip, step, zero
-    the grads. The rate: the recipe's schedule times each group's base_lr. batches(it) is a micro-batch
-    of iteration it (the one read ahead in the last micro-step is it + 1's). step(it) returns the last
-    micro-step's loss, unsynchronised."""
+    """nanoGPT's train.py iteration without its eval, checkpoints and logging, the next batch read while the device
+    works. batches(it): a micro-batch of iteration it; step(it) returns the last micro-step's loss, unsynchronised."""
     scaler, accum, xy = rt.grad_scaler(), recipe.gradient_accumulation_steps, []
 
     def step(it: int) -> torch.Tensor:

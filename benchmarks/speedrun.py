@@ -1,15 +1,8 @@
 """Speedrun: training time to a target val loss (the whole val split, core.evaluation.perplexity.evaluate_split).
 
-nanoGPT's model and plain loop (benchmarks/nanogpt.py; speedrun_base: GPT-2, its AdamW fused only on
-CUDA, its cosine schedule) against ours (speedrun_base + speedrun_ours: config/modern.py's model,
-core.training.optim's optimizer and schedule). Both read batches as nanoGPT does, from a generator of their own
-seeded alike. The runs take turns of speedrun_chunk iterations, so that load from other processes hits
-both, and are scored every speedrun_eval_every iterations, every speedrun_eval_fine once near the
-target; a run is done at its first score at or below the target, or unreached at its cap. Only iterations
-are timed, on two clocks (wall, and this process's CPU time), evaluation apart. Per run: iterations, tokens,
-training wall and CPU seconds to the target, and the ratio to nanoGPT's, per seed and as the mean over
-seeds. The default target is nanoGPT's val loss after speedrun_target_iters (SPEEDRUN_TARGETS; measured
-first when none is recorded, as for the gpt2 preset, which races GPT-2 small's shape on a GPU).
+nanoGPT's model and plain loop (benchmarks/nanogpt.py) against ours (speedrun_base + speedrun_ours), taking turns
+of speedrun_chunk iterations, scored coarse then fine near the target; only iterations are timed, on the wall and
+CPU clocks. The race's rules (the sides, the target, the crossing, the time): docs/speedrun.md, "How the race is run".
 """
 import dataclasses
 import json

@@ -54,7 +54,7 @@ def check_tokenizer_spec(spec: str, char: bool = True) -> None:
 
 
 def make_tokenizer(spec: str, train_texts: Iterable[str] = (), chars: set[str] | None = None) -> Tokenizer:
-    """The tokenizer `spec` names: a BPE trained on `train_texts` (lazy, read only for bpe:VOCAB), or char of `chars`."""
+    """The tokenizer `spec` names: a BPE trained on `train_texts` (lazy, read only for bpe:VOCAB), or `chars`."""
     if spec == "char":
         return CharTokenizer.from_text("".join(chars or ()))
     if spec == "gpt2":
