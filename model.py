@@ -339,8 +339,8 @@ class Block(nn.Module):
 class KVCache:
     """Keys and values of every layer, preallocated for max_len positions, and `pos`, the positions already written.
     GPT.forward asks, in order: keys_seen(T), positions(T), layer(i) in each attention, advance(T), last(x)
-    (core/decoding/cache.py's RowCache answers the same for rows each at its own position). `rolling` (rotary
-    only): once full, one token at a time overwrites the oldest slot (a sliding window); pos counts on."""
+    (core/decoding/cache.py's RowCache answers the same for rows each at its own position). `rolling` (rotary only):
+    once full, one token at a time overwrites the oldest slot (a sliding window), pos counting on as its position."""
 
     def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32,
                  rolling=False):
