@@ -600,8 +600,7 @@ class GPT(nn.Module):
         """Outside weights: GPT-2 from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a folder written by
         transformers' save_pretrained or export.py, of any architecture core/weights/hf.py maps (GPT-2, Llama,
         Qwen3, Arcee, Nemotron). Needs transformers. override_args may set dropout and attn_backend."""
-        # The one import circle: core/weights/hf.py builds GPTs, so it imports this file at its top, and nanoGPT's
-        # users call GPT.from_pretrained.
+        # The one import circle: core/weights/hf.py imports this file at its top, and nanoGPT's users call this.
         from core.weights import hf
         if os.path.isdir(name_or_dir):
             return hf.from_folder(name_or_dir, override_args)

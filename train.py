@@ -198,9 +198,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
 
 def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
                 log) -> tuple[GPT, dict, resolver.Weights | None]:
-    """The model for cfg.init_from, in the resolver's two steps: locate what it names, run the pre-flight checks on
-    its architecture (core/training/preflight.py: nothing read or allocated yet), then build it. Returns it, the
-    tokenizer metadata it is trained with, and for init_from=resume the checkpoint it resumes (checkpointing.restore)."""
+    """The model for cfg.init_from, the pre-flight checks between the resolver's two steps -> (model, the tokenizer
+    metadata it is trained with, and for init_from=resume the checkpoint it resumes)."""
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
         raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
@@ -234,9 +233,8 @@ def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
 @torch.no_grad()
 def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runtime.Runtime,
                   stopped=None) -> dict[str, float] | None:
-    """Mean loss over eval_iters fixed batches per split, shared among the processes; None if stopped() (called
-    before each batch, on every rank alike) said a signal came. The batches come from generators of their own, so
-    evaluating never changes which batches training reads, and every eval's numbers are comparable."""
+    """Mean loss over eval_iters fixed batches per split, shared among the processes; None if stopped() said so. The
+    batches' own generators leave training's batches as they are and make every eval's numbers comparable."""
     out = {}
     model.eval()
     # A bar on rank 0 for an eval that takes more than a few seconds (a GPU config on a CPU: minutes).

@@ -187,7 +187,6 @@ def resolve_dtype(name: str, device: str) -> str:
 
 
 def dist_env() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) without it."""
     if "RANK" not in os.environ:
         return 0, 0, 1
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])

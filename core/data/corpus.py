@@ -160,7 +160,6 @@ class Segment:
 
 
 def input_files(patterns: list[str]) -> list[Path]:
-    """The files the --input values name (globs expanded, sorted), each once."""
     files: list[Path] = []
     for pattern in patterns:
         if not glob.has_magic(pattern) and not Path(pattern).exists():

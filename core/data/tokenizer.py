@@ -227,7 +227,6 @@ BYTE_ALPHABET = 256
 
 
 def reserved_tokens(tokenizer_json: str) -> dict[str, int]:
-    """The added (special) tokens of a tokenizers JSON, {content: id}."""
     return {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
 
 
@@ -399,7 +398,6 @@ def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
 
 
 def read_prompt(start: str) -> str:
-    """The prompt text: `start` itself, or the contents of the file named by `FILE:path`."""
     if not start.startswith("FILE:"):
         return start
     path = Path(start[len("FILE:"):])

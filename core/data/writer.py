@@ -50,7 +50,6 @@ NOTHING_REPLACED = "the dataset's earlier files are as they were: free space and
 
 
 def write_tokens(path: str | os.PathLike, ids, dtype=np.uint16) -> int:
-    """Write token ids to `path` atomically (whole file or nothing); return how many were written."""
     arr = checked_ids(ids, dtype, str(path))
     with space_for(path, arr.nbytes, NOTHING_REPLACED), atomic_path(path) as tmp, open(tmp, "wb") as f:
         write_array(f, arr)
@@ -139,7 +138,6 @@ def write_dataset(out_dir: str | os.PathLike, tokenizer_meta: dict, splits: dict
 
 
 def token_dtype(tok: Tokenizer):
-    """uint16 token files, or uint32 past 65,536 ids."""
     return np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
 
 

@@ -31,7 +31,6 @@ def _params_on_meta(config) -> list[tuple[str, torch.Tensor]]:
 
 
 def parameter_count(config) -> int:
-    """Parameters of a GPT of `config`, a tied head counted once."""
     return sum(p.numel() for _, p in _params_on_meta(config))
 
 

@@ -109,9 +109,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
 
 
 def ns_schedule(kind: str, steps: int) -> tuple[tuple[float, float, float], ...]:
-    """polar_express's first `steps` polynomials, one (a, b, c) per step. Its safety factor is folded
-    into the first: p(x / s) = (a / s) x + (b / s³) x³ + (c / s⁵) x⁵, so the iteration keeps Muon's
-    X / |X|_F start."""
+    """polar_express's first `steps` polynomials, one (a, b, c) per step, its safety factor folded into the first:
+    p(x / s) = (a / s) x + (b / s³) x³ + (c / s⁵) x⁵, so the iteration keeps Muon's X / |X|_F start."""
     if kind != "polar_express" or not 1 <= steps <= len(POLAR_EXPRESS):
         raise UserError(f"muon_ns_coefficients=polar_express holds {len(POLAR_EXPRESS)} steps' polynomials, got "
                         f"muon_ns_coefficients={kind}, muon_ns_steps={steps}; set muon_ns_steps to 1..{len(POLAR_EXPRESS)}")
@@ -208,7 +207,6 @@ class BatchedMuon(torch.optim.Muon):
 
 
 def load_state(optimizer, state: dict) -> None:
-    """Restore a checkpoint's optimizer state into a freshly built optimizer of the same kind."""
     with restoring(optimizer, "muon" if set(state) == {"muon", "adamw"} else "adamw"):
         optimizer.load_state_dict(state)
 

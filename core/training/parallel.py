@@ -91,6 +91,5 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This process's part of a tensor: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 

@@ -162,7 +162,6 @@ class TrainConfig(RunConfig, ModelKeys):  # its keys: ModelKeys', then RunConfig
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
-    """optim.lr_at on cfg's schedule, or learning_rate throughout (decay_lr=False)."""
     if not cfg.decay_lr:
         return cfg.learning_rate
     return optim.lr_at(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule,
@@ -187,7 +186,6 @@ def local_accum_steps(cfg: TrainConfig, world_size: int) -> int:
 
 
 def make_optimizer(model, cfg: TrainConfig, device_type: str):
-    """cfg's optimizer (AdamW, or Muon + AdamW) over model's parameters, at cfg's peak learning rates."""
     return optim.build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                  device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay,
                                  cfg.muon_ns_steps, cfg.muon_ns_coefficients)
