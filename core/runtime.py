@@ -264,10 +264,9 @@ def teardown(rt: Runtime) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT, and SIGHUP (the terminal closed) unless it is ignored (nohup). The work checks it at its
-    next boundary (a training step, an eval batch, a start-up phase) and stops there: train.py saves and exits 0. The
-    first signal prints `message` at once (when `announce`), so a long step or batch is not mistaken for a lost
-    Ctrl-C; a second SIGINT interrupts at once."""
+    """Set by SIGTERM/SIGINT, and SIGHUP unless ignored (nohup); the work stops at its next boundary (a step, an eval
+    batch, a start-up phase). The first signal prints `message` at once (when `announce`), so a long step is not
+    mistaken for a lost Ctrl-C; a second SIGINT interrupts at once."""
 
     def __init__(self, announce: bool = True, message: str = "stopping after this batch; saving"):
         self.signal_name, self.announce, self.message = None, announce, message

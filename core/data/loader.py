@@ -1,15 +1,12 @@
-"""Token data on disk, read: memory-mapped token files and shards -> batches (train.py, eval.py).
-Writing it is core/data/writer.py's (the data/<name>/prepare.py scripts).
+"""Token data on disk, read (writing it is core/data/writer.py's): memory-mapped token files and shards -> batches.
 
-A prepared dataset is a folder holding meta.json (tokenizer, vocab_size, dtype, token counts), or nanoGPT's
-meta.pkl (read_meta_pkl), and, per split, either one `{split}.bin` or shards `{split}_000000.bin`,
-`{split}_000001.bin`, ...: raw little-endian token ids of meta's dtype, documents back to back.
+A prepared dataset is a folder of meta.json (tokenizer, vocab_size, dtype, token counts; or nanoGPT's meta.pkl) and,
+per split, one `{split}.bin` or shards `{split}_000000.bin`, ...: little-endian ids of meta's dtype, back to back.
 
     x, y = TokenData("data/shakespeare_char", "train", block_size=256).get_batch(
         64, batch_generator(seed, "train", iter_num, micro_index), device)
 
-Batches come only from the generator passed in, so the same (seed, keys) gives the same batch
-on any machine and a resumed run reads exactly what the uninterrupted one would have.
+Batches come only from the generator passed in: the same (seed, keys) gives the same batch on any machine and resume.
 
 A chat dataset (meta.json has "chat") also holds `{split}_mask.bin` and `{split}_starts.bin`; its rows start at a
 conversation and run on, packed, with unlearned targets -1 (docs/chat.md).

@@ -38,12 +38,11 @@ def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
                              param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
                              seq_len: int | None = None, shards: int = 1, micro_steps: int = 1,
                              activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (default block_size) tokens: weights
-    and gradients in param_dtype, optimizer state in fp32, activations in compute_dtype (autocast's, default
-    param_dtype), one micro-batch's at a time. shards > 1 (fsdp): 1/shards of each, plus the Blocks gathered at a
-    time: two (the one running, the next prefetched), or with micro_steps > 1 every one, since they stay gathered
-    between micro-steps (parallel.micro_step). activation_checkpointing: a layer keeps only its input, and one
-    layer its whole set while it is recomputed in the backward pass."""
+    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (None: block_size): weights and gradients
+    in param_dtype, optimizer state in fp32, one micro-batch's activations in compute_dtype. shards > 1 (fsdp): 1/shards
+    of each, plus the Blocks gathered at a time: two (running, prefetched), or every one with micro_steps > 1 (they
+    stay gathered between micro-steps). activation_checkpointing: each layer keeps only its input, and one layer its
+    whole set while it is recomputed."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     params = _params_on_meta(config)
