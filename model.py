@@ -372,9 +372,8 @@ class KVCache:
         [0:pos+T], causal (mask None: CausalSelfAttention aligns it to the end)."""
         T, max_len = k.size(2), k_cache.size(2)
         if pos + T > max_len:
-            # A full rolling cache (rotary positions, one token at a time): the new key replaces the
-            # oldest. Attention sums over keys in any order and a rotary key carries its own position,
-            # so the slots need no reordering.
+            # A full rolling cache (rotary positions, one token at a time): the new key replaces the oldest. Attention
+            # sums over keys in any order and a rotary key carries its own position, so the slots need no reordering.
             k_cache[:, :, pos % max_len], v_cache[:, :, pos % max_len] = k[:, :, 0], v[:, :, 0]
             return k_cache, v_cache, None  # (B, nkv, max_len, hs) x 2
         k_cache[:, :, pos:pos + T], v_cache[:, :, pos:pos + T] = k, v

@@ -261,9 +261,8 @@ def problem_at(seed: int, it: int, index: int, names: list[str]) -> tuple[str, t
 
 
 def reply_weights(rewards: torch.Tensor, update: str, by_std: bool) -> torch.Tensor:
-    """rewards (prompts, samples) -> each reply's weight in the loss. reinforce: its advantage (by_std: over its
-    group's standard deviation; equal rewards stay 0). rft (rejection-sampling fine-tuning): 1 for an accepted
-    reply (reward 1), else 0: SFT's loss on the accepted ones, the rejected kept in the batch so both cost the same."""
+    """rewards (prompts, samples) -> each reply's weight in the loss: reinforce's advantage (by_std: over the group's
+    std; equal rewards stay 0), or rft's 1 for an accepted reply, else 0 (the rejected kept in the batch: same cost)."""
     if update == "rft":
         return (rewards == 1.0).to(rewards.dtype)
     advantages = rewards - rewards.mean(dim=1, keepdim=True)

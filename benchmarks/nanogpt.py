@@ -1,5 +1,5 @@
-"""nanoGPT's training loop, the yardstick the loop section and the speedrun measure against: its batches,
-optimizer and step as nanoGPT's train.py makes them, on the CPU quick start's data (char_dataset).
+"""nanoGPT's training loop, the loop section's and the speedrun's yardstick: its batches, optimizer and step as its
+train.py makes them, on the CPU quick start's data (char_dataset).
 """
 from pathlib import Path
 from typing import Callable
@@ -30,9 +30,8 @@ def char_dataset(out_dir: Path) -> tuple[str, int]:
 
 def get_batch(path: Path, block_size: int, batch_size: int, device: str, generator: torch.Generator | None = None,
               seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """nanoGPT's get_batch: a fresh memmap, random starts from `generator` (torch's global one when None).
-    seq_len (ours' sequence-length warm-up; None: block_size) keeps the first seq_len tokens of each window,
-    drawn as for block_size: the same draws of the generator at any length."""
+    """nanoGPT's get_batch: a fresh memmap, random starts from `generator` (None: torch's global one). seq_len (ours'
+    warm-up; None: block_size) keeps the first seq_len tokens of windows drawn as for block_size."""
     T = block_size if seq_len is None else seq_len
     data = np.memmap(path, dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)

@@ -63,9 +63,8 @@ CLOCKS = (time.perf_counter, time.process_time)  # wall, and this process's CPU 
 
 @dataclasses.dataclass
 class Racer:
-    """One run of the race: step(it) trains iteration it, evaluate() returns the whole-val-split loss,
-    tokens_at(it) is how many tokens iteration it trains, sync() waits for the device, log(record) keeps an
-    evaluation. The rest is its record so far."""
+    """One run of the race: step(it) trains iteration it, evaluate() gives the whole-val-split loss, tokens_at(it)
+    iteration it's tokens, sync() waits for the device, log(record) keeps an evaluation; the rest is its record."""
     name: str
     step: Callable[[int], object]
     evaluate: Callable[[], float]
@@ -88,9 +87,8 @@ class Racer:
 
 
 def eval_due(it: int, curve: list, target: float, every: int, fine_every: int, margin: float) -> bool:
-    """Evaluate at every `every`-th iteration, and at every `fine_every`-th once near the target: the last
-    evaluation within `margin` of it, or the line through the last two reaching it before the next coarse
-    one (from the second evaluation after the start on). Dense where the crossing is, cheap elsewhere."""
+    """Evaluate every `every`-th iteration, and every `fine_every`-th near the target: the last evaluation within
+    `margin`, or the line through the last two reaching it before the next coarse one (from the second evaluation)."""
     if it % every == 0:
         return True
     if not curve or it % fine_every:

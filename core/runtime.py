@@ -155,13 +155,12 @@ def native_bf16(device: str) -> bool:
 
 
 def resolve_dtype(name: str, device: str) -> str:
-    """'auto' is bfloat16 where native_bf16, else float16 on CUDA (with a GradScaler), else float32.
-
-    bfloat16 is autocast over the forward, never the stored model: weights, optimizer state and gradients stay
-    float32, since a bf16 weight (8 bits of mantissa) cannot take an update under 1/256 of itself. The matmuls run in
-    bf16; float32 stay the residual stream (so every norm normalises float32 values; q/k norm sums in float32), the
-    loss (a log-sum-exp over the vocabulary would round in bf16) and at sampling the next-token logits (bf16 would
-    round close scores into ties)."""
+    """'auto' is bfloat16 where native_bf16, else float16 on CUDA (with a GradScaler), else float32. bfloat16 is
+    autocast over the forward, never the stored model: weights, optimizer state and gradients stay float32, since a
+    bf16 weight (8 bits of mantissa) cannot take an update under 1/256 of itself. The matmuls run in bf16; float32 stay
+    the residual stream (so every norm normalises float32 values; q/k norm sums in float32), the loss (a log-sum-exp
+    over the vocabulary would round in bf16) and at sampling the next-token logits (bf16 would round close scores into
+    ties)."""
     kind = device.split(":")[0]
     if name == "auto":
         return "bfloat16" if native_bf16(device) else "float16" if kind == "cuda" else "float32"
@@ -255,10 +254,9 @@ def _torchrun_attempt_store(world_size: int, timeout: datetime.timedelta) -> "di
 
 def teardown(rt: Runtime) -> None:
     if rt.distributed and dist.is_initialized():
-        # DDP's reducer (which holds the process group and its last async work) lives on in a
-        # reference cycle after training returns; left to the interpreter's shutdown, freeing it makes
-        # gloo's threads take the GIL too late and the process aborts ("terminate called without an
-        # active exception"). Free it while Python is fully alive.
+        # DDP's reducer (which holds the process group and its last async work) lives on in a reference cycle after
+        # training returns; freed at the interpreter's shutdown, gloo's threads take the GIL too late and the process
+        # aborts ("terminate called without an active exception"). Free it while Python is fully alive.
         gc.collect()
         dist.destroy_process_group()
 

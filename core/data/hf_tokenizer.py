@@ -74,10 +74,9 @@ def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
     backend = hf_backend(tok, extra_special_tokens)
     eot = None if tok.eot_token is None else backend.id_to_token(tok.eot_token)
     bos = getattr(tok, "bos_token", None)
-    # With no token of their own, bos and unk name the end-of-text token, as GPT-2's own tokenizer does:
-    # CTranslate2's converter copies both into its config, and its Generator refuses a null one. Nothing
-    # adds it to a prompt (no post-processor; config.json's bos_token_id stays null), and no id is ever
-    # unknown to a byte-level BPE.
+    # With no token of their own, bos and unk name the end-of-text token, as GPT-2's own tokenizer does: CTranslate2's
+    # converter copies both into its config, and its Generator refuses a null one. Nothing adds it to a prompt (no
+    # post-processor; config.json's bos_token_id stays null), and no id is ever unknown to a byte-level BPE.
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
         eos_token=eot, bos_token=eot if bos is None else backend.id_to_token(bos), unk_token=eot)

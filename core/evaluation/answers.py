@@ -1,5 +1,4 @@
-"""A chat model's answers scored: exact match on held-out conversations, and a checked task's (core/data/tasks.py)
-exact match and pass@k on its held-out problems.
+"""A chat model's answers scored: exact match on held-out conversations, a checked task's exact match and pass@k.
 """
 import contextlib
 import json

@@ -36,9 +36,8 @@ def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def split_windows(n_tokens: int, block_size: int, stride: int) -> list[tuple[int, int, int]]:
-    """The windows that score tokens 1..n_tokens-1 of a stream once each: (begin, end, new). A window feeds
-    tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new` targets, which no earlier window
-    scored, are scored."""
+    """The windows (begin, end, new) that score tokens 1..n_tokens-1 of a stream once each: one feeds tokens[begin:end],
+    predicts tokens[begin+1:end+1] and scores its last `new` targets, which no earlier window scored."""
     if not 1 <= stride <= block_size:
         raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens"
                         if stride > 1 else f"stride must be in [1, block_size={block_size}], got {stride}")

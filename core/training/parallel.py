@@ -72,9 +72,8 @@ def shard(model: torch.nn.Module, rt: runtime.Runtime) -> None:
 
 @contextlib.contextmanager
 def micro_step(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, last: bool):
-    """Gradients are reduced across processes once per optimizer step, on the last micro-step. fsdp also keeps
-    the gathered parameters and float32 gradients between micro-steps: memory for N-1 fewer all-gathers and
-    reduce-scatters per step."""
+    """Gradients are reduced across processes once per step, on the last micro-step; fsdp also keeps the gathered
+    parameters and float32 gradients between micro-steps: memory for N-1 fewer all-gathers and reduce-scatters."""
     if not rt.distributed or last and parallel == "ddp":
         yield
     elif parallel == "ddp":

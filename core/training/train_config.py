@@ -75,8 +75,7 @@ class RunConfig:
         resolver.check_init_from(self.init_from, scratch=self.starts_from_scratch)
 
 
-# GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them), each with its
-# --help text and allowed values from GPTConfig's own comments and CHOICES.
+# GPTConfig's fields as TrainConfig's model keys, their --help text and allowed values from its comments and CHOICES.
 _HELP = field_help(GPTConfig) | {"vocab_size": "None: the dataset's meta.json vocab_size"}
 ModelKeys = dataclasses.make_dataclass("ModelKeys", [
     (f.name, int | None if f.name == "vocab_size" else f.type,
