@@ -15,10 +15,9 @@
     python bench.py --batch_size=8 --block_size=1024 --n_embd=768 --n_head=12 --n_layer=12 --vocab_size=50304 \\
         --device=cuda --dtype=bfloat16                 # the same training model, flag by flag
 
-Each section is a module of benchmarks/ whose docstring says how it measures: its Settings (its flags),
-check(cfg), measure(cfg, rt) and table(result); a new one is that file and a line in SECTIONS. Every ratio
-compares figures from the same run. The tables go to stdout in Markdown and, with the machine's description, to
---out (JSON), rewritten after each section; a figure that runs out of device memory reads "OOM".
+Each section is a module of benchmarks/ (its docstring says how it measures): Settings (its flags), check(cfg),
+measure(cfg, rt), table(result); a new one is that file and a line in SECTIONS. Ratios compare figures of one run.
+Tables go to stdout in Markdown and, with the machine, to --out (JSON) after each section; out of memory is "OOM".
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line

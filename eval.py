@@ -10,14 +10,10 @@
     python eval.py --out_dir=out-rl-sort-char --task=sort --task_split=longer  # a checked task's longer problems
     torchrun --standalone --nproc_per_node=8 eval.py --init_from=gpt2-xl --task=hellaswag   # split across ranks
 
-Perplexity scores each token once, in a fixed order (core/evaluation/perplexity.py explains the windows), so two
-runs on the same split and block_size compare directly; bits per byte (the loss in bits over the UTF-8 bytes of the
-scored text) also compares models whose tokenizers differ. A chat dataset (data/chat/prepare.py) has only the
-assistant's tokens scored, each conversation read from its start. --task=chat counts exact greedy answers to a JSONL
-file's conversations; --task=NAME, a task of core/data/tasks.py (reverse, upper, add, sort, palindrome), scores the
-replies to one of its evaluation splits with the task's checker, as rl.py does: greedily, or --samples replies per
-problem at --temperature (the mean reward, and pass@k up to samples by Chen et al.'s unbiased estimator). The result
-is one line on stdout; what was loaded goes to stderr.
+Perplexity scores each token once, in a fixed order, so runs on the same split compare directly, and bits per byte
+across tokenizers (docs/evaluation.md); a chat dataset scores only the assistant's tokens. --task=chat counts exact
+greedy answers; --task=NAME scores a checked task's replies as rl.py does (docs/chat.md). The result is one line on
+stdout; what was loaded goes to stderr.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line

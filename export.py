@@ -5,16 +5,8 @@ or as a GGUF file for llama.cpp.
     python export.py --out_dir=out-modern --hf_dir=hf-modern --dtype=bfloat16        # weights stored in bfloat16
     python export.py --format=gguf --hf_dir=hf-modern --gguf=modern-f32.gguf         # a folder as a GGUF
 
-The folder loads without trust_remote_code:
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-    model = AutoModelForCausalLM.from_pretrained("hf-shakespeare-char")
-    tok = AutoTokenizer.from_pretrained("hf-shakespeare-char")
-    pipeline("text-generation", model="hf-shakespeare-char")("ROMEO:", max_new_tokens=40, do_sample=False)
-
-The class is the one that computes exactly the run's recipe (docs/interop.md: the classes, the tokenizers, the
-end-of-text token a character vocabulary gets); a recipe no class holds stops with one line naming the switches
-and the nearest recipe that exports. Before writing, the exported model's logits are checked against ours.
+The folder loads without trust_remote_code (docs/interop.md): its class computes exactly the run's recipe, its
+logits are checked against ours before writing, and a recipe no class holds is one line naming the switches.
 --format=gguf converts the folder with llama.cpp's converter (bash scripts/fetch_llama_converter.sh fetches it),
 exporting the run into it first when the folder is new.
 """

@@ -1,13 +1,9 @@
 """The GPT language model: a pre-LayerNorm decoder-only transformer in the GPT-2 layout.
 
-Read it bottom-up, the way the model computes: GPTConfig (the recipe switches as fields) -> reference
-attention and rotary positions -> causal self-attention -> MLP -> Block -> KVCache -> GPT (forward, init,
-parameter count, MFU, and nanoGPT's from_pretrained, generate and configure_optimizers).
-
-Elsewhere, each building on this file: decoding (sampling, the server's per-row cache, the compiled step) in
-core/decoding/, the optimizer (Muon beside AdamW) in core/training/optim.py, the kernel choices in core/kernels.py
-and core/cpu.py (acting through Kernels and GPT.swap_module below). The one arrow back: from_pretrained reaches
-the transformers interop, core/weights/hf.py, from inside the method.
+Read it in order, the way the model computes: GPTConfig's recipe switches, attention, MLP, Block, KVCache, GPT.
+Built on it elsewhere: decoding in core/decoding/, the optimizer in core/training/optim.py, the kernel choices in
+core/kernels.py and core/cpu.py (through Kernels and GPT.swap_module). The one arrow back: from_pretrained reaches
+core/weights/hf.py from inside the method.
 
 Shapes: B batch, T sequence (queries), Tk keys, C = n_embd, nh heads, hs = C // nh head size.
 References: GPT-2 (Radford et al. 2019); "Attention Is All You Need" (Vaswani et al. 2017); nanoGPT (Karpathy),
@@ -155,9 +151,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, causal: bool = False) ->
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):
-    """Reference attention, written out: softmax(q k^T / sqrt(hs)) v, the causal mask end-aligned; q (..., Tq, hs),
-    k and v (..., Tk, hs) -> (..., Tq, hs). Equals torch's fused F.scaled_dot_product_attention in float64 when
-    Tq == Tk (tests/test_model.py); for Tq != Tk give torch the explicit causal_mask(Tq, Tk)."""
+    """Reference attention, softmax(q k^T / sqrt(hs)) v, end-aligned: q (..., Tq, hs), k, v (..., Tk, hs) -> q's shape.
+    Equals torch's fused kernel in float64 when Tq == Tk (tests/test_model.py); else give torch causal_mask(Tq, Tk)."""
     return attention_weights(q, k, causal) @ v
 
 
@@ -207,9 +202,8 @@ def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
 
 
 class Kernels:
-    """Which of torch's kernels a forward runs, picked per call; the function is the same whatever they pick. This
-    base leaves every call to torch; core/kernels.py's DeviceKernels pick for a CPU or a CUDA device, set from outside
-    (GPT.use_kernels) as sharding and compile are. A kernel of a home's own for one module: GPT.swap_module."""
+    """Which of torch's kernels a forward runs, picked per call; the function is the same whatever they pick. This base
+    leaves every call to torch; core/kernels.py's DeviceKernels pick per device, set from outside (GPT.use_kernels)."""
 
     def blocks(self, x: torch.Tensor) -> contextlib.AbstractContextManager:  # around the Blocks of x (B, T, C)
         return contextlib.nullcontext()
@@ -343,14 +337,10 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Keys and values of every layer, preallocated for max_len positions (n_kv_head heads: grouped-query attention
-    shrinks it), and an explicit position `pos`, the positions already written. GPT.forward asks, in order:
-    keys_seen(T), positions(T), layer(i) in each attention, advance(T), last(x) (core/decoding/cache.py's RowCache
-    answers the same for rows each at its own position).
-
-    Rolling (rotary positions only, `rolling`): once full, one token at a time may go past max_len, overwriting the
-    oldest slot, so the queries attend to the last max_len keys (a sliding window); pos, still counting, is the new
-    token's rotary position."""
+    """Keys and values of every layer, preallocated for max_len positions, and `pos`, the positions already written.
+    GPT.forward asks, in order: keys_seen(T), positions(T), layer(i) in each attention, advance(T), last(x)
+    (core/decoding/cache.py's RowCache answers the same for rows each at its own position). `rolling` (rotary only):
+    once full, one token at a time overwrites the oldest slot (a sliding window), pos counting on as its position."""
 
     def __init__(self, n_layer, batch_size, n_head, max_len, head_size, device=None, dtype=torch.float32,
                  rolling=False):
@@ -382,9 +372,8 @@ class KVCache:
         [0:pos+T], causal (mask None: CausalSelfAttention aligns it to the end)."""
         T, max_len = k.size(2), k_cache.size(2)
         if pos + T > max_len:
-            # A full rolling cache (rotary positions, one token at a time): the new key replaces the
-            # oldest. Attention sums over keys in any order and a rotary key carries its own position,
-            # so the slots need no reordering.
+            # A full rolling cache (rotary positions, one token at a time): the new key replaces the oldest. Attention
+            # sums over keys in any order and a rotary key carries its own position, so the slots need no reordering.
             k_cache[:, :, pos % max_len], v_cache[:, :, pos % max_len] = k[:, :, 0], v[:, :, 0]
             return k_cache, v_cache, None  # (B, nkv, max_len, hs) x 2
         k_cache[:, :, pos:pos + T], v_cache[:, :, pos:pos + T] = k, v
@@ -396,8 +385,7 @@ class KVCache:
     def last(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, 1, C): the position last_only reads
         return x[:, -1:]
 
-    def reset(self):
-        """Forget everything; the buffers are reused from position 0."""
+    def reset(self):  # the buffers are reused from position 0
         self.pos = 0
 
 
@@ -519,10 +507,9 @@ class GPT(nn.Module):
         return x
 
     def _last_logits(self, x):
-        """x (B, 1, C) -> its logits (B, 1, vocab) in float32: generation reads only the next token's scores, so
-        the head (the largest matmul at small T) runs on one position, as in nanoGPT; float32 whatever the weights
-        or autocast, since bfloat16's 8-bit mantissa ties close scores in greedy and top-k: the network's own head
-        cast to float32, or a module swapped in for it (swap_module) given float32 input."""
+        """x (B, 1, C) -> logits (B, 1, vocab): the head (the largest matmul at small T) on one position, as nanoGPT's;
+        in float32 whatever the weights or autocast (a swapped-in head gets float32 input), since bfloat16's 8-bit
+        mantissa ties close scores in greedy and top-k."""
         h = self.transformer.ln_f(x).float()  # (B, 1, C)
         with torch.autocast(h.device.type, enabled=False):
             if isinstance(self.lm_head, nn.Linear):
@@ -612,8 +599,7 @@ class GPT(nn.Module):
         """Outside weights: GPT-2 from the hub (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a folder written by
         transformers' save_pretrained or export.py, of any architecture core/weights/hf.py maps (GPT-2, Llama,
         Qwen3, Arcee, Nemotron). Needs transformers. override_args may set dropout and attn_backend."""
-        # The one import circle: core/weights/hf.py builds GPTs, so it imports this file at its top, and nanoGPT's
-        # users call GPT.from_pretrained.
+        # The one import circle: core/weights/hf.py imports this file at its top, and nanoGPT's users call this.
         from core.weights import hf
         if os.path.isdir(name_or_dir):
             return hf.from_folder(name_or_dir, override_args)
@@ -621,11 +607,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """nanoGPT's: idx (B, T) and max_new_tokens tokens after it -> (B, T + max_new_tokens), each drawn with torch's
-        global RNG (seed it with torch.manual_seed) from softmax(logits / temperature) cut to the top_k (0: greedy),
-        the context the last block_size tokens. Call model.eval() first. A KV cache while the context fits; past it
-        each token is a whole forward, as in nanoGPT. core/decoding/decode.py's generate slides the window faster,
-        and takes top_p, a generator, an end-of-text token."""
+        """nanoGPT's: idx (B, T) -> (B, T + max_new_tokens), each token drawn with torch's global RNG from
+        softmax(logits / temperature) cut to the top_k (temperature 0: greedy). Call model.eval() first. A KV cache
+        while the context fits, then a whole forward per token as in nanoGPT; core/decoding/decode.py's is faster."""
         block_size = self.config.block_size
         cache = self.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens))
         for _ in range(max_new_tokens):

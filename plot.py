@@ -238,9 +238,8 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
 
 
 def plot_rewards(runs: list[RunHistory], title: str | None = None):
-    """rl.py's runs: reward (top: each logged iteration faint, the mean of the last 10 logged solid) with each
-    task's held-out exact match at the evals (dashed, one marker per task), the mean reply length, and the
-    learning rate."""
+    """rl.py's runs: reward (top: each logged iteration faint, the mean of the last 10 solid) with each task's held-out
+    exact match at the evals (dashed, one marker per task), the mean reply length, and the learning rate."""
     from matplotlib.lines import Line2D
 
     fig, axes = pyplot().subplots(3, 1, sharex=True, figsize=(9, 7), height_ratios=[3, 1, 1], layout="constrained")

@@ -6,19 +6,10 @@
     torchrun --standalone --nproc_per_node=2 rl.py config/rl_tasks_char.py   # each process its own prompts
     python eval.py --out_dir=out-rl-tasks-char --task=reverse              # held-out exact match
 
-On-policy REINFORCE with the group's mean reward as baseline, as nanochat's chat_rl.py (GRPO without its
-ratio, clipping or KL). Each iteration draws prompts_per_iter problems from the tasks' train side, samples
-samples_per_prompt replies to each in one batched generate with the KV cache, and scores every reply with its
-task's checker. A reply's advantage is its reward minus the mean reward of its group (the replies to the same
-prompt): only what differs between replies is reinforced, and a group all right or all wrong teaches nothing.
-The loss is -advantage x log-probability on every reply token (its end token too: when to stop is learned),
-summed over the iteration's reply tokens and divided by their number (token-level, as nanochat and Dr. GRPO),
-never on the prompt's tokens. std_advantage divides by the group's standard deviation (GRPO); kl_coef adds a
-KL penalty to the starting model on the reply tokens; both off by default (docs/chat.md says why).
-
-Configuration, config.json, log.jsonl, checkpoints and signals are train.py's, so sample.py, eval.py, serve.py
-and export.py read an RL run as any other. A resume continues bit for bit: the prompts are drawn from (seed,
-iteration, prompt index) and each prompt's replies from a generator seeded by the same, on any number of processes.
+On-policy REINFORCE with the group's mean reward as baseline, as nanochat's chat_rl.py (GRPO without its ratio,
+clipping or KL): a group all right or all wrong teaches nothing. The step and its choices: docs/chat.md. Config,
+log.jsonl, checkpoints and signals are train.py's, so every script reads an RL run as any other; a resume continues
+bit for bit, the prompts and replies drawn from (seed, iteration, prompt index) on any number of processes.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -270,9 +261,8 @@ def problem_at(seed: int, it: int, index: int, names: list[str]) -> tuple[str, t
 
 
 def reply_weights(rewards: torch.Tensor, update: str, by_std: bool) -> torch.Tensor:
-    """rewards (prompts, samples) -> each reply's weight in the loss. reinforce: its advantage (by_std: over its
-    group's standard deviation; equal rewards stay 0). rft (rejection-sampling fine-tuning): 1 for an accepted
-    reply (reward 1), else 0: SFT's loss on the accepted ones, the rejected kept in the batch so both cost the same."""
+    """rewards (prompts, samples) -> each reply's weight in the loss: reinforce's advantage (by_std: over the group's
+    std; equal rewards stay 0), or rft's 1 for an accepted reply, else 0 (the rejected kept in the batch: same cost)."""
     if update == "rft":
         return (rewards == 1.0).to(rewards.dtype)
     advantages = rewards - rewards.mean(dim=1, keepdim=True)

@@ -8,14 +8,10 @@
     python sample.py --out_dir=out-sft-tasks-char --chat           # talk to a chat fine-tune, turn by turn
     python sample.py --out_dir=out-sft-tasks-char --chat --system="Be brief." --prompt="reverse: abc" --temperature=0
 
-The samples go to stdout, each followed by a line of dashes (a sample ends at the vocabulary's end of text); what
-was loaded and the tokens/s go to stderr, so `python sample.py ... > samples.txt` keeps only the text. The tokenizer
-is the one the checkpoint was trained with (its metadata says which), or GPT-2's BPE for GPT-2 weights.
-
---chat needs a model fine-tuned on a chat set (docs/chat.md): each message goes through the chat
-template (core/data/chat.py), the reply streams until the model ends its turn, and the conversation
-continues. Ctrl-C stops a reply (what was said stays in the conversation); Ctrl-D, or Ctrl-C at the
-prompt, quits. With --prompt= it answers that one message on stdout and exits.
+The samples go to stdout, each followed by a line of dashes; what was loaded and the tokens/s go to stderr, so
+`> samples.txt` keeps only the text. --chat needs a chat fine-tune (docs/chat.md): the reply streams until the model
+ends its turn; Ctrl-C stops a reply (what was said stays), Ctrl-D or Ctrl-C at the prompt quits. With --prompt= it
+answers that one message on stdout and exits.
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line

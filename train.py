@@ -10,13 +10,9 @@
     python train.py config/train_shakespeare_char_cpu.py config/sft_tasks_char.py   # chat fine-tune of that base
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_small.py --parallel=fsdp   # sharded: core/training/parallel.py
 
-Configuration: the TrainConfig defaults (core/training/train_config.py), overridden by config files (Python
-files that assign names), overridden by --key=value; a resumed run starts from its own config.json instead of
-the defaults. The resolved config is written to out_dir/config.json, every logged iteration and eval to log.jsonl.
-
-SIGTERM, SIGINT (Ctrl-C) or SIGHUP (the terminal closed; ignored under nohup) finishes the current step or eval
-batch, saves a checkpoint of the last completed step and exits 0; during start-up it stops before training,
-writing nothing (exit 128 + the signal).
+TrainConfig's defaults, then config files, then --key=value (a resume: its own config.json first); the result goes
+to out_dir/config.json, every logged iteration and eval to log.jsonl. SIGTERM, SIGINT or SIGHUP (not under nohup)
+finishes the step or eval batch, saves and exits 0; during start-up it stops, writing nothing (docs/training.md).
 """
 from core.errors import quiet_start
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
@@ -202,9 +198,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
 
 def build_model(cfg: TrainConfig, data_meta: dict, rt: runtime.Runtime,
                 log) -> tuple[GPT, dict, resolver.Weights | None]:
-    """The model for cfg.init_from, in the resolver's two steps: locate what it names, run the pre-flight checks on
-    its architecture (core/training/preflight.py: nothing read or allocated yet), then build it. Returns it, the
-    tokenizer metadata it is trained with, and for init_from=resume the checkpoint it resumes (checkpointing.restore)."""
+    """The model for cfg.init_from, the pre-flight checks between the resolver's two steps -> (model, the tokenizer
+    metadata it is trained with, and for init_from=resume the checkpoint it resumes)."""
     data_vocab = data_meta.get("vocab_size")
     if not isinstance(data_vocab, int):
         raise UserError(f"{cfg.data_dir}/meta.json has no integer vocab_size; re-run the dataset's prepare.py")
@@ -238,9 +233,8 @@ def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
 @torch.no_grad()
 def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runtime.Runtime,
                   stopped=None) -> dict[str, float] | None:
-    """Mean loss over eval_iters fixed batches per split, shared among the processes; None if stopped() (called
-    before each batch, on every rank alike) said a signal came. The batches come from generators of their own, so
-    evaluating never changes which batches training reads, and every eval's numbers are comparable."""
+    """Mean loss over eval_iters fixed batches per split, shared among the processes; None if stopped() said so. The
+    batches' own generators leave training's batches as they are and make every eval's numbers comparable."""
     out = {}
     model.eval()
     # A bar on rank 0 for an eval that takes more than a few seconds (a GPU config on a CPU: minutes).

@@ -1,8 +1,6 @@
-"""Attention memory: peak memory above the inputs while one causal attention runs.
-
-Without grad (forward) and with grad (forward + backward), over a range of context lengths T:
-model.scaled_dot_product_attention (the naive reference, which forms the (B, nh, T, T) scores) against
-torch's fused F.scaled_dot_product_attention; peak memory as common.py measures it.
+"""Attention memory: peak memory above the inputs while one causal attention runs, forward and forward + backward,
+over context lengths T: the naive reference (model.scaled_dot_product_attention, which forms the (B, nh, T, T)
+scores) against torch's fused F.scaled_dot_product_attention.
 """
 import dataclasses
 import math

@@ -1,9 +1,5 @@
-"""What every section shares: timing, peak memory above a baseline, out-of-memory as a figure, the
-settings' checks and the tables' number formats.
-
-Every time is the median of `repeats` timed runs after `warmup` untimed ones. Peak memory is
-torch.cuda.max_memory_allocated on CUDA, and on the CPU the running total of the allocation and free
-events torch.profiler(profile_memory=True) records from torch's CPU allocator.
+"""What every section shares: timing (medians after untimed warm-up), peak memory above a baseline, out-of-memory
+as a figure, the settings' checks and the tables' number formats.
 """
 import dataclasses
 import itertools
@@ -30,10 +26,8 @@ GENERATED_CHARS = 1_000_000  # the stand-in corpus when DEFAULT_CORPUS is absent
 
 def median_time(fn: Callable[[], object], warmup: int, repeats: int,
                 synchronize: Callable[[], None] = lambda: None) -> float:
-    """Median seconds of `repeats` calls of fn, after `warmup` untimed calls.
-
-    synchronize waits for queued device work (GPU kernels run asynchronously), so each time
-    covers the work fn launched, not just the launching."""
+    """Median seconds of `repeats` calls of fn, after `warmup` untimed calls; synchronize waits for queued device work,
+    so each time covers the work fn launched, not just the launching."""
     for _ in range(warmup):
         fn()
     synchronize()
@@ -57,13 +51,10 @@ def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
 
 
 def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int]:
-    """For each named run: peak CPU memory allocated while it runs, above what was allocated when it started.
-
-    With profile_memory=True, torch.profiler records every allocation and free of torch's CPU
-    allocator (kernels' scratch buffers included) as a "[memory]" event of +/- bytes; their running
-    sum in time order is the memory held. The runs share one profile, each inside a record_function
-    window named after it (every profiler start and stop logs a line to stderr). The per-op
-    summaries lose the order of events, so this reads the raw event list."""
+    """For each named run: peak CPU memory allocated while it runs, above its start: the running sum, in time order,
+    of the "[memory]" events torch.profiler(profile_memory=True) records from torch's CPU allocator (scratch buffers
+    included), each run in a record_function window of one profile. The per-op summaries lose the order of events,
+    so this reads the raw event list."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         for name, fn in runs.items():
             with torch.profiler.record_function(name):

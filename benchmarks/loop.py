@@ -1,12 +1,8 @@
 """Training iteration: train.py's step, run as a user runs train.py, against nanoGPT's plain loop.
 
-train.py runs as its own process (its batches, non-finite guard, stop flags); its figure is the "ms"
-its log.jsonl records per step, after untimed warm-up steps. The plain loop (benchmarks/nanogpt.py:
-np.memmap batches, forward, backward, clip, AdamW) runs the same model and data in this process: the
-CPU quick start's config (--loop_config), the same threads, chunks of loop_steps iterations
-alternating between the two, median over chunks of ms per iteration. Beside them, in the same
-alternation, train.py with --recipe_config on top (config/modern.py: Muon + the model switches), as a
-user runs `train.py config/... config/modern.py`.
+train.py runs as its own process, timed by the "ms" its log.jsonl records per step after untimed warm-up; the plain
+loop (benchmarks/nanogpt.py) runs the same model, data and threads in this process; and train.py with --recipe_config
+on top, all in alternating chunks of loop_steps iterations, the median over chunks (docs/performance.md, loop).
 """
 import dataclasses
 import itertools

@@ -1,10 +1,8 @@
 """Memory per process: ddp against fsdp, activation checkpointing, and which GPT-2 fits on which GPU.
 
-The training section's model under parallel=ddp and fsdp in 1, 2 and 4 gloo processes spawned on the
-CPU: after one AdamW step, the bytes each process holds for parameters, gradients and optimizer state
-(a DTensor counts its local shard; state_bytes). Then one process's peak memory and step time for
-forward + backward with and without activation checkpointing (peak memory as common.py measures it).
-Last, a computed (not measured) table of which GPT-2 fits on which GPU (gpu_training_memory).
+The training section's model under ddp and fsdp in 1, 2 and 4 gloo processes on the CPU: each process's bytes of
+parameters, gradients and optimizer state after one AdamW step; one process's peak memory and step time with and
+without activation checkpointing; then a computed (not measured) table of which GPT-2 fits on which GPU.
 """
 import json
 import tempfile
@@ -112,10 +110,8 @@ def activation_checkpointing_rows(cfg, rt: runtime.Runtime, mc: GPTConfig) -> li
 
 def gpu_training_memory(config, how: str, world_size: int, micro_batch: int,
                         activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes per GPU to train `config` with AdamW on micro_batch sequences of block_size tokens, as train.py runs
-    it on CUDA with dtype=bfloat16 under parallel=`how`: float32 weights, gradients and moments (fsdp: 1/world_size
-    of them), bf16 compute, one micro-step per optimizer step. What it counts and what it leaves out (hence
-    FITS_FRACTION): docs/sharding.md, "Which GPT-2 fits where"."""
+    """Bytes per GPU to train `config` as train.py runs it on CUDA with dtype=bfloat16 under parallel=`how`, one
+    micro-step per optimizer step; what it counts and leaves out (hence FITS_FRACTION): docs/sharding.md."""
     return estimate_training_memory(config, micro_batch, "adamw", param_dtype=torch.float32,
                                     compute_dtype=torch.bfloat16, shards=world_size if how == "fsdp" else 1,
                                     activation_checkpointing=activation_checkpointing)

@@ -1,9 +1,8 @@
 """Muon's step alone: one optimizer step on the hidden matrices of the loop section's recipe model.
 
-The model: loop_config + recipe_config, with --muon_shape on top; fixed random gradients. Each row is
-one implementation's step (momentum, Newton-Schulz, update): torch.optim.Muon (Newton-Schulz in bf16,
-one matrix at a time) against core.training.optim.BatchedMuon in bf16 and in float32 (each shape's matrices as
-one batch); the row core.training.optim.build_optimizer picks on this device is marked.
+The model: loop_config + recipe_config, with --muon_shape on top; fixed random gradients. Each row is one step:
+torch.optim.Muon (bf16, one matrix at a time) against BatchedMuon in bf16 and float32 (each shape's matrices as one
+batch); the row build_optimizer picks on this device is marked.
 """
 import dataclasses
 

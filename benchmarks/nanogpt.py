@@ -1,5 +1,5 @@
-"""nanoGPT's training loop, the yardstick the loop section and the speedrun measure against: its batches,
-optimizer and step as nanoGPT's train.py makes them, on the CPU quick start's data (char_dataset).
+"""nanoGPT's training loop, the loop section's and the speedrun's yardstick: its batches, optimizer and step as its
+train.py makes them, on the CPU quick start's data (char_dataset).
 """
 from pathlib import Path
 from typing import Callable
@@ -30,9 +30,8 @@ def char_dataset(out_dir: Path) -> tuple[str, int]:
 
 def get_batch(path: Path, block_size: int, batch_size: int, device: str, generator: torch.Generator | None = None,
               seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """nanoGPT's get_batch: a fresh memmap, random starts from `generator` (torch's global one when None).
-    seq_len (ours' sequence-length warm-up; None: block_size) keeps the first seq_len tokens of each window,
-    drawn as for block_size: the same draws of the generator at any length."""
+    """nanoGPT's get_batch: a fresh memmap, random starts from `generator` (None: torch's global one). seq_len (ours'
+    warm-up; None: block_size) keeps the first seq_len tokens of windows drawn as for block_size."""
     T = block_size if seq_len is None else seq_len
     data = np.memmap(path, dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
@@ -55,11 +54,8 @@ def adamw(model: GPT, recipe: TrainConfig, device_type: str) -> torch.optim.Adam
 
 def train_step(model, optimizer, batches: Callable[[int], tuple], recipe: TrainConfig,
                rt: runtime.Runtime) -> Callable[[int], torch.Tensor]:
-    """nanoGPT's train.py iteration without its eval, checkpoints and logging: set the lr, micro-steps
-    (forward under autocast, the next batch read while the device works, backward), clip, step, zero
-    the grads. The rate: the recipe's schedule times each group's base_lr. batches(it) is a micro-batch
-    of iteration it (the one read ahead in the last micro-step is it + 1's). step(it) returns the last
-    micro-step's loss, unsynchronised."""
+    """nanoGPT's train.py iteration without its eval, checkpoints and logging, the next batch read while the device
+    works. batches(it): a micro-batch of iteration it; step(it) returns the last micro-step's loss, unsynchronised."""
     scaler, accum, xy = rt.grad_scaler(), recipe.gradient_accumulation_steps, []
 
     def step(it: int) -> torch.Tensor:

@@ -1,7 +1,5 @@
-"""Data preparation: core.data.corpus.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path).
-
-Read, encode, write train.bin / val.bin / meta.json to a temporary folder, from --corpus, else
-common.DEFAULT_CORPUS where it exists, else a generated text of about its size.
+"""Data preparation: core.data.corpus.prepare_text_corpus with GPT-2's BPE (data/shakespeare/prepare.py's path) into
+a temporary folder, from --corpus, else common.DEFAULT_CORPUS where it exists, else a generated text of its size.
 """
 import contextlib
 import dataclasses

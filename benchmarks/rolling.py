@@ -1,9 +1,7 @@
 """Decoding past the context with window_shift=1 (nanoGPT's rule: the window slides one token per step).
 
-Per token, on the decode section's model, greedy: learned positions (the cache is refilled at every
-step), RoPE with the same refills, and RoPE with the rolling KV cache (one token per step;
-sliding-window attention, see decode.generate's rolling_cache). The last row is the yardstick: the same
-RoPE model's cached step inside the context, the speed the rolling cache should keep.
+Per token, on the decode section's model, greedy: learned positions and RoPE (the cache refilled at every step), and
+RoPE with the rolling KV cache (sliding-window attention); the yardstick is RoPE's cached step inside the context.
 """
 import dataclasses
 import statistics

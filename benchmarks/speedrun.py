@@ -1,15 +1,8 @@
 """Speedrun: training time to a target val loss (the whole val split, core.evaluation.perplexity.evaluate_split).
 
-nanoGPT's model and plain loop (benchmarks/nanogpt.py; speedrun_base: GPT-2, its AdamW fused only on
-CUDA, its cosine schedule) against ours (speedrun_base + speedrun_ours: config/modern.py's model,
-core.training.optim's optimizer and schedule). Both read batches as nanoGPT does, from a generator of their own
-seeded alike. The runs take turns of speedrun_chunk iterations, so that load from other processes hits
-both, and are scored every speedrun_eval_every iterations, every speedrun_eval_fine once near the
-target; a run is done at its first score at or below the target, or unreached at its cap. Only iterations
-are timed, on two clocks (wall, and this process's CPU time), evaluation apart. Per run: iterations, tokens,
-training wall and CPU seconds to the target, and the ratio to nanoGPT's, per seed and as the mean over
-seeds. The default target is nanoGPT's val loss after speedrun_target_iters (SPEEDRUN_TARGETS; measured
-first when none is recorded, as for the gpt2 preset, which races GPT-2 small's shape on a GPU).
+nanoGPT's model and plain loop (benchmarks/nanogpt.py) against ours (speedrun_base + speedrun_ours), taking turns
+of speedrun_chunk iterations, scored coarse then fine near the target; only iterations are timed, on the wall and
+CPU clocks. The race's rules (the sides, the target, the crossing, the time): docs/speedrun.md, "How the race is run".
 """
 import dataclasses
 import json
@@ -70,9 +63,8 @@ CLOCKS = (time.perf_counter, time.process_time)  # wall, and this process's CPU 
 
 @dataclasses.dataclass
 class Racer:
-    """One run of the race: step(it) trains iteration it, evaluate() returns the whole-val-split loss,
-    tokens_at(it) is how many tokens iteration it trains, sync() waits for the device, log(record) keeps an
-    evaluation. The rest is its record so far."""
+    """One run of the race: step(it) trains iteration it, evaluate() gives the whole-val-split loss, tokens_at(it)
+    iteration it's tokens, sync() waits for the device, log(record) keeps an evaluation; the rest is its record."""
     name: str
     step: Callable[[int], object]
     evaluate: Callable[[], float]
@@ -95,9 +87,8 @@ class Racer:
 
 
 def eval_due(it: int, curve: list, target: float, every: int, fine_every: int, margin: float) -> bool:
-    """Evaluate at every `every`-th iteration, and at every `fine_every`-th once near the target: the last
-    evaluation within `margin` of it, or the line through the last two reaching it before the next coarse
-    one (from the second evaluation after the start on). Dense where the crossing is, cheap elsewhere."""
+    """Evaluate every `every`-th iteration, and every `fine_every`-th near the target: the last evaluation within
+    `margin`, or the line through the last two reaching it before the next coarse one (from the second evaluation)."""
     if it % every == 0:
         return True
     if not curve or it % fine_every:

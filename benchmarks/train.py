@@ -1,11 +1,8 @@
 """Training step: forward + backward + AdamW step on a fixed random batch, at each micro-batch of a sweep.
 
-MFU = model.estimate_mfu against flops.peak_flops_with_source (GPU: the datasheet; CPU: a measured
-float32 matmul, so CPU MFU is relative to what a plain matmul reaches here). Compiled: torch.compile
-of the same model; its first step at each micro-batch (the build) is timed apart, and a failure is reported in
-the table. train_batch_sizes sweeps the micro-batch (the gpt2 preset: 8 to 64 sequences of 1024, what fills a
-GPU), one row per mode and size, peak memory on CUDA; a size that runs out of memory is a row reading OOM.
-The model here (batch_size ... bias) is also the memory section's.
+MFU against flops.peak_flops_with_source (CPU: a measured float32 matmul, so CPU MFU is relative to what a plain
+matmul reaches here). Compiled: its first step per micro-batch (the build) timed apart, a failure a row. One row per
+mode and micro-batch of train_batch_sizes, OOM where it runs out. The model (batch_size ... bias) is memory.py's too.
 
     python bench.py --preset=gpt2 --device=cuda --sections=train          # the sweep, eager and compiled
     python bench.py --sections=train --train_batch_sizes=2,4,8             # on the CPU

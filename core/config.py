@@ -1,10 +1,9 @@
 """Typed configuration: dataclass defaults, overridden by config files, then by --key=value.
 
-Config files (config/*.py) are the user's own Python programs: they run with full power, like any script you run,
-and every top-level name they assign that does not start with an underscore is an override. Command-line values are
-parsed as Python literals (ast.literal_eval), never evaluated. Unknown keys and values of the wrong type stop with one
-line naming the key, and the closest valid ones. A config class may list other projects' names for its keys in
-RENAMED ({name: (its key, value -> its value)}), e.g. nanoGPT's dataset=X for data_dir.
+Config files (config/*.py) are the user's own Python programs, run with full power like any script you run; each
+top-level name they assign not starting with an underscore is an override. Command-line values are parsed as Python
+literals (ast.literal_eval), never evaluated. An unknown key or a wrong type is one line naming the key and the
+closest valid ones. RENAMED ({name: (its key, value -> its value)}): other projects' names, e.g. nanoGPT's dataset.
 """
 import ast
 import dataclasses
@@ -57,7 +56,6 @@ def coerce(key: str, value: Any, tp, source: str) -> Any:
 
 
 def parse_cli_value(raw: str, tp) -> Any:
-    """Turn the text after `--key=` into a Python value for a field of type `tp`."""
     base = _optional_inner(tp) or tp
     if raw == "None" and base is not tp:
         return None
@@ -82,7 +80,6 @@ def _unknown_key(key: str, valid: Sequence[str], source: str) -> UserError:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """Run a config file and return the names it assigns (its overrides)."""
     if not Path(path).is_file():
         raise UserError(f"config file '{path}' not found; pass a path such as config/train_shakespeare_char.py")
     try:
@@ -127,9 +124,8 @@ def config_help(cls) -> str:
 
 
 def field_help(cls) -> dict[str, str]:
-    """Each field's description: the comment after it in the source of the dataclass that declares it (the
-    comment-only lines indented under it continue it), or, for a field made in code, its metadata["help"].
-    The comments the config classes carry are the one home of the help text."""
+    """Each field's --help text, whose one home is the comment after it in its dataclass's source (comment-only lines
+    indented under it continue it), or, for a field made in code, its metadata["help"]."""
     helps = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):

@@ -61,9 +61,8 @@ def _interrupted_at_start(signum, frame) -> NoReturn:
 
 
 def quiet_start(module_name: str) -> None:
-    """Called by a script with its __name__ before its heavy imports (torch, transformers: seconds). Run
-    as a script, until run_cli starts main, Ctrl-C exits at once with one line and 130 instead of Python's
-    KeyboardInterrupt traceback. Imported (tests, other code), it does nothing."""
+    """Called by a script with its __name__ before its heavy imports (seconds): run as a script, Ctrl-C until run_cli
+    starts main exits at once with one line and 130, not a traceback; imported, it does nothing."""
     if module_name == "__main__":
         signal.signal(signal.SIGINT, _interrupted_at_start)
 

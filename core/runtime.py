@@ -1,12 +1,8 @@
 """Device, dtype, autocast and process-group setup: decided here once for every script.
 
-Distributed training is detected from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE): with one process
-setup() joins no group and the same code path runs.
-
-Two small host-side (gloo) process groups sit beside the training one, so that agreeing on control flow never waits
-for the GPU: `any_rank` (did any rank see a signal or a bad loss; dist_timeout_s bounds it) and `on_master` (rank 0
-writes a file; the others wait for its outcome with a long timeout, since a checkpoint save may take minutes, and all
-ranks raise the same one-line error if it failed).
+Distributed training is detected from torchrun's environment; with one process setup() joins no group, same code
+path. Two small host-side (gloo) groups sit beside the training one, so agreeing on control flow never waits for the
+GPU: `any_rank` (a signal or a bad loss on any rank) and `on_master` (rank 0 writes a file, all learn how it went).
 """
 import contextlib
 import dataclasses
@@ -159,19 +155,12 @@ def native_bf16(device: str) -> bool:
 
 
 def resolve_dtype(name: str, device: str) -> str:
-    """'auto' is bfloat16 where the device computes it natively (native_bf16: CUDA sm80+ and AMD GPUs,
-    CPUs with AVX512-BF16, AMX or ARM's BF16), else float16 on CUDA (with a GradScaler), else float32.
-
-    bfloat16 is autocast over the forward pass (Runtime.autocast), never the stored model, on a GPU and a
-    CPU alike: the weights the optimizer updates, its state and the gradients stay float32, since a bf16
-    weight (8 bits of mantissa) cannot take an update smaller than 1/256 of itself. Under autocast the
-    matmuls (attention's too) run in bf16; what stays float32 and why:
-    - the residual stream (embeddings plus each block's output), so each block's norm and ln_f
-      normalise float32 values; q/k norm takes bf16 q and k but sums in float32 and rounds once;
-    - the loss: autocast runs cross_entropy in float32 on the head's bf16 logits, since its
-      log-sum-exp over the vocabulary would round in bf16;
-    - at sampling, the next-token logits (GPT._last_logits): bf16 would round close scores into ties.
-    """
+    """'auto' is bfloat16 where native_bf16, else float16 on CUDA (with a GradScaler), else float32. bfloat16 is
+    autocast over the forward, never the stored model: weights, optimizer state and gradients stay float32, since a
+    bf16 weight (8 bits of mantissa) cannot take an update under 1/256 of itself. The matmuls run in bf16; float32 stay
+    the residual stream (so every norm normalises float32 values; q/k norm sums in float32), the loss (a log-sum-exp
+    over the vocabulary would round in bf16) and at sampling the next-token logits (bf16 would round close scores into
+    ties)."""
     kind = device.split(":")[0]
     if name == "auto":
         return "bfloat16" if native_bf16(device) else "float16" if kind == "cuda" else "float32"
@@ -197,7 +186,6 @@ def resolve_dtype(name: str, device: str) -> str:
 
 
 def dist_env() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) without it."""
     if "RANK" not in os.environ:
         return 0, 0, 1
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
@@ -254,11 +242,9 @@ def setup(device: str = "auto", dtype: str = "auto", timeout_s: float = 600.0, t
 
 
 def _torchrun_attempt_store(world_size: int, timeout: datetime.timedelta) -> "dist.Store | None":
-    """torchrun's shared TCPStore with its keys kept apart per restart; None outside torchrun's agent store.
-
-    torchrun (--max-restarts) gives every restart of the workers the same store, and the default process group's
-    keys carry no attempt number: restarted workers can read the gloo/NCCL addresses of the workers they replace and
-    fail with 'Connection refused'. A prefix per TORCHELASTIC_RESTART_COUNT is what torch's env:// handler assumes."""
+    """torchrun's shared TCPStore, its keys prefixed per restart (None outside its agent store): every restart gets the
+    same store and the group's keys carry no attempt number, so restarted workers could read the addresses of those
+    they replace and fail with 'Connection refused'. torch's env:// handler assumes this prefix."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
@@ -268,19 +254,17 @@ def _torchrun_attempt_store(world_size: int, timeout: datetime.timedelta) -> "di
 
 def teardown(rt: Runtime) -> None:
     if rt.distributed and dist.is_initialized():
-        # DDP's reducer (which holds the process group and its last async work) lives on in a
-        # reference cycle after training returns; left to the interpreter's shutdown, freeing it makes
-        # gloo's threads take the GIL too late and the process aborts ("terminate called without an
-        # active exception"). Free it while Python is fully alive.
+        # DDP's reducer (which holds the process group and its last async work) lives on in a reference cycle after
+        # training returns; freed at the interpreter's shutdown, gloo's threads take the GIL too late and the process
+        # aborts ("terminate called without an active exception"). Free it while Python is fully alive.
         gc.collect()
         dist.destroy_process_group()
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT, and SIGHUP (the terminal closed) unless it is ignored (nohup). The work checks it at its
-    next boundary (a training step, an eval batch, a start-up phase) and stops there: train.py saves and exits 0. The
-    first signal prints `message` at once (when `announce`), so a long step or batch is not mistaken for a lost
-    Ctrl-C; a second SIGINT interrupts at once."""
+    """Set by SIGTERM/SIGINT, and SIGHUP unless ignored (nohup); the work stops at its next boundary (a step, an eval
+    batch, a start-up phase). The first signal prints `message` at once (when `announce`), so a long step is not
+    mistaken for a lost Ctrl-C; a second SIGINT interrupts at once."""
 
     def __init__(self, announce: bool = True, message: str = "stopping after this batch; saving"):
         self.signal_name, self.announce, self.message = None, announce, message

@@ -4,9 +4,8 @@ SFT, and the same SFT with the loss mask off, with the wall and CPU time of each
     python scripts/chat_proof.py                       # needs the base run: the README's CPU quick start
     python scripts/chat_proof.py --max_iters=300       # shorter fine-tunes
 
-Runs, from the repo root: data/chat/tasks.py, data/chat/prepare.py, train.py twice at once (mask on, mask
-off; one thread each), eval.py --task=chat on each, and scores the base model itself (its weights, the
-chat tokens added as grow_vocab adds them, never trained on). Prints a markdown table.
+Runs from the repo root: data/chat/tasks.py, prepare.py, train.py twice at once (mask on and off, a thread each),
+eval.py --task=chat on each, and scores the base model itself (chat tokens grown, never trained). A markdown table.
 """
 import os
 import subprocess
@@ -28,7 +27,6 @@ TRAIN_ARGS = ["config/train_shakespeare_char_cpu.py", "config/sft_tasks_char.py"
 
 
 def run(cmd: list[str]) -> str:
-    """Run `python cmd...` to completion; its stdout."""
     result = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"failed: python {' '.join(cmd)}\n{result.stderr[-2000:]}")

@@ -8,14 +8,10 @@ equal compute on the same batches, each evaluated on the whole val split; a tabl
     TIKTOKEN_CACHE_DIR=path/to/tiktoken_cache python scripts/compare_recipe.py config/train_shakespeare_char_cpu.py \\
         --data_dir=data/shakespeare --results_dir=recipe-bpe --variants=classic,modern   # BPE Shakespeare
 
-Config files and --key=value set the training config (TrainConfig, as for train.py) shared by every
-variant; VARIANTS below change one switch each, "modern" applies config/modern.py. Each variant is
-built and stepped as train.py builds and steps a run on one process, so the only difference is the switch.
-
-Phases: "train" trains the listed variants and writes results_dir/variants/<name>.json (a variant
-already there is skipped, so several processes can split the list); "time" measures ms/iter with
-the variants interleaved round by round (a busy shared machine then slows them all alike);
-"report" writes results_dir/table.md and results_dir/val_loss.png from what exists. "all" runs the three.
+Config files and --key=value set the TrainConfig every variant shares; VARIANTS change one switch each ("modern":
+config/modern.py), built and stepped as train.py does on one process. Phases: "train" writes
+results_dir/variants/<name>.json (one already there is skipped, so processes can split the list); "time" measures
+ms/iter, the variants interleaved round by round; "report" writes table.md and val_loss.png; "all" runs the three.
 """
 import dataclasses
 import json
@@ -161,12 +157,9 @@ def train_variant(name: str, cfg: TrainConfig, cmp: CompareConfig, rt: runtime.R
 
 
 def time_variants(names: list[str], base: TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
-    """ms per training iteration of each variant, rounds interleaved: median over rounds of each
-    round's mean. Real batches from the training split; two untimed warm-up steps each.
-
-    On a CPU the figure is this process's CPU time (time.process_time): with one thread it is what
-    an idle core would take, whoever else shares the machine; wall-clock time is kept beside it.
-    On a GPU it is wall-clock time (the device, not this thread, does the work)."""
+    """ms per training iteration of each variant, rounds interleaved: the median over rounds of each round's mean,
+    after two untimed warm-up steps. On a CPU this process's CPU time (with one thread, what an idle core would take,
+    whoever shares the machine; wall time beside it); on a GPU wall time (the device does the work)."""
     runs = {}
     for name in names:
         cfg = variant_config(name, base)

@@ -1,14 +1,12 @@
-"""lm-evaluation-harness's perplexity task three ways on one run (docs/evaluation.md's table): `--model hf` on
-export.py's folder, `--model local-completions` against serve.py with the folder's tokenizer, and against
-serve.py with its own tokenizer endpoints (/tokenizer_info, /tokenize). Prints one markdown row of
-bits per byte: the three, then hf with max_length the whole context, then the spread of the three. Why hf's
-max_length is two less than the context for the three to score the same windows: docs/evaluation.md.
+"""lm-evaluation-harness's perplexity task three ways on one run (docs/evaluation.md's table and why hf's max_length
+is two less than the context): `--model hf` on export.py's folder, `--model local-completions` against serve.py with
+the folder's tokenizer, and with serve.py's own tokenizer endpoints. Prints one markdown row of bits per byte: the
+three, hf at the whole context, and the spread of the three.
 
     python scripts/lm_eval_three_ways.py --out_dir=out-shakespeare-char-cpu --name="characters"
     python scripts/lm_eval_three_ways.py --out_dir=out-bpe --name="trained BPE" --task=shakespeare_rolling
 
-lm_eval's max_length is the context that /v1/models reports, as docs/serving.md says to pass it. Runs from the
-repo root, one thread for the server and one for lm_eval.
+lm_eval's max_length is what /v1/models reports (docs/serving.md). One thread for the server, one for lm_eval.
 """
 import argparse
 import json

@@ -5,11 +5,9 @@ setting, the tables and pass@k against k).
     python scripts/rl_proof.py                          # needs the base run: the README's CPU quick start
     python scripts/rl_proof.py --seeds=1337 --rl_args=--max_iters=50 --problems=50 --sampled=20
 
-Runs from the repo root, one command at a time on one thread; an out-sft-checked-char that holds a checkpoint is
-reused as the SFT every arm starts from. More SFT gets as many forward and backward tokens as the larger of the
-two RL runs used (rl.py logs each iteration's). Each model is scored as eval.py --task=NAME --task_split=SPLIT
-scores it. Every number goes to rl_proof.json, and a rerun reuses the numbers and finished runs it holds (--fresh
-starts over).
+Runs from the repo root, one command at a time on one thread, reusing an out-sft-checked-char checkpoint as the
+SFT every arm starts from; more SFT gets the larger RL run's forward and backward tokens. Every number goes to
+rl_proof.json, which a rerun reuses (--fresh starts over).
 """
 import argparse
 import itertools

@@ -3,9 +3,8 @@
     python scripts/tokenizer_proof.py --work=/tmp/tokproof                 # tokenizer tables only
     python scripts/tokenizer_proof.py --work=/tmp/tokproof2 --vocabs=8192 --val_fraction=0.03 --train_iters=100
 
-The corpora (Python's standard library, and the zh_CN gettext catalogs the system's packages install) and what
-is measured: docs/tokenizers.md, "Measured: code and Chinese". Each data/text/prepare.py runs as its own process,
-so that wait4 gives its peak RSS; bytes per token are counted on the val split (documents the BPE never saw).
+The corpora and what is measured: docs/tokenizers.md, "Measured: code and Chinese". Each data/text/prepare.py runs
+as its own process, so that wait4 gives its peak RSS; bytes per token are counted on the val split.
 """
 import argparse
 import gettext

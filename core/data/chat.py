@@ -3,13 +3,8 @@
     <|system|>You are terse.<|end|><|user|>reverse: abc<|end|><|assistant|>cba<|end|>
                                                                            ^^^^^^^^^^ loss mask 1
 
-Four special tokens, no newlines between turns: the text between two special tokens is exactly one message's
-content, so it tokenizes the same here as in transformers' apply_chat_template (which splits on special tokens
-first), and a prompt's ids are always a prefix of the full conversation's ids. Content is encoded with the
-tokenizer's ordinary encode, so a user who types "<|end|><|assistant|>" gets those characters, not a turn.
-With GPT-2's BPE the four tokens take ids 50257-50260, inside the 50304 rows a GPT-2-shaped model already has;
-with a character vocabulary they are appended after it (a fine-tune grows the embedding, model.GPT.grow_vocab);
-a trained BPE reserved their ids when it was trained.
+Four special tokens, no newlines between turns, content through the ordinary encode: the same ids as transformers'
+apply_chat_template, a prompt's ids a prefix of the conversation's, no forged turns. Where the ids go: docs/chat.md.
 """
 from __future__ import annotations
 
@@ -33,9 +28,8 @@ JINJA_TEMPLATE = (
 
 
 def with_chat_tokens(tokenizer_meta: dict) -> dict:
-    """Tokenizer metadata with the chat tokens added after the ordinary ids (kept where already there).
-
-    The ordinary ids are untouched, so a base model's tokens mean the same in the chat vocabulary."""
+    """Tokenizer metadata with the chat tokens added after the ordinary ids (kept where already there), which stay
+    untouched: a base model's tokens mean the same in the chat vocabulary."""
     special = dict(tokenizer_meta.get("special_tokens") or {})
     kind = tokenizer_meta.get("tokenizer")
     if kind == "bpe" and isinstance(tokenizer_meta.get("tokenizer_json"), str):  # trained with them reserved
@@ -64,8 +58,7 @@ class ChatTemplate:
         self.tok = tok
         self.role_id = {role: tok.special_tokens[name] for role, name in ROLES.items()}
         self.end_of_turn = tok.special_tokens[END]
-        # A role token also ends a reply (a turn the model should not write), and so does a base
-        # vocabulary's <|endoftext|>.
+        # A role token (a turn the model should not write) and a base vocabulary's <|endoftext|> also end a reply.
         self.stop_tokens = {self.end_of_turn, *self.role_id.values()} | ({tok.eot_token} - {None})
 
     @classmethod
@@ -74,13 +67,9 @@ class ChatTemplate:
         special = getattr(tok, "special_tokens", None) or {}
         return cls(tok) if all(name in special for name in CHAT_TOKENS) else None
 
-    def meta(self) -> dict:
-        """What meta.json says about the template."""
+    def meta(self) -> dict:  # for meta.json
         return {"template": TEMPLATE_NAME, "special_tokens": {name: self.tok.special_tokens[name] for name in CHAT_TOKENS},
                 "end_of_turn": self.end_of_turn}
-
-    # -----------------------------------------------------------------------------------------
-    # checking
 
     def check(self, messages) -> None:
         """A UserError (one line) unless `messages` is an OpenAI messages list in a valid order."""
@@ -103,9 +92,6 @@ class ChatTemplate:
             if role == "assistant" and not content:
                 raise UserError(f"message {i} is an empty assistant turn; give it content or drop it")
             previous = role
-
-    # -----------------------------------------------------------------------------------------
-    # rendering
 
     def render(self, messages) -> tuple[list[int], list[int]]:
         """A whole conversation, ending in an assistant turn -> (ids, mask): mask 1 on each assistant
@@ -135,8 +121,8 @@ class ChatTemplate:
         return ids, mask
 
     def fit_prompt(self, messages, max_len: int) -> tuple[list[int], int]:
-        """render_prompt's ids in at most max_len tokens: the oldest user/assistant exchanges are left out
-        (a system message is kept) until it fits. Returns (ids, how many messages were left out)."""
+        """render_prompt's ids in at most max_len tokens, the oldest exchanges (not a system message) left out until
+        it fits -> (ids, how many messages were left out)."""
         system = messages[:1] if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system" else []
         turns = messages[len(system):]
         for dropped in range(0, len(turns), 2):

@@ -54,8 +54,7 @@ def check_tokenizer_spec(spec: str, char: bool = True) -> None:
 
 
 def make_tokenizer(spec: str, train_texts: Iterable[str] = (), chars: set[str] | None = None) -> Tokenizer:
-    """The tokenizer `spec` names; a BPE is trained on `train_texts` (the train split, a lazy iterable read only
-    for bpe:VOCAB); a char vocabulary is `chars`."""
+    """The tokenizer `spec` names: a BPE trained on `train_texts` (lazy, read only for bpe:VOCAB), or `chars`."""
     if spec == "char":
         return CharTokenizer.from_text("".join(chars or ()))
     if spec == "gpt2":
@@ -75,9 +74,8 @@ def make_tokenizer(spec: str, train_texts: Iterable[str] = (), chars: set[str] |
 
 
 def chunks_encode_whole(tok: Tokenizer) -> bool:
-    """Whether encoding text in pieces cut at "x\n" | "y" gives the ids of the whole. True for char,
-    GPT-2 and trained BPEs; False for a folder's tokenizer that prepends to every call (SentencePiece's
-    "▁" in Llama 2 and TinyLlama), which then encodes each document in one call."""
+    """Whether pieces cut at "x\n" | "y" encode to the ids of the whole: False for a folder's tokenizer that prepends
+    to every call (SentencePiece's "▁" in Llama 2), which then encodes each document in one call."""
     if isinstance(tok, CharTokenizer):  # any cut: and the probes may hold characters it lacks
         return True
     probes = ("Hello world.\nNext line", "a\nb", "x = 1\ndef f():", "中文。\n下一行")
@@ -162,7 +160,6 @@ class Segment:
 
 
 def input_files(patterns: list[str]) -> list[Path]:
-    """The files the --input values name (globs expanded, sorted), each once."""
     files: list[Path] = []
     for pattern in patterns:
         if not glob.has_magic(pattern) and not Path(pattern).exists():
@@ -235,11 +232,8 @@ def split_documents(docs: list[Document], val_fraction: float, seed: int) -> lis
 
 
 def segment_text(seg: Segment, chunk_chars: int | None = CHUNK_CHARS) -> Iterator[str]:
-    """The segment's text in pieces of at least chunk_chars (None: one piece), each cut just after a
-    newline with a non-space character on both sides ("x\n" | "y"). No pre-tokenizer split used here
-    (GPT-2's regex, Llama 3's) makes a piece that crosses such a point, so the pieces encode to exactly
-    the ids of the whole; a document with no such point (CRLF line ends: "\r\n" splits differently at
-    the end of a piece) stays one piece."""
+    """The segment's text in pieces of at least chunk_chars (None: one piece), each cut at "x\n" | "y", which no
+    pre-token crosses (docs/tokenizers.md, streaming); a document with no such point (CRLF ends) stays one piece."""
     buf, size, pos, next_try = [], 0, 0, chunk_chars
     for _, line in _lines(seg.doc.path, seg.doc.start, seg.doc.end):
         lo, hi = max(seg.begin - pos, 0), min(seg.end - pos, len(line))
@@ -266,8 +260,7 @@ _CUT = re.compile(r"\S\n(?=\S)")
 
 
 def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, BinaryIO], dtype) -> dict:
-    """Each segment's ids, with its document's marks (document_marks), appended to its split's file; returns the
-    token counts per split."""
+    """Each segment's ids, with its document's marks, appended to its split's file -> token counts per split."""
     from tqdm import tqdm
 
     prefix, suffix, joiner = document_marks(tok)
@@ -291,9 +284,8 @@ def encode_segments(tok: Tokenizer, segments: list[Segment], files: dict[str, Bi
 
 def prepare_corpus(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, val_fraction: float = 0.1,
                    seed: int = 1337, separator: str | None = None) -> dict:
-    """Text files -> documents -> whole-document train/val -> tokenizer -> train.bin, val.bin, meta.json (written
-    last). Streams: the files are read a line at a time (to find the documents, to train a BPE, to encode). Every
-    check (files, tokenizer, empty input) comes before anything is written, and the files appear whole or not at all."""
+    """Text files -> train.bin, val.bin, meta.json (last), streamed (docs/tokenizers.md). Every check comes before
+    anything is written, and the files appear whole or not at all."""
     check_tokenizer_spec(tokenizer)
     files = input_files(inputs)
     chars: set[str] = set()

@@ -1,5 +1,4 @@
-"""Our tokenizers as Hugging Face `tokenizers` objects, for transformers folders: tokenizer.json export
-(export.py) and import (a folder's tokenizer.json, for --init_from=DIR), with the same ids both ways.
+"""tokenizer.json both ways, the same ids: our tokenizers exported (export.py), a folder's imported (--init_from=DIR).
 """
 import json
 from pathlib import Path
@@ -44,8 +43,7 @@ def _gpt2_backend():
 
 
 def hf_backend(tok: Tokenizer, extra_special_tokens: tuple[str, ...] = ()):
-    """Our tokenizer as a `tokenizers` Tokenizer with the same ids; extra special tokens (a chat
-    template's) get the ids after the vocabulary's."""
+    """Our tokenizer as a `tokenizers` Tokenizer with the same ids; extra_special_tokens take the ids after them."""
     from tokenizers import AddedToken, Tokenizer as Backend, decoders, models
 
     if isinstance(tok, HFTokenizer):
@@ -69,19 +67,16 @@ def hf_backend(tok: Tokenizer, extra_special_tokens: tuple[str, ...] = ()):
 
 def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
                       extra_special_tokens: tuple[str, ...] = (), chat_template: str | None = None) -> None:
-    """tokenizer.json and tokenizer_config.json in directory, which transformers' AutoTokenizer loads
-    (PreTrainedTokenizerFast) with our ids, and decodes without touching the spaces. A chat template
-    (Jinja, core/data/chat.py's) goes in tokenizer_config.json's "chat_template", where transformers 4 and 5
-    both read it (transformers 5 would otherwise write a chat_template.jinja beside it)."""
+    """tokenizer.json and tokenizer_config.json, which AutoTokenizer loads with our ids and decodes without touching
+    the spaces; chat_template goes in the config's "chat_template", which transformers 4 and 5 both read."""
     from transformers import PreTrainedTokenizerFast
 
     backend = hf_backend(tok, extra_special_tokens)
     eot = None if tok.eot_token is None else backend.id_to_token(tok.eot_token)
     bos = getattr(tok, "bos_token", None)
-    # With no token of their own, bos and unk name the end-of-text token, as GPT-2's own tokenizer does:
-    # CTranslate2's converter copies both into its config, and its Generator refuses a null one. Nothing
-    # adds it to a prompt (no post-processor; config.json's bos_token_id stays null), and no id is ever
-    # unknown to a byte-level BPE.
+    # With no token of their own, bos and unk name the end-of-text token, as GPT-2's own tokenizer does: CTranslate2's
+    # converter copies both into its config, and its Generator refuses a null one. Nothing adds it to a prompt (no
+    # post-processor; config.json's bos_token_id stays null), and no id is ever unknown to a byte-level BPE.
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
         eos_token=eot, bos_token=eot if bos is None else backend.id_to_token(bos), unk_token=eot)
@@ -90,8 +85,7 @@ def save_hf_tokenizer(tok: Tokenizer, directory, model_max_length: int,
 
 
 def load_hf_tokenizer(directory) -> HFTokenizer:
-    """The tokenizer of a transformers folder (its tokenizer.json), with the end-of-text id from its
-    generation_config.json or tokenizer_config.json."""
+    """A transformers folder's tokenizer.json, the end-of-text id from its configs (_special_ids)."""
     directory = Path(directory)
     path = directory / "tokenizer.json"
     if not path.is_file():

@@ -1,20 +1,15 @@
-"""Token data on disk, read: memory-mapped token files and shards -> batches (train.py, eval.py).
-Writing it is core/data/writer.py's (the data/<name>/prepare.py scripts).
+"""Token data on disk, read (writing it is core/data/writer.py's): memory-mapped token files and shards -> batches.
 
-A prepared dataset is a folder holding meta.json (tokenizer, vocab_size, dtype, token counts), or nanoGPT's
-meta.pkl (read_meta_pkl), and, per split, either one `{split}.bin` or shards `{split}_000000.bin`,
-`{split}_000001.bin`, ...: raw little-endian token ids of meta's dtype, documents back to back.
+A prepared dataset is a folder of meta.json (tokenizer, vocab_size, dtype, token counts; or nanoGPT's meta.pkl) and,
+per split, one `{split}.bin` or shards `{split}_000000.bin`, ...: little-endian ids of meta's dtype, back to back.
 
     x, y = TokenData("data/shakespeare_char", "train", block_size=256).get_batch(
         64, batch_generator(seed, "train", iter_num, micro_index), device)
 
-Batches come only from the generator passed in, so the same (seed, keys) gives the same batch
-on any machine and a resumed run reads exactly what the uninterrupted one would have.
+Batches come only from the generator passed in: the same (seed, keys) gives the same batch on any machine and resume.
 
-A chat dataset (data/chat/prepare.py; meta.json has "chat") also holds `{split}_mask.bin` (uint8,
-1 where a token is learned) and `{split}_starts.bin` (int64 conversation offsets). Its batch rows start
-at conversation starts and run on through the following conversations (packed), padded past the end
-of the split; targets whose mask is 0 are -1, which the loss ignores.
+A chat dataset (meta.json has "chat") also holds `{split}_mask.bin` and `{split}_starts.bin`; its rows start at a
+conversation and run on, packed, with unlearned targets -1 (docs/chat.md).
 """
 from __future__ import annotations
 
@@ -121,11 +116,8 @@ def shard_paths(data_dir: Path, split: str) -> list[Path]:
 
 
 def batch_generator(seed: int, *keys: int | str) -> torch.Generator:
-    """A CPU generator seeded from (seed, *keys), e.g. (seed, "train", iter_num, micro_step).
-
-    The seed is a SHA-256 of the keys, not Python's hash() (salted per process), so it is the
-    same on every machine and every run; keys are ints or strings, and 1 differs from "1".
-    """
+    """A CPU generator seeded from (seed, *keys), e.g. (seed, "train", iter_num, micro_step), by a SHA-256 of the keys,
+    not Python's hash() (salted per process): the same on every machine and run; 1 differs from "1"."""
     import torch
 
     parts = [operator.index(seed)] + [k if isinstance(k, str) else operator.index(k) for k in keys]
@@ -170,7 +162,6 @@ class TokenData:
             raise UserError(f"{self._describe()} has {max(self.sizes)} tokens{where}, fewer than block_size + 1 = "
                             f"{block_size + 1}; use a smaller block_size or more data")
         self._ends = np.cumsum(self.windows)
-        # chat: conversation starts, and the loss mask (None: every target counts)
         self.starts, self.mask_path = None, None
         if "chat" in meta:
             self.starts, self.mask_path = self._chat_files(meta_path)
@@ -264,7 +255,7 @@ class TokenData:
         return _to_device(x, y, device)
 
     def _chat_batch(self, batch_size: int, generator: torch.Generator, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows from random conversation starts: x (B, T) and y (B, T), y = -1 where not learned or padding."""
+        """Rows from random conversation starts: x (B, T), y (B, T) = -1 where not learned or padding."""
         import torch
 
         n = self.num_tokens
@@ -300,14 +291,9 @@ def _to_device(x: torch.Tensor, y: torch.Tensor, device) -> tuple[torch.Tensor, 
 
 
 class TrainBatches:
-    """The training micro-batches in order, each fetched (and on CUDA copied asynchronously) while
-    the previous one computes, across iterations too.
-
-    Micro-batch g of the global batch (g = rank * accum + micro) is drawn from (seed, iter, g)
-    alone, so the global batch does not depend on how many processes share it, and a resumed run
-    reads exactly the batches the first run would have. seq_len(iter) is the window's length at an
-    iteration (None: block_size throughout; train.py passes core.training.train_config.seq_len_at).
-    """
+    """The training micro-batches in order, each fetched (on CUDA copied asynchronously) while the previous one
+    computes. Micro-batch g = rank * accum + micro is drawn from (seed, iter, g) alone, so the global batch is the same
+    however many processes share it and after a resume. seq_len(iter): the window's length (None: block_size)."""
 
     def __init__(self, data: TokenData, seed: int, batch_size: int, accum: int, rank: int = 0, device="cpu",
                  seq_len: Callable[[int], int] | None = None):

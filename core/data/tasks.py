@@ -5,13 +5,9 @@
     task.check(problem, "936")                 # 1.0: a reward in [0, 1]
     problems("sort", "longer", 200)            # a split's evaluation set: eval.py --task=sort --task_split=longer
 
-The split is a property of the problem, not of the draw: a hash of the problem's key (the string it is made
-from) puts one key in ten on the held-out side, so no train prompt is ever a held-out one, whatever seed or
-count drew them. reverse, upper and add teach by demonstration: their train problems carry the answer SFT
-copies. sort and palindrome are checked (levels): past a few demonstrations, their problems carry no answer
-(Problem.answer None), and what a model learns there it learns from the checker. The five splits: demos and
-demos_heldout (Task.demos's problems, train and held-out keys), train and heldout (Task.make's), longer
-(Task.longer's, held-out keys).
+A hash of the problem's key puts one key in ten on the held-out side, whatever seed or count drew it. sort and
+palindrome are checked only (levels): past a few demonstrations their problems carry no answer. The five splits:
+demos and demos_heldout (Task.demos's), train and heldout (Task.make's), longer (Task.longer's, held-out keys).
 """
 import dataclasses
 import random
@@ -103,9 +99,8 @@ def check_palindrome(problem: Problem, reply: str) -> float:
 
 
 def levels(make: Callable[[random.Random, tuple[int, ...]], Problem], check: Callable[[Problem, str], float]) -> Task:
-    """A checked task by length: demonstrations of 3, 4, 5 and 8 letters and a few of 6 or 7, train and held-out
-    problems of 6 and 7 (with none there, a model of learned positions scores 0 at both: docs/chat.md), longer ones
-    9 and 10."""
+    """A checked task by length (docs/chat.md): demonstrations of 3, 4, 5, 8 letters and a few of 6 or 7 (with none,
+    learned positions score 0 there), train and held-out problems 6 and 7, longer ones 9 and 10."""
     return Task(lambda rng: make(rng, (6, 7)), check,
                 demos=lambda rng: make(rng, (6, 7) if rng.random() < SCARCE else (3, 4, 5, 8)),
                 longer=lambda rng: make(rng, (9, 10)))
@@ -180,8 +175,8 @@ def messages(problem: Problem, system: str | None = None) -> list[dict]:
 
 
 def check_vocabulary(names: list[str], encode, what: str) -> None:
-    """One line when a task's prompts or answers use characters the model cannot read or write (a character
-    vocabulary made from Shakespeare has no digits): encode is the tokenizer's, raising UserError."""
+    """One line when a task's prompts or answers use characters the model cannot read or write (Shakespeare's
+    character vocabulary has no digits); encode raises UserError."""
     for name in names:
         rng = random.Random(0)
         for _ in range(20):  # several problems: the characters vary

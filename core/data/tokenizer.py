@@ -1,16 +1,11 @@
 """Tokenizers behind one small interface: encode(str) -> list[int], decode(list[int]) -> str.
 
-Which tokenizer a dataset or checkpoint uses is an explicit field in its metadata
-(meta.json, written by prepare.py and copied into every checkpoint), never guessed
-from a file or folder name, and never silently swapped for another.
+Which tokenizer a dataset or checkpoint uses is an explicit field in its metadata (meta.json, copied into every
+checkpoint), never guessed from a file or folder name, and never silently swapped for another.
 
-Special tokens (the chat turn markers of core/data/chat.py) are ids beyond the ordinary ones, named in the
-metadata's "special_tokens" ({"<|user|>": 50258, ...}). encode() never produces them: text that spells
-"<|user|>" is encoded as those characters, so user text cannot forge a turn. Only code that means a
-special token puts its id in (core/data/chat.py). decode() writes a special id as its name.
-encode_with_specials() reads a special token's name as its id, as transformers' tokenizers and vLLM's
-/tokenize do: for text the model's own user writes (sample.py's prompt, serve.py's /tokenize and completions
-prompt), so that the run, its server and its export give the same ids (tests/test_vocab_agreement.py).
+Special tokens (the chat turn markers) are ids past the ordinary ones, named in the metadata's "special_tokens".
+encode() never produces them, so user text cannot forge a turn; encode_with_specials() reads a name as its id,
+for the user's own prompts (docs/interop.md, "Tokenizers"). decode() writes a special id as its name.
 """
 import functools
 import json
@@ -89,11 +84,8 @@ class _Specials:
 
 
 class CharTokenizer(_Specials):
-    """Character-level vocabulary, built from the characters of a text; special tokens are appended
-    after the characters (ids len(chars), len(chars) + 1, ...), <|endoftext|> first (from_text).
-
-    A vocabulary prepared before <|endoftext|> was added has none (eot_token None): it still loads, trains
-    and samples as it did; export.py appends one (with_end_of_text), and serve.py names what is missing."""
+    """Character-level vocabulary; special tokens take the ids after the characters, <|endoftext|> first. One
+    prepared before that has eot_token None: it still works, export.py appends one and serve.py names the lack."""
 
     def __init__(self, chars: list[str], special_tokens: dict[str, int] | None = None):
         self.itos = list(chars)
@@ -129,7 +121,6 @@ class CharTokenizer(_Specials):
 
 @functools.lru_cache(maxsize=1)
 def gpt2_encoding():
-    """GPT-2's BPE as a tiktoken encoding, loaded once per process."""
     try:
         import tiktoken
         return tiktoken.get_encoding(GPT2_ENCODING)
@@ -160,11 +151,8 @@ class GPT2Tokenizer(_Specials):
 
 
 class StreamDecoder:
-    """Turn token ids, fed one at a time, into text that can be printed as it comes.
-
-    A byte-level BPE token can end inside a multi-byte UTF-8 character (an emoji is often two or
-    three tokens), and decoding it alone gives U+FFFD. Ids are held back while their text ends in
-    U+FFFD, so the printed pieces always join up to exactly tok.decode(all ids)."""
+    """Token ids fed one at a time -> printable text. A byte-level token can end inside a UTF-8 character (an
+    emoji is often 2-3 tokens), so ids are held while their text ends in U+FFFD: the pieces join to decode(ids)."""
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
@@ -232,27 +220,19 @@ class HFTokenizer:
                 "bos_token": self.bos_token, "tokenizer_json": self.json}
 
 
-# The split before BPE: Llama 3's pattern (GPT-4's cl100k_base split: case-insensitive contractions, letter
-# runs with one leading non-letter, digits in threes, punctuation runs with their newlines, whitespace
-# runs). llama.cpp implements it as the pre-tokenizer "llama-bpe" (LLAMA_VOCAB_PRE_TYPE_LLAMA3), so a
-# GGUF of a model trained with it can name its split rather than carry an unknown one.
+# The split before BPE: Llama 3's (GPT-4's cl100k_base), llama.cpp's "llama-bpe" (docs/tokenizers.md).
 SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 BYTE_ALPHABET = 256
 
 
 def reserved_tokens(tokenizer_json: str) -> dict[str, int]:
-    """The added (special) tokens of a tokenizers JSON, {content: id}."""
     return {t["content"]: t["id"] for t in json.loads(tokenizer_json).get("added_tokens", [])}
 
 
 class BPETokenizer(HFTokenizer):
-    """A byte-level BPE trained on the dataset's own text (train_bpe), with SPLIT_PATTERN before it.
-
-    Its tokenizers JSON reserves <|endoftext|> (eot_token) and the chat tokens (core/data/chat.py) as added
-    special tokens after the ordinary ids. Only the ones named in special_tokens count as the vocabulary's
-    (a chat dataset names the chat tokens, so a base model's tokenizer has no chat template); the ids of
-    all of them are fixed by the training, so a chat fine-tune never grows the embedding."""
+    """A byte-level BPE trained on the dataset's own text (train_bpe). Its JSON reserves <|endoftext|> and the chat
+    tokens as the last ids; only those named in special_tokens are the vocabulary's (docs/tokenizers.md)."""
 
     def __init__(self, tokenizer_json: str, special_tokens: dict[str, int] | None = None):
         super().__init__(tokenizer_json)
@@ -418,7 +398,6 @@ def check_same_tokenizer(tok: dict, data_meta: dict, data_dir: str) -> None:
 
 
 def read_prompt(start: str) -> str:
-    """The prompt text: `start` itself, or the contents of the file named by `FILE:path`."""
     if not start.startswith("FILE:"):
         return start
     path = Path(start[len("FILE:"):])
@@ -431,10 +410,8 @@ def read_prompt(start: str) -> str:
 
 
 def encode_prompt(tok: Tokenizer, text: str, block_size: int, truncate: bool = False) -> list[int]:
-    """The prompt's token ids: at least one, at most block_size (the model's context).
-
-    An empty prompt starts from <|endoftext|> where the tokenizer has one (how GPT-2 samples
-    unconditionally). A longer prompt is an error unless `truncate`, which keeps its last tokens."""
+    """The prompt's ids, 1 to block_size: an empty one starts from <|endoftext|> (how GPT-2 samples unconditionally);
+    a longer one is an error unless `truncate`, which keeps its last tokens."""
     try:
         ids = tok.encode_with_specials(text)  # the user's own prompt: "<|endoftext|>" there is the token
     except UserError as e:  # a char vocabulary names the characters it lacks

@@ -1,7 +1,5 @@
-"""The web corpora (data/openwebtext, data/fineweb): a Hugging Face dataset, or local parquet/json/jsonl/txt
-files -> whole-document train/val -> the tokenizer of core/data/corpus.py (a BPE trained on the
-train split, streamed) -> encoding in datasets' worker processes -> `{split}_NNNNNN.bin` shards ->
-tokenizer.json and meta.json (core/data/writer.py).
+"""The web corpora (data/openwebtext, data/fineweb): a hub dataset or local files -> whole-document train/val ->
+core/data/corpus.py's tokenizer -> encoding in datasets' worker processes -> shards -> meta.json.
 """
 from __future__ import annotations
 
@@ -87,20 +85,16 @@ def _worker_tokenizer(meta_json: str) -> tuple[Tokenizer, list[int], list[int]]:
 
 
 def _tokenize_batch(batch: dict, meta_json: str) -> dict:
-    # Runs in datasets' worker processes, which rebuild the tokenizer once from its metadata (a string, sent
-    # with each worker's job and part of datasets' cache fingerprint: another tokenizer never reuses a cached
-    # encoding).
-    # Each document is whole with its marks (a folder's BOS/EOS, else <|endoftext|> after it): the shuffled
-    # split puts any document next to any other. A plain loop, not a threaded batch encode: the
-    # parallelism is num_proc processes, and threads on top of them only contend for the cores.
+    # In datasets' workers, which rebuild the tokenizer once from its metadata: a string, part of datasets' cache
+    # fingerprint, so another tokenizer never reuses a cached encoding. Each document gets its marks, since the
+    # shuffled split puts any document next to any other. A plain loop: threads on num_proc processes only contend.
     tok, before, after = _worker_tokenizer(meta_json)
     ids = [before + tok.encode(text) + after for text in batch["text"]]
     return {"ids": ids, "len": [len(d) for d in ids]}
 
 
 def write_split(part, tok: Tokenizer, out_dir: Path, split: str, cfg: WebPrepareConfig) -> int:
-    """The documents of `part` tokenized in cfg.num_proc workers (column `ids`, each with its marks, and `len`),
-    then concatenated into `{split}_*.bin` shards; returns the token count."""
+    """The documents of `part` tokenized in cfg.num_proc workers, then into `{split}_*.bin` shards -> token count."""
     import datasets
     import pyarrow.compute as pc
     from tqdm import tqdm
@@ -122,8 +116,7 @@ def write_split(part, tok: Tokenizer, out_dir: Path, split: str, cfg: WebPrepare
 
 
 def prepare_web_corpus(cfg: WebPrepareConfig, hub_name: str, hub_config: str | None, script_file: str) -> dict:
-    """Load → split off val (whole documents) → the tokenizer (a BPE trained on the train split, streamed)
-    → tokenize (num_proc workers) → shards → tokenizer.json and meta.json; print tokens/s."""
+    """The module's pipeline for one corpus; prints tokens/s."""
     out_dir = script_out_dir(cfg.out_dir, script_file)
     trained = cfg.tokenizer.startswith("bpe:")
     tok = None if trained else make_tokenizer(cfg.tokenizer)  # a missing BPE file or bad folder: before a download

@@ -1,6 +1,5 @@
-"""Writing token files in the format core/data/loader.py reads, into an output folder checked before any work: `{split}.bin` whole or not at all,
-`{split}_NNNNNN.bin` shards staged and moved into place a split at a time, and meta.json last (its token
-counts vouch for the token files), with tokenizer.json beside it for a BPE or a folder's tokenizer. A token
+"""Writing token files for core/data/loader.py, into a folder checked before any work: `{split}.bin` whole or not at
+all, shards moved into place a split at a time, meta.json last (its token counts vouch for the token files). A token
 id that does not fit the file's dtype is an error, never wrapped.
 """
 from __future__ import annotations
@@ -19,9 +18,8 @@ from core.fileio import atomic_path, fsync_dir, space_for, write_json
 
 
 def script_out_dir(out_dir: str | None, script_file: str) -> Path:
-    """--out_dir, or by default the folder of the prepare.py that is running. Checked now, without
-    creating anything: a folder that cannot be made (a path through a file, no permission) is an
-    error before any download or tokenizing, not after."""
+    """--out_dir, or the running prepare.py's folder; one that cannot be made (a path through a file, no permission)
+    is an error now, before any download or tokenizing."""
     path = Path(out_dir) if out_dir is not None else Path(script_file).resolve().parent
     existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
     if not existing.is_dir():
@@ -52,7 +50,6 @@ NOTHING_REPLACED = "the dataset's earlier files are as they were: free space and
 
 
 def write_tokens(path: str | os.PathLike, ids, dtype=np.uint16) -> int:
-    """Write token ids to `path` atomically (whole file or nothing); return how many were written."""
     arr = checked_ids(ids, dtype, str(path))
     with space_for(path, arr.nbytes, NOTHING_REPLACED), atomic_path(path) as tmp, open(tmp, "wb") as f:
         write_array(f, arr)
@@ -66,12 +63,9 @@ def write_array(f, arr: np.ndarray) -> None:
 
 
 class ShardWriter:
-    """Stream token ids into `{split}_000000.bin`, `{split}_000001.bin`, ... of `shard_tokens` ids each.
-
-    Shards are written into a hidden staging folder and moved into place only when the whole split
-    is done (the `with` block left without an exception), replacing any older `{split}.bin` / shards.
-    An interrupted prepare leaves the previous files as they were, and never a partial set that looks
-    complete."""
+    """Stream token ids into `{split}_000000.bin`, ... of `shard_tokens` ids each, staged in a hidden folder and moved
+    into place (replacing older files) only when the `with` block ends without an exception: an interrupted prepare
+    leaves the previous files, never a partial set that looks complete."""
 
     def __init__(self, out_dir: str | os.PathLike, split: str, shard_tokens: int, dtype=np.uint16):
         if shard_tokens < 1:
@@ -144,13 +138,11 @@ def write_dataset(out_dir: str | os.PathLike, tokenizer_meta: dict, splits: dict
 
 
 def token_dtype(tok: Tokenizer):
-    """uint16 token files, or uint32 past 65,536 ids."""
     return np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
 
 
 def write_meta(out_dir: Path, tok: Tokenizer, meta: dict) -> dict:
-    """tokenizer.json beside meta.json for a BPE or a folder's tokenizer (the same JSON meta.json holds, for
-    the tools that read tokenizer.json), then meta.json, last: its token counts vouch for the token files."""
+    """tokenizer.json (for other tools) beside meta.json for a BPE or a folder's tokenizer, then meta.json, last."""
     meta = {**tok.meta(), "dtype": np.dtype(token_dtype(tok)).name, **meta}
     if isinstance(tok, HFTokenizer):
         with space_for(out_dir / "tokenizer.json", len(tok.json.encode()), NOTHING_REPLACED), \

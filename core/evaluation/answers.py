@@ -1,5 +1,4 @@
-"""A chat model's answers scored: exact match on held-out conversations, and a checked task's (core/data/tasks.py)
-exact match and pass@k on its held-out problems.
+"""A chat model's answers scored: exact match on held-out conversations, a checked task's exact match and pass@k.
 """
 import contextlib
 import json
@@ -58,12 +57,10 @@ def chat_accuracy(model, template, conversations: list[list[dict]], max_new_toke
 def task_scores(model, template, name: str, problems: list, samples: int = 1, temperature: float = 0.0,
                 max_new_tokens: int = 32, seed: int = 0, device="cpu", autocast=None, rank: int = 0,
                 world_size: int = 1, progress=None, stopped=None) -> dict | None:
-    """Each problem's replies scored by task `name`'s checker: one greedy reply (temperature 0), or `samples`
-    replies at a temperature, drawn in one batched decode per problem (replies.sample_replies, as rl.py samples).
-
-    Returns {"mean": the mean reward over every reply (exact-match accuracy, or pass@1, for a 0/1 checker),
-    "pass@k": {k: the chance that k of a problem's replies hold an accepted one (reward 1), for k = 1, 2, 4, ...
-    up to samples, and samples}, "examples", "samples"}. Ranks, progress and stopped as in evaluate_split."""
+    """Each problem's replies scored by task `name`'s checker: one greedy reply, or `samples` at a temperature in one
+    batched decode per problem (as rl.py samples) -> {"mean": reward over every reply (accuracy or pass@1),
+    "pass@k": {k: pass_at_k for k = 1, 2, 4, ... and samples}, "examples", "samples"}. Ranks, progress and stopped
+    as in evaluate_split."""
     check = TASKS[name].check
     ks = sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i <= samples} | {samples})
     sums = torch.zeros(2 + len(ks), dtype=torch.float64)  # (reward, problems, pass@k for each k)
@@ -92,7 +89,6 @@ def task_scores(model, template, name: str, problems: list, samples: int = 1, te
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The chance that k replies drawn from n without replacement, c of them accepted, hold an accepted one:
-    1 - C(n-c, k) / C(n, k), the unbiased estimator of pass@k from n samples (Chen et al. 2021, "Evaluating Large
-    Language Models Trained on Code")."""
+    """The chance that k of n replies (c accepted), drawn without replacement, hold an accepted one: 1 - C(n-c, k) /
+    C(n, k), the unbiased estimator of pass@k (Chen et al. 2021)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -1,7 +1,5 @@
-"""HellaSwag (Zellers et al. 2019, https://github.com/rowanz/hellaswag): each example is a context and 4 endings; the
-model picks the ending whose tokens, after context + " " + ending, have the lowest loss. `acc` ranks by the summed
-loss of the ending's tokens, `acc_norm` by their mean, as build-nanogpt's hellaswag.py and llm.c do (completion
-style, not the multiple-choice prompt of the Eleuther harness).
+"""HellaSwag (Zellers et al. 2019, https://github.com/rowanz/hellaswag): the model picks the one of 4 endings whose
+tokens have the lowest loss after the context, `acc` by the sum, `acc_norm` by the mean (docs/evaluation.md).
 """
 import contextlib
 import json
@@ -106,8 +104,7 @@ def ending_losses(model, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torc
 def evaluate_hellaswag(model, rendered: list[tuple], device="cpu", autocast=None, rank: int = 0,
                        world_size: int = 1, progress=None, stopped=None) -> dict[str, float] | None:
     """acc, acc_norm and the number of examples, from render_examples' output. Ranks, progress and stopped as in
-    evaluate_split; every rank runs the same number of forwards (a rank short of one scores a spare it does not
-    count), which sharded models need."""
+    evaluate_split; every rank runs as many forwards (a spare it does not count), which sharded models need."""
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # (right by sum, right by mean, examples)
     for step in range(math.ceil(len(rendered) / world_size)):
         if stopped is not None and stopped():

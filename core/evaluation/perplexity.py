@@ -1,10 +1,6 @@
-"""Perplexity and bits per byte on a whole split: every token of a prepared split is scored exactly once, from up to
-block_size tokens of context, in a fixed order, so the figure is deterministic and comparable across runs (the
-training loop's estimate_loss samples eval_iters random batches instead, for speed). Windows of block_size inputs
-start every `stride` tokens; a window scores only the targets that no earlier window scored. stride == block_size
-gives non-overlapping windows (fast; a token's context is whatever precedes it in its window, 1 to block_size
-tokens); a smaller stride gives every token scored after the first window at least block_size - stride + 1 tokens of
-context, for block_size / stride times the compute (the sliding window of Hugging Face's perplexity guide).
+"""Perplexity and bits per byte on a whole split: every token scored exactly once, in a fixed order, so the figure is
+deterministic and comparable across runs (training's estimate_loss samples random batches instead, for speed).
+Windows of block_size start every `stride` tokens, Hugging Face's sliding window (docs/evaluation.md).
 """
 import contextlib
 import functools
@@ -40,9 +36,8 @@ def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def split_windows(n_tokens: int, block_size: int, stride: int) -> list[tuple[int, int, int]]:
-    """The windows that score tokens 1..n_tokens-1 of a stream once each: (begin, end, new). A window feeds
-    tokens[begin:end] and predicts tokens[begin+1:end+1]; only its last `new` targets, which no earlier window
-    scored, are scored."""
+    """The windows (begin, end, new) that score tokens 1..n_tokens-1 of a stream once each: one feeds tokens[begin:end],
+    predicts tokens[begin+1:end+1] and scores its last `new` targets, which no earlier window scored."""
     if not 1 <= stride <= block_size:
         raise UserError(f"stride {stride} is larger than block_size {block_size}; windows would skip tokens"
                         if stride > 1 else f"stride must be in [1, block_size={block_size}], got {stride}")
@@ -69,15 +64,10 @@ class SplitResult:
 def evaluate_split(model, data: TokenData, stride: int | None = None, batch_size: int = 8, device="cpu",
                    autocast=None, rank: int = 0, world_size: int = 1, progress=None,
                    token_bytes: list[int] | None = None, stopped=None) -> SplitResult | None:
-    """Score every token of `data` (one split; each .bin file is its own stream) once; stride None: block_size.
-
-    With world_size > 1 each rank scores every world_size-th batch of windows and the sums are all-reduced.
-    progress(done, total) is called after each batch with how far into all the windows this rank is; stopped(),
-    before each batch on every rank alike (it may be a collective), and True ends the evaluation with None.
-
-    token_bytes (core.data.tokenizer.token_bytes: the UTF-8 bytes of each id) adds bits per byte: the summed loss in
-    bits over the bytes of the text scored, which models with different tokenizers share. As nanochat's
-    evaluate_bpb, special tokens (no bytes) are left out of both sums."""
+    """Score every token of `data` (one split; each .bin file is its own stream) once; stride None: block_size. Each
+    rank scores every world_size-th batch of windows, the sums all-reduced. progress(done, total) after each batch;
+    stopped() before each batch on every rank alike (it may be a collective): True ends it with None. token_bytes
+    (each id's UTF-8 bytes) adds bits per byte, special tokens left out of both sums as in nanochat's evaluate_bpb."""
     T = data.block_size
     stride = stride or T
     if data.starts is not None:  # chat: each conversation is its own stream (context never crosses into it)

@@ -1,6 +1,5 @@
-"""Checkpoints, saved (save) and resumed (restore): a training run's side; the format, and reading it for every
-script, is core/weights/checkpoint.py. A kill at any instant leaves a complete checkpoint under the current name
-or the previous one (ckpt.prev.pt, ckpt.prev.dcp), so it never costs more than the newest save.
+"""Checkpoints saved and resumed, a training run's side (the format: core/weights/checkpoint.py). A kill at any
+instant leaves a complete checkpoint under the current name or the previous one: it costs at most the newest save.
 """
 import json
 import os

@@ -1,5 +1,4 @@
-"""Peak FLOP/s for MFU (model FLOPs utilisation): the datasheet figure of known GPUs, a measured
-matmul on the CPU, else none. GPT.estimate_mfu divides the model's FLOPs per second by it.
+"""Peak FLOP/s for MFU (GPT.estimate_mfu divides by it): known GPUs' datasheet figure, a measured CPU matmul, or none.
 """
 import math
 import os
@@ -9,10 +8,9 @@ import torch
 
 from core.runtime import Runtime
 
-# Dense peak FLOP/s for MFU: NVIDIA's datasheet figures, whose tensor-core numbers are quoted with
-# 2:4 sparsity and are halved here. "tf32" is a float32 run with TF32 matmuls (setup() turns them on);
-# "float32" is the plain CUDA-core figure. Looked up by substring of torch.cuda.get_device_name(),
-# most specific first: "NVIDIA H100 NVL" and "NVIDIA H100 PCIe" must not match the SXM "H100" row.
+# Dense peak FLOP/s: NVIDIA's datasheet tensor-core figures are quoted with 2:4 sparsity, halved here; "tf32" is a
+# float32 run with TF32 matmuls (setup() turns them on), "float32" the CUDA cores'. Matched by substring of the
+# device name, most specific first: "NVIDIA H100 NVL" and "NVIDIA H100 PCIe" must not match the SXM "H100" row.
 DATASHEET_PEAK_FLOPS = (
     ("H200 NVL", {"bfloat16": 1671e12 / 2, "float16": 1671e12 / 2, "tf32": 835e12 / 2, "float32": 60e12}),
     ("H200", {"bfloat16": 1979e12 / 2, "float16": 1979e12 / 2, "tf32": 989e12 / 2, "float32": 67e12}),

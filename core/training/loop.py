@@ -34,9 +34,8 @@ def start(cls: type, argv, train) -> None:
 
 
 def parse_config(cls: type, argv):
-    """cls's defaults, then config files, then --key=value; a resume starts from the run's own config.json
-    (run_dir.resumed_config) instead of the defaults. Keys a checkpoint cannot take, such as another n_layer,
-    are refused when it loads."""
+    """cls's defaults (a resume's: the run's own config.json), then config files, then --key=value; keys a checkpoint
+    cannot take, such as another n_layer, are refused when it loads."""
     cfg = configlib.parse_args(cls, argv, validate=False)
     init_from = cfg.init_from
     if init_from == "auto" and cls.starts_from_scratch:  # decided here, once: resume or scratch from now on

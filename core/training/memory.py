@@ -1,9 +1,6 @@
-"""Training memory: a rough estimate from the model's shape alone, what a device has free, and
-out-of-memory errors turned into one line.
-
-The estimate is a pure function of the config: the parameter count is exact (the model is built on the meta
-device, so every GPTConfig switch counts), and activations use Korthikanti et al. 2022's per-layer count (section
-4.1), which is rough: it refuses runs that plainly do not fit, never tunes one.
+"""Training memory: an estimate from the config alone, what a device has free, out-of-memory errors in one line. The
+parameter count is exact (built on the meta device); activations follow Korthikanti et al. 2022 (section 4.1),
+which is rough: it refuses runs that plainly do not fit, never tunes one.
 """
 import dataclasses
 import os
@@ -18,7 +15,6 @@ from model import GPT
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one process needs to train a model: its parts and their total."""
     params: int
     grads: int
     optimizer: int
@@ -35,7 +31,6 @@ def _params_on_meta(config) -> list[tuple[str, torch.Tensor]]:
 
 
 def parameter_count(config) -> int:
-    """Parameters of a GPT of `config`, a tied head counted once."""
     return sum(p.numel() for _, p in _params_on_meta(config))
 
 
@@ -43,12 +38,11 @@ def estimate_training_memory(config, batch_size: int, optimizer: str = "adamw",
                              param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None,
                              seq_len: int | None = None, shards: int = 1, micro_steps: int = 1,
                              activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (default block_size) tokens: weights
-    and gradients in param_dtype, optimizer state in fp32, activations in compute_dtype (autocast's, default
-    param_dtype), one micro-batch's at a time. shards > 1 (fsdp): 1/shards of each, plus the Blocks gathered at a
-    time: two (the one running, the next prefetched), or with micro_steps > 1 every one, since they stay gathered
-    between micro-steps (parallel.micro_step). activation_checkpointing: a layer keeps only its input, and one
-    layer its whole set while it is recomputed in the backward pass."""
+    """Bytes to train a GPT of `config` on batch_size sequences of seq_len (None: block_size): weights and gradients
+    in param_dtype, optimizer state in fp32, one micro-batch's activations in compute_dtype. shards > 1 (fsdp): 1/shards
+    of each, plus the Blocks gathered at a time: two (running, prefetched), or every one with micro_steps > 1 (they
+    stay gathered between micro-steps). activation_checkpointing: each layer keeps only its input, and one layer its
+    whole set while it is recomputed."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     params = _params_on_meta(config)
@@ -97,9 +91,8 @@ def available_bytes(device: str) -> int | None:
 
 
 def check_fits(est: MemoryEstimate, device: str, processes_sharing: int = 1, what: str = "") -> None:
-    """Refuse with one line when the estimate plainly exceeds what the device has free.
-
-    processes_sharing: processes on this machine drawing from the same memory (CPU ranks share RAM)."""
+    """Refuse with one line when the estimate plainly exceeds what the device has free; processes_sharing: processes
+    on this machine drawing from the same memory (CPU ranks share RAM)."""
     free = available_bytes(device)
     needed = est.total * processes_sharing
     if free is None or needed <= free:

@@ -1,14 +1,11 @@
-"""The optimizer: AdamW, or Muon for the hidden matrices with AdamW for the rest. One home for the
-parameter groups, used by train.py, bench.py and the recipe comparison.
+"""The optimizer: AdamW, or Muon for the hidden matrices with AdamW for the rest; the parameter groups' one home.
 
     optimizer = build_optimizer(model, "muon", adamw_lr=1e-3, muon_lr=0.02, ...)
     set_lr(optimizer, get_lr(it, cfg) / cfg.learning_rate)   # the schedule scales every group's own lr
 
-Muon (Jordan et al. 2024, torch.optim.Muon) orthogonalises each 2-D update with a Newton-Schulz
-iteration, so every direction of a weight matrix moves at the same rate. It is meant for the
-hidden matrices only: the embedding is a lookup table (one row per token, not a linear map), the
-head's rows are read one per token too, and gains and biases are vectors. Those stay on AdamW
-(modded-nanogpt, nanochat do the same). Every device gets BatchedMuon, torch's step batched per shape.
+Muon (Jordan et al. 2024) orthogonalises each 2-D update (Newton-Schulz), so every direction of a matrix moves at
+the same rate: for hidden matrices only. The embedding and head are lookups (one row per token), gains and biases
+vectors: those stay on AdamW, as in modded-nanogpt and nanochat.
 """
 import contextlib
 import math
@@ -22,9 +19,8 @@ from core.runtime import native_bf16
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
-# Newton-Schulz's polynomials. "quintic": torch's (Jordan's) one at every step. "polar_express" (Amsel et al. 2025;
-# modded-nanogpt's 5-step schedule): one per step, fitted to where the spectrum stands after the steps before. Its
-# five steps end closer to orthogonal than the quintic's; its first four leave singular values as far as 1.58.
+# Newton-Schulz's polynomials: torch's one quintic at every step, or Polar Express's one per step (Amsel et al. 2025),
+# fitted to where the spectrum stands after the steps before (docs/recipe.md, muon_ns_coefficients).
 NS_COEFFICIENTS = ("quintic", "polar_express")
 POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
                  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -65,8 +61,7 @@ class MultiOptimizer:
 
 
 def torch_optimizers(optimizer) -> tuple[torch.optim.Optimizer, ...]:
-    """The torch optimizers inside `optimizer`, as torch.distributed.checkpoint's get_state_dict and
-    set_state_dict take them (they cannot see into a MultiOptimizer)."""
+    """The torch optimizers inside `optimizer`: torch.distributed.checkpoint cannot see into a MultiOptimizer."""
     return tuple(optimizer.optimizers.values()) if isinstance(optimizer, MultiOptimizer) else (optimizer,)
 
 
@@ -114,9 +109,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
 
 
 def ns_schedule(kind: str, steps: int) -> tuple[tuple[float, float, float], ...]:
-    """polar_express's first `steps` polynomials, one (a, b, c) per step. Its safety factor is folded
-    into the first: p(x / s) = (a / s) x + (b / s³) x³ + (c / s⁵) x⁵, so the iteration keeps Muon's
-    X / |X|_F start."""
+    """polar_express's first `steps` polynomials, one (a, b, c) per step, its safety factor folded into the first:
+    p(x / s) = (a / s) x + (b / s³) x³ + (c / s⁵) x⁵, so the iteration keeps Muon's X / |X|_F start."""
     if kind != "polar_express" or not 1 <= steps <= len(POLAR_EXPRESS):
         raise UserError(f"muon_ns_coefficients=polar_express holds {len(POLAR_EXPRESS)} steps' polynomials, got "
                         f"muon_ns_coefficients={kind}, muon_ns_steps={steps}; set muon_ns_steps to 1..{len(POLAR_EXPRESS)}")
@@ -126,12 +120,10 @@ def ns_schedule(kind: str, steps: int) -> tuple[tuple[float, float, float], ...]
 
 def newton_schulz(grad: torch.Tensor, coefficients, steps: int,
                   eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Muon's orthogonalisation of a 2-D update, or of a batch (k, m, n) of them, each on its own: torch's
-    quintic iteration X <- a X + (b A + c A²) X, A = X Xᵀ, in `dtype` (torch's is bfloat16 always).
-    coefficients: one (a, b, c) for every step, as torch's, or one per step (ns_schedule). A wide matrix takes
-    gram_newton_schulz in float32 or float64 only: in bfloat16 the Gram matrix's powers lose the small singular
-    values (relative error 2.1 against the loop's 0.08 on a decaying spectrum). DTensor shards (fully_shard)
-    take the loop, whose matmuls gather what they need as torch's do."""
+    """Muon's orthogonalisation of a 2-D update or a batch (k, m, n): X <- a X + (b A + c A²) X, A = X Xᵀ, in `dtype`
+    (torch's: bfloat16 always); coefficients one (a, b, c) or one per step. A wide matrix takes gram_newton_schulz in
+    float32/64 only: in bfloat16 the Gram matrix's powers lose the small singular values (relative error 2.1 against
+    the loop's 0.08 on a decaying spectrum). DTensor shards take the loop, whose matmuls gather as torch's do."""
     schedule = tuple(coefficients)[:steps] if isinstance(coefficients[0], (tuple, list)) else (coefficients,) * steps
     if len(schedule) < steps:
         raise ValueError(f"a Newton-Schulz schedule of {len(schedule)} polynomials cannot run {steps} steps")
@@ -174,13 +166,9 @@ def gram_newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, floa
 
 
 class BatchedMuon(torch.optim.Muon):
-    """torch.optim.Muon with Newton-Schulz in `ns_dtype`, and each shape's updates as one batch (k, m, n).
-
-    torch runs Newton-Schulz in bfloat16 unconditionally. Where bf16 is emulated, as on every AVX2-only CPU,
-    that is the whole cost of a step (docs/performance.md's Muon tables), and float32 is both fast and closer
-    to the exact orthogonalisation. torch offers no dtype switch, so this step is torch's _single_tensor_muon
-    line for line with that one call swapped. The state and param_groups are torch's own, so checkpoints move
-    between the two classes; tests/test_recipe.py pins the step to torch's update."""
+    """torch.optim.Muon with Newton-Schulz in `ns_dtype` (torch's is always bfloat16, the whole cost of a step where
+    emulated: docs/performance.md, Muon) and each shape's updates as one batch: torch's _single_tensor_muon line for
+    line otherwise, with torch's state and param_groups, so checkpoints move between the two (tests/test_recipe.py)."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs):
         super().__init__(params, **kwargs)
@@ -219,7 +207,6 @@ class BatchedMuon(torch.optim.Muon):
 
 
 def load_state(optimizer, state: dict) -> None:
-    """Restore a checkpoint's optimizer state into a freshly built optimizer of the same kind."""
     with restoring(optimizer, "muon" if set(state) == {"muon", "adamw"} else "adamw"):
         optimizer.load_state_dict(state)
 
@@ -229,9 +216,8 @@ RESUME_KEEPS = ("base_lr", "ns_steps", "ns_coefficients")  # group settings a re
 
 @contextlib.contextmanager
 def restoring(optimizer, saved_kind: str):
-    """Around any load of a checkpoint's state into `optimizer` (ckpt.pt's or ckpt.dcp's): the kinds must match,
-    and the rates and Newton-Schulz settings stay this run's (the loads bring back the saved groups'): a resume
-    may change learning_rate, muon_lr, muon_ns_steps or muon_ns_coefficients."""
+    """Around any load of a checkpoint's state into `optimizer`: the kinds must match, and RESUME_KEEPS stay this
+    run's (a load brings back the saved groups'), so a resume may change the rates and Newton-Schulz settings."""
     kind = "muon" if isinstance(optimizer, MultiOptimizer) else "adamw"
     if saved_kind != kind:
         raise UserError(f"the checkpoint was trained with optimizer={saved_kind}, this run uses optimizer={kind}; "
@@ -250,10 +236,9 @@ def set_lr(optimizer, scale: float) -> None:
 
 def lr_at(it: int, peak: float, min_lr: float, warmup_iters: int, decay_iters: int, schedule: str = "cosine",
           cooldown_frac: float = 0.2) -> float:
-    """Linear warmup over warmup_iters, then down to min_lr at decay_iters, then min_lr. "cosine" (nanoGPT):
-    a half cosine over the whole decay. "wsd" (warmup-stable-decay, Hu et al. 2024 "MiniCPM"; modded-nanogpt's):
-    the peak until the last cooldown_frac of decay_iters, then a straight line: the loss falls fastest while
-    the rate comes down, and the stable phase keeps it high for longer before that."""
+    """Linear warmup, then down to min_lr at decay_iters: "cosine" (nanoGPT) a half cosine over the whole decay, "wsd"
+    (warmup-stable-decay, Hu et al. 2024 "MiniCPM") the peak until the last cooldown_frac, then a straight line: the
+    loss falls fastest while the rate comes down, and the stable phase keeps the rate high for longer first."""
     if it < warmup_iters:
         return peak * (it + 1) / (warmup_iters + 1)
     if it >= decay_iters:

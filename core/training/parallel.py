@@ -1,13 +1,8 @@
 """Data parallelism, activation checkpointing, compile and the CPU's kernel choices, applied to the model from
 outside: the optimizer is built after parallelize (fsdp replaces the parameters by shards).
 
-ddp   every process holds the full weights, gradients and optimizer state (16 bytes per parameter
-      with AdamW in float32); DistributedDataParallel all-reduces the gradients.
-fsdp  torch.distributed.fsdp.fully_shard (FSDP2) on each Block, then on the root: each process keeps
-      1/N of every parameter, gradient and optimizer state, as DTensors. A Block's full weights are
-      all-gathered just before it runs and freed after it; gradients are reduce-scattered. This is
-      torchtitan's recipe (models/llama3/infra/parallelize.py), with PyTorch's own sharding.
-One process: neither wrapper, the same code path. GPT's parameter names and state_dict keys stay as they are.
+ddp: full copies per process, gradients all-reduced; fsdp: fully_shard (FSDP2) on each Block, then the root, as
+torchtitan does (docs/sharding.md). One process: neither wrapper, the same code path; GPT's names stay as they are.
 """
 import contextlib
 
@@ -77,9 +72,8 @@ def shard(model: torch.nn.Module, rt: runtime.Runtime) -> None:
 
 @contextlib.contextmanager
 def micro_step(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, last: bool):
-    """Gradients are reduced across processes once per optimizer step, on the last micro-step. fsdp also keeps
-    the gathered parameters and float32 gradients between micro-steps: memory for N-1 fewer all-gathers and
-    reduce-scatters per step."""
+    """Gradients are reduced across processes once per step, on the last micro-step; fsdp also keeps the gathered
+    parameters and float32 gradients between micro-steps: memory for N-1 fewer all-gathers and reduce-scatters."""
     if not rt.distributed or last and parallel == "ddp":
         yield
     elif parallel == "ddp":
@@ -96,6 +90,5 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This process's part of a tensor: a DTensor's local shard, any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 

@@ -1,6 +1,5 @@
-"""Pre-flight: what train.py (and rl.py) check before a run trains, each a one-line UserError, and the notes it
-prints about what it found: out_dir first, then the weights it starts from, between the resolver's two steps
-(located, not yet read), so a run that cannot work stops in seconds. Nothing here writes.
+"""Pre-flight: train.py's and rl.py's checks before a run trains (each a one-line UserError) and the notes they print:
+out_dir, then the weights between the resolver's two steps, so a run that cannot work stops in seconds. No writes.
 """
 import dataclasses
 import math

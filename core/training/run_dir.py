@@ -1,6 +1,4 @@
-"""The run directory: the config a run starts or resumes with (auto_init_from, resumed_config), the file it
-records it in (write_run_config), and the command that continues it (resume_command). What train.py checks
-before it trains is core/training/preflight.py.
+"""The run directory: the config a run starts or resumes with, the file it records it in, the command that continues it.
 """
 import json
 import os

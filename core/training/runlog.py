@@ -1,10 +1,6 @@
-"""The run log: out_dir/log.jsonl, one JSON record per logged iteration and per eval, and the same
-records on Weights & Biases when wandb_log=True. Every rank calls `write(record)`; rank 0 writes, and
-a failure (a full disk) stops every rank with the same one line.
-
-Each record also gets `time` (Unix seconds, wall clock) and `elapsed_s`: seconds since the log started,
-counted on from the last record kept when a run resumes, so a resumed run's log reads as one run's
-wall time (the time between a stop and its resume left out). plot.py --x=time draws against it.
+"""The run log: out_dir/log.jsonl, one JSON record per logged iteration and per eval (and on Weights & Biases with
+wandb_log). Every rank calls `write(record)`; rank 0 writes, and a failure (a full disk) stops every rank with the
+same one line. Each record gets `time` and `elapsed_s`, counted on across a resume (the pause left out).
 """
 import json
 import math

@@ -1,6 +1,5 @@
-"""The training loops' configuration: RunConfig, the keys train.py and rl.py share, and TrainConfig, train.py's.
-Defaults, overridden by config files, overridden by --key=value (core/config.py). bench.py and
-scripts/compare_recipe.py read the same config files, so it lives here rather than in train.py.
+"""RunConfig, the keys train.py and rl.py share, and TrainConfig, train.py's (core/config.py parses them); here,
+not in train.py, since bench.py and scripts/compare_recipe.py read the same config files.
 """
 import dataclasses
 import math
@@ -76,8 +75,7 @@ class RunConfig:
         resolver.check_init_from(self.init_from, scratch=self.starts_from_scratch)
 
 
-# GPTConfig's fields as TrainConfig's model section (config files and --key=value set any of them), each with its
-# --help text and allowed values from GPTConfig's own comments and CHOICES.
+# GPTConfig's fields as TrainConfig's model keys, their --help text and allowed values from its comments and CHOICES.
 _HELP = field_help(GPTConfig) | {"vocab_size": "None: the dataset's meta.json vocab_size"}
 ModelKeys = dataclasses.make_dataclass("ModelKeys", [
     (f.name, int | None if f.name == "vocab_size" else f.type,
@@ -163,7 +161,6 @@ class TrainConfig(RunConfig, ModelKeys):  # its keys: ModelKeys', then RunConfig
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:
-    """optim.lr_at on cfg's schedule, or learning_rate throughout (decay_lr=False)."""
     if not cfg.decay_lr:
         return cfg.learning_rate
     return optim.lr_at(it, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters, cfg.lr_schedule,
@@ -171,10 +168,8 @@ def get_lr(it: int, cfg: TrainConfig) -> float:
 
 
 def seq_len_at(it: int, cfg: TrainConfig) -> int:
-    """The training window's length at iteration it: seq_len_warmup_start, growing linearly to block_size over
-    seq_len_warmup_iters, rounded down to a multiple of the start (at most block_size / start shapes, each a
-    recompile under torch.compile): DeepSpeed's fixed_linear curriculum (Li et al. 2022). A function of it alone,
-    in integers, so every rank and resumed run agrees on it; the learning rate stays get_lr(it), as in Li et al."""
+    """The training window's length at iteration it (docs/recipe.md, seq_len_warmup_iters): a function of it alone,
+    in integers, so every rank and resumed run agrees on it."""
     if it >= cfg.seq_len_warmup_iters:
         return cfg.block_size
     start = cfg.seq_len_warmup_start
@@ -190,7 +185,6 @@ def local_accum_steps(cfg: TrainConfig, world_size: int) -> int:
 
 
 def make_optimizer(model, cfg: TrainConfig, device_type: str):
-    """cfg's optimizer (AdamW, or Muon + AdamW) over model's parameters, at cfg's peak learning rates."""
     return optim.build_optimizer(model, cfg.optimizer, cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                  device_type, cfg.muon_lr, cfg.muon_momentum, cfg.muon_weight_decay,
                                  cfg.muon_ns_steps, cfg.muon_ns_coefficients)

@@ -7,14 +7,10 @@ A checkpoint is one torch file holding only tensors and plain containers:
 "meta" carries the model arguments, the run config, the tokenizer metadata, the iteration and the best val loss.
 The model saved is always the plain (uncompiled, unwrapped) module: no '_orig_mod.' or 'module.' prefixes.
 
-Two files live in out_dir: ckpt.pt (the newest) and ckpt.prev.pt (the one before), both complete at every instant
-(a save replaces them atomically). Loading checks every record's CRC-32 (torch.load does not), so a truncated or
-bit-flipped file is an error, never silently wrong weights; a resume falls back to ckpt.prev.pt (load_latest).
-
-Sharded checkpoints (parallel="fsdp"; docs/sharding.md) are directories, ckpt.dcp and ckpt.prev.dcp, written by
-torch.distributed.checkpoint: each process's shards (__<rank>_0.distcp), DCP's pickled index (.metadata, read
-through an allowlist), rng.pt, and last meta.json ({"format", "meta" as above, "files": {name: CRC-32}}), with the
-same guarantees. They load into any number of processes, or into one plain GPT for sample.py and export.
+out_dir holds ckpt.pt and ckpt.prev.pt, both complete at every instant. Loading checks every record's CRC-32, which
+torch.load does not: a damaged file is an error, never wrong weights; a resume falls back to ckpt.prev.pt.
+Sharded checkpoints (fsdp), ckpt.dcp and ckpt.prev.dcp, are directories with the same guarantees (docs/sharding.md);
+they load into any number of processes, or into one plain GPT.
 """
 import contextlib
 import io
@@ -76,9 +72,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _verify_archive(path: Path) -> None:
-    """Check that `path` is a complete zip archive (what torch.save writes) whose records match their
-    CRC-32s. torch.load skips this check: a flipped bit in a tensor would load as a wrong weight.
-    It reads the file once more, at disk or page-cache speed."""
+    """Check that `path` is a complete zip archive (what torch.save writes) whose records match their CRC-32s,
+    reading the file once more, at disk or page-cache speed."""
     try:
         with zipfile.ZipFile(path) as archive:
             for info in archive.infolist():

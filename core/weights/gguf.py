@@ -1,9 +1,7 @@
 """An exported folder as a GGUF file for llama.cpp, through llama.cpp's own converter (export.py --format=gguf;
-bash scripts/fetch_llama_converter.sh unpacks the converter once).
-
-The converter names a byte-level BPE's pre-tokenizer by hashing the ids of one probe string, which knows GPT-2's
-BPE but no BPE trained here; where the folder's tokenizer.json splits with Llama 3's regex, this names it
-"llama-bpe" in place of the hash lookup, and refuses any other regex (docs/interop.md, "Another byte-level BPE").
+bash scripts/fetch_llama_converter.sh unpacks it once). The converter knows a BPE's pre-tokenizer by a hash of one
+probe's ids; a BPE trained here splits with Llama 3's regex, which this names "llama-bpe" in its place, refusing any
+other (docs/interop.md, "Another byte-level BPE").
 """
 import json
 import os

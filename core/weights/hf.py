@@ -1,14 +1,12 @@
-"""Our recipe variants <-> transformers architectures: which class computes exactly our function, and the
-config and state-dict maps both ways. docs/interop.md holds the table of switches and classes, and what each
-map relies on (RoPE on halves, grouped k/v heads, q/k norm before the rotation, Nemotron's (1 + w) norms).
+"""Our recipe variants <-> transformers architectures: which class computes exactly our function, and the config and
+state-dict maps both ways (docs/interop.md: the table of switches and classes, and what each map relies on).
 
     from core.weights import hf
     hf.architecture(model.config)                  # 'LlamaForCausalLM', or a UserError naming what no class holds
     hf_model = hf.to_transformers(model)           # a transformers model with our weights, same logits
     model = hf.from_transformers(hf_model)         # and back
 
-A class is listed only where its forward is our forward, switch by switch (read from transformers' modeling
-files; the tests compare logits to 1e-5).
+A class is listed only where its forward is ours, switch by switch (the tests compare logits to 1e-5).
 """
 import itertools
 import os

@@ -1,6 +1,5 @@
-"""A run as a transformers folder: the class that computes its recipe (hf.py), its weights checked against ours,
-the tokenizer, generation_config.json; written whole or not at all. export.py is the command; benchmarks and
-tests call export() on a model in hand.
+"""A run as a transformers folder (export.py's): the class that computes its recipe, its weights checked against
+ours, the tokenizer, generation_config.json; written whole or not at all.
 """
 from pathlib import Path
 

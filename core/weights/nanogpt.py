@@ -1,7 +1,5 @@
-"""nanoGPT's ckpt.pt read as this project's checkpoint (checkpoint.load_checkpoint calls from_nanogpt): every script
-that loads a run loads a nanoGPT out_dir as it is. docs/from-nanogpt.md says what maps to what: the "_orig_mod."
-prefix dropped, model_args as a GPTConfig at GPT-2's switches with nanoGPT's exact GELU, the vocabulary from
-data/<dataset>/meta.pkl (beside the run, then under the working directory) or GPT-2's BPE.
+"""nanoGPT's ckpt.pt read as this project's checkpoint (checkpoint.load_checkpoint calls from_nanogpt), so every
+script loads a nanoGPT out_dir as it is; what maps to what: docs/from-nanogpt.md.
 """
 import dataclasses
 from pathlib import Path

@@ -1,6 +1,5 @@
-"""Where a model's weights come from, in two steps: locate what init_from names (the architecture, the tokenizer,
-a checkpoint's contents: everything but the weights), then build the model. A script runs its own checks between
-the two, on the architecture, before any weight is read or allocated. init_from names one of
+"""Where a model's weights come from, in two steps: locate what init_from names (everything but the weights), then
+build the model; a script checks the architecture between the two, before any weight is read. init_from names one of
 
     scratch    new weights for the config train.py makes (Weights("scratch", config, "scratch"); train.py only)
     resume     the checkpoint in out_dir (training: also its optimizer, RNG and iteration)
@@ -12,9 +11,8 @@ the two, on the architecture, before any weight is read or allocated. init_from 
     model = resolver.build(w)                                    # on the CPU
     model, tok, source = resolver.load_model(init_from, out_dir) # both steps, as sample.py, eval.py, ... use it
 
-For training (locate(..., training=True)), resume reads the newest intact checkpoint (ckpt.prev.pt when ckpt.pt
-is damaged) and, sharded (fsdp), only its metadata, and the tokenizer stays metadata. Every problem is a
-UserError, in one line.
+For training, resume reads the newest intact checkpoint (sharded: only its metadata) and the tokenizer stays
+metadata. Every problem is a UserError, in one line.
 """
 import copy
 import dataclasses
@@ -109,10 +107,9 @@ def load_model(init_from: str, out_dir) -> tuple[GPT, Tokenizer, str]:
 
 
 def with_end_of_text(model: GPT, tok: Tokenizer) -> tuple[GPT, Tokenizer]:
-    """(model, tok), with <|endoftext|> appended to a character vocabulary prepared before every vocabulary
-    held one, as the next id; any other pair as it came. lm_eval and generate need one, and export.py and
-    serve.py both take this pair, so an old run's server and export agree. A model without a row for it gets a
-    copy grown by the mean row (GPT.grow_vocab: its logit the mean logit, so greedy text is unchanged)."""
+    """(model, tok), with <|endoftext|> appended as the next id to a character vocabulary that lacks one (lm_eval and
+    generate need it; export.py and serve.py both take this pair, so they agree); a model without a row for it gets
+    a copy grown by the mean row (its logit the mean logit, so greedy text is unchanged)."""
     if tok.eot_token is not None or not isinstance(tok, CharTokenizer):
         return model, tok
     meta = tok.meta()

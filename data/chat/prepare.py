@@ -6,11 +6,9 @@
     python data/chat/tasks.py --out_dir=data/chat && python data/chat/prepare.py \\
         --input=data/chat/tasks_train.jsonl --tokenizer_from=out-shakespeare-char-cpu --block_size=64
 
-Each line is one conversation, {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]},
-rendered through core/data/chat.py's template into {split}.bin (token ids), {split}_mask.bin (uint8, 1 where
-learned) and {split}_starts.bin (int64, each conversation's offset), then meta.json. A conversation longer than
-block_size + 1 tokens is cut or dropped (--overlong); a bad line stops the run with one line naming the file
-and line, and nothing is written. The tokenizer, the files and the checks: docs/chat.md.
+Each line is one conversation, {"messages": [{"role": ..., "content": "..."}, ...]}; one longer than block_size + 1
+tokens is cut or dropped (--overlong), and a bad line stops the run with one line, nothing written. The template,
+the files and the checks: docs/chat.md.
 """
 import dataclasses
 import json

@@ -4,9 +4,8 @@
     python data/chat/tasks.py --out_dir=/tmp/tasks --n_train=4000 --n_heldout=200
     python data/chat/tasks.py --tasks=reverse,upper,add         # add's digits need a BPE base (not characters)
 
-The tasks, their checkers and their split live in core/data/tasks.py (docs/chat.md): train conversations are
-the tasks' demonstrations, held-out ones their demos_heldout sets. A quarter of the train conversations carry a
-system message.
+The tasks live in core/data/tasks.py (docs/chat.md): train conversations are their demonstrations, held-out ones
+their demos_heldout sets; a quarter of the train conversations carry a system message.
 """
 import dataclasses
 import json

@@ -6,9 +6,8 @@
     python data/openwebtext/prepare.py --tokenizer=bpe:32768               # a BPE trained on the train split
     python data/openwebtext/prepare.py --tokenizer=path/to/hf_folder       # that model's tokenizer, to fine-tune it
 
---tokenizer is data/text/prepare.py's (gpt2 | bpe:VOCAB | a transformers folder or tokenizer.json; no char), with
-its marks around each document; the val split is whole documents. In GPT-2's BPE: about 9.0B train and 4.4M val
-tokens, ~18 GB of .bin, and the download and a tokenized copy in the Hugging Face cache (docs/training.md).
+--tokenizer is data/text/prepare.py's, without char; the val split is whole documents. In GPT-2's BPE: about 9.0B
+train and 4.4M val tokens, ~18 GB of .bin, plus the download and a tokenized copy in the hub cache (docs/training.md).
 """
 import dataclasses
 import sys

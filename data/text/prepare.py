@@ -5,9 +5,8 @@
     python data/text/prepare.py --input=a.txt --input=b.txt --tokenizer=gpt2         # GPT-2's BPE (tiktoken)
     python data/text/prepare.py --input=corpus.txt --separator='<|endoftext|>' --tokenizer=path/to/hf_folder
 
---input takes files or globs (quote them), several times or comma-separated. A document is one file, or with
---separator=LINE the lines between two lines that are exactly LINE; the val split is whole documents. The
-tokenizers, the marks between documents, the streaming and the files: docs/tokenizers.md.
+--input takes files or globs (quoted), several times or comma-separated; a document is one file, or with
+--separator=LINE the lines between two lines exactly LINE; the val split is whole documents (docs/tokenizers.md).
 """
 import dataclasses
 import sys
