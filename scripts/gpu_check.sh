@@ -79,7 +79,7 @@ step torchrun 70 python3 -m torch.distributed.run --standalone --nproc_per_node=
     --out_dir="$out/run_torchrun" --max_iters=8 --lr_decay_iters=8
 step sweep 80 python3 bench.py --preset=gpt2 --sections=train --out="$out/sweep.json" "${bench[@]}"
 step decode 100 python3 bench.py --preset=gpt2 --sections=decode --out="$out/decode.json" "${bench[@]}"
-# Only the files that mark a test gpu are collected (the whole suite's collection is most of a minute), in one
+# Only the files that mark a test gpu are collected (collecting the whole suite imports every test module), in one
 # process: the tests share one GPU.
 step pytest 110 python3 -m pytest -m gpu -v -rA -p no:cacheprovider -p no:xdist --continue-on-collection-errors \
     $(grep -l "mark\.gpu" tests/test_*.py)
