@@ -1,7 +1,7 @@
 """Shared pytest setup: the suite runs across the machine's cores, each worker on one torch thread; tests marked
 `gpu` skip cleanly where CUDA is not available; torch's process-wide settings are restored after every test.
 
-    python -m pytest                   # pytest-xdist: one worker per core (-n auto)
+    python -m pytest                   # pytest-xdist: one worker per core (-n auto --dist worksteal)
     python -m pytest -n 0              # one process, in file order (also -p no:xdist, and --pdb)
     python -m pytest -m "not slow"     # the loop while working: leaves out the tests over 20 s
 
@@ -15,12 +15,18 @@ import torch
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    # Parallel unless the command line says otherwise: -n given (-n 0 for serial), xdist disabled (-p no:xdist),
-    # or this process is itself a worker. Set here rather than in pytest.ini's addopts, where -n would be an
-    # unknown option under -p no:xdist.
-    if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
-            and not hasattr(config, "workerinput")):
-        config.option.numprocesses = "auto"  # xdist's count: the physical cores (one worker under --pdb)
+    # Parallel unless the command line says otherwise (-n 0), xdist is disabled (-p no:xdist), or this process is
+    # itself a worker. Set here rather than in pytest.ini's addopts, where -n would be an unknown option under
+    # -p no:xdist.
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    if config.option.numprocesses is None:
+        config.option.numprocesses = "auto"  # xdist's count: the physical cores (none under --pdb)
+    if config.option.dist == "no":
+        # Each worker starts on a contiguous share of the files and takes half of another's remaining tests when it
+        # runs out: a module's tests stay together, so its module-scoped fixtures (trained models, servers) are
+        # built on one worker, rarely two.
+        config.option.dist = "worksteal"
 
 
 def pytest_collection_modifyitems(config, items):
