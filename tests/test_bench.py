@@ -239,7 +239,7 @@ def test_decode_speedups_and_generation_medians(monkeypatch):
     monkeypatch.setattr(decode, "median_time", scripted([0.004, 0.001, 0.008, 0.002]))
     factors = iter([1, 1, 1, 5, 2, 1, 5, 2])  # the two warm-up calls, then no_cache x 3, cache x 3
 
-    def fake_token_times(model, prompt, new_tokens, use_cache, shift, rt):
+    def fake_token_times(model, prompt, new_tokens, use_cache, shift, rt, steps=None):
         return [(0.1 if use_cache else 0.3) * next(factors)] * new_tokens
 
     monkeypatch.setattr(decode, "token_times", fake_token_times)
