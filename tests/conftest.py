@@ -1,9 +1,9 @@
 """Shared pytest setup: the suite runs across the machine's cores, each worker on one torch thread; tests marked
 `gpu` skip cleanly where CUDA is not available; torch's process-wide settings are restored after every test.
 
-    python -m pytest                   # pytest-xdist: one worker per core (-n auto --dist worksteal)
+    python -m pytest                   # pytest-xdist: one worker per CPU (-n auto --dist worksteal)
     python -m pytest -n 0              # one process, in file order (also -p no:xdist, and --pdb)
-    python -m pytest -m "not slow"     # the loop while working: leaves out the tests over 20 s
+    python -m pytest -m "not slow"     # the loop while working: leaves out the slow ones (every test over 20 s)
 
 The markers themselves (`slow`, `gpu`) are declared in pytest.ini.
 """
@@ -21,12 +21,23 @@ def pytest_cmdline_main(config):
     if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
         return
     if config.option.numprocesses is None:
-        config.option.numprocesses = "auto"  # xdist's count: the physical cores (none under --pdb)
+        config.option.numprocesses = "auto"  # pytest_xdist_auto_num_workers below (none under --pdb)
     if config.option.dist == "no":
         # Each worker starts on a contiguous share of the files and takes half of another's remaining tests when it
         # runs out: a module's tests stay together, so its module-scoped fixtures (trained models, servers) are
         # built on one worker, rarely two.
         config.option.dist = "worksteal"
+
+
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: one worker per CPU this process may use, hyperthreads too (much of the suite waits on subprocesses,
+    servers and the disk), and at most one per 2 GiB of memory (the suite's largest process peaks near 1.3 GB).
+    PYTEST_XDIST_AUTO_NUM_WORKERS overrides it, as in xdist itself."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cpus, memory // 2**31))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,8 +4,9 @@
 
 CASES run the real scripts as a user would (`python train.py ...`, `python sample.py ...`,
 `python data/<name>/prepare.py ...`), a subprocess each: torch's import is most of each run. IN_PROCESS_CASES
-are more of the same kind, run through core.errors.run_cli in this process. Also the security guarantees: every torch.load is weights_only=True, a file carrying pickled
-Python objects is refused before any of it runs, and command-line values are literals, never evaluated.
+are more of the same kind, run through core.errors.run_cli in this process. Also the security guarantees: every
+torch.load is weights_only=True, a file carrying pickled Python objects is refused before any of it runs, and
+command-line values are literals, never evaluated.
 """
 import ast
 import json
