@@ -29,6 +29,7 @@ def pytest_cmdline_main(config):
         config.option.dist = "worksteal"
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown under -p no:xdist
 def pytest_xdist_auto_num_workers(config):
     """-n auto: one worker per CPU this process may use, hyperthreads too (much of the suite waits on subprocesses,
     servers and the disk), and at most one per 2 GiB of memory (the suite's largest process peaks near 1.3 GB).
