@@ -18,7 +18,7 @@
 #   sweep 80      bench.py's training step at micro-batches 8, 16, 32, 64 x 1024, eager and compiled
 #   decode 100    bench.py's decode section: GPT-2 small's step eager, fixed-shape, and captured as a CUDA graph at
 #                 batch 1 and the server's 4 and 16, bf16; the step against the bandwidth bound
-#   pytest 110    python -m pytest -m gpu
+#   pytest 110    python -m pytest -m gpu, on the test files that mark a test gpu
 # summary.md is what docs/performance.md's "On a GPU" takes: train.py's tokens/s, MFU, peak memory and loss, the
 # sweep, and decoding's ms a step eager and captured. Offline: no network, no ../shared. OUT_DIR also holds the runs'
 # checkpoints (GBs): keep summary.md and the *.txt, *.json and log.jsonl files.
@@ -79,7 +79,10 @@ step torchrun 70 python3 -m torch.distributed.run --standalone --nproc_per_node=
     --out_dir="$out/run_torchrun" --max_iters=8 --lr_decay_iters=8
 step sweep 80 python3 bench.py --preset=gpt2 --sections=train --out="$out/sweep.json" "${bench[@]}"
 step decode 100 python3 bench.py --preset=gpt2 --sections=decode --out="$out/decode.json" "${bench[@]}"
-step pytest 110 python3 -m pytest -m gpu -v -rA -p no:cacheprovider --continue-on-collection-errors
+# Only the files that mark a test gpu are collected (collecting the whole suite imports every test module), in one
+# process: the tests share one GPU.
+step pytest 110 python3 -m pytest -m gpu -v -rA -p no:cacheprovider -p no:xdist --continue-on-collection-errors \
+    $(grep -l "mark\.gpu" tests/test_*.py)
 
 python3 - "$out" > "$out/summary.md" <<'EOF'
 """What docs/performance.md's "On a GPU" takes from OUT_DIR: each step's status, train.py's own log, the sweep,

@@ -1,13 +1,12 @@
 """Bad input: every mistake below is one clear `error:` line naming the problem, exit 2, no traceback.
 
-    python -m pytest tests/test_bad_input.py                  # ~1 min on two CPU cores
-    python -m pytest tests/test_bad_input.py -m "not slow"    # the in-process cases, a few seconds
+    python -m pytest tests/test_bad_input.py
 
 CASES run the real scripts as a user would (`python train.py ...`, `python sample.py ...`,
-`python data/<name>/prepare.py ...`), three at a time (tests/helpers.run_many): torch's import is most
-of each run. IN_PROCESS_CASES are more of the same kind, run through core.errors.run_cli in this
-process. Also the security guarantees: every torch.load is weights_only=True, a file carrying pickled
-Python objects is refused before any of it runs, and command-line values are literals, never evaluated.
+`python data/<name>/prepare.py ...`), a subprocess each: torch's import is most of each run. IN_PROCESS_CASES
+are more of the same kind, run through core.errors.run_cli in this process. Also the security guarantees: every
+torch.load is weights_only=True, a file carrying pickled Python objects is refused before any of it runs, and
+command-line values are literals, never evaluated.
 """
 import ast
 import json
@@ -20,7 +19,7 @@ import torch
 from core.errors import UserError
 from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (REPO_ROOT, TINY_TRAIN, assert_user_error, cli_args, flip_a_weight_bit, make_char_dataset,
-                           run_main, run_many, train_tiny)
+                           run_main, run_script, train_tiny)
 
 TEXT = "First Citizen: Before we proceed any further, hear me speak.\nAll: Speak, speak.\n" * 60
 ALPHABET = sorted(set(TEXT))
@@ -103,39 +102,19 @@ def prepare(name: str, *args) -> list[str]:
     return [f"data/{name}/prepare.py", *args]
 
 
-# name: (command, fragments of the one error line), given the paths of make_world. Each runs as a
-# subprocess, `python script ...` (torch's import costs ~3 s of CPU each).
+# name: (command, fragments of the one error line), given the paths of make_world. Each runs as a subprocess,
+# `python script ...`, as a user would (torch's import costs ~3 s of CPU each): at least one per script, so that
+# each script's own __main__ (run_cli) and its imports are checked too; more of the same kind are IN_PROCESS_CASES.
 CASES = {
     # train.py
     "unknown_key_cli": lambda w: (train(w, learning_rat=0.1), ["unknown config key 'learning_rat' (command line)",
                                                                 "did you mean 'learning_rate'"]),
-    "unknown_key_file": lambda w: (train(w)[:1] + [str(w["config_unknown"])] + train(w)[1:],
-                                   ["unknown config key 'learning_rat'", "config_unknown.py"]),
-    "wrong_type": lambda w: (train(w, max_iters="ten"), ["config key 'max_iters' expects int, got 'ten'"]),
-    "n_embd_not_divisible": lambda w: (train(w, n_embd=33, n_head=2), ["n_embd (33) must be divisible by n_head (2)"]),
-    "unknown_init_from": lambda w: (train(w, init_from="gpt3"), ["unknown init_from 'gpt3'"]),
-    "absent_device": lambda w: (train(w, device="cuda:99"), ["device 'cuda:99'"]),  # no GPU, or not 100 of them
     "expression_on_command_line": lambda w: (
         train(w, max_iters=f"__import__('pathlib').Path('{w['marker']}').touch()"), ["'max_iters' expects int"]),
     "unwritable_out_dir": lambda w: (train(w, out_dir=w["file"] / "out"), ["cannot write to out_dir", "writable --out_dir"]),
-    "missing_dataset": lambda w: (train(w, data_dir=w["file"].parent / "nowhere"), ["meta.json not found",
-                                                                                     "prepare.py"]),
-    "empty_dataset": lambda w: (train(w, data_dir=w["data_empty"]), ["train.bin is empty"]),
-    "dataset_shorter_than_block": lambda w: (train(w, data_dir=w["data_short"]), ["fewer than block_size + 1 = 33"]),
-    "odd_byte_length": lambda w: (train(w, data_dir=w["data_odd"]), ["not a whole number of 2-byte uint16 tokens"]),
-    "resume_vocab_mismatch": lambda w: (resume(w, "resume_vocab", data_dir=w["data_other_vocab"]),
-                                        ["uses tokenizer 'char' with vocab", "use the same dataset"]),
-    "resume_block_size_larger": lambda w: (resume(w, "resume_block", block_size=64),
-                                           ["block_size 64 is larger than the checkpoint's 32"]),
-    "resume_not_our_checkpoint": lambda w: (resume(w, "out_not_ours"), ["not a checkpoint written by this project"]),
     # sample.py
-    "sample_prompt_outside_vocab": lambda w: (sample(w, "--start=Ω"), ["outside this", "'Ω'"]),
-    "sample_prompt_too_long": lambda w: (sample(w, f"--start={TEXT[:40]}"), ["40 tokens, longer than the model's "
-                                                                             "context of 32"]),
-    "sample_top_p": lambda w: (sample(w, "--top_p=1.5"), ["top_p must be in (0, 1]"]),
     "sample_bit_flipped_checkpoint": lambda w: (sample(w, out="out_bit_flipped"), ["ckpt.pt is truncated or corrupt",
                                                                                    "CRC-32"]),
-    "sample_pickled_objects": lambda w: (sample(w, out="out_pickle"), ["holds pickled Python objects", "Exploit"]),
     # prepare.py (no torch: quick)
     "prepare_missing_input": lambda w: (prepare("shakespeare_char", "--input=/nonexistent/input.txt",
                                                 f"--out_dir={w['file'].parent / 'prepared'}"),
@@ -155,6 +134,27 @@ CASES = {
 # More of the same kind, run in this process through core.errors.run_cli (what each script's __main__
 # does): the same exit code and stderr, without a torch import per case.
 IN_PROCESS_CASES = {
+    "unknown_key_file": lambda w: (train(w)[:1] + [str(w["config_unknown"])] + train(w)[1:],
+                                   ["unknown config key 'learning_rat'", "config_unknown.py"]),
+    "wrong_type": lambda w: (train(w, max_iters="ten"), ["config key 'max_iters' expects int, got 'ten'"]),
+    "n_embd_not_divisible": lambda w: (train(w, n_embd=33, n_head=2), ["n_embd (33) must be divisible by n_head (2)"]),
+    "unknown_init_from": lambda w: (train(w, init_from="gpt3"), ["unknown init_from 'gpt3'"]),
+    "absent_device": lambda w: (train(w, device="cuda:99"), ["device 'cuda:99'"]),  # no GPU, or not 100 of them
+    "missing_dataset": lambda w: (train(w, data_dir=w["file"].parent / "nowhere"), ["meta.json not found",
+                                                                                     "prepare.py"]),
+    "empty_dataset": lambda w: (train(w, data_dir=w["data_empty"]), ["train.bin is empty"]),
+    "dataset_shorter_than_block": lambda w: (train(w, data_dir=w["data_short"]), ["fewer than block_size + 1 = 33"]),
+    "odd_byte_length": lambda w: (train(w, data_dir=w["data_odd"]), ["not a whole number of 2-byte uint16 tokens"]),
+    "resume_vocab_mismatch": lambda w: (resume(w, "resume_vocab", data_dir=w["data_other_vocab"]),
+                                        ["uses tokenizer 'char' with vocab", "use the same dataset"]),
+    "resume_block_size_larger": lambda w: (resume(w, "resume_block", block_size=64),
+                                           ["block_size 64 is larger than the checkpoint's 32"]),
+    "resume_not_our_checkpoint": lambda w: (resume(w, "out_not_ours"), ["not a checkpoint written by this project"]),
+    "sample_prompt_outside_vocab": lambda w: (sample(w, "--start=Ω"), ["outside this", "'Ω'"]),
+    "sample_prompt_too_long": lambda w: (sample(w, f"--start={TEXT[:40]}"), ["40 tokens, longer than the model's "
+                                                                             "context of 32"]),
+    "sample_top_p": lambda w: (sample(w, "--top_p=1.5"), ["top_p must be in (0, 1]"]),
+    "sample_pickled_objects": lambda w: (sample(w, out="out_pickle"), ["holds pickled Python objects", "Exploit"]),
     "config_file_missing": lambda w: (["train.py", "config/nonexistent.py"], ["config file 'config/nonexistent.py' not found"]),
     "config_file_fails": lambda w: (["train.py", str(w["config_fails"])], ["failed to run: ZeroDivisionError"]),
     "float_for_int": lambda w: (train(w, batch_size=2.5), ["config key 'batch_size' expects int, got 2.5"]),
@@ -195,18 +195,26 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(world):
-    """Every CASES command's CompletedProcess, three at a time; the torchrun one (3 processes) first."""
-    commands = {name: make(world)[0] for name, make in CASES.items()}
-    commands = {"torchrun_accumulation": TORCHRUN + train(world, gradient_accumulation_steps=3)} | commands
-    return dict(zip(commands, run_many(list(commands.values()), parallel=3, timeout=300)))
+    """results(name): that CASES command's CompletedProcess ("torchrun_accumulation": train.py under torchrun), run
+    when a test first asks for it: a worker runs only the cases of its own tests."""
+    done = {}
+
+    def result(name: str):
+        if name not in done:
+            command = (TORCHRUN + train(world, gradient_accumulation_steps=3) if name == "torchrun_accumulation"
+                       else CASES[name](world)[0])
+            done[name] = run_script(*command, timeout=300)
+        return done[name]
+    return result
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_clear_line(results, world, name):
     _, fragments = CASES[name](world)
-    assert_user_error(results[name], *fragments)
-    assert len(results[name].stderr.strip().splitlines()) == 1, results[name].stderr  # nothing else on stderr
+    result = results(name)
+    assert_user_error(result, *fragments)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # nothing else on stderr
     assert not world["marker"].exists()  # nothing was evaluated or unpickled
 
 
@@ -229,7 +237,7 @@ def test_accumulation_not_divisible_by_world_size_under_torchrun(results):
     """torchrun reports the failed workers in its own summary (and exits 1); the workers' own output is
     our one line, printed once (by local rank 0: every rank has the same setting), exit 2, and no
     traceback from train.py."""
-    result = results["torchrun_accumulation"]
+    result = results("torchrun_accumulation")
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert lines == ["error: gradient_accumulation_steps (3) must be divisible by the number of processes (2); it "
@@ -240,7 +248,7 @@ def test_accumulation_not_divisible_by_world_size_under_torchrun(results):
 
 @pytest.mark.slow
 def test_no_training_started_for_an_unwritable_out_dir(results):
-    result = results["unwritable_out_dir"]
+    result = results("unwritable_out_dir")
     assert result.stdout == ""  # not even the model was built
 
 

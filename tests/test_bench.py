@@ -325,6 +325,7 @@ def test_thread_count_is_restored(tmp_path):
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.slow
 def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
     """A real serve.py process streams every request (benchmarks.serve checks each one's usage), alternated
     with the same requests through an in-process BatchEngine (which must give each its tokens too)."""

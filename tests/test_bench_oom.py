@@ -65,6 +65,7 @@ def test_json_is_written_after_each_section(tmp_path, monkeypatch):
     assert result["train"]["rows"][0]["step_s"] > 0
 
 
+@pytest.mark.slow
 def test_loop_section_compares_train_py_with_a_plain_loop(tmp_path, tmp_path_factory, capsys, monkeypatch):
     config = tmp_path / "tiny_loop.py"
     config.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\n"

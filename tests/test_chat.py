@@ -371,6 +371,7 @@ def test_fine_tune_starts_fresh_from_the_base_weights(sft_run):
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
+@pytest.mark.slow
 def test_sample_chat_prompt_answers_and_eval_reports_chat(sft_run):
     tmp, held_out = sft_run
     (tmp / "held.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in held_out))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from benchmarks import common, memory as bench_memory
 from core.errors import UserError
@@ -274,7 +275,7 @@ def test_sharded_checkpoint_never_unpickles_arbitrary_objects(sharded_out, tmp_p
     buf = io.BytesIO()
     torch.save(_Payload(), buf)
     with pytest.raises(pickle.UnpicklingError):
-        checkpoint._SafePlanner().load_bytes(None, io.BytesIO(buf.getvalue()))
+        checkpoint._safe_reader_and_planner()[1]().load_bytes(None, io.BytesIO(buf.getvalue()))
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -329,7 +330,7 @@ def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpointing.dcp.FileSystemWriter, "write_data", full)
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full)
     before = {p.name: p.read_bytes() for p in (sharded_out / checkpoint.SHARDED_NAME).iterdir()}
     argv = cli_args(TINY_TRAIN, out_dir=sharded_out, data_dir=data_dir)
     result = run_main(train.main, [*argv, "--parallel=fsdp", "--init_from=resume", "--max_iters=22"])
@@ -347,7 +348,7 @@ def test_a_failed_shard_write_names_its_cause_and_keeps_the_checkpoints(sharded_
     def denied(*args, **kwargs):
         raise PermissionError("shard write denied")
 
-    monkeypatch.setattr(checkpointing.dcp.FileSystemWriter, "write_data", denied)
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", denied)
     with pytest.raises(OSError, match=r"writing the shards failed \(.*shard write denied"):
         checkpointing.save_sharded(sharded_out, {"iter_num": 99}, model, torch.optim.AdamW(model.parameters()))
     assert not (sharded_out / checkpointing.SHARDED_TEMP).exists()

@@ -345,6 +345,7 @@ def test_nanogpts_readme_train_commands_parse_as_they_are(command):
         assert cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps == 491_520
 
 
+@pytest.mark.slow
 def test_nanogpts_cpu_quick_start_runs_here_as_written(tmp_path):
     """nanoGPT's README CPU run, word for word but for --max_iters (6 of its 2,000 iterations), then its sample."""
     use = tmp_path / "data" / "shakespeare_char"

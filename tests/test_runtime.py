@@ -28,7 +28,7 @@ SM = {"V100": (7, 0), "A100": (8, 0), "H100": (9, 0)}
 
 
 @pytest.fixture
-def fake_gpus(monkeypatch, restore_backend_flags):
+def fake_gpus(monkeypatch):  # the flags train.py sets on CUDA: restored by conftest.py after each test
     """A CUDA machine with `count` GPUs of compute capability `capability`, as far as the driver calls
     go. Returns the record of the calls, in order."""
     calls = []

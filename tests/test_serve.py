@@ -588,6 +588,7 @@ def test_the_key_guards_every_v1_route_and_no_other(chat):
 # whole characters, start-up, shut-down
 
 
+@pytest.mark.slow
 def test_stream_sends_whole_utf8_characters(tmp_path):
     """GPT-2's BPE splits 🙂 and 日本 into several byte tokens; no chunk may hold half of one."""
     use_gpt2_bpe()
@@ -862,6 +863,7 @@ def test_sixteen_concurrent_streams_greedy_and_seeded_get_their_lone_text(base):
     assert total > le8  # some decoding steps held more than 8 rows: the requests were batched
 
 
+@pytest.mark.slow
 def test_quantized_server_batches_the_int8_model_sample_py_decodes(base, char_out, tmp_path):
     """serve.py --quantize=int8: requests decoded at once (several rows a step) get sample.py --quantize=int8's
     greedy text, and their logprobs are not the float model's (an engine that kept the float weights)."""

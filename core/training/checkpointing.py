@@ -9,8 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from core.errors import UserError, first_line, is_disk_full
 from core.fileio import atomic_path, disk_full_error, fsync_dir, remove_orphaned_temps, write_json
@@ -167,6 +165,9 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
     """Write out_dir/ckpt.dcp, the current one becoming ckpt.prev.dcp; every process writes its own shards into
     SHARDED_TEMP, then rank 0 adds rng.pt and meta.json, last, and renames it into place. Raises OSError with both
     earlier checkpoints intact."""
+    import torch.distributed.checkpoint as dcp  # only fsdp runs pay its import (with DTensor's)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     out_dir, rank0 = Path(out_dir), not dist.is_initialized() or dist.get_rank() == 0
     tmp = out_dir / SHARDED_TEMP
     ok = True
@@ -211,6 +212,8 @@ def save_sharded(out_dir: str | os.PathLike, meta: dict[str, Any], model: torch.
 def load_sharded(path: Path, model: torch.nn.Module, optimizer) -> dict | None:
     """Load a sharded checkpoint into `model` and `optimizer`, sharded or not, at any number of processes;
     every process calls it. Returns the saved RNG states (rng.pt), or None."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     optimizers = optim.torch_optimizers(optimizer)
     model_state, optim_state = get_state_dict(model, optimizers)
     state = {"model": model_state, "optimizer": optim_state}

@@ -5,11 +5,9 @@ ddp: full copies per process, gradients all-reduced; fsdp: fully_shard (FSDP2) o
 torchtitan does (docs/sharding.md). One process: neither wrapper, the same code path; GPT's names stay as they are.
 """
 import contextlib
+import sys
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from core import kernels, runtime
@@ -30,6 +28,8 @@ def check_parallel(parallel: str, dtype: str) -> None:
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Keep only each Block's input in the forward pass and recompute its insides in the backward pass. The
     wrapper's state_dict hooks drop its prefix, so checkpoints keep GPT's names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     blocks = model.transformer.h
     for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block)
@@ -60,6 +60,9 @@ def parallelize(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, acti
 
 def shard(model: torch.nn.Module, rt: runtime.Runtime) -> None:
     """fully_shard each Block, then the root (embeddings, final norm, and the head tied to wte)."""
+    # Imported here: torch.distributed.fsdp brings in DTensor, 0.7 s of every start that never shards.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     kwargs = {}
     if rt.device_type == "cuda" and rt.dtype == "bfloat16":
         # bf16 copies for compute (what autocast would cast to anyway); the float32 shards stay the
@@ -85,10 +88,14 @@ def micro_step(model: torch.nn.Module, rt: runtime.Runtime, parallel: str, last:
         yield
 
 
+# A model is sharded, or a tensor a DTensor, only after shard() imported their modules: until then the answer is no,
+# and asking imports nothing.
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
