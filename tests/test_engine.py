@@ -408,8 +408,8 @@ def test_max_batch_queues_and_cancel_frees_the_slot(trained, kind):
 
     engine.start()
     try:
-        with one_thread():
-            got = asyncio.run(both())
+        with one_thread():  # bounded: a lost cancel fails here instead of generating 100,000 tokens
+            got = asyncio.run(asyncio.wait_for(both(), timeout=120))
     finally:
         engine.stop()
         engine.join()
