@@ -6,7 +6,6 @@
     python bench.py --sections=attention,decode        # only some of the SECTIONS below (speedrun is not in the
                                                        # default list: it trains for minutes)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
-    python bench.py --sections=muon --threads=0        # Muon's step alone: torch's against BatchedMuon, bf16 and float32
     python bench.py --sections=serve                   # serve.py streaming to 1, 4, 16, 64 clients vs in-process
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)
     python bench.py --sections=peers                   # ours, CTranslate2, llama.cpp: tokens/s per precision (docs/performance.md)
@@ -33,16 +32,15 @@ from typing import Sequence
 
 import torch
 
-from benchmarks import attention, decode, loop, memory, muon, peers, prepare, rolling, serve, speedrun, train
+from benchmarks import attention, decode, loop, memory, peers, prepare, serve, speedrun, train
 from benchmarks.common import at_least, merged_config, merged_presets, spec_list, with_preset
 from core import runtime
 from core.config import parse_args, to_dict
 from core.errors import UserError, run_cli
 from core.fileio import write_json
 
-SECTIONS = {"train": train, "loop": loop, "muon": muon, "attention": attention, "decode": decode,  # in run order
-            "prepare": prepare, "rolling": rolling, "memory": memory, "serve": serve, "speedrun": speedrun,
-            "peers": peers}
+SECTIONS = {"train": train, "loop": loop, "attention": attention, "decode": decode, "prepare": prepare,  # in run order
+            "memory": memory, "serve": serve, "speedrun": speedrun, "peers": peers}
 
 
 @dataclasses.dataclass

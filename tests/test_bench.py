@@ -282,7 +282,7 @@ def test_preset_fills_what_the_command_line_leaves():
 
 def test_the_default_run_leaves_out_the_sections_that_take_minutes():
     """`python bench.py` (docs/performance.md's whole run): every section but speedrun and peers, in run order."""
-    assert bench.General().sections == "train,loop,muon,attention,decode,prepare,rolling,memory,serve"
+    assert bench.General().sections == "train,loop,attention,decode,prepare,memory,serve"
 
 
 def test_the_docs_name_only_sections_that_exist():

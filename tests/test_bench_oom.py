@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import bench
-from benchmarks import common, decode, muon
+from benchmarks import common, decode
 from core import runtime
 from core.errors import UserError
 from tests.helpers import one_thread
@@ -87,21 +87,3 @@ def test_loop_section_compares_train_py_with_a_plain_loop(tmp_path, tmp_path_fac
     out = capsys.readouterr().out
     assert "train.py against a plain loop" in out and "| train.py + config/modern.py (Newton-Schulz in" in out
     assert f"config/modern.py / classic train.py: {r['recipe_over_train_py']:.2f}x" in out
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_muon_section_times_each_step_and_marks_the_one_this_device_gets(tmp_path, capsys, monkeypatch, native):
-    """torch's Muon and BatchedMuon in bf16 and float32, each a step on the recipe model's hidden matrices
-    (muon_shape on top), and the one core.training.optim.build_optimizer builds here marked, with bf16 faked native
-    and not."""
-    monkeypatch.setattr(muon.optim, "native_bf16", lambda device: native)
-    monkeypatch.setattr(muon.runtime, "native_bf16", lambda device: native)
-    with one_thread():
-        bench.main(tiny_argv(tmp_path, sections="muon", muon_shape="n_layer=2,n_head=2,n_embd=32"))
-    r = json.loads((tmp_path / "bench.json").read_text())["muon"]
-    assert r["matrices"] == 8 and r["shapes"] == [[32, 32], [32, 85], [96, 32], [170, 32]]  # SwiGLU: 2 x 85 hidden
-    assert [row["muon"] for row in r["rows"]] == list(muon.MUON_STEPS) and all(row["step_ms"] > 0 for row in r["rows"])
-    chosen = [row["muon"] for row in r["rows"] if row["chosen"]]
-    assert chosen == ["BatchedMuon, bf16" if native else "BatchedMuon, float32"]
-    out = capsys.readouterr().out
-    assert f"| {chosen[0]} (chosen here) |" in out and f"bf16 native here: {'yes' if native else 'no'}" in out

@@ -616,19 +616,6 @@ def test_compare_recipe_refuses_an_unknown_variant_in_one_line():
                       "unknown variant(s) nope; choose from classic, rope")
 
 
-def test_bench_rolling_section(tmp_path):
-    import bench
-
-    result = bench.main(["--sections=rolling", "--decode_n_layer=1", "--decode_n_embd=16", "--decode_n_head=2",
-                         "--decode_block_size=8", "--decode_contexts=4", "--roll_new_tokens=3", "--warmup=0",
-                         f"--out={tmp_path / 'bench.json'}"])
-    rows = result["rolling"]["rows"]
-    assert [r["way"] for r in rows] == ["learned, cache refilled", "rope, cache refilled", "rope, rolling cache",
-                                        "rope, cached step inside the context"]
-    assert all(r["ms_per_token"] > 0 for r in rows)
-    assert json.loads((tmp_path / "bench.json").read_text())["rolling"]["new_tokens"] == 3
-
-
 # --- the speedrun switches (bench.py --sections=speedrun) --------------------------------------
 
 def test_zero_init_proj_starts_every_block_as_the_identity_and_still_trains_them():
