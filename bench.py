@@ -1,10 +1,9 @@
 """Performance, measured side by side in one run: training, decoding, attention memory, serving, data preparation.
 
-    python bench.py                                    # CPU sizes: 470 s on 2 idle cores (docs/performance.md)
+    python bench.py                                    # CPU sizes: ~7.5 minutes on 2 idle cores (docs/performance.md)
     python bench.py --compile=False --repeats=5        # skip torch.compile; more timed repeats
     python bench.py --threads=1                        # one thread (the default 0: torch's, one per core); see THREADS
-    python bench.py --sections=attention,decode        # only some of the SECTIONS below (speedrun is not in the
-                                                       # default list: it trains for minutes)
+    python bench.py --sections=attention,decode        # some of SECTIONS (speedrun and peers run only when named)
     python bench.py --sections=memory                  # ddp vs fsdp state per process; activation checkpointing
     python bench.py --sections=serve                   # serve.py streaming to 1, 4, 16, 64 clients vs in-process
     python bench.py --sections=speedrun --speedrun_seeds=1337,1338   # time to a val loss: nanoGPT vs ours (docs/speedrun.md)

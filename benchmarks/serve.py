@@ -1,26 +1,25 @@
 """Serving under load: serve.py over HTTP against the same rows batched in this process, the ceiling.
 
-serve.py runs as its own process on a loopback port (the bench's torch threads, device and dtype) and
-loads a temporary checkpoint of random weights (speed does not depend on them) in the chosen shape:
-serve_shape=quickstart is config/train_shakespeare_char_cpu.py's model over a 65-symbol stand-in
-character vocabulary, serve_shape=gpt2 is GPT-2 small (GPTConfig's defaults) over GPT-2's BPE (offline:
-TIKTOKEN_CACHE_DIR). For each count in serve_clients, that many clients each stream one
-/v1/completions request at once (a serve_prompt_len-token prompt, serve_max_tokens new tokens, sampled
-at temperature 1 with their own seeds, no stop), against the same requests submitted at once to a
-BatchEngine in this process (no HTTP, no JSON, no text), with the same serve_max_batch and threads: the
-ceiling. The two sides alternate at each count, each repeat, so the load drifts less between them. Then the
-prefix cache: a serve_prefix_tokens-token prompt sent twice to the first server, each time's time to first
-token, and whether the second's greedy text is the first's. And what serve.py's --step_tokens trades, in this
-process: the CPU time per prompt token by chunk size, beside a decoding step's (budget_rows).
+serve.py runs as its own process on a loopback port (the bench's torch threads, device and dtype) and loads a temporary
+checkpoint of random weights (speed does not depend on them) in the chosen shape: serve_shape=quickstart is
+config/train_shakespeare_char_cpu.py's model over a 65-symbol stand-in character vocabulary, serve_shape=gpt2 is GPT-2
+small (GPTConfig's defaults) over GPT-2's BPE (offline: TIKTOKEN_CACHE_DIR). For each count in serve_clients, that many
+clients each stream one /v1/completions request at once (a serve_prompt_len-token prompt, serve_max_tokens new tokens,
+sampled at temperature 1 with their own seeds, no stop), against the same requests submitted at once to a BatchEngine in
+this process (no HTTP, no JSON, no text), with the same serve_max_batch and threads: the ceiling. The two sides
+alternate at each count, each repeat, so the load drifts less between them. Then the prefix cache: a
+serve_prefix_tokens-token prompt sent twice to the first server, each time's time to first token, and whether the
+second's greedy text is the first's. And what serve.py's --step_tokens trades, in this process: the CPU time per prompt
+token by chunk size, beside a decoding step's (budget_rows).
 
-Each side: aggregate tokens/s, time to first token at p50 and p95, wall seconds and CPU seconds (the
-server's from /proc, the in-process engine's from this process; the HTTP clients' CPU, also this
-process's, is reported apart), every figure the median of the repeats. The time ratio is the server's
-wall time over the in-process one (its goal: docs/serving.md, "Throughput"); the CPU ratio, which a loaded
-machine disturbs less, is the server's CPU seconds over the in-process ones.
+Each side: aggregate tokens/s, time to first token at p50 and p95, wall seconds and CPU seconds (the server's from
+/proc, the in-process engine's from this process; the HTTP clients' CPU, also this process's, is reported apart), every
+figure the median of the repeats. The time ratio is the server's wall time over the in-process one (its goal:
+docs/serving.md, "Throughput"); the CPU ratio, which a loaded machine disturbs less, is the server's CPU seconds over
+the in-process ones.
 
     python bench.py --sections=serve                                    # quick start, 1 4 16 64 clients
-    TIKTOKEN_CACHE_DIR=../shared/tiktoken_cache python bench.py --sections=serve --serve_shape=gpt2 \\
+    TIKTOKEN_CACHE_DIR=path/to/tiktoken_cache python bench.py --sections=serve --serve_shape=gpt2 \\
         --serve_max_tokens=16 --serve_max_batch=16 --repeats=1          # GPT-2 small's shape
     python bench.py --sections=serve --serve_shape=gpt2 --serve_quantize=int8 ...   # int8 weights on both sides
 """
@@ -135,8 +134,7 @@ def start_server(cfg, rt: runtime.Runtime, out_dir: Path, engine: str) -> tuple[
                              f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
                              f"--threads={torch.get_num_threads()}", f"--max_batch={cfg.serve_max_batch}",
                              f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1", f"--engine={engine}",
-                             f"--quantize={cfg.serve_quantize}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+                             f"--quantize={cfg.serve_quantize}"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -146,11 +144,6 @@ def start_server(cfg, rt: runtime.Runtime, out_dir: Path, engine: str) -> tuple[
         time.sleep(0.2)
     proc.kill()
     raise UserError(f"serve.py did not start for the serve section:\n{(out_dir / f'serve-{engine}.log').read_text()[-2000:]}")
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 async def at_once(one, clients: int) -> tuple[float, list[float]]:
@@ -242,12 +235,16 @@ def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
     return asyncio.run(every())
 
 
-def sent_twice(url: str, prompt: list[int], max_tokens: int) -> list[dict]:
-    """One prompt sent twice, greedy and streamed: each time's TTFT, text and cached tokens (the prefix cache)."""
-    async def once() -> dict:
+def prefix_row(cfg, url: str, vocab: int, block_size: int) -> dict:
+    """serve_prefix_tokens' prompt (another each repeat, so that its first time is cold) sent twice, greedy and
+    streamed: the medians of the two TTFTs, the tokens the second took from the prefix cache, and whether its text
+    was the first's."""
+    n = min(cfg.serve_prefix_tokens, block_size - cfg.serve_max_tokens)
+
+    async def once(prompt: list[int]) -> dict:
         t0, first, text, usage = time.perf_counter(), None, "", None
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        body = {"model": "bench", "prompt": prompt, "max_tokens": cfg.serve_max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         async for _, line in lean_stream(url, "/v1/completions", body):
             if line.startswith("data: {"):
                 chunk = json.loads(line[len("data: "):])
@@ -255,15 +252,8 @@ def sent_twice(url: str, prompt: list[int], max_tokens: int) -> list[dict]:
                 text += "".join(c["text"] for c in chunk["choices"])
                 usage = chunk.get("usage") or usage
         return {"ttft_ms": 1000 * first, "text": text, "cached": usage["prompt_tokens_details"]["cached_tokens"]}
-    return [asyncio.run(once()) for _ in range(2)]
-
-
-def prefix_row(cfg, url: str, vocab: int, block_size: int) -> dict:
-    """serve_prefix_tokens' prompt (another each repeat, so that its first time is cold) sent twice: the medians of
-    the two TTFTs, the tokens the second took from the prefix cache, and whether its greedy text was the first's."""
-    n = min(cfg.serve_prefix_tokens, block_size - cfg.serve_max_tokens)
-    runs = [sent_twice(url, [(7 * i + r) % vocab for i in range(n)], cfg.serve_max_tokens)
-            for r in range(cfg.warmup + cfg.repeats)][cfg.warmup:]
+    prompts = [[(7 * i + r) % vocab for i in range(n)] for r in range(cfg.warmup + cfg.repeats)]
+    runs = [[asyncio.run(once(prompt)), asyncio.run(once(prompt))] for prompt in prompts][cfg.warmup:]
     cold, warm = (statistics.median(run[k]["ttft_ms"] for run in runs) for k in (0, 1))
     return {"prompt_tokens": n, "cold_ttft_ms": cold, "warm_ttft_ms": warm, "speedup": cold / warm,
             "cached_tokens": statistics.median(run[1]["cached"] for run in runs),
@@ -337,7 +327,9 @@ def clients_rows(cfg, engine: BatchEngine, servers: dict[str, tuple[subprocess.P
 
 
 def ttft(ttfts: list[float]) -> dict:
-    return {"ttft_p50_ms": 1000 * percentile(ttfts, 0.5), "ttft_p95_ms": 1000 * percentile(ttfts, 0.95)}
+    """Times to first token at the 50th and 95th percentiles (the nearest rank), ms."""
+    ranked = sorted(ttfts)
+    return {f"ttft_p{q}_ms": 1000 * ranked[round(q / 100 * (len(ranked) - 1))] for q in (50, 95)}
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:

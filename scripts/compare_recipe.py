@@ -25,7 +25,8 @@ from typing import Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: core/ and model.py
+ROOT = Path(__file__).resolve().parents[1]  # the repository: core/, model.py and config/
+sys.path.insert(0, str(ROOT))
 from benchmarks import markdown  # noqa: E402
 from benchmarks.common import at_least, spec_list  # noqa: E402
 from core import config as configlib, kernels, runtime  # noqa: E402
@@ -37,7 +38,6 @@ from core.training import optim  # noqa: E402
 from core.training.train_config import TrainConfig, get_lr, make_optimizer  # noqa: E402
 from model import GPT, RECIPE_SWITCHES, GPTConfig  # noqa: E402
 
-MODERN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "modern.py"
 # The ReLU² recipe (LayerNorm, biases), measured best but computed by no transformers class, and the
 # exportable recipes nearest to it; config/modern.py is the Qwen3 one (docs/recipe.md).
 MODERN_SWITCHES = {"pos_embedding": "rope", "qk_norm": True, "mlp": "relu2", "tie_embeddings": False,
@@ -97,7 +97,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def variant_config(name: str, base: TrainConfig) -> TrainConfig:
     spec = VARIANTS[name]
-    overrides = configlib.read_config_file(str(MODERN_CONFIG)) if isinstance(spec, str) else dict(spec)
+    overrides = configlib.read_config_file(str(ROOT / spec)) if isinstance(spec, str) else dict(spec)
     if overrides.get("n_kv_head") == "half":
         overrides["n_kv_head"] = max(1, base.n_head // 2)
     cfg = configlib.apply_overrides(base, overrides, f"variant {name}")
@@ -208,13 +208,11 @@ def report(results_dir: Path) -> str:
         reach = iters_to_reach(r["curve"], target) if target is not None else None
         iter_ratio = reach / classic["curve"][-1][0] if reach is not None else None
         time_ratio = iter_ratio * ms / base_ms if iter_ratio is not None and ms and base_ms else None
-        rows.append([
-            name, ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "GPT-2",
-            f"{final:.4f}", f"{final - target:+.4f}" if target is not None else "",
-            f"{reach:.0f} ({iter_ratio:.2f}x)" if reach is not None else "not reached",
-            f"{ms:.1f}" if ms else "", f"{ms / base_ms:.2f}x" if ms and base_ms else "",
-            f"{time_ratio:.2f}x" if time_ratio is not None else "", f"{r['params']:,}",
-        ])
+        rows.append([name, ", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "GPT-2", f"{final:.4f}",
+                     f"{final - target:+.4f}" if target is not None else "",
+                     f"{reach:.0f} ({iter_ratio:.2f}x)" if reach is not None else "not reached",
+                     f"{ms:.1f}" if ms else "", f"{ms / base_ms:.2f}x" if ms and base_ms else "",
+                     f"{time_ratio:.2f}x" if time_ratio is not None else "", f"{r['params']:,}"])
     headers = ["variant", "switches", "val loss (whole split)", "vs classic", "iters to classic's final",
                "ms/iter", "vs classic", "time to classic's final", "params"]
     text = markdown.table(headers, rows) + "\n"

@@ -81,8 +81,7 @@ def upgrade(write: bool, run_tests: bool, pytest_args: list[str]) -> int:
     print(f"scratch venv: {scratch}", flush=True)
     venv.create(scratch, with_pip=True)
     python = str(scratch / "bin" / "python")
-    subprocess.run([python, "-m", "pip", "install", "-q", torch, "-r", str(ROOT / "requirements-dev.txt")],
-                   check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", torch, "-r", str(ROOT / "requirements-dev.txt")], check=True)
     new = frozen(python)
     diff = changes(old, new)
     print(f"{len(diff)} package(s) changed against {LOCK.name}:" if diff else f"no change against {LOCK.name}")

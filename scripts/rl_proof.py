@@ -105,8 +105,7 @@ def main(argv: list[str]) -> None:
         n = round(budget / SFT_TOKENS)
         stage(f"more SFT {seed}", ["train.py", *SFT, "--init_from=out-sft-checked-char", f"--seed={seed}",
                                    f"--out_dir=out-sft-more-s{seed}", f"--max_iters={n}", f"--lr_decay_iters={n}",
-                                   f"--eval_interval={n}", "--overwrite=True", *rates],
-              f"out-sft-more-s{seed}")
+                                   f"--eval_interval={n}", "--overwrite=True", *rates], f"out-sft-more-s{seed}")
     for name, r in results["runs"].items():
         r["tokens"] = rl_tokens(r["out_dir"]) if name.startswith(("RFT", "REINFORCE")) else \
             SFT_TOKENS * (json.loads((Path(r["out_dir"]) / "config.json").read_text())["max_iters"])

@@ -347,6 +347,7 @@ def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
         assert row["time_ratio"] == pytest.approx(row["server"]["s"] / row["in_process"]["s"])
         assert row["cpu_ratio"] == pytest.approx(row["server"]["cpu_s"] / row["in_process"]["cpu_s"])
     assert rows[0]["vs_first"] == rows[2]["vs_first"] == 1
+    assert serve["prefix"]["same_text"] and serve["prefix"]["cached_tokens"] > 0  # the second time, from the cache
     assert "### Serving" in capsys.readouterr().out
     assert json.loads((tmp_path / "bench.json").read_text())["serve"]["rows"][1]["clients"] == 3
 
