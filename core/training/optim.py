@@ -167,7 +167,7 @@ def gram_newton_schulz(x: torch.Tensor, schedule: tuple[tuple[float, float, floa
 
 class BatchedMuon(torch.optim.Muon):
     """torch.optim.Muon with Newton-Schulz in `ns_dtype` (torch's is always bfloat16, the whole cost of a step where
-    emulated: docs/performance.md, Muon) and each shape's updates as one batch: torch's _single_tensor_muon line for
+    emulated: docs/lab-notes.md, Muon) and each shape's updates as one batch: torch's _single_tensor_muon line for
     line otherwise, with torch's state and param_groups, so checkpoints move between the two (tests/test_recipe.py)."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.float32, **kwargs):
@@ -197,7 +197,7 @@ class BatchedMuon(torch.optim.Muon):
             for batch in updates.values():
                 params, ups = zip(*batch)
                 # One batched matmul per Newton-Schulz step for all k, which two cores share where k small ones
-                # mostly wait on each other (docs/performance.md, Muon's step alone). A DTensor shard: alone.
+                # mostly wait on each other (docs/lab-notes.md, Muon's step alone). A DTensor shard: alone.
                 orthogonal = (newton_schulz(torch.stack(ups), *args).unbind(0) if type(ups[0]) is torch.Tensor
                               else [newton_schulz(u, *args) for u in ups])
                 for p, update in zip(params, orthogonal):
