@@ -134,14 +134,16 @@ def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
     return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=Tk - Tq)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """softmax(q @ k^T / sqrt(hs)) over the keys, (..., Tq, hs) x (..., Tk, hs) -> (..., Tq, Tk)."""
+def attention_weights(q: torch.Tensor, k: torch.Tensor, causal: bool = False, mask=None) -> torch.Tensor:
+    """softmax(q @ k^T / sqrt(hs)) over the keys, (..., Tq, hs) x (..., Tk, hs) -> (..., Tq, Tk); mask (True: may
+    attend) defaults to causal_mask when causal."""
     # Dividing by sqrt(hs) keeps the scores at unit variance whatever the head size, so the
     # softmax does not saturate into a one-hot (Vaswani et al. 2017, section 3.2.1).
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., Tq, Tk)
-    if not causal:
+    if causal and mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (Tq, Tk)
+    if mask is None:
         return torch.softmax(scores, dim=-1)
-    mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (Tq, Tk)
     # -inf *before* the softmax gives masked keys exactly zero weight and renormalises the rest;
     # zeroing after the softmax would leave rows that no longer sum to 1.
     att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
@@ -274,11 +276,7 @@ class CausalSelfAttention(nn.Module):
     def _naive(self, q, k, v, attn_out, mask=None):
         group = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
-        if mask is None:
-            att = attention_weights(q, k, causal=True)  # (B, nh, T, Tk)
-        else:  # the cache's mask (B, 1, T, Tk): a key it leaves out is -inf
-            scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-            att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        att = attention_weights(q, k, causal=True, mask=mask)  # (B, nh, T, Tk); mask: the cache's (B, 1, T, Tk)
         if attn_out is not None:
             attn_out.append(att)
         return self.attn_dropout(att) @ v  # (B, nh, T, hs)
