@@ -223,10 +223,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, value_embed: bool = False):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.kv_heads, config.head_size
-        self.backend = config.attn_backend
-        self.dropout = config.dropout
-        kv_dim = self.n_kv_head * self.head_size
-        self.width = config.attn_width  # n_head * hs
+        self.backend, self.dropout = config.attn_backend, config.dropout
+        self.width, kv_dim = config.attn_width, self.n_kv_head * self.head_size  # n_head * hs, nkv * hs
         qkv_bias = config.bias if config.qkv_bias is None else config.qkv_bias
         self.c_attn = nn.Linear(config.n_embd, self.width + 2 * kv_dim, bias=qkv_bias)
         # qk_norm: the score q.k/sqrt(hs) of unit-RMS q and k is at most sqrt(hs) times the gains.
@@ -405,8 +403,7 @@ class GPT(nn.Module):
             ln_f=make_norm(config),
         ))
         if config.value_embeds:  # token value embeddings (modded-nanogpt), one row of nkv * hs per token
-            kv_dim = config.kv_heads * config.head_size
-            self.transformer["ve"] = nn.ModuleList(nn.Embedding(config.vocab_size, kv_dim)
+            self.transformer["ve"] = nn.ModuleList(nn.Embedding(config.vocab_size, config.kv_heads * config.head_size)
                                                    for _ in range(config.value_embeds))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -544,8 +541,7 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=True) -> int:
         """Parameter count, the tied wte/lm_head matrix once. non_embedding=True leaves out the position embeddings
         (nanoGPT's convention: the token embeddings stay in, since they are also the head's weights)."""
-        n = sum(p.numel() for p in self.parameters())
-        n += self.swapped_numel  # weights a module swapped in for decoding holds outside parameters()
+        n = sum(p.numel() for p in self.parameters()) + self.swapped_numel  # and what swap_module took out of them
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n

@@ -88,9 +88,7 @@ class RunHistory:
     def tokens_seen(self, it: int) -> int:
         """Tokens trained in the iterations before `it`: it x tokens_per_iter, except that under
         sequence-length warm-up the first windows are shorter (core.training.train_config.seq_len_at)."""
-        if not self.seq_len_warmup:
-            return it * self.tokens_per_iter
-        prefix = self._warmup_prefix
+        prefix = self._warmup_prefix if self.seq_len_warmup else [0]
         warm = len(prefix) - 1
         return prefix[min(it, warm)] + max(it - warm, 0) * self.tokens_per_iter
 

@@ -112,9 +112,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
     optimizer = optim.build_optimizer(raw_model, "adamw", cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                       rt.device_type)
     scaler = rt.grad_scaler()
-    iter_num = 0
-    if resuming:
-        iter_num = checkpointing.restore(w, raw_model, optimizer, scaler, rt, log)[0]
+    iter_num = checkpointing.restore(w, raw_model, optimizer, scaler, rt, log)[0] if resuming else 0
     tok_meta = w.tokenizer_meta
     del w
     stop.check(starting)

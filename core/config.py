@@ -44,12 +44,10 @@ def coerce(key: str, value: Any, tp, source: str) -> Any:
     inner = _optional_inner(tp)
     if inner is not None:
         return None if value is None else coerce(key, value, inner, source)
-    ok = (
-        (tp is bool and isinstance(value, bool))
-        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
-        or (tp is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-        or (tp is str and isinstance(value, str))
-    )
+    ok = ((tp is bool and isinstance(value, bool))
+          or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+          or (tp is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+          or (tp is str and isinstance(value, str)))
     if not ok:
         raise UserError(f"config key '{key}' expects {_type_name(tp)}, got {value!r} ({source})")
     return float(value) if tp is float else value
@@ -86,10 +84,8 @@ def read_config_file(path: str) -> dict[str, Any]:
         names = runpy.run_path(path)
     except Exception as e:  # the user's own file failed: say where, keep it one line
         raise UserError(f"config file '{path}' failed to run: {type(e).__name__}: {e}") from None
-    return {
-        k: v for k, v in names.items()
-        if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))
-    }
+    return {k: v for k, v in names.items()
+            if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
 
 
 def apply_overrides(cfg: T, overrides: dict[str, Any], source: str) -> T:
