@@ -12,7 +12,7 @@
 What each picture shows, and how a log still being written or resumed is read: docs/evaluation.md. An
 rl.py run (its records hold a reward) is drawn as rewards and each task's held-out exact match instead.
 """
-from core.errors import quiet_start
+from core.errors import UserError, quiet_start, run_cli
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import dataclasses
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Sequence
 
 from core.config import config_help, parse_args
-from core.errors import UserError, run_cli
 
 # --x: the eval records' key of each time axis (bench.py --sections=speedrun --speedrun_log_dir writes both)
 TIMES = {"seconds": "train_s", "cpu_seconds": "train_cpu_s"}

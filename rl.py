@@ -11,7 +11,7 @@ clipping or KL): a group all right or all wrong teaches nothing. The step and it
 log.jsonl, checkpoints and signals are train.py's, so every script reads an RL run as any other; a resume continues
 bit for bit, the prompts and replies drawn from (seed, iteration, prompt index) on any number of processes.
 """
-from core.errors import quiet_start
+from core.errors import UserError, alike_on_every_rank, quiet_start, run_cli
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import copy
@@ -30,7 +30,6 @@ from core.data import tasks as tasklib
 from core.data.chat import ChatTemplate
 from core.data.tokenizer import tokenizer_from_meta
 from core.decoding.replies import reply_text, sample_replies, sampler
-from core.errors import UserError, alike_on_every_rank, run_cli
 from core.evaluation.answers import task_scores
 from core.training import checkpointing, loop, optim, parallel, preflight, run_dir
 from core.training.runlog import RunLog, format_duration

@@ -14,7 +14,7 @@ TrainConfig's defaults, then config files, then --key=value (a resume: its own c
 to out_dir/config.json, every logged iteration and eval to log.jsonl. SIGTERM, SIGINT or SIGHUP (not under nohup)
 finishes the step or eval batch, saves and exits 0; during start-up it stops, writing nothing (docs/training.md).
 """
-from core.errors import quiet_start
+from core.errors import Stopped, UserError, alike_on_every_rank, quiet_start, run_cli
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import dataclasses
@@ -29,7 +29,6 @@ from tqdm import tqdm
 from core import config as configlib, runtime
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.data.tokenizer import tokenizer_from_meta, tokenizer_meta
-from core.errors import Stopped, UserError, alike_on_every_rank, run_cli
 from core.evaluation.hellaswag import hellaswag_scores, load_hellaswag, render_examples
 from core.training import checkpointing, flops, loop, optim, parallel, preflight, run_dir
 from core.training.runlog import RunLog, format_duration

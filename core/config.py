@@ -6,6 +6,7 @@ literals (ast.literal_eval), never evaluated. An unknown key or a wrong type is 
 closest valid ones. RENAMED ({name: (its key, value -> its value)}): other projects' names, e.g. nanoGPT's dataset.
 """
 import ast
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -125,10 +126,8 @@ def field_help(cls) -> dict[str, str]:
     helps = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):
-            try:
+            with contextlib.suppress(OSError, TypeError):  # made by dataclasses.make_dataclass: no source
                 helps |= _source_comments(textwrap.dedent(inspect.getsource(klass)))
-            except (OSError, TypeError):  # made by dataclasses.make_dataclass: no source
-                pass
     return helps | {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
 
 
