@@ -19,12 +19,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-ATTN_BACKENDS = ("sdpa", "naive")
-GELU_APPROXIMATIONS = ("tanh", "none")
-POS_EMBEDDINGS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "relu2", "swiglu")
-ROPE_TYPES = ("default", "llama3")
+# The values of GPTConfig's fields that are one of a few named choices (GPTConfig checks them).
+CHOICES = {"attn_backend": ("sdpa", "naive"), "gelu_approximate": ("tanh", "none"), "pos_embedding": ("learned", "rope"),
+           "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "relu2", "swiglu"), "rope_type": ("default", "llama3")}
 # GPT-2's four hub models as GPTConfig fields (nanoGPT's config_args); all have 1024 positions and biases.
 GPT2_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257),  # 124M parameters
                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257),  # 355M
@@ -122,9 +119,6 @@ class GPTConfig:
 # config and the transformers checks read this list).
 SHAPE_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "attn_backend")
 RECIPE_SWITCHES = tuple(f.name for f in fields(GPTConfig) if f.name not in SHAPE_FIELDS)
-# The values a switch takes where it is one of a few named choices (GPTConfig checks them).
-CHOICES = {"attn_backend": ATTN_BACKENDS, "gelu_approximate": GELU_APPROXIMATIONS, "pos_embedding": POS_EMBEDDINGS,
-           "norm": NORMS, "mlp": MLPS, "rope_type": ROPE_TYPES}
 
 
 def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
