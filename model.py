@@ -20,8 +20,9 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 # The values of GPTConfig's fields that are one of a few named choices (GPTConfig checks them).
-CHOICES = {"attn_backend": ("sdpa", "naive"), "gelu_approximate": ("tanh", "none"), "pos_embedding": ("learned", "rope"),
-           "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "relu2", "swiglu"), "rope_type": ("default", "llama3")}
+CHOICES = {"attn_backend": ("sdpa", "naive"), "gelu_approximate": ("tanh", "none"),
+           "pos_embedding": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "relu2", "swiglu"),
+           "rope_type": ("default", "llama3")}
 # GPT-2's four hub models as GPTConfig fields (nanoGPT's config_args); all have 1024 positions and biases.
 GPT2_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257),  # 124M parameters
                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257),  # 355M
@@ -535,7 +536,7 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=True) -> int:
         """Parameter count, the tied wte/lm_head matrix once. non_embedding=True leaves out the position embeddings
         (nanoGPT's convention: the token embeddings stay in, since they are also the head's weights)."""
-        n = sum(p.numel() for p in self.parameters()) + self.swapped_numel  # and what swap_module took out of them
+        n = sum(p.numel() for p in self.parameters()) + self.swapped_numel  # swap_module's, held outside parameters()
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n
