@@ -10,7 +10,7 @@ logits are checked against ours before writing, and a recipe no class holds is o
 --format=gguf converts the folder with llama.cpp's converter (bash scripts/fetch_llama_converter.sh fetches it),
 exporting the run into it first when the folder is new.
 """
-from core.errors import quiet_start
+from core.errors import UserError, quiet_start, run_cli
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import dataclasses
@@ -21,7 +21,6 @@ from typing import Sequence
 import torch
 
 from core.config import parse_args
-from core.errors import UserError, run_cli
 from core.runtime import DTYPES
 from core.weights import gguf, resolver
 from core.weights.hf_export import export

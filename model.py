@@ -19,12 +19,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-ATTN_BACKENDS = ("sdpa", "naive")
-GELU_APPROXIMATIONS = ("tanh", "none")
-POS_EMBEDDINGS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "relu2", "swiglu")
-ROPE_TYPES = ("default", "llama3")
+# The values of GPTConfig's fields that are one of a few named choices (GPTConfig checks them).
+CHOICES = {"attn_backend": ("sdpa", "naive"), "gelu_approximate": ("tanh", "none"),
+           "pos_embedding": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "relu2", "swiglu"),
+           "rope_type": ("default", "llama3")}
 # GPT-2's four hub models as GPTConfig fields (nanoGPT's config_args); all have 1024 positions and biases.
 GPT2_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257),  # 124M parameters
                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257),  # 355M
@@ -122,9 +120,6 @@ class GPTConfig:
 # config and the transformers checks read this list).
 SHAPE_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "attn_backend")
 RECIPE_SWITCHES = tuple(f.name for f in fields(GPTConfig) if f.name not in SHAPE_FIELDS)
-# The values a switch takes where it is one of a few named choices (GPTConfig checks them).
-CHOICES = {"attn_backend": ATTN_BACKENDS, "gelu_approximate": GELU_APPROXIMATIONS, "pos_embedding": POS_EMBEDDINGS,
-           "norm": NORMS, "mlp": MLPS, "rope_type": ROPE_TYPES}
 
 
 def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
@@ -134,14 +129,16 @@ def causal_mask(Tq: int, Tk: int, device=None) -> torch.Tensor:
     return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=Tk - Tq)
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """softmax(q @ k^T / sqrt(hs)) over the keys, (..., Tq, hs) x (..., Tk, hs) -> (..., Tq, Tk)."""
+def attention_weights(q: torch.Tensor, k: torch.Tensor, causal: bool = False, mask=None) -> torch.Tensor:
+    """softmax(q @ k^T / sqrt(hs)) over the keys, (..., Tq, hs) x (..., Tk, hs) -> (..., Tq, Tk); mask (True: may
+    attend) defaults to causal_mask when causal."""
     # Dividing by sqrt(hs) keeps the scores at unit variance whatever the head size, so the
     # softmax does not saturate into a one-hot (Vaswani et al. 2017, section 3.2.1).
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (..., Tq, Tk)
-    if not causal:
+    if causal and mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (Tq, Tk)
+    if mask is None:
         return torch.softmax(scores, dim=-1)
-    mask = causal_mask(q.size(-2), k.size(-2), q.device)  # (Tq, Tk)
     # -inf *before* the softmax gives masked keys exactly zero weight and renormalises the rest;
     # zeroing after the softmax would leave rows that no longer sum to 1.
     att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
@@ -221,10 +218,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, value_embed: bool = False):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.kv_heads, config.head_size
-        self.backend = config.attn_backend
-        self.dropout = config.dropout
-        kv_dim = self.n_kv_head * self.head_size
-        self.width = config.attn_width  # n_head * hs
+        self.backend, self.dropout = config.attn_backend, config.dropout
+        self.width, kv_dim = config.attn_width, self.n_kv_head * self.head_size  # n_head * hs, nkv * hs
         qkv_bias = config.bias if config.qkv_bias is None else config.qkv_bias
         self.c_attn = nn.Linear(config.n_embd, self.width + 2 * kv_dim, bias=qkv_bias)
         # qk_norm: the score q.k/sqrt(hs) of unit-RMS q and k is at most sqrt(hs) times the gains.
@@ -274,11 +269,7 @@ class CausalSelfAttention(nn.Module):
     def _naive(self, q, k, v, attn_out, mask=None):
         group = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
-        if mask is None:
-            att = attention_weights(q, k, causal=True)  # (B, nh, T, Tk)
-        else:  # the cache's mask (B, 1, T, Tk): a key it leaves out is -inf
-            scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-            att = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        att = attention_weights(q, k, causal=True, mask=mask)  # (B, nh, T, Tk); mask: the cache's (B, 1, T, Tk)
         if attn_out is not None:
             attn_out.append(att)
         return self.attn_dropout(att) @ v  # (B, nh, T, hs)
@@ -407,8 +398,7 @@ class GPT(nn.Module):
             ln_f=make_norm(config),
         ))
         if config.value_embeds:  # token value embeddings (modded-nanogpt), one row of nkv * hs per token
-            kv_dim = config.kv_heads * config.head_size
-            self.transformer["ve"] = nn.ModuleList(nn.Embedding(config.vocab_size, kv_dim)
+            self.transformer["ve"] = nn.ModuleList(nn.Embedding(config.vocab_size, config.kv_heads * config.head_size)
                                                    for _ in range(config.value_embeds))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -546,8 +536,7 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=True) -> int:
         """Parameter count, the tied wte/lm_head matrix once. non_embedding=True leaves out the position embeddings
         (nanoGPT's convention: the token embeddings stay in, since they are also the head's weights)."""
-        n = sum(p.numel() for p in self.parameters())
-        n += self.swapped_numel  # weights a module swapped in for decoding holds outside parameters()
+        n = sum(p.numel() for p in self.parameters()) + self.swapped_numel  # swap_module's, held outside parameters()
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n

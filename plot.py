@@ -12,7 +12,7 @@
 What each picture shows, and how a log still being written or resumed is read: docs/evaluation.md. An
 rl.py run (its records hold a reward) is drawn as rewards and each task's held-out exact match instead.
 """
-from core.errors import quiet_start
+from core.errors import UserError, quiet_start, run_cli
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import dataclasses
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Sequence
 
 from core.config import config_help, parse_args
-from core.errors import UserError, run_cli
 
 # --x: the eval records' key of each time axis (bench.py --sections=speedrun --speedrun_log_dir writes both)
 TIMES = {"seconds": "train_s", "cpu_seconds": "train_cpu_s"}
@@ -88,9 +87,7 @@ class RunHistory:
     def tokens_seen(self, it: int) -> int:
         """Tokens trained in the iterations before `it`: it x tokens_per_iter, except that under
         sequence-length warm-up the first windows are shorter (core.training.train_config.seq_len_at)."""
-        if not self.seq_len_warmup:
-            return it * self.tokens_per_iter
-        prefix = self._warmup_prefix
+        prefix = self._warmup_prefix if self.seq_len_warmup else [0]
         warm = len(prefix) - 1
         return prefix[min(it, warm)] + max(it - warm, 0) * self.tokens_per_iter
 

@@ -11,7 +11,7 @@ clipping or KL): a group all right or all wrong teaches nothing. The step and it
 log.jsonl, checkpoints and signals are train.py's, so every script reads an RL run as any other; a resume continues
 bit for bit, the prompts and replies drawn from (seed, iteration, prompt index) on any number of processes.
 """
-from core.errors import quiet_start
+from core.errors import UserError, alike_on_every_rank, quiet_start, run_cli
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import copy
@@ -23,15 +23,14 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 
 from core import config as configlib, runtime
 from core.data import tasks as tasklib
 from core.data.chat import ChatTemplate
 from core.data.tokenizer import tokenizer_from_meta
 from core.decoding.replies import reply_text, sample_replies, sampler
-from core.errors import UserError, alike_on_every_rank, run_cli
 from core.evaluation.answers import task_scores
+from core.evaluation.perplexity import target_losses
 from core.training import checkpointing, loop, optim, parallel, preflight, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import RunConfig
@@ -112,9 +111,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
     optimizer = optim.build_optimizer(raw_model, "adamw", cfg.learning_rate, cfg.weight_decay, (cfg.beta1, cfg.beta2),
                                       rt.device_type)
     scaler = rt.grad_scaler()
-    iter_num = 0
-    if resuming:
-        iter_num = checkpointing.restore(w, raw_model, optimizer, scaler, rt, log)[0]
+    iter_num = checkpointing.restore(w, raw_model, optimizer, scaler, rt, log)[0] if resuming else 0
     tok_meta = w.tokenizer_meta
     del w
     stop.check(starting)
@@ -204,12 +201,12 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
             with parallel.micro_step(model, rt, "ddp", last=start + chunk >= x.size(0)):
                 with rt.autocast():
                     logits = model(xs)[0]  # (rows, T, vocab)
-                logp = token_logprobs(logits, ys)  # (rows, T), 0 off the reply
+                logp = -target_losses(logits, ys)  # (rows, T) log-probabilities, 0 off the reply
                 # The sum over processes' reply tokens / n_tokens; DDP averages gradients, hence x world_size.
                 loss = -(adv[:, None] * logp).sum() / n_tokens * rt.world_size
                 if reference is not None:  # k3 estimator of KL(policy || reference) per reply token (Schulman)
                     with torch.no_grad(), rt.autocast():
-                        ref_logp = token_logprobs(reference(xs)[0], ys)
+                        ref_logp = -target_losses(reference(xs)[0], ys)
                     delta = (ref_logp - logp) * (ys >= 0)
                     kl = (delta.exp() - delta - 1).sum() / n_tokens * rt.world_size
                     loss = loss + cfg.kl_coef * kl
@@ -282,12 +279,6 @@ def pack(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor,
         x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
         y[i, len(prompt) - 1:len(seq) - 1] = torch.tensor(reply)
     return x.to(device), y.to(device)
-
-
-def token_logprobs(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """logits (N, T, vocab), targets y (N, T) -> log p(y) (N, T) in float32, 0 where y is -1."""
-    return -F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1,
-                            reduction="none").view_as(y)
 
 
 def global_sum(value: float, rt: runtime.Runtime) -> float:

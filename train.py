@@ -14,7 +14,7 @@ TrainConfig's defaults, then config files, then --key=value (a resume: its own c
 to out_dir/config.json, every logged iteration and eval to log.jsonl. SIGTERM, SIGINT or SIGHUP (not under nohup)
 finishes the step or eval batch, saves and exits 0; during start-up it stops, writing nothing (docs/training.md).
 """
-from core.errors import quiet_start
+from core.errors import Stopped, UserError, alike_on_every_rank, quiet_start, run_cli
 quiet_start(__name__)  # as a script: Ctrl-C during the imports below (seconds) is one line
 
 import dataclasses
@@ -29,8 +29,8 @@ from tqdm import tqdm
 from core import config as configlib, runtime
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.data.tokenizer import tokenizer_from_meta, tokenizer_meta
-from core.errors import Stopped, UserError, alike_on_every_rank, run_cli
 from core.evaluation.hellaswag import hellaswag_scores, load_hellaswag, render_examples
+from core.evaluation.perplexity import evaluating
 from core.training import checkpointing, flops, loop, optim, parallel, preflight, run_dir
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
@@ -230,36 +230,32 @@ def scratch_config(cfg: TrainConfig, data_meta: dict) -> GPTConfig:
     return GPTConfig(**(cfg.model_args() | {"vocab_size": cfg.vocab_size or data_meta["vocab_size"]}))
 
 
-@torch.no_grad()
+@evaluating
 def estimate_loss(model, data: dict[str, TokenData], cfg: TrainConfig, rt: runtime.Runtime,
                   stopped=None) -> dict[str, float] | None:
     """Mean loss over eval_iters fixed batches per split, shared among the processes; None if stopped() said so. The
     batches' own generators leave training's batches as they are and make every eval's numbers comparable."""
     out = {}
-    model.eval()
     # A bar on rank 0 for an eval that takes more than a few seconds (a GPU config on a CPU: minutes).
     padded = -(-cfg.eval_iters // rt.world_size) * rt.world_size  # batches per split, a multiple of world_size
-    bar = tqdm(total=len(data) * padded, desc="eval", unit=" batches", delay=5.0, leave=False,
-               disable=not rt.is_master, file=sys.stderr)
-    for split, ds in data.items():
-        total = torch.zeros(2, device=rt.device)  # (sum of losses, count)
-        # Every rank runs as many forwards (padded): under fsdp each one is a collective (its all-gathers).
-        for k in range(rt.rank, padded, rt.world_size):
-            if stopped is not None and stopped():
-                bar.close()
-                model.train()
-                return None
-            x, y = ds.get_batch(cfg.batch_size, batch_generator(cfg.seed, "eval", split, k % cfg.eval_iters), rt.device)
-            with rt.autocast():
-                _, loss = model(x, y)
-            if k < cfg.eval_iters:
-                total += torch.stack([loss.float(), torch.ones((), device=rt.device)])
-            bar.update(rt.world_size)  # every rank's batch of this round
-        if rt.distributed:
-            dist.all_reduce(total)
-        out[split] = (total[0] / total[1]).item()
-    bar.close()
-    model.train()
+    with tqdm(total=len(data) * padded, desc="eval", unit=" batches", delay=5.0, leave=False,
+              disable=not rt.is_master, file=sys.stderr) as bar:
+        for split, ds in data.items():
+            total = torch.zeros(2, device=rt.device)  # (sum of losses, count)
+            # Every rank runs as many forwards (padded): under fsdp each one is a collective (its all-gathers).
+            for k in range(rt.rank, padded, rt.world_size):
+                if stopped is not None and stopped():
+                    return None
+                gen = batch_generator(cfg.seed, "eval", split, k % cfg.eval_iters)
+                x, y = ds.get_batch(cfg.batch_size, gen, rt.device)
+                with rt.autocast():
+                    _, loss = model(x, y)
+                if k < cfg.eval_iters:
+                    total += torch.stack([loss.float(), torch.ones((), device=rt.device)])
+                bar.update(rt.world_size)  # every rank's batch of this round
+            if rt.distributed:
+                dist.all_reduce(total)
+            out[split] = (total[0] / total[1]).item()
     return out
 
 

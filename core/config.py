@@ -6,6 +6,7 @@ literals (ast.literal_eval), never evaluated. An unknown key or a wrong type is 
 closest valid ones. RENAMED ({name: (its key, value -> its value)}): other projects' names, e.g. nanoGPT's dataset.
 """
 import ast
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -44,12 +45,10 @@ def coerce(key: str, value: Any, tp, source: str) -> Any:
     inner = _optional_inner(tp)
     if inner is not None:
         return None if value is None else coerce(key, value, inner, source)
-    ok = (
-        (tp is bool and isinstance(value, bool))
-        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
-        or (tp is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-        or (tp is str and isinstance(value, str))
-    )
+    ok = ((tp is bool and isinstance(value, bool))
+          or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+          or (tp is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+          or (tp is str and isinstance(value, str)))
     if not ok:
         raise UserError(f"config key '{key}' expects {_type_name(tp)}, got {value!r} ({source})")
     return float(value) if tp is float else value
@@ -86,10 +85,8 @@ def read_config_file(path: str) -> dict[str, Any]:
         names = runpy.run_path(path)
     except Exception as e:  # the user's own file failed: say where, keep it one line
         raise UserError(f"config file '{path}' failed to run: {type(e).__name__}: {e}") from None
-    return {
-        k: v for k, v in names.items()
-        if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))
-    }
+    return {k: v for k, v in names.items()
+            if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
 
 
 def apply_overrides(cfg: T, overrides: dict[str, Any], source: str) -> T:
@@ -129,10 +126,8 @@ def field_help(cls) -> dict[str, str]:
     helps = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass):
-            try:
+            with contextlib.suppress(OSError, TypeError):  # made by dataclasses.make_dataclass: no source
                 helps |= _source_comments(textwrap.dedent(inspect.getsource(klass)))
-            except (OSError, TypeError):  # made by dataclasses.make_dataclass: no source
-                pass
     return helps | {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
 
 

@@ -108,9 +108,7 @@ def resolve_device(name: str, local_rank: int | None = None) -> str:
     if name == "auto":
         if torch.cuda.is_available():
             return resolve_device("cuda", local_rank)
-        if torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
     kind, _, index_text = name.partition(":")
     if kind == "cpu":
         return name

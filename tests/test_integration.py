@@ -77,6 +77,25 @@ class CountingModel(torch.nn.Module):
         return logits, torch.zeros(()) if y is not None else None
 
 
+def test_estimate_loss_runs_in_eval_mode_and_hands_the_model_back_training(data_dir):
+    """Dropout off during train.py's eval (its losses comparable from one eval to the next), no graph kept, and
+    the model training again afterwards, also when a signal ends the eval early."""
+    data = {split: TokenData(data_dir, split, 32) for split in ("train", "val")}
+    cfg = train.TrainConfig(eval_iters=2, batch_size=2, block_size=32)
+    rt = runtime.Runtime("cpu", "cpu", "float32")
+    seen = []
+
+    class ModeSeeingModel(CountingModel):
+        def forward(self, x, y=None):
+            seen.append((self.training, torch.is_grad_enabled()))  # (dropout on, a graph kept)
+            return super().forward(x, y)
+
+    model = ModeSeeingModel(CharTokenizer.from_text(TEXT).vocab_size)
+    assert set(train.estimate_loss(model, data, cfg, rt)) == {"train", "val"}
+    assert seen and set(seen) == {(False, False)} and model.training
+    assert train.estimate_loss(model, data, cfg, rt, stopped=lambda: True) is None and model.training
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_runs_as_many_eval_forwards(data_dir, tmp_path, monkeypatch, world_size):
     """estimate_loss (eval_iters=5), evaluate_hellaswag (5 examples) and evaluate_split on each rank of 2

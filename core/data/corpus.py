@@ -60,10 +60,9 @@ def make_tokenizer(spec: str, train_texts: Iterable[str] = (), chars: set[str] |
     if spec == "gpt2":
         return GPT2Tokenizer()
     if spec.startswith("bpe:"):
-        texts = iter(train_texts)
         print(f"training a byte-level BPE of {spec[4:]} ids on the train split", file=sys.stderr)
         start = time.perf_counter()
-        tok = train_bpe(texts, int(spec[4:]), BPE_RESERVED, progress=sys.stderr.isatty())
+        tok = train_bpe(iter(train_texts), int(spec[4:]), BPE_RESERVED, progress=sys.stderr.isatty())
         if tok.vocab_size < int(spec[4:]):
             print(f"the train split has only enough distinct pairs for {tok.vocab_size} ids", file=sys.stderr)
         print(f"trained the BPE in {time.perf_counter() - start:.1f}s", file=sys.stderr)

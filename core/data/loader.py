@@ -162,11 +162,9 @@ class TokenData:
             raise UserError(f"{self._describe()} has {max(self.sizes)} tokens{where}, fewer than block_size + 1 = "
                             f"{block_size + 1}; use a smaller block_size or more data")
         self._ends = np.cumsum(self.windows)
-        self.starts, self.mask_path = None, None
-        if "chat" in meta:
-            self.starts, self.mask_path = self._chat_files(meta_path)
-            if not loss_mask:
-                self.mask_path = None
+        self.starts, self.mask_path = self._chat_files(meta_path) if "chat" in meta else (None, None)
+        if not loss_mask:
+            self.mask_path = None
 
     def _chat_files(self, meta_path: Path) -> tuple[np.ndarray, Path]:
         mask_path, starts_path = (self.data_dir / f"{self.split}_{kind}.bin" for kind in ("mask", "starts"))

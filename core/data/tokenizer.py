@@ -125,10 +125,8 @@ def gpt2_encoding():
         import tiktoken
         return tiktoken.get_encoding(GPT2_ENCODING)
     except Exception as e:  # tiktoken downloads its BPE file on first use
-        raise UserError(
-            f"could not load GPT-2's BPE (tiktoken '{GPT2_ENCODING}'): {type(e).__name__}; without network, "
-            "set TIKTOKEN_CACHE_DIR to a folder that holds the r50k_base file"
-        ) from None
+        raise UserError(f"could not load GPT-2's BPE (tiktoken '{GPT2_ENCODING}'): {type(e).__name__}; without "
+                        f"network, set TIKTOKEN_CACHE_DIR to a folder that holds the r50k_base file") from None
 
 
 class GPT2Tokenizer(_Specials):

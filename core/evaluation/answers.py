@@ -62,7 +62,7 @@ def task_scores(model, template, name: str, problems: list, samples: int = 1, te
     "pass@k": {k: pass_at_k for k = 1, 2, 4, ... and samples}, "examples", "samples"}. Ranks, progress and stopped
     as in evaluate_split."""
     check = TASKS[name].check
-    ks = sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i <= samples} | {samples})
+    ks = sorted({2 ** i for i in range(samples.bit_length())} | {samples})  # 1, 2, 4, ... up to samples, and samples
     sums = torch.zeros(2 + len(ks), dtype=torch.float64)  # (reward, problems, pass@k for each k)
     for step in range(math.ceil(len(problems) / world_size)):  # as many stopped() calls on every rank
         if stopped is not None and stopped():

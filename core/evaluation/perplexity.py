@@ -31,7 +31,11 @@ def evaluating(fn):
 
 def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each target, x (B, T) -> (B, T) float32; 0 where y is -1."""
-    logits, _ = model(x, y)  # with targets the model returns logits at every position, (B, T, vocab)
+    return target_losses(model(x, y)[0], y)  # with targets the model returns logits at every position
+
+
+def target_losses(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """token_losses from logits (B, T, vocab): -log p(y), whose negative rl.py's policy gradient weighs."""
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none").view_as(y)
 
 

@@ -2,6 +2,7 @@
 parameter count is exact (built on the meta device); activations follow Korthikanti et al. 2022 (section 4.1),
 which is rough: it refuses runs that plainly do not fit, never tunes one.
 """
+import contextlib
 import dataclasses
 import os
 
@@ -76,13 +77,10 @@ def available_bytes(device: str) -> int | None:
     if kind == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0]  # (free, total)
     if kind == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
         try:  # not Linux: free pages (an underestimate: the page cache could be reclaimed)
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):

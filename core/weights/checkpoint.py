@@ -93,10 +93,7 @@ def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], 
 
 def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     """The checkpoint a run's out_dir holds (ckpt.pt, else fsdp's ckpt.dcp), or None."""
-    for name in (CKPT_NAME, SHARDED_NAME):
-        if (Path(out_dir) / name).exists():
-            return Path(out_dir) / name
-    return None
+    return next((p for p in (Path(out_dir) / CKPT_NAME, Path(out_dir) / SHARDED_NAME) if p.exists()), None)
 
 
 def _newest_intact(out_dir: Path, name: str, prev_name: str, load, meta_of, log) -> tuple[Any, Path]:

@@ -63,14 +63,14 @@ def base_tokenizer_meta(cfg: ChatPrepareConfig) -> dict:
         return tokenizer_meta(read_meta(path))
     from core.weights import checkpoint  # a run's out_dir; torch is needed only here
 
-    for name in (checkpoint.CKPT_NAME, checkpoint.SHARDED_NAME):
-        if (path / name).exists():
-            meta = checkpoint.load_checkpoint(path / name)["meta"]
-            if not isinstance(meta.get("tokenizer"), dict):
-                raise UserError(f"checkpoint {path / name} has no tokenizer metadata")
-            return meta["tokenizer"]
-    raise UserError(f"--tokenizer_from={path} holds neither meta.json (a prepared dataset) nor a checkpoint "
-                    f"(a run's out_dir with {checkpoint.CKPT_NAME})")
+    found = checkpoint.find_checkpoint(path)
+    if found is None:
+        raise UserError(f"--tokenizer_from={path} holds neither meta.json (a prepared dataset) nor a checkpoint "
+                        f"(a run's out_dir with {checkpoint.CKPT_NAME})")
+    meta = checkpoint.load_checkpoint(found)["meta"]
+    if not isinstance(meta.get("tokenizer"), dict):
+        raise UserError(f"checkpoint {found} has no tokenizer metadata")
+    return meta["tokenizer"]
 
 
 def read_conversations(paths: list[str], template: ChatTemplate) -> list[tuple[list[int], list[int]]]:

@@ -16,8 +16,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make the repo's core/ importable
 
 from core.config import parse_args  # noqa: E402
-from core.data.corpus import prepare_corpus  # noqa: E402
-from core.data.corpus import check_tokenizer_spec  # noqa: E402
+from core.data.corpus import check_tokenizer_spec, prepare_corpus  # noqa: E402
 from core.data.writer import script_out_dir  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
 
