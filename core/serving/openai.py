@@ -43,25 +43,29 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
-class RequestBase(StrictModel):
-    """What completions and chat completions share: OpenAI's fields, then vLLM's (the openai client's extra_body)."""
+class Generating(StrictModel):
+    """What every request that generates takes: OpenAI's fields, and vLLM's stop and ignore_eos."""
     model: str | None = None  # None: the one served (vLLM's)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    stream: bool = False
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+
+
+class RequestBase(Generating):
+    """What completions and chat completions share: OpenAI's fields, then vLLM's (the openai client's extra_body)."""
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     top_k: int | None = None  # not OpenAI's; vLLM's extra field (extra_body={"top_k": ...})
     n: int = 1
-    stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float = 1.0
     min_tokens: int = 0
-    ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_p: float = 0.0
@@ -87,19 +91,13 @@ class ChatRequest(RequestBase):
     add_special_tokens: bool = False  # vLLM's default for chat: the template has placed what it needs
 
 
-class ResponsesRequest(StrictModel):
-    """OpenAI's Responses API, text in and text out; vLLM's stop and ignore_eos (guidellm sends them)."""
-    model: str | None = None
+class ResponsesRequest(Generating):
+    """OpenAI's Responses API, text in and text out (guidellm sends vLLM's stop and ignore_eos)."""
     input: str | list[dict[str, Any]]  # a user message's text, or messages (checked by respond)
     instructions: str | None = None  # a system message before the input; not carried to the next response
     previous_response_id: str | None = None  # the conversation so far: a response this server stored
     store: bool = True  # kept for a later previous_response_id
     max_output_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stream: bool = False
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
 
 
 class TokenizeRequest(StrictModel):
@@ -125,6 +123,12 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> "ErrorResponse":
+        return ErrorResponse(self.body(), status_code=self.status)
+
 
 class ErrorDetail(BaseModel):
     message: str
@@ -148,11 +152,6 @@ def errors(*statuses: int) -> dict:
     return {status: {"model": ErrorBody, "description": WHY[status]} for status in statuses}
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
 class ErrorResponse(JSONResponse):
     """In ASCII: what a message quotes back from a request (a lone surrogate, say) cannot fail to encode."""
 
@@ -160,54 +159,43 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content).encode()
 
 
-def error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> ErrorResponse:
-    return ErrorResponse(error_body(message, type, param, code), status_code=status)
+def as_api_error(e: Exception) -> APIError:
+    """What an exception tells the client: a status, and the body sent whole or, once a stream has started, in it."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, HTTPException):
+        return APIError(e.status_code, str(e.detail), code=str(e.status_code))
+    if isinstance(e, EngineDied):  # also /health's (docs/serving.md, "When the engine dies")
+        return APIError(503, f"{e}; the server cannot generate and is exiting, to be restarted by its supervisor",
+                        code="engine_dead", type="server_error")
+    if isinstance(e, NothingToDraw):
+        return APIError(400, f"{e}; allow more tokens or ban fewer")
+    if isinstance(e, ServerStopping):
+        return APIError(503, "the server is shutting down; the reply is incomplete", type="server_error")
+    return APIError(500, f"internal error: {first_line(e)}", type="server_error")
 
 
-async def api_error(request, e: APIError):
-    return error(e.status, e.message, e.type, e.param, e.code)
+async def refuse(request, e: Exception) -> ErrorResponse:
+    return as_api_error(e).response()
 
 
 async def invalid(request, e: RequestValidationError):
     err = e.errors()[0]
     if err["type"] == "json_invalid":
-        return error(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+        return APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}").response()
     loc = [str(part) for part in err["loc"] if part != "body"]
     param = loc[0] if loc else None  # the request's field; deeper parts name union members or list items
     if err["type"] == "extra_forbidden":
         where = f" (in {'.'.join(loc[:-1])})" if len(loc) > 1 else ""
-        return error(400, f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; leave it out "
-                          f"(docs/serving.md lists the fields it takes)", param=param, code="unsupported_field")
+        return APIError(400, f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; leave it out "
+                             f"(docs/serving.md lists the fields it takes)", param, "unsupported_field").response()
     got = json.dumps(err.get("input"), default=repr)[:80] if err["type"] != "missing" else "nothing"
-    return error(400, f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}", param=param)
+    return APIError(400, f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}", param).response()
 
 
-async def http_error(request, e: HTTPException):
-    return error(e.status_code, str(e.detail), code=str(e.status_code))
-
-
-def engine_dead_body(failure: str) -> dict:
-    """/health's and every request's 503 once the engine process has died (docs/serving.md, "When the engine dies")."""
-    return error_body(f"{failure}; the server cannot generate and is exiting, to be restarted by its supervisor",
-                      "server_error", code="engine_dead")
-
-
-async def engine_died(request, e: EngineDied):
-    return ErrorResponse(engine_dead_body(str(e)), status_code=503)
-
-
-async def nothing_to_draw(request, e: NothingToDraw):
-    return error(400, f"{e}; allow more tokens or ban fewer")
-
-
-async def crash(request, e: Exception):
-    return error(500, f"internal error: {first_line(e)}", "server_error")
-
-
-# The app's exception handlers: every error a JSON body in OpenAI's shape.
-HANDLERS = {APIError: api_error, RequestValidationError: invalid, HTTPException: http_error, EngineDied: engine_died,
-            NothingToDraw: nothing_to_draw, Exception: crash}
+# The app's exception handlers: every error a JSON body in OpenAI's shape (the ones named here without a traceback).
+HANDLERS = dict.fromkeys((APIError, HTTPException, EngineDied, NothingToDraw, ServerStopping, Exception), refuse)
+HANDLERS[RequestValidationError] = invalid
 
 
 # -----------------------------------------------------------------------------
@@ -242,12 +230,6 @@ def text_of(content, kinds: tuple[str, ...] = ("text",)):
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds for p in content):
         return "".join(str(p.get("text", "")) for p in content)
     return content
-
-
-def messages_of(req: ChatRequest) -> list[dict]:
-    """{role, content} dicts, their content as text_of reads it."""
-    return [{"role": m.get("role"), "content": text_of(m.get("content"))} if "content" in m else m
-            for m in req.messages]
 
 
 def engine_request(served: ServedModel, req: RequestBase, prompt: list[int], max_tokens: int, chat: bool,
@@ -396,6 +378,42 @@ def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
         raise APIError(400, "prompt must be a string, a list of strings, or token ids; got an empty list", "prompt")
     prompts = [prompt_ids(served.tok, x, req.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
     return [check_length(served, truncated(served, req, ids), "prompt") for ids in prompts]
+
+
+def completion_requests(served: ServedModel, req: CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
+    """A completion's request checked: (an EngineRequest per prompt, the stop strings)."""
+    check_model(served, req.model)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+    max_tokens, stops, seed = check_params(served, req, default_max=16, allow_zero=req.echo)  # 16: OpenAI's default
+    if req.echo and req.stream:
+        raise APIError(400, "echo with stream is not supported; leave one out", "echo")
+    return [engine_request(served, req, p, max_tokens, False, req.logprobs, (req.logprobs or 0) if req.echo else None,
+                           seed) for p in prompts_of(served, req)], stops
+
+
+def chat_requests(served: ServedModel, req: ChatRequest, param: str = "messages") -> tuple[list, list[str]]:
+    """A chat completion's request checked, its messages rendered by the chat template (errors naming param):
+    ([its EngineRequest], the stop strings)."""
+    check_model(served, req.model)
+    if served.template is None:
+        raise APIError(400, f"model '{served.name}' has no chat template (a base model, its tokenizer has no chat "
+                            f"tokens); use /v1/completions", param, "no_chat_template")
+    if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= MAX_LOGPROBS):
+        raise APIError(400, f"top_logprobs must be in 0..{MAX_LOGPROBS}, and needs logprobs=true", "top_logprobs")
+    messages = [{"role": m.get("role"), "content": text_of(m.get("content"))} if "content" in m else m
+                for m in req.messages]
+    try:
+        prompt = served.template.render_prompt(messages)
+    except UserError as e:
+        raise APIError(400, str(e), param) from None
+    if req.add_special_tokens:
+        prompt = with_special_tokens(served.tok, prompt)
+    prompt = check_length(served, truncated(served, req, prompt), param)
+    default = max(1, min(served.max_tokens_limit, served.block_size - len(prompt)))
+    max_tokens, stops, seed = check_params(served, req, default_max=default)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return [engine_request(served, req, prompt, max_tokens, True, logprobs, None, seed)], stops
 
 
 # -----------------------------------------------------------------------------
@@ -555,16 +573,6 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
             served.metrics.done(h)
 
 
-async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest], stops: list[str],
-                shape: Shape) -> dict | StreamingResponse:
-    """The reply to req in its endpoint's shape, generated by reqs (one per prompt, each with its n choices)."""
-    r = Reply(served, req, reqs, stops, shape)
-    if not req.stream:
-        return await r.whole()
-    return StreamingResponse(r.events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
 class Reply:
     """One reply: its id and time, its choices' text rules (stop strings; stop ids unless ignore_eos; special
     tokens hidden with skip_special_tokens), and its choices as they grow."""
@@ -580,6 +588,13 @@ class Reply:
         self.id, self.created = f"{shape.id_prefix}-{secrets.token_hex(12)}", int(time.time())
         self.prompt_tokens = sum(len(r.prompt) for r in reqs)
         self.choices: list[ChoiceText] = []  # filled by pieces
+
+    async def answer(self) -> dict | StreamingResponse:
+        """The reply whole, or streamed as server-sent events."""
+        if not self.req.stream:
+            return await self.whole()
+        return StreamingResponse(self.events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def usage(self) -> dict:
         done = sum(c.tokens for c in self.choices)
@@ -647,13 +662,8 @@ class Reply:
             if include_usage:
                 yield chunk([], last=True)
             yield "data: [DONE]\n\n"
-        except ServerStopping:
-            yield sse(error_body("the server is shutting down; the reply is incomplete", "server_error"))
-        except EngineDied as e:
-            yield sse(engine_dead_body(str(e)))
         except Exception as e:  # the headers are sent: the error goes in the stream, as OpenAI's does
-            kind = "invalid_request_error" if isinstance(e, NothingToDraw) else "server_error"
-            yield sse(error_body(first_line(e), kind))
+            yield sse(as_api_error(e).body())
 
 
 # -----------------------------------------------------------------------------
@@ -683,40 +693,26 @@ def response_messages(served: ServedModel, req: ResponsesRequest) -> tuple[list[
 
 
 async def respond(served: ServedModel, req: ResponsesRequest):
-    """POST /v1/responses: the request checked as a chat completion of one choice, then replied to."""
-    check_model(served, req.model)
-    if served.template is None:
-        raise APIError(400, f"model '{served.name}' has no chat template (a base model); use /v1/completions",
-                       "input", "no_chat_template")
+    """POST /v1/responses: checked as a chat completion of one choice, then replied to."""
     messages, conversation = response_messages(served, req)
+    chat = ChatRequest(messages=messages, max_tokens=req.max_output_tokens,
+                       **req.model_dump(include=set(Generating.model_fields)))
     try:
-        prompt = check_length(served, served.template.render_prompt(messages), "input")
-    except UserError as e:
-        raise APIError(400, str(e), "input") from None
-    chat = ChatRequest(messages=messages, max_tokens=req.max_output_tokens, temperature=req.temperature,
-                       top_p=req.top_p, stop=req.stop, ignore_eos=req.ignore_eos, stream=req.stream)
-    try:
-        max_tokens, stops, seed = check_params(served, chat, max(1, min(served.max_tokens_limit,
-                                                                        served.block_size - len(prompt))))
+        reqs, stops = chat_requests(served, chat, "input")
     except APIError as e:  # named as this API names it
         e.param = "max_output_tokens" if e.param == "max_tokens" else e.param
         e.message = e.message.replace("max_tokens", "max_output_tokens")
         raise
-    r = Response(served, req, chat, engine_request(served, chat, prompt, max_tokens, True, None, None, seed), stops,
-                 conversation)
-    if not req.stream:
-        return await r.whole()
-    return StreamingResponse(r.events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await Response(served, req, chat, reqs, stops, conversation).answer()
 
 
 class Response(Reply):
     """A response: Reply's one choice (its text rules, usage, pieces), as the Responses API's object, whole or as
     its events; stored, with its conversation, for a later previous_response_id."""
 
-    def __init__(self, served: ServedModel, request: ResponsesRequest, chat: ChatRequest, ereq: EngineRequest,
+    def __init__(self, served: ServedModel, request: ResponsesRequest, chat: ChatRequest, reqs: list[EngineRequest],
                  stops: list[str], conversation: list[dict]):
-        super().__init__(served, chat, [ereq], stops, CHAT)
+        super().__init__(served, chat, reqs, stops, CHAT)
         self.request, self.conversation = request, conversation
         self.id, self.message_id = f"resp_{secrets.token_hex(24)}", f"msg_{secrets.token_hex(24)}"
 
@@ -772,8 +768,8 @@ class Response(Reply):
                 if piece:
                     yield event("response.output_text.delta", **at, delta=piece, logprobs=[])
         except Exception as e:  # the headers are sent: the error is an event, as OpenAI's
-            code = "engine_dead" if isinstance(e, EngineDied) else "server_error"
-            yield event("error", code=code, message=first_line(e) or "the server is shutting down", param=None)
+            err = as_api_error(e)
+            yield event("error", code=err.code or "server_error", message=err.message, param=err.param)
             return
         status, text = self.finished(), self.choices[0].text
         yield event("response.output_text.done", **at, text=text, logprobs=[])
