@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import secrets
 import time
 from typing import Any, AsyncIterator, Callable
@@ -34,8 +33,9 @@ from core.serving.process import EngineProcess
 
 
 class StrictModel(BaseModel):
-    """Strict types, and no field but those declared: any other is a 400 that names it (invalid, below)."""
-    model_config = ConfigDict(strict=True, extra="forbid")
+    """Strict types, finite numbers (JSON's 1e999 reads as infinity, and Python's reads NaN), and no field but those
+    declared: any other is a 400 that names it (invalid, below)."""
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -232,26 +232,6 @@ def text_of(content, kinds: tuple[str, ...] = ("text",)):
     return content
 
 
-def engine_request(served: ServedModel, req: RequestBase, prompt: list[int], max_tokens: int, chat: bool,
-                   logprobs: int | None, prompt_logprobs: int | None, seed: int) -> EngineRequest:
-    top_p = None if req.top_p == 1 else req.top_p
-    settings = served.engine.settings
-    # the id that ends a row in the engine, and every id that ends a choice (the chat template's others too)
-    eot, ends = ((served.template.end_of_turn, served.template.stop_tokens) if chat
-                 else (served.tok.eot_token, {served.tok.eot_token} - {None}))
-    temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
-    sampling = engine_sampling(temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot,
-                               settings.window_shift, settings.vocab_size)
-    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-    if req.prompt_logprobs is not None:  # echo's and vLLM's prompt logprobs share the engine's scores
-        prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
-    return EngineRequest(prompt, req.n, max_tokens, sampling, logprobs, prompt_logprobs, req.presence_penalty,
-                         req.frequency_penalty, bias, req.repetition_penalty, req.min_tokens,
-                         tuple(sorted(ends | set(req.stop_token_ids or ()))), req.min_p,
-                         None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-                         bad_word_ids(served.tok, req.bad_words or []))
-
-
 def bad_word_ids(tok: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
     """vLLM's reading of bad_words: each word's ids, and those of the word after a space where that is another
     spelling of as many ids (a BPE's word inside a sentence)."""
@@ -267,19 +247,18 @@ def bad_word_ids(tok: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...
     return tuple(ids)
 
 
-def check_params(served: ServedModel, req: RequestBase, default_max: int,
-                 allow_zero: bool = False) -> tuple[int, list[str], int]:
-    """(max_tokens, stop strings, seed), each checked; APIError names the first field that is wrong."""
+def engine_requests(served: ServedModel, req: RequestBase, prompts: list[list[int]], default_max: int,
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    echo: bool = False) -> tuple[list[EngineRequest], list[str]]:
+    """(an EngineRequest per prompt, req's stop strings), every field checked first: APIError names the first that
+    is wrong."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = default_max if max_tokens is None else max_tokens
-    if not (0 if allow_zero else 1) <= max_tokens <= served.max_tokens_limit:
+    if not (0 if echo else 1) <= max_tokens <= served.max_tokens_limit:
         raise APIError(400, f"max_tokens must be in 1..{served.max_tokens_limit} on this server (0 only with echo), "
                             f"got {max_tokens}", "max_tokens")
     if not 0 <= req.min_tokens <= max_tokens:
         raise APIError(400, f"min_tokens must be in 0..max_tokens ({max_tokens}), got {req.min_tokens}", "min_tokens")
-    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if not math.isfinite(getattr(req, field)):  # JSON's 1e999 reads as infinity, and Python's reads NaN
-            raise APIError(400, f"{field} must be a finite number, got {getattr(req, field)}", field)
     if not req.repetition_penalty > 0:
         raise APIError(400, f"repetition_penalty must be greater than 0 (1: none), got {req.repetition_penalty}",
                        "repetition_penalty")
@@ -306,7 +285,7 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
     seed = req.seed if req.seed is not None else secrets.randbits(63)
     if not 0 <= seed < 2 ** 64:
         raise APIError(400, f"seed must be in 0..2**64-1, got {seed}", "seed")
-    if not 0 <= req.min_p <= 1:  # also NaN
+    if not 0 <= req.min_p <= 1:
         raise APIError(400, f"min_p must be in [0, 1] (0: none), got {req.min_p}", "min_p")
     for field, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids)):
         if ids is not None and not all(0 <= i < served.tok.vocab_size for i in ids):
@@ -320,7 +299,22 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
                        "prompt_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs with stream is not supported (as vLLM's); leave one out", "prompt_logprobs")
-    return max_tokens, stops, seed
+    # the id that ends a row in the engine, and every id that ends a choice (the chat template's others too)
+    eot, ends = ((served.template.end_of_turn, served.template.stop_tokens) if isinstance(req, ChatRequest)
+                 else (served.tok.eot_token, {served.tok.eot_token} - {None}))
+    temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
+    top_p, settings = None if req.top_p == 1 else req.top_p, served.engine.settings
+    if req.prompt_logprobs is not None:  # echo's and vLLM's prompt logprobs share the engine's scores
+        prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
+    rules = (req.presence_penalty, req.frequency_penalty, {int(k): v for k, v in (req.logit_bias or {}).items()},
+             req.repetition_penalty, req.min_tokens, tuple(sorted(ends | set(req.stop_token_ids or ()))), req.min_p,
+             None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+             bad_word_ids(served.tok, req.bad_words or []))  # EngineRequest's logit rules, in its order
+    return [EngineRequest(prompt, req.n, max_tokens, engine_sampling(  # each prompt's generator, seeded alike
+        temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot, settings.window_shift,
+        settings.vocab_size), logprobs, prompt_logprobs, *rules) for prompt in prompts], stops
+
+
 
 
 def encode(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -343,25 +337,13 @@ def with_special_tokens(tok: Tokenizer, ids: list[int]) -> list[int]:
     return wrapped[:at] + ids + wrapped[at + len(bare):]
 
 
-def prompt_ids(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
-    """A prompt's ids; an empty one starts from <|endoftext|>."""
-    if ids := encode(tok, text, add_special_tokens):
-        return ids
-    if tok.eot_token is None:
-        raise APIError(400, "the prompt is empty and this vocabulary has no <|endoftext|> to start from", "prompt")
-    return [tok.eot_token]
-
-
-def truncated(served: ServedModel, req: RequestBase, ids: list[int]) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last k ids (-1: the model's context)."""
+def checked_prompt(served: ServedModel, req: RequestBase, ids: list[int], param: str) -> list[int]:
+    """ids cut to vLLM's truncate_prompt_tokens (the last k; -1: the model's context), then checked."""
     k = req.truncate_prompt_tokens
     if k is not None and not (k == -1 or 1 <= k <= served.block_size):
         raise APIError(400, f"truncate_prompt_tokens must be -1 (the context) or in 1..{served.block_size}, got {k}",
                        "truncate_prompt_tokens")
-    return ids if k is None else ids[-(served.block_size if k == -1 else k):]
-
-
-def check_length(served: ServedModel, ids: list[int], param: str) -> list[int]:
+    ids = ids if k is None else ids[-(served.block_size if k == -1 else k):]
     if len(ids) > served.block_size:
         raise APIError(400, f"the {param} is {len(ids)} tokens, longer than the model's context of "
                             f"{served.block_size}; shorten it", param, "context_length_exceeded")
@@ -376,8 +358,10 @@ def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
         p = [p]  # one prompt: text or token ids
     if not p or not all(isinstance(x, str) or x for x in p):  # the model's types allow no other mix
         raise APIError(400, "prompt must be a string, a list of strings, or token ids; got an empty list", "prompt")
-    prompts = [prompt_ids(served.tok, x, req.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
-    return [check_length(served, truncated(served, req, ids), "prompt") for ids in prompts]
+    prompts = [encode(served.tok, x, req.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
+    if [] in prompts and served.tok.eot_token is None:
+        raise APIError(400, "the prompt is empty and this vocabulary has no <|endoftext|> to start from", "prompt")
+    return [checked_prompt(served, req, ids or [served.tok.eot_token], "prompt") for ids in prompts]  # "": from eot
 
 
 def completion_requests(served: ServedModel, req: CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
@@ -385,11 +369,10 @@ def completion_requests(served: ServedModel, req: CompletionRequest) -> tuple[li
     check_model(served, req.model)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
-    max_tokens, stops, seed = check_params(served, req, default_max=16, allow_zero=req.echo)  # 16: OpenAI's default
     if req.echo and req.stream:
         raise APIError(400, "echo with stream is not supported; leave one out", "echo")
-    return [engine_request(served, req, p, max_tokens, False, req.logprobs, (req.logprobs or 0) if req.echo else None,
-                           seed) for p in prompts_of(served, req)], stops
+    return engine_requests(served, req, prompts_of(served, req), 16, req.logprobs,  # 16: OpenAI's default max_tokens
+                           (req.logprobs or 0) if req.echo else None, echo=req.echo)
 
 
 def chat_requests(served: ServedModel, req: ChatRequest, param: str = "messages") -> tuple[list, list[str]]:
@@ -409,11 +392,9 @@ def chat_requests(served: ServedModel, req: ChatRequest, param: str = "messages"
         raise APIError(400, str(e), param) from None
     if req.add_special_tokens:
         prompt = with_special_tokens(served.tok, prompt)
-    prompt = check_length(served, truncated(served, req, prompt), param)
-    default = max(1, min(served.max_tokens_limit, served.block_size - len(prompt)))
-    max_tokens, stops, seed = check_params(served, req, default_max=default)
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [engine_request(served, req, prompt, max_tokens, True, logprobs, None, seed)], stops
+    prompt = checked_prompt(served, req, prompt, param)
+    default = max(1, min(served.max_tokens_limit, served.block_size - len(prompt)))  # the rest of the context
+    return engine_requests(served, req, [prompt], default, (req.top_logprobs or 0) if req.logprobs else None)
 
 
 # -----------------------------------------------------------------------------
