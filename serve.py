@@ -238,17 +238,11 @@ class RequestBody:
                     return await APIError(413, f"the request body is more than the {self.max_bytes} bytes this "
                                                f"server accepts", code="body_too_large").response()(
                         scope, receive, send)
-            receive = replay(body, receive)
+            first, client = [{"type": "http.request", "body": body, "more_body": False}], receive
+
+            async def receive():  # the body once, then what the client sends (its disconnect)
+                return first.pop() if first else await client()
         await self.app(scope, receive, send)
-
-
-def replay(body: bytes, receive):
-    """An ASGI receive that gives body first, then whatever receive gives (the client's disconnect)."""
-    first = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def again():
-        return first.pop() if first else await receive()
-    return again
 
 
 # How long a server whose engine died goes on answering 503 (to /health and to requests) before it exits

@@ -536,8 +536,8 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
                     if not c.finish:
                         held[i] += c.push(step.token, step.score)
                 done = all(c.finish for c in its)
-                if h.queued() and not done:
-                    continue  # the engine is ahead of this client: the steps already queued go out as one piece
+                if h.out.qsize() and not done:  # the engine is ahead of this client: the steps queued go as one piece
+                    continue
                 for i, c in enumerate(its):
                     if held[i] or (c.finish and not ended[i]):
                         yield k * r.n + i, held[i]
