@@ -163,6 +163,8 @@ def as_api_error(e: Exception) -> APIError:
     """What an exception tells the client: a status, and the body sent whole or, once a stream has started, in it."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, RequestValidationError):
+        return unreadable(e.errors()[0])
     if isinstance(e, HTTPException):
         return APIError(e.status_code, str(e.detail), code=str(e.status_code))
     if isinstance(e, EngineDied):  # also /health's (docs/serving.md, "When the engine dies")
@@ -175,27 +177,27 @@ def as_api_error(e: Exception) -> APIError:
     return APIError(500, f"internal error: {first_line(e)}", type="server_error")
 
 
-async def refuse(request, e: Exception) -> ErrorResponse:
-    return as_api_error(e).response()
-
-
-async def invalid(request, e: RequestValidationError):
-    err = e.errors()[0]
+def unreadable(err: dict) -> APIError:
+    """A body the request model refused (pydantic's first error): not JSON, a field it lacks, a wrong value."""
     if err["type"] == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}").response()
+        return APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
     loc = [str(part) for part in err["loc"] if part != "body"]
     param = loc[0] if loc else None  # the request's field; deeper parts name union members or list items
     if err["type"] == "extra_forbidden":
         where = f" (in {'.'.join(loc[:-1])})" if len(loc) > 1 else ""
         return APIError(400, f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; leave it out "
-                             f"(docs/serving.md lists the fields it takes)", param, "unsupported_field").response()
+                             f"(docs/serving.md lists the fields it takes)", param, "unsupported_field")
     got = json.dumps(err.get("input"), default=repr)[:80] if err["type"] != "missing" else "nothing"
-    return APIError(400, f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}", param).response()
+    return APIError(400, f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}", param)
+
+
+async def refuse(request, e: Exception) -> ErrorResponse:
+    return as_api_error(e).response()
 
 
 # The app's exception handlers: every error a JSON body in OpenAI's shape (the ones named here without a traceback).
-HANDLERS = dict.fromkeys((APIError, HTTPException, EngineDied, NothingToDraw, ServerStopping, Exception), refuse)
-HANDLERS[RequestValidationError] = invalid
+HANDLERS = dict.fromkeys((APIError, RequestValidationError, HTTPException, EngineDied, NothingToDraw, ServerStopping,
+                          Exception), refuse)
 
 
 # -----------------------------------------------------------------------------
