@@ -317,8 +317,6 @@ def engine_requests(served: ServedModel, req: RequestBase, prompts: list[list[in
         settings.vocab_size), logprobs, prompt_logprobs, *rules) for prompt in prompts], stops
 
 
-
-
 def encode(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
     """text's ids, "<|endoftext|>" in it the token (as vLLM), with the special tokens wrapped around it."""
     try:
@@ -377,7 +375,7 @@ def completion_requests(served: ServedModel, req: CompletionRequest) -> tuple[li
                            (req.logprobs or 0) if req.echo else None, echo=req.echo)
 
 
-def chat_requests(served: ServedModel, req: ChatRequest, param: str = "messages") -> tuple[list, list[str]]:
+def chat_requests(served: ServedModel, req: ChatRequest, param="messages") -> tuple[list[EngineRequest], list[str]]:
     """A chat completion's request checked, its messages rendered by the chat template (errors naming param):
     ([its EngineRequest], the stop strings)."""
     check_model(served, req.model)
