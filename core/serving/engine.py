@@ -227,6 +227,10 @@ class Handle:
         self.cancelled = threading.Event()
         self.submitted = time.monotonic()
 
+    def queued(self) -> int:
+        """Events that have arrived and not been taken yet (more than 0: the caller lags the engine)."""
+        return self.out.qsize()
+
     async def events(self) -> AsyncIterator:
         """Each event until the generation ends; leaving early (the caller's break or close) cancels it."""
         try:

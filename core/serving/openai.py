@@ -34,7 +34,7 @@ from core.serving.process import EngineProcess
 
 class StrictModel(BaseModel):
     """Strict types, finite numbers (JSON's 1e999 reads as infinity, and Python's reads NaN), and no field but those
-    declared: any other is a 400 that names it (invalid, below)."""
+    declared: any other is a 400 that names it (unreadable, below)."""
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
@@ -536,8 +536,8 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
                     if not c.finish:
                         held[i] += c.push(step.token, step.score)
                 done = all(c.finish for c in its)
-                if h.out.qsize() and not done:  # the engine is ahead of this client: the steps queued go as one piece
-                    continue
+                if h.queued() and not done:
+                    continue  # the engine is ahead of this client: the steps already queued go out as one piece
                 for i, c in enumerate(its):
                     if held[i] or (c.finish and not ended[i]):
                         yield k * r.n + i, held[i]
