@@ -145,7 +145,8 @@ class ErrorBody(BaseModel):
 # Each status a route may answer besides 200, why, and its body: what the routes declare (serve.py's ERRORS).
 WHY = {400: "the body, a field or the prompt refused: `param` names the field", 401: "no API key, or a wrong one "
        "(with --api_key)", 404: "a model not served here", 413: "a body over --max_body_bytes", 500: "generation "
-       "failed (out of memory, say)", 503: "the engine's process has died: the server exits, for its supervisor"}
+       "failed (out of memory, say)", 503: "the engine's process has died (the server exits, for its supervisor), or "
+       "the server is shutting down"}
 
 
 def errors(*statuses: int) -> dict:
