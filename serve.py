@@ -42,12 +42,11 @@ from core.data.tokenizer import Tokenizer
 from core.decoding.decode import inference_model, window_shift
 from core.decoding.quantize import check_quantize, quantized_note
 from core.errors import UserError, first_line, run_cli
-from core.serving.engine import MAX_LOGPROBS, BatchEngine, EngineSettings
+from core.serving.engine import BatchEngine, EngineDied, EngineSettings
 from core.serving.metrics import Metrics
 from core.serving.openai import (CHAT, COMPLETION, HANDLERS, APIError, ChatRequest, CompletionRequest,
-                                 DetokenizeRequest, ErrorResponse, ResponsesRequest, ServedModel, TokenizeRequest,
-                                 check_length, check_model, check_params, encode, engine_dead_body, engine_request,
-                                 error, errors, messages_of, prompts_of, reply, respond, truncated, with_special_tokens)
+                                 DetokenizeRequest, Reply, ResponsesRequest, ServedModel, TokenizeRequest,
+                                 chat_requests, check_model, completion_requests, encode, errors, respond)
 from core.serving.process import EngineProcess
 from core.weights import resolver
 from model import GPT
@@ -137,7 +136,7 @@ async def page():
 @router.head("/health", responses=errors(503))
 async def health(served: Served):
     if served.engine.failure is not None:  # a load balancer stops sending here; the server is about to exit
-        return ErrorResponse(engine_dead_body(served.engine.failure), status_code=503)
+        raise EngineDied(served.engine.failure)
     return {"status": "ok", "model": served.name, "chat": served.template is not None,
             "auth": served.api_key is not None, "context_length": served.block_size,
             "running": served.engine.running, "waiting": served.engine.waiting_count(),
@@ -194,37 +193,12 @@ async def detokenize(req: DetokenizeRequest, served: Served):
 
 @v1.post("/completions", responses=GENERATES)
 async def completions(req: CompletionRequest, served: Served):
-    check_model(served, req.model)
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
-    max_tokens, stops, seed = check_params(served, req, default_max=16, allow_zero=req.echo)  # 16: OpenAI's default
-    if req.echo and req.stream:
-        raise APIError(400, "echo with stream is not supported; leave one out", "echo")
-    reqs = [engine_request(served, req, p, max_tokens, False, req.logprobs, (req.logprobs or 0) if req.echo else None,
-                           seed) for p in prompts_of(served, req)]
-    return await reply(served, req, reqs, stops, COMPLETION)
+    return await Reply(served, req, *completion_requests(served, req), COMPLETION).answer()
 
 
 @v1.post("/chat/completions", responses=GENERATES)
 async def chat_completions(req: ChatRequest, served: Served):
-    check_model(served, req.model)
-    if served.template is None:
-        raise APIError(400, f"model '{served.name}' has no chat template (a base model, its tokenizer has no chat "
-                            f"tokens); use /v1/completions", "messages", "no_chat_template")
-    if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= MAX_LOGPROBS):
-        raise APIError(400, f"top_logprobs must be in 0..{MAX_LOGPROBS}, and needs logprobs=true", "top_logprobs")
-    try:
-        prompt = served.template.render_prompt(messages_of(req))
-    except UserError as e:
-        raise APIError(400, str(e), "messages") from None
-    if req.add_special_tokens:
-        prompt = with_special_tokens(served.tok, prompt)
-    prompt = check_length(served, truncated(served, req, prompt), "messages")
-    default = max(1, min(served.max_tokens_limit, served.block_size - len(prompt)))
-    max_tokens, stops, seed = check_params(served, req, default_max=default)
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    reqs = [engine_request(served, req, prompt, max_tokens, True, logprobs, None, seed)]
-    return await reply(served, req, reqs, stops, CHAT)
+    return await Reply(served, req, *chat_requests(served, req), CHAT).answer()
 
 
 @v1.post("/responses", responses=GENERATES)
@@ -252,8 +226,8 @@ class RequestBody:
                          + [(b"content-type", b"application/json")])
         length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await error(413, f"the request body is {length} bytes, more than the {self.max_bytes} this "
-                                    f"server accepts", code="body_too_large")(scope, receive, send)
+            return await APIError(413, f"the request body is {length} bytes, more than the {self.max_bytes} this "
+                                       f"server accepts", code="body_too_large").response()(scope, receive, send)
         if scope["method"] == "POST" and not length:  # chunked: count as it arrives, then hand it on whole
             body, more = b"", True
             while more:
@@ -261,19 +235,14 @@ class RequestBody:
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
                 if len(body) > self.max_bytes:
-                    return await error(413, f"the request body is more than the {self.max_bytes} bytes this "
-                                            f"server accepts", code="body_too_large")(scope, receive, send)
-            receive = replay(body, receive)
+                    return await APIError(413, f"the request body is more than the {self.max_bytes} bytes this "
+                                               f"server accepts", code="body_too_large").response()(
+                        scope, receive, send)
+            first, client = [{"type": "http.request", "body": body, "more_body": False}], receive
+
+            async def receive():  # the body once, then what the client sends (its disconnect)
+                return first.pop() if first else await client()
         await self.app(scope, receive, send)
-
-
-def replay(body: bytes, receive):
-    """An ASGI receive that gives body first, then whatever receive gives (the client's disconnect)."""
-    first = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def again():
-        return first.pop() if first else await receive()
-    return again
 
 
 # How long a server whose engine died goes on answering 503 (to /health and to requests) before it exits

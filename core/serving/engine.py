@@ -275,14 +275,11 @@ class Active:
         if req.repetition_penalty != 1:
             self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             self.prompt_seen[[t for t in req.prompt if t < vocab]] = True
-        self.bias = None
+        self.bias = None  # logit_bias's values, and -inf on every id outside allowed_token_ids
         if req.logit_bias or req.allowed_token_ids is not None:
-            self.bias = torch.zeros(vocab, device=device)
-            self.bias[list(req.logit_bias)] = torch.tensor(list(req.logit_bias.values()), dtype=torch.float32,
-                                                          device=device)
-        if req.allowed_token_ids is not None:
-            self.bias += torch.full((vocab,), float("-inf"), device=device).index_fill(
-                0, torch.tensor(req.allowed_token_ids, device=device), 0.0)
+            self.bias = torch.full((vocab,), 0.0 if req.allowed_token_ids is None else float("-inf"), device=device)
+            self.bias[list(req.allowed_token_ids or ())] = 0.0
+            self.bias[list(req.logit_bias)] += torch.tensor(list(req.logit_bias.values()), device=device)
 
     def outputs(self) -> list[list[int]]:  # each row's generated ids
         return [row[len(self.req.prompt):] for row in self.tokens]

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import secrets
 import time
 from typing import Any, AsyncIterator, Callable
@@ -34,8 +33,9 @@ from core.serving.process import EngineProcess
 
 
 class StrictModel(BaseModel):
-    """Strict types, and no field but those declared: any other is a 400 that names it (invalid, below)."""
-    model_config = ConfigDict(strict=True, extra="forbid")
+    """Strict types, finite numbers (JSON's 1e999 reads as infinity, and Python's reads NaN), and no field but those
+    declared: any other is a 400 that names it (unreadable, below)."""
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -43,25 +43,29 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
-class RequestBase(StrictModel):
-    """What completions and chat completions share: OpenAI's fields, then vLLM's (the openai client's extra_body)."""
+class Generating(StrictModel):
+    """What every request that generates takes: OpenAI's fields, and vLLM's stop and ignore_eos."""
     model: str | None = None  # None: the one served (vLLM's)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    stream: bool = False
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+
+
+class RequestBase(Generating):
+    """What completions and chat completions share: OpenAI's fields, then vLLM's (the openai client's extra_body)."""
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     top_k: int | None = None  # not OpenAI's; vLLM's extra field (extra_body={"top_k": ...})
     n: int = 1
-    stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float = 1.0
     min_tokens: int = 0
-    ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_p: float = 0.0
@@ -87,19 +91,13 @@ class ChatRequest(RequestBase):
     add_special_tokens: bool = False  # vLLM's default for chat: the template has placed what it needs
 
 
-class ResponsesRequest(StrictModel):
-    """OpenAI's Responses API, text in and text out; vLLM's stop and ignore_eos (guidellm sends them)."""
-    model: str | None = None
+class ResponsesRequest(Generating):
+    """OpenAI's Responses API, text in and text out (guidellm sends vLLM's stop and ignore_eos)."""
     input: str | list[dict[str, Any]]  # a user message's text, or messages (checked by respond)
     instructions: str | None = None  # a system message before the input; not carried to the next response
     previous_response_id: str | None = None  # the conversation so far: a response this server stored
     store: bool = True  # kept for a later previous_response_id
     max_output_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stream: bool = False
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
 
 
 class TokenizeRequest(StrictModel):
@@ -125,6 +123,12 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> "ErrorResponse":
+        return ErrorResponse(self.body(), status_code=self.status)
+
 
 class ErrorDetail(BaseModel):
     message: str
@@ -141,16 +145,12 @@ class ErrorBody(BaseModel):
 # Each status a route may answer besides 200, why, and its body: what the routes declare (serve.py's ERRORS).
 WHY = {400: "the body, a field or the prompt refused: `param` names the field", 401: "no API key, or a wrong one "
        "(with --api_key)", 404: "a model not served here", 413: "a body over --max_body_bytes", 500: "generation "
-       "failed (out of memory, say)", 503: "the engine's process has died: the server exits, for its supervisor"}
+       "failed (out of memory, say)", 503: "the engine's process has died (the server exits, for its supervisor), or "
+       "the server is shutting down"}
 
 
 def errors(*statuses: int) -> dict:
     return {status: {"model": ErrorBody, "description": WHY[status]} for status in statuses}
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class ErrorResponse(JSONResponse):
@@ -160,54 +160,45 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content).encode()
 
 
-def error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> ErrorResponse:
-    return ErrorResponse(error_body(message, type, param, code), status_code=status)
+def as_api_error(e: Exception) -> APIError:
+    """What an exception tells the client: a status, and the body sent whole or, once a stream has started, in it."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestValidationError):
+        return unreadable(e.errors()[0])
+    if isinstance(e, HTTPException):
+        return APIError(e.status_code, str(e.detail), code=str(e.status_code))
+    if isinstance(e, EngineDied):  # also /health's (docs/serving.md, "When the engine dies")
+        return APIError(503, f"{e}; the server cannot generate and is exiting, to be restarted by its supervisor",
+                        code="engine_dead", type="server_error")
+    if isinstance(e, NothingToDraw):
+        return APIError(400, f"{e}; allow more tokens or ban fewer")
+    if isinstance(e, ServerStopping):
+        return APIError(503, "the server is shutting down; the reply is incomplete", type="server_error")
+    return APIError(500, f"internal error: {first_line(e)}", type="server_error")
 
 
-async def api_error(request, e: APIError):
-    return error(e.status, e.message, e.type, e.param, e.code)
-
-
-async def invalid(request, e: RequestValidationError):
-    err = e.errors()[0]
+def unreadable(err: dict) -> APIError:
+    """A body the request model refused (pydantic's first error): not JSON, a field it lacks, a wrong value."""
     if err["type"] == "json_invalid":
-        return error(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+        return APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
     loc = [str(part) for part in err["loc"] if part != "body"]
     param = loc[0] if loc else None  # the request's field; deeper parts name union members or list items
     if err["type"] == "extra_forbidden":
         where = f" (in {'.'.join(loc[:-1])})" if len(loc) > 1 else ""
-        return error(400, f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; leave it out "
-                          f"(docs/serving.md lists the fields it takes)", param=param, code="unsupported_field")
+        return APIError(400, f"{loc[-1]}: this server does not support the field '{loc[-1]}'{where}; leave it out "
+                             f"(docs/serving.md lists the fields it takes)", param, "unsupported_field")
     got = json.dumps(err.get("input"), default=repr)[:80] if err["type"] != "missing" else "nothing"
-    return error(400, f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}", param=param)
+    return APIError(400, f"{param}: {err['msg']} (got {got})" if param else f"the body: {err['msg']}", param)
 
 
-async def http_error(request, e: HTTPException):
-    return error(e.status_code, str(e.detail), code=str(e.status_code))
+async def refuse(request, e: Exception) -> ErrorResponse:
+    return as_api_error(e).response()
 
 
-def engine_dead_body(failure: str) -> dict:
-    """/health's and every request's 503 once the engine process has died (docs/serving.md, "When the engine dies")."""
-    return error_body(f"{failure}; the server cannot generate and is exiting, to be restarted by its supervisor",
-                      "server_error", code="engine_dead")
-
-
-async def engine_died(request, e: EngineDied):
-    return ErrorResponse(engine_dead_body(str(e)), status_code=503)
-
-
-async def nothing_to_draw(request, e: NothingToDraw):
-    return error(400, f"{e}; allow more tokens or ban fewer")
-
-
-async def crash(request, e: Exception):
-    return error(500, f"internal error: {first_line(e)}", "server_error")
-
-
-# The app's exception handlers: every error a JSON body in OpenAI's shape.
-HANDLERS = {APIError: api_error, RequestValidationError: invalid, HTTPException: http_error, EngineDied: engine_died,
-            NothingToDraw: nothing_to_draw, Exception: crash}
+# The app's exception handlers: every error a JSON body in OpenAI's shape (the ones named here without a traceback).
+HANDLERS = dict.fromkeys((APIError, RequestValidationError, HTTPException, EngineDied, NothingToDraw, ServerStopping,
+                          Exception), refuse)
 
 
 # -----------------------------------------------------------------------------
@@ -244,32 +235,6 @@ def text_of(content, kinds: tuple[str, ...] = ("text",)):
     return content
 
 
-def messages_of(req: ChatRequest) -> list[dict]:
-    """{role, content} dicts, their content as text_of reads it."""
-    return [{"role": m.get("role"), "content": text_of(m.get("content"))} if "content" in m else m
-            for m in req.messages]
-
-
-def engine_request(served: ServedModel, req: RequestBase, prompt: list[int], max_tokens: int, chat: bool,
-                   logprobs: int | None, prompt_logprobs: int | None, seed: int) -> EngineRequest:
-    top_p = None if req.top_p == 1 else req.top_p
-    settings = served.engine.settings
-    # the id that ends a row in the engine, and every id that ends a choice (the chat template's others too)
-    eot, ends = ((served.template.end_of_turn, served.template.stop_tokens) if chat
-                 else (served.tok.eot_token, {served.tok.eot_token} - {None}))
-    temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
-    sampling = engine_sampling(temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot,
-                               settings.window_shift, settings.vocab_size)
-    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-    if req.prompt_logprobs is not None:  # echo's and vLLM's prompt logprobs share the engine's scores
-        prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
-    return EngineRequest(prompt, req.n, max_tokens, sampling, logprobs, prompt_logprobs, req.presence_penalty,
-                         req.frequency_penalty, bias, req.repetition_penalty, req.min_tokens,
-                         tuple(sorted(ends | set(req.stop_token_ids or ()))), req.min_p,
-                         None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-                         bad_word_ids(served.tok, req.bad_words or []))
-
-
 def bad_word_ids(tok: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
     """vLLM's reading of bad_words: each word's ids, and those of the word after a space where that is another
     spelling of as many ids (a BPE's word inside a sentence)."""
@@ -285,19 +250,18 @@ def bad_word_ids(tok: Tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...
     return tuple(ids)
 
 
-def check_params(served: ServedModel, req: RequestBase, default_max: int,
-                 allow_zero: bool = False) -> tuple[int, list[str], int]:
-    """(max_tokens, stop strings, seed), each checked; APIError names the first field that is wrong."""
+def engine_requests(served: ServedModel, req: RequestBase, prompts: list[list[int]], default_max: int,
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    echo: bool = False) -> tuple[list[EngineRequest], list[str]]:
+    """(an EngineRequest per prompt, req's stop strings), every field checked first: APIError names the first that
+    is wrong."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = default_max if max_tokens is None else max_tokens
-    if not (0 if allow_zero else 1) <= max_tokens <= served.max_tokens_limit:
+    if not (0 if echo else 1) <= max_tokens <= served.max_tokens_limit:
         raise APIError(400, f"max_tokens must be in 1..{served.max_tokens_limit} on this server (0 only with echo), "
                             f"got {max_tokens}", "max_tokens")
     if not 0 <= req.min_tokens <= max_tokens:
         raise APIError(400, f"min_tokens must be in 0..max_tokens ({max_tokens}), got {req.min_tokens}", "min_tokens")
-    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if not math.isfinite(getattr(req, field)):  # JSON's 1e999 reads as infinity, and Python's reads NaN
-            raise APIError(400, f"{field} must be a finite number, got {getattr(req, field)}", field)
     if not req.repetition_penalty > 0:
         raise APIError(400, f"repetition_penalty must be greater than 0 (1: none), got {req.repetition_penalty}",
                        "repetition_penalty")
@@ -324,7 +288,7 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
     seed = req.seed if req.seed is not None else secrets.randbits(63)
     if not 0 <= seed < 2 ** 64:
         raise APIError(400, f"seed must be in 0..2**64-1, got {seed}", "seed")
-    if not 0 <= req.min_p <= 1:  # also NaN
+    if not 0 <= req.min_p <= 1:
         raise APIError(400, f"min_p must be in [0, 1] (0: none), got {req.min_p}", "min_p")
     for field, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids)):
         if ids is not None and not all(0 <= i < served.tok.vocab_size for i in ids):
@@ -338,7 +302,20 @@ def check_params(served: ServedModel, req: RequestBase, default_max: int,
                        "prompt_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs with stream is not supported (as vLLM's); leave one out", "prompt_logprobs")
-    return max_tokens, stops, seed
+    # the id that ends a row in the engine, and every id that ends a choice (the chat template's others too)
+    eot, ends = ((served.template.end_of_turn, served.template.stop_tokens) if isinstance(req, ChatRequest)
+                 else (served.tok.eot_token, {served.tok.eot_token} - {None}))
+    temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
+    top_p, settings = None if req.top_p == 1 else req.top_p, served.engine.settings
+    if req.prompt_logprobs is not None:  # echo's and vLLM's prompt logprobs share the engine's scores
+        prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
+    rules = (req.presence_penalty, req.frequency_penalty, {int(k): v for k, v in (req.logit_bias or {}).items()},
+             req.repetition_penalty, req.min_tokens, tuple(sorted(ends | set(req.stop_token_ids or ()))), req.min_p,
+             None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+             bad_word_ids(served.tok, req.bad_words or []))  # EngineRequest's logit rules, in its order
+    return [EngineRequest(prompt, req.n, max_tokens, engine_sampling(  # each prompt's generator, seeded alike
+        temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot, settings.window_shift,
+        settings.vocab_size), logprobs, prompt_logprobs, *rules) for prompt in prompts], stops
 
 
 def encode(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -361,25 +338,13 @@ def with_special_tokens(tok: Tokenizer, ids: list[int]) -> list[int]:
     return wrapped[:at] + ids + wrapped[at + len(bare):]
 
 
-def prompt_ids(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
-    """A prompt's ids; an empty one starts from <|endoftext|>."""
-    if ids := encode(tok, text, add_special_tokens):
-        return ids
-    if tok.eot_token is None:
-        raise APIError(400, "the prompt is empty and this vocabulary has no <|endoftext|> to start from", "prompt")
-    return [tok.eot_token]
-
-
-def truncated(served: ServedModel, req: RequestBase, ids: list[int]) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last k ids (-1: the model's context)."""
+def checked_prompt(served: ServedModel, req: RequestBase, ids: list[int], param: str) -> list[int]:
+    """ids cut to vLLM's truncate_prompt_tokens (the last k; -1: the model's context), then checked."""
     k = req.truncate_prompt_tokens
     if k is not None and not (k == -1 or 1 <= k <= served.block_size):
         raise APIError(400, f"truncate_prompt_tokens must be -1 (the context) or in 1..{served.block_size}, got {k}",
                        "truncate_prompt_tokens")
-    return ids if k is None else ids[-(served.block_size if k == -1 else k):]
-
-
-def check_length(served: ServedModel, ids: list[int], param: str) -> list[int]:
+    ids = ids if k is None else ids[-(served.block_size if k == -1 else k):]
     if len(ids) > served.block_size:
         raise APIError(400, f"the {param} is {len(ids)} tokens, longer than the model's context of "
                             f"{served.block_size}; shorten it", param, "context_length_exceeded")
@@ -394,8 +359,43 @@ def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
         p = [p]  # one prompt: text or token ids
     if not p or not all(isinstance(x, str) or x for x in p):  # the model's types allow no other mix
         raise APIError(400, "prompt must be a string, a list of strings, or token ids; got an empty list", "prompt")
-    prompts = [prompt_ids(served.tok, x, req.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
-    return [check_length(served, truncated(served, req, ids), "prompt") for ids in prompts]
+    prompts = [encode(served.tok, x, req.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
+    if [] in prompts and served.tok.eot_token is None:
+        raise APIError(400, "the prompt is empty and this vocabulary has no <|endoftext|> to start from", "prompt")
+    return [checked_prompt(served, req, ids or [served.tok.eot_token], "prompt") for ids in prompts]  # "": from eot
+
+
+def completion_requests(served: ServedModel, req: CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
+    """A completion's request checked: (an EngineRequest per prompt, the stop strings)."""
+    check_model(served, req.model)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+    if req.echo and req.stream:
+        raise APIError(400, "echo with stream is not supported; leave one out", "echo")
+    return engine_requests(served, req, prompts_of(served, req), 16, req.logprobs,  # 16: OpenAI's default max_tokens
+                           (req.logprobs or 0) if req.echo else None, echo=req.echo)
+
+
+def chat_requests(served: ServedModel, req: ChatRequest, param="messages") -> tuple[list[EngineRequest], list[str]]:
+    """A chat completion's request checked, its messages rendered by the chat template (errors naming param):
+    ([its EngineRequest], the stop strings)."""
+    check_model(served, req.model)
+    if served.template is None:
+        raise APIError(400, f"model '{served.name}' has no chat template (a base model, its tokenizer has no chat "
+                            f"tokens); use /v1/completions", param, "no_chat_template")
+    if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= MAX_LOGPROBS):
+        raise APIError(400, f"top_logprobs must be in 0..{MAX_LOGPROBS}, and needs logprobs=true", "top_logprobs")
+    messages = [{"role": m.get("role"), "content": text_of(m.get("content"))} if "content" in m else m
+                for m in req.messages]
+    try:
+        prompt = served.template.render_prompt(messages)
+    except UserError as e:
+        raise APIError(400, str(e), param) from None
+    if req.add_special_tokens:
+        prompt = with_special_tokens(served.tok, prompt)
+    prompt = checked_prompt(served, req, prompt, param)
+    default = max(1, min(served.max_tokens_limit, served.block_size - len(prompt)))  # the rest of the context
+    return engine_requests(served, req, [prompt], default, (req.top_logprobs or 0) if req.logprobs else None)
 
 
 # -----------------------------------------------------------------------------
@@ -555,16 +555,6 @@ async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choi
             served.metrics.done(h)
 
 
-async def reply(served: ServedModel, req: RequestBase, reqs: list[EngineRequest], stops: list[str],
-                shape: Shape) -> dict | StreamingResponse:
-    """The reply to req in its endpoint's shape, generated by reqs (one per prompt, each with its n choices)."""
-    r = Reply(served, req, reqs, stops, shape)
-    if not req.stream:
-        return await r.whole()
-    return StreamingResponse(r.events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
 class Reply:
     """One reply: its id and time, its choices' text rules (stop strings; stop ids unless ignore_eos; special
     tokens hidden with skip_special_tokens), and its choices as they grow."""
@@ -580,6 +570,13 @@ class Reply:
         self.id, self.created = f"{shape.id_prefix}-{secrets.token_hex(12)}", int(time.time())
         self.prompt_tokens = sum(len(r.prompt) for r in reqs)
         self.choices: list[ChoiceText] = []  # filled by pieces
+
+    async def answer(self) -> dict | StreamingResponse:
+        """The reply whole, or streamed as server-sent events."""
+        if not self.req.stream:
+            return await self.whole()
+        return StreamingResponse(self.events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def usage(self) -> dict:
         done = sum(c.tokens for c in self.choices)
@@ -647,13 +644,8 @@ class Reply:
             if include_usage:
                 yield chunk([], last=True)
             yield "data: [DONE]\n\n"
-        except ServerStopping:
-            yield sse(error_body("the server is shutting down; the reply is incomplete", "server_error"))
-        except EngineDied as e:
-            yield sse(engine_dead_body(str(e)))
         except Exception as e:  # the headers are sent: the error goes in the stream, as OpenAI's does
-            kind = "invalid_request_error" if isinstance(e, NothingToDraw) else "server_error"
-            yield sse(error_body(first_line(e), kind))
+            yield sse(as_api_error(e).body())
 
 
 # -----------------------------------------------------------------------------
@@ -683,40 +675,26 @@ def response_messages(served: ServedModel, req: ResponsesRequest) -> tuple[list[
 
 
 async def respond(served: ServedModel, req: ResponsesRequest):
-    """POST /v1/responses: the request checked as a chat completion of one choice, then replied to."""
-    check_model(served, req.model)
-    if served.template is None:
-        raise APIError(400, f"model '{served.name}' has no chat template (a base model); use /v1/completions",
-                       "input", "no_chat_template")
+    """POST /v1/responses: checked as a chat completion of one choice, then replied to."""
     messages, conversation = response_messages(served, req)
+    chat = ChatRequest(messages=messages, max_tokens=req.max_output_tokens,
+                       **req.model_dump(include=set(Generating.model_fields)))
     try:
-        prompt = check_length(served, served.template.render_prompt(messages), "input")
-    except UserError as e:
-        raise APIError(400, str(e), "input") from None
-    chat = ChatRequest(messages=messages, max_tokens=req.max_output_tokens, temperature=req.temperature,
-                       top_p=req.top_p, stop=req.stop, ignore_eos=req.ignore_eos, stream=req.stream)
-    try:
-        max_tokens, stops, seed = check_params(served, chat, max(1, min(served.max_tokens_limit,
-                                                                        served.block_size - len(prompt))))
+        reqs, stops = chat_requests(served, chat, "input")
     except APIError as e:  # named as this API names it
         e.param = "max_output_tokens" if e.param == "max_tokens" else e.param
         e.message = e.message.replace("max_tokens", "max_output_tokens")
         raise
-    r = Response(served, req, chat, engine_request(served, chat, prompt, max_tokens, True, None, None, seed), stops,
-                 conversation)
-    if not req.stream:
-        return await r.whole()
-    return StreamingResponse(r.events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await Response(served, req, chat, reqs, stops, conversation).answer()
 
 
 class Response(Reply):
     """A response: Reply's one choice (its text rules, usage, pieces), as the Responses API's object, whole or as
     its events; stored, with its conversation, for a later previous_response_id."""
 
-    def __init__(self, served: ServedModel, request: ResponsesRequest, chat: ChatRequest, ereq: EngineRequest,
+    def __init__(self, served: ServedModel, request: ResponsesRequest, chat: ChatRequest, reqs: list[EngineRequest],
                  stops: list[str], conversation: list[dict]):
-        super().__init__(served, chat, [ereq], stops, CHAT)
+        super().__init__(served, chat, reqs, stops, CHAT)
         self.request, self.conversation = request, conversation
         self.id, self.message_id = f"resp_{secrets.token_hex(24)}", f"msg_{secrets.token_hex(24)}"
 
@@ -772,8 +750,8 @@ class Response(Reply):
                 if piece:
                     yield event("response.output_text.delta", **at, delta=piece, logprobs=[])
         except Exception as e:  # the headers are sent: the error is an event, as OpenAI's
-            code = "engine_dead" if isinstance(e, EngineDied) else "server_error"
-            yield event("error", code=code, message=first_line(e) or "the server is shutting down", param=None)
+            err = as_api_error(e)
+            yield event("error", code=err.code or "server_error", message=err.message, param=err.param)
             return
         status, text = self.finished(), self.choices[0].text
         yield event("response.output_text.done", **at, text=text, logprobs=[])
