@@ -25,6 +25,17 @@ VARIANTS = {"learned": dict(), "rope+gqa": dict(pos_embedding="rope", n_kv_head=
 SHIFT = 16
 
 
+
+def stop_and_join(engine) -> None:
+    """Stop an engine and wait a bounded time: an engine process stuck inside a step (a fork taken while another
+    thread of this test process held a lock) fails its test instead of hanging the suite."""
+    engine.stop()
+    engine.join(60)
+    process = getattr(engine, "process", None)
+    if process is not None and process.is_alive():
+        process.kill()
+        pytest.fail("the engine process did not stop within 60 s of stop()")
+
 def sharp_model(**overrides) -> GPT:
     """A random model made peaked (embeddings and attention scaled up), so its tokens depend on the context."""
     torch.manual_seed(0)
@@ -84,8 +95,7 @@ def run(engine: BatchEngine, reqs: list[EngineRequest]) -> list[dict]:
         with one_thread():
             return asyncio.run(every())
     finally:
-        engine.stop()
-        engine.join()
+        stop_and_join(engine)
 
 
 # (prompt, n, max_tokens, temperature, seed): greedy and seeded, past block_size (32), n > 1, a prompt that
@@ -411,8 +421,7 @@ def test_max_batch_queues_and_cancel_frees_the_slot(trained, kind):
         with one_thread():  # bounded: a lost cancel fails here instead of generating 100,000 tokens
             got = asyncio.run(asyncio.wait_for(both(), timeout=120))
     finally:
-        engine.stop()
-        engine.join()
+        stop_and_join(engine)
     assert [t for (t,) in got] == alone(model, prompt, 1, 5, 0.0, 0)[0]
     assert engine.tokens_generated < 1000
 
@@ -478,8 +487,7 @@ def test_the_engine_process_ending_fails_its_requests_in_one_line(trained):
         with pytest.raises(EngineDied, match=r"^the engine process has ended \(exit code -9\)$"):
             engine.submit(request(model, prompt, 1, 5, 0.0, 0), None)
     finally:
-        engine.stop()
-        engine.join()
+        stop_and_join(engine)
 
 
 def test_stopping_the_engine_process_ends_open_requests_and_the_process(trained):
