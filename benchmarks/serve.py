@@ -66,7 +66,7 @@ class Settings:
     serve_engines: str = "process,thread"  # serve.py's --engine for each server measured, side by side
     serve_client: str = "lean"       # the HTTP clients: lean (lean_stream, asyncio's streams) or httpx
     serve_quantize: str = "none"     # int8 | int4: serve.py --quantize and the in-process engine's model alike
-    serve_prefix_tokens: int = 1000  # a prompt this long (at most the context less serve_max_tokens) sent twice
+    serve_prefix_tokens: int = 1000  # a prompt this long (at most the context less 16 new tokens) sent twice
 
 
 PRESETS = {"gpt2": dict(serve_shape="gpt2")}
@@ -238,14 +238,17 @@ def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
 def prefix_row(cfg, url: str, vocab: int, block_size: int) -> dict:
     """serve_prefix_tokens' prompt (another each repeat, so that its first time is cold) sent twice, greedy and
     streamed: the medians of the two TTFTs, the tokens the second took from the prefix cache, and whether its text
-    was the first's."""
-    n = min(cfg.serve_prefix_tokens, block_size - cfg.serve_max_tokens)
+    was the first's. 16 new tokens at most: the quick start's context (64) holds no more beside a prompt."""
+    new = min(cfg.serve_max_tokens, 16)
+    n = min(cfg.serve_prefix_tokens, block_size - new)
 
     async def once(prompt: list[int]) -> dict:
         t0, first, text, usage = time.perf_counter(), None, "", None
-        body = {"model": "bench", "prompt": prompt, "max_tokens": cfg.serve_max_tokens, "temperature": 0,
+        body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-        async for _, line in lean_stream(url, "/v1/completions", body):
+        async for status, line in lean_stream(url, "/v1/completions", body):
+            if status != 200:
+                raise UserError(f"serve.py refused the prefix cache's {n}-token prompt: {line}")
             if line.startswith("data: {"):
                 chunk = json.loads(line[len("data: "):])
                 first = first or time.perf_counter() - t0

@@ -329,16 +329,17 @@ def test_thread_count_is_restored(tmp_path):
 def test_serve_section_measures_the_server_against_in_process(tmp_path, capsys):
     """A real serve.py process streams every request (benchmarks.serve checks each one's usage), alternated
     with the same requests through an in-process BatchEngine (which must give each its tokens too)."""
-    # 3 clients > 2 slots: one waits. 30 tokens a request: the server's CPU seconds come from /proc in clock
-    # ticks (10 ms), and on a fast CPU one client's 5 tokens took under one, so its CPU time read 0
-    result = bench.main(tiny_argv(tmp_path, sections="serve", serve_clients="1,3", serve_max_tokens=30,
+    # 3 clients > 2 slots: one waits. 64 tokens a request, the default: the server's CPU seconds come from /proc in
+    # clock ticks (10 ms), and on a fast CPU one client's 5 tokens took under one, so its CPU time read 0; and a
+    # request fills the quick start's context, beside which the prefix cache's prompt must still fit
+    result = bench.main(tiny_argv(tmp_path, sections="serve", serve_clients="1,3", serve_max_tokens=64,
                                   serve_prompt_len=4, serve_max_batch=2))
     serve = result["serve"]
     rows = serve["rows"]
     assert serve["shape"] == "quickstart" and serve["model"].startswith("4 layers x 128 wide")
     assert [(row["engine"], row["clients"]) for row in rows] == [("process", 1), ("process", 3), ("thread", 1),
                                                                  ("thread", 3)]
-    assert [row["tokens"] for row in rows] == [30, 90, 30, 90]
+    assert [row["tokens"] for row in rows] == [64, 192, 64, 192]
     assert_positive_numbers(serve)
     for row in rows:
         for way in ("server", "in_process"):
