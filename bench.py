@@ -32,10 +32,10 @@ from typing import Sequence
 import torch
 
 from benchmarks import attention, decode, loop, memory, peers, prepare, serve, speedrun, train
-from benchmarks.common import at_least, merged_config, merged_presets, spec_list, with_preset
+from benchmarks.common import at_least, merged_config, merged_presets, num_threads, some_of, spec_list, with_preset
 from core import runtime
 from core.config import parse_args, to_dict
-from core.errors import UserError, run_cli
+from core.errors import run_cli
 from core.fileio import write_json
 
 SECTIONS = {"train": train, "loop": loop, "attention": attention, "decode": decode, "prepare": prepare,  # in run order
@@ -64,9 +64,7 @@ PRESETS = merged_presets({"cpu": {}, "gpt2": dict(warmup=3, repeats=10, threads=
 def load_config(argv: Sequence[str]):
     """Defaults, then the preset, then config files and --key=value: what you pass beats the preset."""
     cfg = with_preset(parse_args(BenchConfig, argv), PRESETS, argv)  # parse_args checks every key and type
-    unknown = set(spec_list(cfg.sections)) - set(SECTIONS)
-    if unknown:
-        raise UserError(f"--sections: unknown {', '.join(sorted(unknown))}; use some of {','.join(SECTIONS)}")
+    some_of(cfg.sections, SECTIONS, "--sections")
     at_least(cfg, 0, "warmup", "threads")
     at_least(cfg, 1, "repeats")
     for module in SECTIONS.values():
@@ -104,9 +102,7 @@ def main(argv: Sequence[str]) -> dict:
     rt = runtime.setup(cfg.device, cfg.dtype)
     for name in spec_list(cfg.sections):  # fail now, not after minutes of measuring (prepare: GPT-2's BPE file)
         getattr(SECTIONS[name], "preflight", lambda cfg: None)(cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or threads)
-    try:
+    with num_threads(cfg.threads or torch.get_num_threads()):  # called in-process (tests), the count comes back
         result = {"machine": machine_info(rt), "config": to_dict(cfg)}
         m = result["machine"]
         print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
@@ -118,8 +114,6 @@ def main(argv: Sequence[str]) -> dict:
                 result[name]["section_s"] = time.perf_counter() - t0
                 print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
                 write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
-    finally:
-        torch.set_num_threads(threads)  # main() called in-process (tests) leaves the count as it was
     result["wall_s"] = time.perf_counter() - start
     result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     write_json(cfg.out, result)

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import markdown
-from benchmarks.common import OOM, at_least, cpu_peak_extra_bytes, cuda_peak_extra_bytes, int_list, mib, or_oom
+from benchmarks.common import OOM, at_least, int_list, mib, or_oom, peak_extra_bytes
 from core import runtime
-from core.errors import UserError
 from model import scaled_dot_product_attention
 
 
@@ -66,23 +65,6 @@ def sdpa_kernels(shape: tuple[int, ...], rt: runtime.Runtime) -> str:
     return ", ".join(sorted(names)) or "unknown"
 
 
-def peaks_of(runs: dict[str, Callable[[], None]], rt: runtime.Runtime) -> tuple[dict, str]:
-    """Each run's peak bytes above its start (OOM where it ran out), and how they were measured."""
-    if rt.device_type == "cuda":
-        return ({name: or_oom(lambda: cuda_peak_extra_bytes(run), rt) for name, run in runs.items()},
-                "torch.cuda.max_memory_allocated above memory_allocated before the call")
-    if rt.device_type != "cpu":
-        raise UserError(f"attention memory is measured on cuda or cpu, not {rt.device_type}; "
-                        f"leave attention out of --sections there")
-    out_of_memory = set()
-
-    def guarded(name: str, run: Callable[[], None]) -> Callable[[], None]:
-        return lambda: or_oom(run, rt) == OOM and out_of_memory.add(name)
-    peaks = cpu_peak_extra_bytes({name: guarded(name, run) for name, run in runs.items()})
-    return (peaks | {name: OOM for name in out_of_memory},
-            "torch.profiler(profile_memory=True): the CPU allocator's alloc/free events summed in time order")
-
-
 def measure(cfg, rt: runtime.Runtime) -> dict:
     lengths = int_list(cfg.attn_lengths, "attn_lengths")
     B, nh, hs = cfg.attn_batch_size, cfg.attn_n_head, cfg.attn_head_size
@@ -94,7 +76,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     runs = {f"{key} T={T} #{i}": or_oom(lambda: attention_run(attn, (B, nh, T, hs), rt, backward), rt)
             for T in lengths for key, (attn, backward) in variants.items() for i in range(cfg.attn_repeats)}
     runs = {name: (lambda: OOM) if run == OOM else run for name, run in runs.items()}  # its inputs did not fit
-    peaks, method = peaks_of(runs, rt)
+    peaks, method = peak_extra_bytes(runs, rt)
     del runs
     rows = []
     for T in lengths:

@@ -1,6 +1,7 @@
 """What every section shares: timing (medians after untimed warm-up), peak memory above a baseline, out-of-memory
-as a figure, the settings' checks and the tables' number formats.
+as a figure, the torch thread count for a while, the settings' checks and the tables' number formats.
 """
+import contextlib
 import dataclasses
 import itertools
 import random
@@ -40,16 +41,6 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int,
     return statistics.median(times)
 
 
-def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
-    """Peak CUDA memory allocated while fn runs, above what was allocated when it started (bytes)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int]:
     """For each named run: peak CPU memory allocated while it runs, above its start: the running sum, in time order,
     of the "[memory]" events torch.profiler(profile_memory=True) records from torch's CPU allocator (scratch buffers
@@ -75,6 +66,44 @@ def or_oom(fn: Callable[[], object], rt: runtime.Runtime):
         if rt.device_type == "cuda":
             torch.cuda.empty_cache()
         return OOM
+
+
+def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak CUDA memory allocated while fn runs, above what was allocated when it started (bytes)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def peak_extra_bytes(runs: dict[str, Callable[[], object]], rt: runtime.Runtime) -> tuple[dict, str]:
+    """Each run's peak bytes above its start (OOM where it ran out), and how they were measured."""
+    if rt.device_type == "cuda":
+        return ({name: or_oom(lambda: cuda_peak_extra_bytes(run), rt) for name, run in runs.items()},
+                "torch.cuda.max_memory_allocated above memory_allocated before the call")
+    if rt.device_type != "cpu":
+        raise UserError(f"peak memory is measured on cuda or cpu, not {rt.device_type}; "
+                        f"leave attention and memory out of --sections there")
+    out_of_memory = set()
+
+    def guarded(name: str, run: Callable[[], object]) -> Callable[[], None]:
+        return lambda: or_oom(run, rt) == OOM and out_of_memory.add(name)
+    peaks = cpu_peak_extra_bytes({name: guarded(name, run) for name, run in runs.items()})
+    return (peaks | {name: OOM for name in out_of_memory},
+            "torch.profiler(profile_memory=True): the CPU allocator's alloc/free events summed in time order")
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    """torch's thread count set to n for the with block, and back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def merged_config(name: str, general: type, sections: dict, module: str) -> type:
@@ -123,6 +152,15 @@ def int_list(text: str, key: str) -> list[int]:
 
 def spec_list(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def some_of(text: str, allowed, key: str) -> list[str]:
+    """The comma-separated names in text, each one of allowed."""
+    names = spec_list(text)
+    unknown = set(names) - set(allowed)
+    if unknown:
+        raise UserError(f"{key}: unknown {', '.join(sorted(unknown))}; use some of {','.join(allowed)}")
+    return names
 
 
 def at_least(cfg, low: int, *keys: str) -> None:

@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks import bandwidth, fixed_step, markdown
-from benchmarks.common import OOM, at_least, int_list, median_time, model_text, num, or_oom, spec_list
+from benchmarks.common import OOM, at_least, int_list, median_time, model_text, num, or_oom, some_of, spec_list
 from core import runtime
 from core.decoding.decode import generate_stream, inference_model, window_shift
 from core.errors import UserError
@@ -58,12 +58,8 @@ PRESETS = {"gpt2": dict(decode_n_layer=12, decode_n_head=12, decode_n_embd=768, 
 def check(cfg) -> None:
     at_least(cfg, 1, "gen_repeats", "gen_prompt_len", "gen_new_tokens", "bound_steps", "fixed_rounds", "fixed_steps")
     int_list(cfg.fixed_batches, "fixed_batches")
-    unknown = set(fixed_precisions(cfg, "cpu")) - {"float32", "bfloat16", "int8", "int4"}
-    if unknown:
-        raise UserError(f"fixed_precisions: unknown {', '.join(sorted(unknown))}; use float32, bfloat16, int8, int4")
-    unknown = set(spec_list(cfg.bound_models)) - set(bandwidth.SHAPES)
-    if unknown:
-        raise UserError(f"bound_models: unknown {', '.join(sorted(unknown))}; use some of {','.join(bandwidth.SHAPES)}")
+    fixed_step.precisions(cfg, "cpu")
+    some_of(cfg.bound_models, bandwidth.SHAPES, "bound_models")
     contexts = int_list(cfg.decode_contexts, "decode_contexts")
     if max(contexts) > cfg.decode_block_size:
         raise UserError(f"decode_contexts go up to {max(contexts)}, past decode_block_size {cfg.decode_block_size}")
@@ -75,12 +71,6 @@ def check(cfg) -> None:
     if cfg.decode_n_embd % cfg.decode_n_head:
         raise UserError(f"decode_n_embd ({cfg.decode_n_embd}) must be divisible by "
                         f"decode_n_head ({cfg.decode_n_head})")
-
-
-def fixed_precisions(cfg, device_type: str) -> list[str]:
-    if cfg.fixed_precisions == "auto":
-        return ["float32", "int8"] if device_type == "cpu" else ["float32", "bfloat16"]
-    return spec_list(cfg.fixed_precisions)
 
 
 def model_config(cfg) -> GPTConfig:
@@ -119,9 +109,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt, steps), rt)
     shapes = spec_list(cfg.bound_models)
     bound = or_oom(lambda: bandwidth.measure(shapes, rt, cfg.bound_steps, cfg.seed), rt) if shapes else {"rows": []}
-    fixed = fixed_step.measure(mc, fixed_precisions(cfg, rt.device_type), sorted({1, torch.get_num_threads()}),
-                               int_list(cfg.fixed_batches, "fixed_batches"), mc.block_size // 2, cfg.fixed_rounds,
-                               cfg.fixed_steps, cfg.compile, rt, cfg.seed)
+    fixed = fixed_step.measure(cfg, mc, rt)
     return {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows,
             "generation": {"error": OOM} if generation == OOM else generation,
             "bound": {"error": OOM} if bound == OOM else bound, "fixed": fixed}

@@ -18,7 +18,7 @@ import time
 import torch
 
 from benchmarks import bandwidth, markdown
-from benchmarks.common import OOM, num, or_oom
+from benchmarks.common import OOM, int_list, num, num_threads, or_oom, some_of
 from core import runtime
 from core.errors import first_line
 from model import GPT, GPTConfig
@@ -52,21 +52,27 @@ def row(model: GPT, batch: int, context: int, rounds: int, steps: int, compile: 
     return r
 
 
-def measure(config: GPTConfig, precisions: list[str], threads: list[int], batches: list[int], context: int,
-            rounds: int, steps: int, compile: bool, rt: runtime.Runtime, seed: int) -> dict:
-    rows, before = [], torch.get_num_threads()
-    try:
-        for precision in precisions:
-            model = bandwidth.decoding_model(config, rt, precision, seed)  # the same weights
-            for t in threads if rt.device_type == "cpu" else [before]:
-                torch.set_num_threads(t)
-                for batch in batches:
-                    r = or_oom(lambda: row(model, batch, context, rounds, steps, compile, rt), rt)
+def precisions(cfg, device_type: str) -> list[str]:
+    """The rows' precisions: fixed_precisions, where auto is float32,int8 on a CPU and float32,bfloat16 on CUDA."""
+    if cfg.fixed_precisions == "auto":
+        return ["float32", "int8"] if device_type == "cpu" else ["float32", "bfloat16"]
+    return some_of(cfg.fixed_precisions, ("float32", "bfloat16", "int8", "int4"), "fixed_precisions")
+
+
+def measure(cfg, config: GPTConfig, rt: runtime.Runtime) -> dict:
+    """The decode section's fixed_* settings: a row per precision, thread count (on a CPU: one and --threads) and
+    batch, at context block_size // 2."""
+    rows, context, rounds, steps = [], config.block_size // 2, cfg.fixed_rounds, cfg.fixed_steps
+    threads = sorted({1, torch.get_num_threads()}) if rt.device_type == "cpu" else [torch.get_num_threads()]
+    for precision in precisions(cfg, rt.device_type):
+        model = bandwidth.decoding_model(config, rt, precision, cfg.seed)  # the same weights
+        for t in threads:
+            with num_threads(t):
+                for batch in int_list(cfg.fixed_batches, "fixed_batches"):
+                    r = or_oom(lambda: row(model, batch, context, rounds, steps, cfg.compile, rt), rt)
                     rows.append({"precision": precision, "threads": t, "batch": batch}
                                 | ({"eager_error": OOM} if r == OOM else r))
                     print(f"  fixed step: {rows[-1]}", flush=True)
-    finally:
-        torch.set_num_threads(before)
     return {"context": context, "rounds": rounds, "steps": steps, "device": rt.device_type, "rows": rows}
 
 

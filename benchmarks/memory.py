@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from benchmarks import markdown, train
-from benchmarks.common import cpu_peak_extra_bytes, cuda_peak_extra_bytes, median_time, mib, model_text, num
+from benchmarks.common import median_time, mib, model_text, num, num_threads, peak_extra_bytes
 from core import kernels, runtime
 from core.fileio import write_json
 from core.training import optim, parallel
@@ -62,9 +62,8 @@ def spawned_state_bytes(how: str, world_size: int, mc: GPTConfig, batch_size: in
     with tempfile.TemporaryDirectory() as tmp:
         args = (world_size, f"{tmp}/store", how, mc, batch_size, tmp)
         if world_size == 1:  # plain training, no process group: run it here
-            threads = torch.get_num_threads()
-            _memory_worker(0, *args)
-            torch.set_num_threads(threads)
+            with num_threads(torch.get_num_threads()):  # the worker sets one thread
+                _memory_worker(0, *args)
         else:
             torch.multiprocessing.spawn(_memory_worker, nprocs=world_size, args=args)
         return [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(world_size)]
@@ -100,10 +99,7 @@ def activation_checkpointing_rows(cfg, rt: runtime.Runtime, mc: GPTConfig) -> li
             m.zero_grad(set_to_none=True)  # grads freed: the peak is activations (+ transient gradients)
         return run
 
-    if rt.device_type == "cuda":
-        peaks = {k: cuda_peak_extra_bytes(step(m)) for k, m in models.items()}
-    else:
-        peaks = cpu_peak_extra_bytes({k: step(m) for k, m in models.items()})
+    peaks, _ = peak_extra_bytes({k: step(m) for k, m in models.items()}, rt)
     return [{"activation_checkpointing": k, "peak_bytes": peaks[k],
              "step_s": median_time(step(m), cfg.warmup, cfg.repeats, rt.synchronize)} for k, m in models.items()]
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import bandwidth, markdown
-from benchmarks.common import at_least, num, spec_list
+from benchmarks.common import ROOT, at_least, num, num_threads, some_of, spec_list
 from core import runtime
 from core.data.tokenizer import GPT2Tokenizer
 from core.decoding.decode import generate_stream, inference_model
@@ -43,7 +43,6 @@ from core.weights import gguf
 from core.weights.hf_export import export
 from model import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN_MJS = ROOT / "tools" / "llama-cpp" / "run.mjs"
 ENGINES = ("ours", "ctranslate2", "llama.cpp")
 # (engine, weights label, what the engine is given, bytes per matrix weight for the bound)
@@ -72,9 +71,7 @@ def check(cfg) -> None:
     at_least(cfg, 1, "peers_n_layer", "peers_n_head", "peers_prompt_len", "peers_streams")
     at_least(cfg, 2, "peers_new_tokens")  # a rate needs a token after the first
     at_least(cfg, 0, "peers_threads_all")
-    unknown = set(spec_list(cfg.peers_engines)) - set(ENGINES)
-    if unknown:
-        raise UserError(f"peers_engines: unknown {', '.join(sorted(unknown))}; use some of {','.join(ENGINES)}")
+    some_of(cfg.peers_engines, ENGINES, "peers_engines")
     if cfg.peers_prompt_len + cfg.peers_new_tokens > cfg.peers_block_size:
         raise UserError(f"peers_prompt_len + peers_new_tokens ({cfg.peers_prompt_len + cfg.peers_new_tokens}) "
                         f"exceed peers_block_size {cfg.peers_block_size}")
@@ -112,26 +109,13 @@ def rate(stamps: list[float], streams: int = 1) -> float:
     return streams * (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def with_threads(threads: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 def ours(m: GPT, prompt: list[int], cfg, rt: runtime.Runtime, threads: int, streams: int) -> float:
-    idx = torch.tensor([prompt] * streams, device=rt.device)
-
-    def run():
-        stamps = []
-        with torch.no_grad():
-            for _ in generate_stream(m, idx, cfg.peers_new_tokens, temperature=0.0):
-                rt.synchronize()
-                stamps.append(time.perf_counter())
-        return rate(stamps, streams)
-    return with_threads(threads, run)
+    idx, stamps = torch.tensor([prompt] * streams, device=rt.device), []
+    with num_threads(threads), torch.no_grad():
+        for _ in generate_stream(m, idx, cfg.peers_new_tokens, temperature=0.0):
+            rt.synchronize()
+            stamps.append(time.perf_counter())
+    return rate(stamps, streams)
 
 
 def ctranslate2_rate(folder: Path, prompt: list[int], cfg, threads: int, streams: int) -> float:

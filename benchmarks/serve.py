@@ -40,7 +40,7 @@ from typing import AsyncIterator
 import torch
 
 from benchmarks import markdown
-from benchmarks.common import ROOT, at_least, int_list, num, spec_list
+from benchmarks.common import ROOT, at_least, int_list, num, num_threads, some_of, spec_list
 from core import runtime
 from core.config import read_config_file
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
@@ -75,17 +75,16 @@ PRESETS = {"gpt2": dict(serve_shape="gpt2")}
 def check(cfg) -> None:
     at_least(cfg, 1, "serve_max_tokens", "serve_prompt_len", "serve_max_batch", "serve_prefix_tokens")
     int_list(cfg.serve_clients, "serve_clients")
-    for engine in spec_list(cfg.serve_engines):
-        if engine not in ("auto", "process", "thread"):
-            raise UserError(f"serve_engines: each must be auto, process or thread, got '{engine}'")
+    some_of(cfg.serve_engines, ("auto", "process", "thread"), "serve_engines")
     if cfg.serve_client not in ("lean", "httpx"):
         raise UserError(f"serve_client must be lean or httpx, got '{cfg.serve_client}'")
     check_quantize(cfg.serve_quantize)
     if cfg.serve_shape not in SHAPES:
         raise UserError(f"serve_shape must be one of {', '.join(SHAPES)}, got '{cfg.serve_shape}'")
-    if "serve" in spec_list(cfg.sections) and cfg.serve_prompt_len > model_config(cfg.serve_shape).block_size:
+    block_size = model_config(cfg.serve_shape).block_size
+    if "serve" in spec_list(cfg.sections) and cfg.serve_prompt_len > block_size:
         raise UserError(f"serve_prompt_len {cfg.serve_prompt_len} is longer than the {cfg.serve_shape} model's "
-                        f"block_size {model_config(cfg.serve_shape).block_size}")
+                        f"block_size {block_size}")
 
 
 def preflight(cfg) -> None:
@@ -273,17 +272,14 @@ def budget_rows(model: GPT, repeats: int) -> list[dict]:
     shapes = [(1, c) for c in (16, 32, 64, 128, 256, 512, 1024) if c <= T] + [(b, 1) for b in (1, 4, 16)]
     counts = sorted({max(1, threads - 1), threads})
     times = {(shape, n): [] for shape in shapes for n in counts}
-    try:
-        for _ in range(repeats + 1):  # the first, warming up, left out
-            for (B, chunk), n in times:
-                torch.set_num_threads(n)
-                cache.pos[:] = 0 if chunk > 1 else T // 4
+    for _ in range(repeats + 1):  # the first, warming up, left out
+        for (B, chunk), n in times:
+            cache.pos[:] = 0 if chunk > 1 else T // 4
+            with num_threads(n):
                 t0, w0 = time.process_time(), time.perf_counter()
                 model(torch.zeros(B, chunk, dtype=torch.long, device=cache.k.device), kv_cache=cache.rows(0, B),
                       last_only=True)
                 times[(B, chunk), n].append((time.perf_counter() - w0, time.process_time() - t0))
-    finally:
-        torch.set_num_threads(threads)
     return [{"rows": B, "tokens": chunk, "threads": n, "wall_ms": 1000 * statistics.median(w for w, _ in xs[1:]),
              "cpu_ms": 1000 * statistics.median(c for _, c in xs[1:])} for ((B, chunk), n), xs in times.items()]
 

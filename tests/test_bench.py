@@ -219,7 +219,7 @@ def test_attention_memory_medians_ratios_and_growth(monkeypatch):
             out[name] = (4 * T * T if kind == "naive" else 100 * T) * scale[kind][rep]
         return out
 
-    monkeypatch.setattr(attention, "cpu_peak_extra_bytes", fake_peaks)
+    monkeypatch.setattr(common, "cpu_peak_extra_bytes", fake_peaks)
     cfg = bench.load_config(["--device=cpu", "--dtype=float32", "--attn_lengths=16,32,64", "--attn_repeats=3",
                              "--attn_n_head=2", "--attn_head_size=8"])
     with one_thread():
