@@ -73,9 +73,9 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
                 for mode in ("forward", "forward_backward")}
     for attn, backward in variants.values():  # warm-up: one-time buffers (thread pools, kernels) are not attention's
         or_oom(lambda: attention_run(attn, (B, nh, min(lengths), hs), rt, backward)(), rt)
-    runs = {f"{key} T={T} #{i}": or_oom(lambda: attention_run(attn, (B, nh, T, hs), rt, backward), rt)
+    runs = {f"{key} T={T} #{i}": or_oom(lambda: attention_run(attn, (B, nh, T, hs), rt, backward), rt,
+                                        lambda: OOM)  # its inputs did not fit
             for T in lengths for key, (attn, backward) in variants.items() for i in range(cfg.attn_repeats)}
-    runs = {name: (lambda: OOM) if run == OOM else run for name, run in runs.items()}  # its inputs did not fit
     peaks, method = peak_extra_bytes(runs, rt)
     del runs
     rows = []

@@ -58,14 +58,15 @@ def cpu_peak_extra_bytes(runs: dict[str, Callable[[], object]]) -> dict[str, int
             for name, (start, end) in windows.items()}
 
 
-def or_oom(fn: Callable[[], object], rt: runtime.Runtime):
-    """fn(), or OOM when it runs out of device memory: one figure lost, not the whole run."""
+def or_oom(fn: Callable[[], object], rt: runtime.Runtime, oom: object = OOM):
+    """fn(), or `oom` (a figure: OOM; a row: its keys and an error) when it runs out of device memory: one figure
+    lost, not the whole run."""
     try:
         return fn()
     except torch.OutOfMemoryError:
         if rt.device_type == "cuda":
             torch.cuda.empty_cache()
-        return OOM
+        return oom
 
 
 def cuda_peak_extra_bytes(fn: Callable[[], object]) -> int:

@@ -99,20 +99,17 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     B = cfg.decode_batch_size
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(mc.vocab_size, (B, mc.block_size), generator=gen).to(rt.device)  # (B, block_size)
-
-    rows = []
     with torch.no_grad():
-        for C in int_list(cfg.decode_contexts, "decode_contexts"):
-            rows.append(or_oom(lambda: decode_row(cfg, model, tokens, C, rt), rt))
-            if rows[-1] == OOM:
-                rows[-1] = {"context": C, "error": OOM}
-    generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt, steps), rt)
+        rows = [or_oom(lambda: decode_row(cfg, model, tokens, C, rt), rt, {"context": C, "error": OOM})
+                for C in int_list(cfg.decode_contexts, "decode_contexts")]
+    generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt, steps), rt,
+                        {"error": OOM})
     shapes = spec_list(cfg.bound_models)
-    bound = or_oom(lambda: bandwidth.measure(shapes, rt, cfg.bound_steps, cfg.seed), rt) if shapes else {"rows": []}
-    fixed = fixed_step.measure(cfg, mc, rt)
-    return {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows,
-            "generation": {"error": OOM} if generation == OOM else generation,
-            "bound": {"error": OOM} if bound == OOM else bound, "fixed": fixed}
+    bound = {"rows": []}  # none: no table, and no copy timed for one
+    if shapes:
+        bound = or_oom(lambda: bandwidth.measure(shapes, rt, cfg.bound_steps, cfg.seed), rt, {"error": OOM})
+    return {"model": model_text(mc, B), "params": model.get_num_params(), "rows": rows, "generation": generation,
+            "bound": bound, "fixed": fixed_step.measure(cfg, mc, rt)}
 
 
 def decode_row(cfg, model: GPT, tokens: torch.Tensor, C: int, rt: runtime.Runtime) -> dict:
@@ -156,25 +153,23 @@ def generation_times(cfg, model: GPT, prompt: torch.Tensor, rt: runtime.Runtime,
 
 
 def table(r: dict) -> str:
-    head = f"### Decoding, KV cache vs recomputing\n{r['model']}; {r['params'] / 1e6:.2f}M parameters\n\n"
     columns = ["context", "no cache ms/token", "cache ms/token", "no cache tokens/s", "cache tokens/s", "speedup"]
     rows = [[row["context"], OOM, OOM, OOM, OOM, "-"] if "error" in row else
             [row["context"], num(row["no_cache_ms"], 2), num(row["cache_ms"], 2), num(row["no_cache_tokens_per_s"], 1),
              num(row["cache_tokens_per_s"], 1), f"{row['speedup']:.1f}x"] for row in r["rows"]]
     g = r["generation"]
-    fixed = "\n\n" + fixed_step.table(r["fixed"]) if r["fixed"]["rows"] else ""
-    if "error" in g:
-        return head + markdown.table(columns, rows) + f"\n\ngenerate(): {OOM}" + bound_text(r["bound"]) + fixed
-    gen_rows = [[name.replace("_", " "), p["tokens"], num(p["no_cache_s"], 2), num(p["cache_s"], 2),
-                 num(p["no_cache_tokens_per_s"], 1), num(p["cache_tokens_per_s"], 1), f"{p['speedup']:.1f}x"]
-                for name, p in g["parts"].items()]
-    return (head + "per-token latency at each context length: the step that reads `context` tokens and predicts "
-            "the next\n\n" + markdown.table(columns, rows)
-            + f"\n\ngenerate(): {g['prompt_tokens']}-token prompt, {g['new_tokens']} new tokens, greedy, "
-              f"block_size {g['block_size']}, median of {g['repeats']} run(s); past the context the window moves "
-              f"{g['window_shift']} token(s) at a time and the cache is refilled at each move:\n\n"
-            + markdown.table(["part", "tokens", "no cache s", "cache s", "no cache tokens/s", "cache tokens/s",
-                              "speedup"], gen_rows) + bound_text(r["bound"]) + fixed)
+    generation = f"\n\ngenerate(): {OOM}" if "error" in g else (
+        f"\n\ngenerate(): {g['prompt_tokens']}-token prompt, {g['new_tokens']} new tokens, greedy, "
+        f"block_size {g['block_size']}, median of {g['repeats']} run(s); past the context the window moves "
+        f"{g['window_shift']} token(s) at a time and the cache is refilled at each move:\n\n"
+        + markdown.table(["part", "tokens", "no cache s", "cache s", "no cache tokens/s", "cache tokens/s", "speedup"],
+                         [[name.replace("_", " "), p["tokens"], num(p["no_cache_s"], 2), num(p["cache_s"], 2),
+                           num(p["no_cache_tokens_per_s"], 1), num(p["cache_tokens_per_s"], 1), f"{p['speedup']:.1f}x"]
+                          for name, p in g["parts"].items()]))
+    return (f"### Decoding, KV cache vs recomputing\n{r['model']}; {r['params'] / 1e6:.2f}M parameters\n\n"
+            "per-token latency at each context length: the step that reads `context` tokens and predicts the next\n\n"
+            + markdown.table(columns, rows) + generation + bound_text(r["bound"])
+            + ("\n\n" + fixed_step.table(r["fixed"]) if r["fixed"]["rows"] else ""))
 
 
 def bound_text(bound: dict) -> str:

@@ -27,10 +27,10 @@ from model import GPT, GPTConfig
 WAYS = ("eager", "fixed", "compiled")
 
 
-def row(model: GPT, batch: int, context: int, rounds: int, steps: int, compile: bool, rt: runtime.Runtime) -> dict:
+def row(cfg, model: GPT, batch: int, context: int, rt: runtime.Runtime) -> dict:
     """One precision, thread count and batch: each way's wall and CPU ms, alternated round by round."""
     ways, r = {}, {}
-    for way in WAYS[:2 + compile]:
+    for way in WAYS[:2 + cfg.compile]:
         try:
             ways[way] = bandwidth.cached_step(model, context, batch, way)
             t0 = time.perf_counter()
@@ -43,9 +43,9 @@ def row(model: GPT, batch: int, context: int, rounds: int, steps: int, compile: 
             ways.pop(way, None)
             r[f"{way}_error"] = OOM if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {first_line(e)}"
     measured = {way: [] for way in ways}
-    for _ in range(rounds):
+    for _ in range(cfg.fixed_rounds):
         for way, step in ways.items():
-            measured[way].append(bandwidth.step_times(step, 0, steps, rt.synchronize))
+            measured[way].append(bandwidth.step_times(step, 0, cfg.fixed_steps, rt.synchronize))
     for way, rounds_times in measured.items():
         r[f"{way}_ms"] = statistics.median(t[0] for t in rounds_times) * 1e3
         r[f"{way}_cpu_ms"] = statistics.median(t[1] for t in rounds_times) * 1e3
@@ -62,18 +62,18 @@ def precisions(cfg, device_type: str) -> list[str]:
 def measure(cfg, config: GPTConfig, rt: runtime.Runtime) -> dict:
     """The decode section's fixed_* settings: a row per precision, thread count (on a CPU: one and --threads) and
     batch, at context block_size // 2."""
-    rows, context, rounds, steps = [], config.block_size // 2, cfg.fixed_rounds, cfg.fixed_steps
+    rows, context = [], config.block_size // 2
     threads = sorted({1, torch.get_num_threads()}) if rt.device_type == "cpu" else [torch.get_num_threads()]
     for precision in precisions(cfg, rt.device_type):
         model = bandwidth.decoding_model(config, rt, precision, cfg.seed)  # the same weights
         for t in threads:
             with num_threads(t):
                 for batch in int_list(cfg.fixed_batches, "fixed_batches"):
-                    r = or_oom(lambda: row(model, batch, context, rounds, steps, cfg.compile, rt), rt)
-                    rows.append({"precision": precision, "threads": t, "batch": batch}
-                                | ({"eager_error": OOM} if r == OOM else r))
+                    r = or_oom(lambda: row(cfg, model, batch, context, rt), rt, {"eager_error": OOM})
+                    rows.append({"precision": precision, "threads": t, "batch": batch} | r)
                     print(f"  fixed step: {rows[-1]}", flush=True)
-    return {"context": context, "rounds": rounds, "steps": steps, "device": rt.device_type, "rows": rows}
+    return {"context": context, "rounds": cfg.fixed_rounds, "steps": cfg.fixed_steps, "device": rt.device_type,
+            "rows": rows}
 
 
 def table(r: dict) -> str:
