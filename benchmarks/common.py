@@ -170,6 +170,16 @@ def at_least(cfg, low: int, *keys: str) -> None:
             raise UserError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
 
 
+def gpt_config(cfg, prefix: str = "", **fixed) -> GPTConfig:
+    """The model of a section's <prefix>n_layer, n_head, n_embd, block_size and vocab_size settings (those `fixed`
+    does not give), without dropout."""
+    shape = {k: getattr(cfg, prefix + k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+             if k not in fixed}
+    if shape["n_embd"] % shape["n_head"]:
+        raise UserError(f"{prefix}n_embd ({shape['n_embd']}) must be divisible by {prefix}n_head ({shape['n_head']})")
+    return GPTConfig(dropout=0.0, **shape, **fixed)
+
+
 def read_recipe(specs: Sequence[str], source: str) -> TrainConfig:
     """train.py's config from config files and key=value pairs, applied in order as train.py applies them.
     The sections train what it says (model, batch, optimizer, schedule); its I/O and device keys are not used."""

@@ -21,11 +21,11 @@ import time
 import torch
 
 from benchmarks import bandwidth, fixed_step, markdown
-from benchmarks.common import OOM, at_least, int_list, median_time, model_text, num, or_oom, some_of, spec_list
+from benchmarks.common import OOM, at_least, gpt_config, int_list, median_time, model_text, num, or_oom, some_of
 from core import runtime
 from core.decoding.decode import generate_stream, inference_model, window_shift
 from core.errors import UserError
-from model import GPT, GPTConfig
+from model import GPT
 
 
 @dataclasses.dataclass
@@ -68,14 +68,7 @@ def check(cfg) -> None:
                         f"got {cfg.gen_window_shift}")
     if cfg.gen_prompt_len > cfg.decode_block_size:
         raise UserError(f"gen_prompt_len {cfg.gen_prompt_len} is longer than decode_block_size {cfg.decode_block_size}")
-    if cfg.decode_n_embd % cfg.decode_n_head:
-        raise UserError(f"decode_n_embd ({cfg.decode_n_embd}) must be divisible by "
-                        f"decode_n_head ({cfg.decode_n_head})")
-
-
-def model_config(cfg) -> GPTConfig:
-    return GPTConfig(block_size=cfg.decode_block_size, vocab_size=cfg.decode_vocab_size, n_layer=cfg.decode_n_layer,
-                     n_head=cfg.decode_n_head, n_embd=cfg.decode_n_embd, dropout=0.0, bias=cfg.bias)
+    gpt_config(cfg, "decode_", bias=cfg.bias)
 
 
 def token_times(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bool, shift: int,
@@ -94,7 +87,7 @@ def token_times(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bo
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
     torch.manual_seed(cfg.seed)
-    mc = model_config(cfg)
+    mc = gpt_config(cfg, "decode_", bias=cfg.bias)
     model, steps = inference_model(GPT(mc), rt)  # as sample.py: weights cast once, float32 next-token logits
     B = cfg.decode_batch_size
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -104,7 +97,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
                 for C in int_list(cfg.decode_contexts, "decode_contexts")]
     generation = or_oom(lambda: generation_times(cfg, model, tokens[:, :cfg.gen_prompt_len], rt, steps), rt,
                         {"error": OOM})
-    shapes = spec_list(cfg.bound_models)
+    shapes = some_of(cfg.bound_models, bandwidth.SHAPES, "bound_models")
     bound = {"rows": []}  # none: no table, and no copy timed for one
     if shapes:
         bound = or_oom(lambda: bandwidth.measure(shapes, rt, cfg.bound_steps, cfg.seed), rt, {"error": OOM})

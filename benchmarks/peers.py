@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import bandwidth, markdown
-from benchmarks.common import ROOT, at_least, num, num_threads, some_of, spec_list
+from benchmarks.common import ROOT, at_least, gpt_config, num, num_threads, some_of, spec_list
 from core import runtime
 from core.data.tokenizer import GPT2Tokenizer
 from core.decoding.decode import generate_stream, inference_model
@@ -75,8 +75,7 @@ def check(cfg) -> None:
     if cfg.peers_prompt_len + cfg.peers_new_tokens > cfg.peers_block_size:
         raise UserError(f"peers_prompt_len + peers_new_tokens ({cfg.peers_prompt_len + cfg.peers_new_tokens}) "
                         f"exceed peers_block_size {cfg.peers_block_size}")
-    if cfg.peers_n_embd % cfg.peers_n_head:
-        raise UserError(f"peers_n_embd ({cfg.peers_n_embd}) must be divisible by peers_n_head ({cfg.peers_n_head})")
+    model_config(cfg)
 
 
 def preflight(cfg) -> None:
@@ -84,8 +83,7 @@ def preflight(cfg) -> None:
 
 
 def model_config(cfg) -> GPTConfig:
-    return GPTConfig(n_layer=cfg.peers_n_layer, n_head=cfg.peers_n_head, n_embd=cfg.peers_n_embd,
-                     block_size=cfg.peers_block_size, vocab_size=50257, dropout=0.0, bias=True)
+    return gpt_config(cfg, "peers_", vocab_size=50257, bias=True)
 
 
 def missing(engine: str) -> str | None:

@@ -13,9 +13,9 @@ import time
 import torch
 
 from benchmarks import markdown
-from benchmarks.common import OOM, int_list, median_time, mib, model_text, num, or_oom
+from benchmarks.common import OOM, gpt_config, int_list, median_time, mib, model_text, num, or_oom
 from core import kernels, runtime
-from core.errors import UserError, first_line
+from core.errors import first_line
 from core.training import flops, optim
 from model import GPT, GPTConfig
 
@@ -39,8 +39,7 @@ PRESETS = {"gpt2": dict(batch_size=8, block_size=1024, n_layer=12, n_head=12, n_
 
 
 def check(cfg) -> None:
-    if cfg.n_embd % cfg.n_head:
-        raise UserError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+    model_config(cfg)
     batch_sizes(cfg)
 
 
@@ -49,8 +48,7 @@ def batch_sizes(cfg) -> list[int]:
 
 
 def model_config(cfg) -> GPTConfig:
-    return GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, dropout=0.0, bias=cfg.bias)
+    return gpt_config(cfg, bias=cfg.bias)
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:

@@ -303,6 +303,8 @@ def test_the_docs_name_only_sections_that_exist():
     (["--bound_models=quickstart,gpt3"], "bound_models: unknown gpt3"),
     (["--train_batch_sizes=8,x"], "train_batch_sizes"),
     (["--fixed_precisions=float32,int3"], "fixed_precisions: unknown int3"),
+    (["--n_embd=100"], r"n_embd \(100\) must be divisible by n_head \(6\)"),
+    (["--decode_n_head=7"], r"decode_n_embd \(384\) must be divisible by decode_n_head \(7\)"),
 ])
 def test_bad_flags_are_user_errors(argv, fragment):
     with pytest.raises(UserError, match=fragment):
