@@ -1,16 +1,15 @@
 """Decoding against the memory-bandwidth bound.
 
-A cached decode step at batch 1 does 2 FLOPs (one multiply-add) per weight it reads, far too few to keep
-a CPU's or GPU's arithmetic busy: it is bound by memory. Each step reads every weight the token passes through
-once, and the keys and values cached so far. No step can beat those bytes divided by the machine's
-memory bandwidth (copy_bandwidth: a measured copy of a buffer far larger than the caches):
+A cached decode step at batch 1 does 2 FLOPs (one multiply-add) per weight it reads, far too few to keep a CPU's or
+GPU's arithmetic busy: it is bound by memory. Each step reads every weight the token passes through once, and the keys
+and values cached so far. No step can beat those bytes divided by the machine's memory bandwidth (copy_bandwidth: a
+measured copy of a buffer far larger than the caches):
 
     bound_s = (decode_weight_bytes(model) + kv_cache_bytes(config, context, itemsize)) / bandwidth
 
-The arithmetic is pure (but for the timed copy). bench.py's decode section prints the cached step of the
-CPU quick start's model and of GPT-2 small's shape (SHAPES; --bound_models) at batch 1 against the bound,
-in float32 and, where the device computes it natively, bfloat16 (docs/performance.md, "Decoding against
-the bandwidth bound"):
+The arithmetic is pure (but for the timed copy). bench.py's decode section prints the cached step of the CPU quick
+start's model and of GPT-2 small's shape (SHAPES; --bound_models) at batch 1 against the bound, in float32 and, where
+the device computes it natively, bfloat16 (docs/performance.md, "Decoding against the bandwidth bound"):
 
     python bench.py --sections=decode                          # the decode section, the bound table last
     python bench.py --sections=decode --bound_models=gpt2      # GPT-2 small's shape only
@@ -30,9 +29,9 @@ from model import GPT, GPTConfig
 
 def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[], float] = time.perf_counter,
                    device: str = "cpu", synchronize: Callable[[], None] = lambda: None) -> float:
-    """Bytes per second of dst.copy_(src) over n_bytes, the fastest of `repeats`: each copy reads n_bytes
-    and writes n_bytes, counted as 2 x n_bytes moved. 256 MiB by default, past any CPU's last-level
-    cache, so it is DRAM's rate; the fastest, since slower runs measure other processes' traffic."""
+    """Bytes per second of dst.copy_(src) over n_bytes, the fastest of `repeats`: each copy reads n_bytes and writes
+    n_bytes, counted as 2 x n_bytes moved. 256 MiB by default, past any CPU's last-level cache, so it is DRAM's rate;
+    the fastest, since slower runs measure other processes' traffic."""
     src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm-up: the pages of dst are mapped now
@@ -47,10 +46,10 @@ def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 10, clock: Callable[[]
 
 
 def decode_weight_bytes(model: GPT) -> int:
-    """Bytes of the weights one cached decode step reads: every parameter, at its own dtype, but the
-    embedding tables the step only looks one row up in (the position table; the token table when the
-    head is untied or swapped, else the head reads it whole), and the matrices modules swapped in hold
-    (cpu.PackedLinear, quantize.QuantizedLinear: their weight_bytes). Shared tensors count once."""
+    """Bytes of the weights one cached decode step reads: every parameter, at its own dtype, but the embedding
+    tables the step only looks one row up in (the position table; the token table when the head is untied or swapped,
+    else the head reads it whole), and the matrices modules swapped in hold (cpu.PackedLinear, quantize.QuantizedLinear:
+    their weight_bytes). Shared tensors count once."""
     c, seen, total = model.config, set(), 0
     lookups = {id(model.transformer.wpe.weight)} if c.pos_embedding == "learned" else set()
     if getattr(model.lm_head, "weight", None) is not model.transformer.wte.weight:

@@ -1,18 +1,13 @@
 """Decoding: per-token latency with and without the KV cache, then whole generate() runs.
 
-The model is cast once to --dtype, as sample.py decodes (inference_model); decode_batch_size
-rows at once; weights are random (speed does not depend on them) and decoding is greedy. Per-token
-latency at each context length: no cache = one forward over the whole context (what
-generate(use_cache=False) does per token); cache = one token through a KV cache already holding the
-context. Then a whole generate() run each way, timed token by token, past the context moving the
-window as sample.py does (block_size // 2 at a time; see --gen_window_shift). The model here
-(decode_*) is also the rolling and serve sections'.
+The model (decode_*) is cast once to --dtype, as sample.py decodes (inference_model); decode_batch_size rows at once;
+weights are random (speed does not depend on them) and decoding is greedy. Per-token latency at each context length:
+no cache = one forward over the whole context (what generate(use_cache=False) does per token); cache = one token
+through a KV cache already holding the context. Then a whole generate() run each way, timed token by token, past the
+context moving the window as sample.py does (block_size // 2 at a time; see --gen_window_shift).
 
-Then the cached step against the memory-bandwidth bound (benchmarks/bandwidth.py): at batch 1, for the
-CPU quick start's model and GPT-2 small's shape (--bound_models), in float32 and bfloat16 where native. Last, the
-fixed-shape step against the eager one (benchmarks/fixed_step.py), eager and compiled (--compile) at
-decode_block_size // 2, per precision, batch (the fixed_* flags; --fixed_precisions= skips it) and on a CPU at one
-thread and at --threads (0: one per core).
+Then the cached step against the memory-bandwidth bound (benchmarks/bandwidth.py; --bound_models) and, last, the
+fixed-shape step against the eager one (benchmarks/fixed_step.py; the fixed_* flags, --fixed_precisions= skips it).
 """
 import dataclasses
 import statistics
@@ -118,10 +113,10 @@ def decode_row(cfg, model: GPT, tokens: torch.Tensor, C: int, rt: runtime.Runtim
 def generation_times(cfg, model: GPT, prompt: torch.Tensor, rt: runtime.Runtime, steps=None) -> dict:
     """generate() end to end, as sample.py calls it, cache against no cache, split where the window first moves.
 
-    Once prompt + generated tokens pass block_size the window of tokens the model sees moves on, by
-    window_shift tokens at a time. With learned positions every cached key is then stale, so the cache
-    is refilled at each move: with window_shift=1 every step past the context is a full forward,
-    cache or not; with block_size // 2 (sample.py's default) one refill serves block_size // 2 tokens.
+    Once prompt + generated tokens pass block_size the window of tokens the model sees moves on, by window_shift tokens
+    at a time. With learned positions every cached key is then stale, so the cache is refilled at each move: with
+    window_shift=1 every step past the context is a full forward, cache or not; with block_size // 2 (sample.py's
+    default) one refill serves block_size // 2 tokens.
     """
     P, N, block = prompt.size(1), cfg.gen_new_tokens, model.config.block_size
     shift = window_shift(cfg.gen_window_shift, block)
