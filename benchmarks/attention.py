@@ -10,8 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks import markdown
-from benchmarks.common import OOM, at_least, int_list, mib, or_oom, peak_extra_bytes
+from benchmarks.common import OOM, at_least, int_list, markdown_table, mib, or_oom, peak_extra_bytes
 from core import runtime
 from model import scaled_dot_product_attention
 
@@ -105,7 +104,7 @@ def table(r: dict) -> str:
              f"{row['naive_over_sdpa']:.1f}x" if row["naive_over_sdpa"] else "-"] for row in r["rows"]]
     text = (f"### Attention memory vs context length\none causal attention, {r['shape']}; peak memory above the "
             f"inputs, measured with {r['method']}; fused kernel: {r['sdpa_kernel']}\n\n"
-            + markdown.table(["T", "scores B·nh·T² (theory)", "naive fwd", "naive fwd+bwd", "sdpa fwd",
+            + markdown_table(["T", "scores B·nh·T² (theory)", "naive fwd", "naive fwd+bwd", "sdpa fwd",
                               "sdpa fwd+bwd", "naive/sdpa fwd+bwd"], rows))
     if "growth_exponent" in r:
         g = r["growth_exponent"]

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks import markdown
+from benchmarks.common import markdown_table
 from core import runtime
 from core.decoding.cache import StaticCache
 from core.decoding.decode import FixedStep, compile_step, inference_model
@@ -163,4 +163,4 @@ def table(r: dict) -> str:
     rows = [[x["model"], x["dtype"], x["context"], f"{x['weight_bytes'] / 1e6:.2f} MB", f"{x['kv_bytes'] / 1e6:.2f} MB",
              f"{x['bound_ms']:.3f}", f"{x['step_ms']:.3f}", f"{x['step_cpu_ms']:.3f}", f"{x['step_over_bound']:.2f}x"]
             for x in r["rows"]]
-    return head + markdown.table(columns, rows)
+    return head + markdown_table(columns, rows)

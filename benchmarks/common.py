@@ -1,5 +1,6 @@
 """What every section shares: timing (medians after untimed warm-up), peak memory above a baseline, out-of-memory
-as a figure, the torch thread count for a while, the settings' checks and the tables' number formats.
+as a figure, the torch thread count for a while, the settings' checks, and the tables (also compare_recipe.py's) and
+their number formats.
 """
 import contextlib
 import dataclasses
@@ -205,6 +206,17 @@ def generated_text(n_chars: int, seed: int = 0) -> str:
 def model_text(c: GPTConfig, batch_size: int) -> str:
     return (f"{c.n_layer} layers, {c.n_embd} wide, {c.n_head} heads, block_size {c.block_size}, "
             f"vocab {c.vocab_size}, batch {batch_size}")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded so that the table also lines up in a terminal."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"  # right-aligned columns
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
 def mib(n: float | str) -> str:

@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from benchmarks import bandwidth, fixed_step, markdown
-from benchmarks.common import OOM, at_least, gpt_config, int_list, median_time, model_text, num, or_oom, some_of
+from benchmarks import bandwidth, fixed_step
+from benchmarks.common import (OOM, at_least, gpt_config, int_list, markdown_table, median_time, model_text, num,
+                               or_oom, some_of)
 from core import runtime
 from core.decoding.decode import generate_stream, inference_model, window_shift
 from core.errors import UserError
@@ -150,13 +151,13 @@ def table(r: dict) -> str:
         f"\n\ngenerate(): {g['prompt_tokens']}-token prompt, {g['new_tokens']} new tokens, greedy, "
         f"block_size {g['block_size']}, median of {g['repeats']} run(s); past the context the window moves "
         f"{g['window_shift']} token(s) at a time and the cache is refilled at each move:\n\n"
-        + markdown.table(["part", "tokens", "no cache s", "cache s", "no cache tokens/s", "cache tokens/s", "speedup"],
+        + markdown_table(["part", "tokens", "no cache s", "cache s", "no cache tokens/s", "cache tokens/s", "speedup"],
                          [[name.replace("_", " "), p["tokens"], num(p["no_cache_s"], 2), num(p["cache_s"], 2),
                            num(p["no_cache_tokens_per_s"], 1), num(p["cache_tokens_per_s"], 1), f"{p['speedup']:.1f}x"]
                           for name, p in g["parts"].items()]))
     return (f"### Decoding, KV cache vs recomputing\n{r['model']}; {r['params'] / 1e6:.2f}M parameters\n\n"
             "per-token latency at each context length: the step that reads `context` tokens and predicts the next\n\n"
-            + markdown.table(columns, rows) + generation + bound_text(r["bound"])
+            + markdown_table(columns, rows) + generation + bound_text(r["bound"])
             + ("\n\n" + fixed_step.table(r["fixed"]) if r["fixed"]["rows"] else ""))
 
 

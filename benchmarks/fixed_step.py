@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from benchmarks import bandwidth, markdown
-from benchmarks.common import OOM, int_list, num, num_threads, or_oom, some_of
+from benchmarks import bandwidth
+from benchmarks.common import OOM, int_list, markdown_table, num, num_threads, or_oom, some_of
 from core import runtime
 from core.errors import first_line
 from model import GPT, GPTConfig
@@ -93,6 +93,6 @@ def table(r: dict) -> str:
              num(x["compiled_first3_s"], 1) if "compiled_first3_s" in x else "-"] for x in r["rows"]]
     return (f"### The fixed-shape decode step against the eager one\ncontext {r['context']}; {r['rounds']} rounds "
             f"alternated, each way's median of {r['steps']} steps per round, the median over rounds\n\n"
-            + markdown.table(["precision", "threads", "batch", f"eager {clock}", f"fixed {clock}",
+            + markdown_table(["precision", "threads", "batch", f"eager {clock}", f"fixed {clock}",
                               f"compiled {clock}", "fixed / eager", "compiled / eager", "compiled: first 3 calls s"],
                              rows))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import markdown, nanogpt
-from benchmarks.common import ROOT, at_least, model_text, num
+from benchmarks import nanogpt
+from benchmarks.common import ROOT, at_least, markdown_table, model_text, num
 from core import kernels, runtime
 from core.config import apply_overrides, read_config_file
 from core.errors import UserError
@@ -116,6 +116,6 @@ def table(r: dict) -> str:
              f"{r['recipe_ms'] / r['plain_ms']:.2f}x"]]
     return (f"### Training iteration: train.py against a plain loop, and the modern recipe\n{r['config']}: {r['model']}, "
             f"accumulation {r['accum']}; median of {r['chunks']} chunks of {r['steps_per_chunk']} iterations each, "
-            f"alternating\n\n" + markdown.table(["loop", "ms / iteration", "vs plain"], rows)
+            f"alternating\n\n" + markdown_table(["loop", "ms / iteration", "vs plain"], rows)
             + f"\n\n{r['recipe_config']} / classic train.py: {r['recipe_over_train_py']:.2f}x "
               "(median over chunks of each against the one before it)")

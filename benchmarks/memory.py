@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from benchmarks import markdown, train
-from benchmarks.common import median_time, mib, model_text, num, num_threads, peak_extra_bytes
+from benchmarks import train
+from benchmarks.common import markdown_table, median_time, mib, model_text, num, num_threads, peak_extra_bytes
 from core import kernels, runtime
 from core.fileio import write_json
 from core.training import optim, parallel
@@ -138,12 +138,12 @@ def table(r: dict) -> str:
              f"{row['gb_checkpointed']:.1f}", *row["fits"].values()] for row in r["fits"]]
     return (f"### Memory per process: ddp vs fsdp, activation checkpointing\n{r['model']}\n\n"
             "bytes held by each process after one AdamW step (the largest rank), gloo processes on the CPU\n\n"
-            + markdown.table(["parallel", "processes", "params", "grads", "AdamW state", "total"], state)
+            + markdown_table(["parallel", "processes", "params", "grads", "AdamW state", "total"], state)
             + "\n\nforward + backward, one process\n\n"
-            + markdown.table(["activation checkpointing", "peak memory", "step ms"], ac)
+            + markdown_table(["activation checkpointing", "peak memory", "step ms"], ac)
             + f"\n\ncheckpointing: {on['peak_bytes'] / off['peak_bytes']:.2f}x the peak memory, "
               f"{on['step_s'] / off['step_s']:.2f}x the step time\n\n"
             "Computed, not measured (benchmarks.memory.gpu_training_memory): GB per GPU to train GPT-2 with AdamW, "
             f"micro-batch {FITS_MICRO_BATCH} x 1024 tokens, fsdp over {FITS_WORLD_SIZE} GPUs; fits if <= "
             f"{FITS_FRACTION:.0%} of the GPU\n\n"
-            + markdown.table(["model", "params", "parallel", "GB", "GB with AC", *(f"{gb} GB" for gb in GPU_GB)], fits))
+            + markdown_table(["model", "params", "parallel", "GB", "GB with AC", *(f"{gb} GB" for gb in GPU_GB)], fits))

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import bandwidth, markdown
-from benchmarks.common import ROOT, at_least, gpt_config, num, num_threads, some_of, spec_list
+from benchmarks import bandwidth
+from benchmarks.common import ROOT, at_least, gpt_config, markdown_table, num, num_threads, some_of, spec_list
 from core import runtime
 from core.data.tokenizer import GPT2Tokenizer
 from core.decoding.decode import generate_stream, inference_model
@@ -213,6 +213,6 @@ def table(r: dict) -> str:
              *(["n/a"] * 3 if row["rates"] is None else [num(x, 1) for x in row["rates"]]), num(row["bound"], 1)]
             for row in r["rows"]]
     lines = [f"{r['shape']}: {r['new_tokens']} greedy tokens after a {r['prompt_len']}-token prompt; bound at "
-             f"{r['bandwidth'] / 1e9:.1f} GB/s (benchmarks/bandwidth.py)", "", markdown.table(header, rows)]
+             f"{r['bandwidth'] / 1e9:.1f} GB/s (benchmarks/bandwidth.py)", "", markdown_table(header, rows)]
     lines += [f"{engine}: {why}" for engine, why in r["absent"].items()]
     return "\n".join(lines)

@@ -7,8 +7,8 @@ import io
 import tempfile
 from pathlib import Path
 
-from benchmarks import common, markdown
-from benchmarks.common import median_time, num
+from benchmarks import common
+from benchmarks.common import markdown_table, median_time, num
 from core import runtime
 from core.data.corpus import TextPrepareConfig, prepare_text_corpus
 from core.data.tokenizer import GPT2Tokenizer
@@ -51,5 +51,5 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
 
 def table(r: dict) -> str:
     return (f"### Data preparation (GPT-2 BPE)\n{r['path']}, corpus: {r['corpus']}\n\n"
-            + markdown.table(["chars", "tokens", "seconds", "tokens/s"],
+            + markdown_table(["chars", "tokens", "seconds", "tokens/s"],
                              [[num(r["chars"]), num(r["tokens"]), num(r["seconds"], 3), num(r["tokens_per_s"])]]))

@@ -39,8 +39,7 @@ from typing import AsyncIterator
 
 import torch
 
-from benchmarks import markdown
-from benchmarks.common import ROOT, at_least, int_list, num, num_threads, some_of, spec_list
+from benchmarks.common import ROOT, at_least, int_list, markdown_table, num, num_threads, some_of, spec_list
 from core import runtime
 from core.config import read_config_file
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
@@ -375,15 +374,15 @@ def table(r: dict) -> str:
             f"{r['model']}; {r['params'] / 1e6:.2f}M parameters; each client streams one /v1/completions request, "
             f"all at once ({r['prompt_tokens']}-token prompt, {r['max_tokens']} new tokens, sampled; {r['client']} "
             f"clients); max_batch {r['max_batch']} on both sides; medians of {r['repeats']}\n\n"
-            + markdown.table(["engine", "clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms",
+            + markdown_table(["engine", "clients", "server tok/s", f"vs {r['rows'][0]['clients']} client", "TTFT p50 / p95 ms",
                               "in-process tok/s", "in-process TTFT ms", "time ratio", "CPU s server / in-process",
                               "CPU ratio", "client CPU s"], rows)
             + f"\n\nThe prefix cache, a {p['prompt_tokens']}-token prompt sent twice (greedy, streamed; medians of "
-              f"{r['repeats']}):\n\n" + markdown.table(
+              f"{r['repeats']}):\n\n" + markdown_table(
                 ["prompt tokens", "TTFT first ms", "TTFT again ms", "first / again", "cached tokens", "same text"],
                 [[p["prompt_tokens"], num(p["cold_ttft_ms"]), num(p["warm_ttft_ms"]), f"{p['speedup']:.1f}x",
                   num(p["cached_tokens"]), "yes" if p["same_text"] else "NO"]])
             + "\n\nA step's costs, what --step_tokens and --threads trade (wall / CPU ms, medians):\n\n"
-            + markdown.table(["rows x tokens", "torch threads", "wall ms", "CPU ms", "CPU ms per token"],
+            + markdown_table(["rows x tokens", "torch threads", "wall ms", "CPU ms", "CPU ms per token"],
                              [[f"{b['rows']} x {b['tokens']}", b["threads"], num(b["wall_ms"], 1), num(b["cpu_ms"], 1),
                                num(b["cpu_ms"] / b["tokens"], 2)] for b in r["budget"]]))

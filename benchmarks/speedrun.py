@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from benchmarks import markdown, nanogpt
-from benchmarks.common import at_least, int_list, model_text, num, read_recipe, spec_list
+from benchmarks import nanogpt
+from benchmarks.common import at_least, int_list, markdown_table, model_text, num, read_recipe, spec_list
 from core import kernels, runtime
 from core.config import to_dict
 from core.data.loader import TokenData, read_meta
@@ -286,5 +286,5 @@ def table(r: dict) -> str:
             f"target: {r['target_source']}; data: {r['data']}\n{models}\n"
             f"evaluated every {e['every']} iterations, every {e['fine_every']} within {e['margin']} of the target; "
             f"the runs take turns of {r['chunk']} iterations; times count training only (evaluation apart)\n\n"
-            + markdown.table(["seed", "run", "iters to target", "tokens", "train wall s", "train CPU s",
+            + markdown_table(["seed", "run", "iters to target", "tokens", "train wall s", "train CPU s",
                               f"wall vs {first}", f"CPU vs {first}"], rows))

@@ -12,8 +12,7 @@ import time
 
 import torch
 
-from benchmarks import markdown
-from benchmarks.common import OOM, gpt_config, int_list, median_time, mib, model_text, num, or_oom
+from benchmarks.common import OOM, gpt_config, int_list, markdown_table, median_time, mib, model_text, num, or_oom
 from core import kernels, runtime
 from core.errors import first_line
 from core.training import flops, optim
@@ -124,7 +123,7 @@ def table(r: dict) -> str:
                     + ([mib(row["peak_memory_bytes"])] if with_memory else []))
     text = (f"### Training step (forward + backward + AdamW)\n{r['model']}; {r['params'] / 1e6:.2f}M parameters; "
             f"each row a micro-batch of that many sequences\npeak for MFU: {peak} ({r['peak_flops_source']})\n\n"
-            + markdown.table(["mode", "batch", "build s (1st step)", "step ms", "tokens/s", "MFU"]
+            + markdown_table(["mode", "batch", "build s (1st step)", "step ms", "tokens/s", "MFU"]
                              + ["peak memory"] * with_memory, rows))
     if "compiled_over_eager" in r:
         text += f"\n\ncompiled / eager tokens/s at batch {r['rows'][0]['batch_size']}: {r['compiled_over_eager']:.2f}x"

@@ -27,8 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: core/, model.py and config/
 sys.path.insert(0, str(ROOT))
-from benchmarks import markdown  # noqa: E402
-from benchmarks.common import at_least, spec_list  # noqa: E402
+from benchmarks.common import at_least, markdown_table, spec_list  # noqa: E402
 from core import config as configlib, kernels, runtime  # noqa: E402
 from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
@@ -215,7 +214,7 @@ def report(results_dir: Path) -> str:
                      f"{time_ratio:.2f}x" if time_ratio is not None else "", f"{r['params']:,}"])
     headers = ["variant", "switches", "val loss (whole split)", "vs classic", "iters to classic's final",
                "ms/iter", "vs classic", "time to classic's final", "params"]
-    text = markdown.table(headers, rows) + "\n"
+    text = markdown_table(headers, rows) + "\n"
     (results_dir / "table.md").write_text(text)
     plot(runs, order, target, results_dir / "val_loss.png")
     return text

@@ -607,7 +607,7 @@ def test_compare_recipe_trains_evaluates_and_reports(tmp_path, data_dir):
     assert runs["modern"]["overrides"] == {"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
                                            "qk_norm": True, "tie_embeddings": False, "optimizer": "muon"}
     assert runs["classic"]["curve"][0][1] == pytest.approx(math.log(len(set(TEXT))), abs=0.3)
-    table = (tmp_path / "table.md").read_text()  # benchmarks.markdown.table: cells padded to line up
+    table = (tmp_path / "table.md").read_text()  # benchmarks.common.markdown_table: cells padded to line up
     assert re.search(r"^\| +modern \|", table, re.M) and (tmp_path / "val_loss.png").stat().st_size > 1000
 
 
