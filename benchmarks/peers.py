@@ -22,6 +22,7 @@ their scales left out; the rest float32), at the copy's bandwidth. A peer not in
 """
 import copy
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -107,7 +108,7 @@ def rate(stamps: list[float], streams: int = 1) -> float:
     return streams * (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def ours(m: GPT, prompt: list[int], cfg, rt: runtime.Runtime, threads: int, streams: int) -> float:
+def ours_rate(m: GPT, prompt: list[int], cfg, threads: int, streams: int, rt: runtime.Runtime) -> float:
     idx, stamps = torch.tensor([prompt] * streams, device=rt.device), []
     with num_threads(threads), torch.no_grad():
         for _ in generate_stream(m, idx, cfg.peers_new_tokens, temperature=0.0):
@@ -191,13 +192,10 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
                    "bound": bound_tokens_per_s(model, matrix_bytes, context, bw), "rates": None}
             if given != "n/a":
                 where = prepare(engine, given, model, rt, hf_dir, Path(tmp))
-
-                def run(t: int, streams: int) -> float:
-                    if engine == "ours":
-                        return ours(where, prompt, cfg, rt, t, streams)
-                    fn = ctranslate2_rate if engine == "ctranslate2" else llama_cpp_rate
-                    return fn(where, prompt, cfg, t, streams)
-                row["rates"] = [run(t, 1) for t in threads] + [run(threads[-1], cfg.peers_streams)]
+                rate_of = {"ours": functools.partial(ours_rate, rt=rt), "ctranslate2": ctranslate2_rate,
+                           "llama.cpp": llama_cpp_rate}[engine]
+                row["rates"] = [rate_of(where, prompt, cfg, t, 1) for t in threads] + [
+                    rate_of(where, prompt, cfg, threads[-1], cfg.peers_streams)]
             rows.append(row)
             print(f"  {engine} {weights}: {row['rates']}", flush=True)
     return {"rows": rows, "absent": absent, "threads": threads, "streams": cfg.peers_streams,

@@ -24,6 +24,7 @@ the in-process ones.
     python bench.py --sections=serve --serve_shape=gpt2 --serve_quantize=int8 ...   # int8 weights on both sides
 """
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -293,20 +294,19 @@ def clients_rows(cfg, engine: BatchEngine, servers: dict[str, tuple[subprocess.P
                  prompt: list[int]) -> list[dict]:
     """One row per server engine and client count; the sides alternate at each count, each repeat."""
     counts = int_list(cfg.serve_clients, "serve_clients")
-    runs: dict[tuple[int, str], list[dict]] = {}
+    runs = collections.defaultdict(list)  # (clients, side): a dict per repeat
     for _ in range(cfg.warmup + cfg.repeats):
         for c in counts:
             cpu0 = time.process_time()
             s, ttfts = in_process(engine, prompt, c, cfg.serve_max_tokens)
-            run = {"s": s, "cpu_s": time.process_time() - cpu0}
-            runs.setdefault((c, "in_process"), []).append(run | ttft(ttfts))
+            runs[c, "in_process"].append({"s": s, "cpu_s": time.process_time() - cpu0} | ttft(ttfts))
             for name, (server, url) in servers.items():
                 cpu0, server0 = time.process_time(), process_cpu_s(server.pid)
                 s, ttfts = over_http(url, prompt, c, cfg.serve_max_tokens, cfg.serve_client)
-                run = {"s": s, "client_cpu_s": time.process_time() - cpu0}
+                run = {"s": s, "client_cpu_s": time.process_time() - cpu0} | ttft(ttfts)
                 if server0 is not None:
                     run["cpu_s"] = process_cpu_s(server.pid) - server0
-                runs.setdefault((c, name), []).append(run | ttft(ttfts))
+                runs[c, name].append(run)
     rows = []
     for name in servers:
         for c in counts:

@@ -268,17 +268,16 @@ def summary(seeds: list[dict], runs: list[str]) -> dict:
 
 def table(r: dict) -> str:
     runs, first = r["runs"], r["runs"][0]
+    reached = [(s["seed"], {name: run["reached"] for name, run in s["runs"].items()}) for s in r["seeds"]]
     rows = []
-    for s in r["seeds"] + [{"seed": "mean", "runs": r["summary"]}]:
+    for seed, got in reached + [("mean", r["summary"])]:  # each run's figures at the target, by run name
         for name in runs:
-            got = s["runs"][name] if s["seed"] == "mean" else s["runs"][name]["reached"]
-            if got is None:
-                rows.append([s["seed"], name, "not reached", "-", "-", "-", "-", "-"])
+            g, base = got[name], got[first]
+            if g is None:
+                rows.append([seed, name, "not reached", "-", "-", "-", "-", "-"])
                 continue
-            base = r["summary"][first] if s["seed"] == "mean" else s["runs"][first]["reached"]
-            ratio = (lambda k: f"{got[k] / base[k]:.2f}x") if base else (lambda k: "-")
-            rows.append([s["seed"], name, num(got["iter"]), num(got["tokens"]), num(got["wall_s"], 1),
-                         num(got["cpu_s"], 1), ratio("wall_s"), ratio("cpu_s")])
+            rows.append([seed, name, num(g["iter"]), num(g["tokens"]), num(g["wall_s"], 1), num(g["cpu_s"], 1),
+                         *(f"{g[k] / base[k]:.2f}x" if base else "-" for k in ("wall_s", "cpu_s"))])
     models = "\n".join(f"{name}: {r['recipes'][name]}; {r['models'][name]}, {r['tokens_per_iter'][name]:,} tokens "
                        f"per iteration" for name in runs)
     e = r["eval"]
