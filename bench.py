@@ -100,20 +100,20 @@ def main(argv: Sequence[str]) -> dict:
     start = time.perf_counter()
     cfg = load_config(argv)
     rt = runtime.setup(cfg.device, cfg.dtype)
-    for name in spec_list(cfg.sections):  # fail now, not after minutes of measuring (prepare: GPT-2's BPE file)
-        getattr(SECTIONS[name], "preflight", lambda cfg: None)(cfg)
+    chosen = {name: module for name, module in SECTIONS.items() if name in spec_list(cfg.sections)}  # in run order
+    for module in chosen.values():  # fail now, not after minutes of measuring (prepare: GPT-2's BPE file)
+        getattr(module, "preflight", lambda cfg: None)(cfg)
     with num_threads(cfg.threads or torch.get_num_threads()):  # called in-process (tests), the count comes back
         result = {"machine": machine_info(rt), "config": to_dict(cfg)}
         m = result["machine"]
         print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
               f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")
-        for name, module in SECTIONS.items():
-            if name in spec_list(cfg.sections):
-                t0 = time.perf_counter()
-                result[name] = module.measure(cfg, rt)
-                result[name]["section_s"] = time.perf_counter() - t0
-                print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
-                write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
+        for name, module in chosen.items():
+            t0 = time.perf_counter()
+            result[name] = module.measure(cfg, rt)
+            result[name]["section_s"] = time.perf_counter() - t0
+            print(f"\n{module.table(result[name])}\n\n({result[name]['section_s']:.0f} s)", flush=True)
+            write_json(cfg.out, result)  # what is measured is kept, whatever happens in the next section
     result["wall_s"] = time.perf_counter() - start
     result["machine"]["load_average_1min_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     write_json(cfg.out, result)

@@ -78,15 +78,13 @@ def measure(cfg, config: GPTConfig, rt: runtime.Runtime) -> dict:
 
 def table(r: dict) -> str:
     cpu = r["device"] == "cpu"
-    clock = "CPU ms" if cpu else "ms"  # on a CPU, CPU time: a shared machine's waits for a core left out
+    # on a CPU, CPU time: a shared machine's waits for a core left out
+    clock, key = ("CPU ms", "_cpu_ms") if cpu else ("ms", "_ms")
 
     def cell(x: dict, way: str) -> str:
-        if f"{way}_error" in x:
-            return x[f"{way}_error"]
-        return num(x[f"{way}_cpu_ms" if cpu else f"{way}_ms"], 3) if f"{way}_ms" in x else "-"
+        return x.get(f"{way}_error") or (num(x[way + key], 3) if way + key in x else "-")
 
     def ratio(x: dict, way: str) -> str:
-        key = "_cpu_ms" if cpu else "_ms"
         return f"{x[way + key] / x['eager' + key]:.2f}x" if way + key in x and "eager" + key in x else "-"
     rows = [[x["precision"], x["threads"] if cpu else "-", x["batch"], cell(x, "eager"), cell(x, "fixed"),
              cell(x, "compiled"), ratio(x, "fixed"), ratio(x, "compiled"),
