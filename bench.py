@@ -32,10 +32,10 @@ from typing import Sequence
 import torch
 
 from benchmarks import attention, decode, loop, memory, peers, prepare, serve, speedrun, train
-from benchmarks.common import at_least, merged_config, merged_presets, num_threads, some_of, spec_list, with_preset
+from benchmarks.common import at_least, merged_config, merged_presets, num_threads, some_of, spec_list
 from core import runtime
-from core.config import parse_args, to_dict
-from core.errors import run_cli
+from core.config import apply_overrides, parse_args, to_dict
+from core.errors import UserError, run_cli
 from core.fileio import write_json
 
 SECTIONS = {"train": train, "loop": loop, "attention": attention, "decode": decode, "prepare": prepare,  # in run order
@@ -63,7 +63,10 @@ PRESETS = merged_presets({"cpu": {}, "gpt2": dict(warmup=3, repeats=10, threads=
 
 def load_config(argv: Sequence[str]):
     """Defaults, then the preset, then config files and --key=value: what you pass beats the preset."""
-    cfg = with_preset(parse_args(BenchConfig, argv), PRESETS, argv)  # parse_args checks every key and type
+    preset = parse_args(BenchConfig, argv).preset  # parse_args checks every key and type
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset '{preset}'; use one of {', '.join(PRESETS)}")
+    cfg = parse_args(BenchConfig, argv, base=apply_overrides(BenchConfig(), PRESETS[preset], f"preset {preset}"))
     some_of(cfg.sections, SECTIONS, "--sections")
     at_least(cfg, 0, "warmup", "threads")
     at_least(cfg, 1, "repeats")

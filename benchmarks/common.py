@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from core import runtime
-from core.config import apply_overrides, parse_args, read_config_file
+from core.config import parse_args
 from core.errors import UserError
 from core.training.train_config import TrainConfig
 from model import GPTConfig
@@ -129,17 +129,6 @@ def merged_presets(general: dict[str, dict], sections: dict) -> dict[str, dict]:
         for name, values in getattr(module, "PRESETS", {}).items():
             presets[name] |= values
     return presets
-
-
-def with_preset(cfg, presets: dict[str, dict], argv: Sequence[str]):
-    """cfg with its preset's values for every key that argv (config files and --key=value) leaves unset."""
-    if cfg.preset not in presets:
-        raise UserError(f"unknown preset '{cfg.preset}'; use one of {', '.join(presets)}")
-    given = set()
-    for arg in argv:
-        given |= {arg[2:].partition("=")[0]} if arg.startswith("--") else set(read_config_file(arg))
-    preset = {key: value for key, value in presets[cfg.preset].items() if key not in given}
-    return apply_overrides(cfg, preset, f"preset {cfg.preset}")
 
 
 def int_list(text: str, key: str) -> list[int]:

@@ -146,7 +146,9 @@ def table(r: dict) -> str:
     rows = [[row["context"], OOM, OOM, OOM, OOM, "-"] if "error" in row else
             [row["context"], num(row["no_cache_ms"], 2), num(row["cache_ms"], 2), num(row["no_cache_tokens_per_s"], 1),
              num(row["cache_tokens_per_s"], 1), f"{row['speedup']:.1f}x"] for row in r["rows"]]
-    g = r["generation"]
+    bound, g = r["bound"], r["generation"]
+    bound = (f"\n\nstep against the bandwidth bound: {OOM}" if "error" in bound else
+             "\n\n" + bandwidth.table(bound) if bound["rows"] else "")
     generation = f"\n\ngenerate(): {OOM}" if "error" in g else (
         f"\n\ngenerate(): {g['prompt_tokens']}-token prompt, {g['new_tokens']} new tokens, greedy, "
         f"block_size {g['block_size']}, median of {g['repeats']} run(s); past the context the window moves "
@@ -157,11 +159,5 @@ def table(r: dict) -> str:
                           for name, p in g["parts"].items()]))
     return (f"### Decoding, KV cache vs recomputing\n{r['model']}; {r['params'] / 1e6:.2f}M parameters\n\n"
             "per-token latency at each context length: the step that reads `context` tokens and predicts the next\n\n"
-            + markdown_table(columns, rows) + generation + bound_text(r["bound"])
+            + markdown_table(columns, rows) + generation + bound
             + ("\n\n" + fixed_step.table(r["fixed"]) if r["fixed"]["rows"] else ""))
-
-
-def bound_text(bound: dict) -> str:
-    if "error" in bound:
-        return f"\n\nstep against the bandwidth bound: {OOM}"
-    return "\n\n" + bandwidth.table(bound) if bound["rows"] else ""
