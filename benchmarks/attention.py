@@ -67,7 +67,6 @@ def sdpa_kernels(shape: tuple[int, ...], rt: runtime.Runtime) -> str:
 def measure(cfg, rt: runtime.Runtime) -> dict:
     lengths = int_list(cfg.attn_lengths, "attn_lengths")
     B, nh, hs = cfg.attn_batch_size, cfg.attn_n_head, cfg.attn_head_size
-    itemsize = torch.empty(0, dtype=rt.ptdtype).element_size()
     variants = {f"{name}_{mode}_bytes": (attn, mode == "forward_backward") for name, attn in ATTENTIONS.items()
                 for mode in ("forward", "forward_backward")}
     for attn, backward in variants.values():  # warm-up: one-time buffers (thread pools, kernels) are not attention's
@@ -79,7 +78,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     del runs
     rows = []
     for T in lengths:
-        row = {"T": T, "score_matrix_bytes": B * nh * T * T * itemsize}
+        row = {"T": T, "score_matrix_bytes": B * nh * T * T * rt.ptdtype.itemsize}
         for key in variants:
             values = [peaks[f"{key} T={T} #{i}"] for i in range(cfg.attn_repeats)]
             row[key] = OOM if OOM in values else statistics.median(values)

@@ -44,15 +44,12 @@ def check(cfg) -> None:
 def train_py_ms(cfg, tmp: str, overrides: dict, warm: int, n: int, *recipe: str) -> list[float]:
     """ms of each of train.py's steps after `warm` untimed ones, from its log.jsonl; `recipe`: config files
     read after loop_config."""
-    out = Path(tmp) / ("out-recipe" if recipe else "out")
-    run = overrides | dict(max_iters=warm + n, log_interval=1, eval_interval=warm + n + 1, eval_iters=1,
-                           compile=False, seed=cfg.seed, out_dir=str(out), overwrite=True,  # each chunk anew
-                           threads=torch.get_num_threads())
-    argv = [f"--{k}={v}" for k, v in run.items()]
-    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads()),
-                        "MKL_NUM_THREADS": str(torch.get_num_threads())}
-    done = subprocess.run([sys.executable, str(ROOT / "train.py"), cfg.loop_config, *recipe, *argv], env=env,
-                          capture_output=True, text=True)
+    out, threads = Path(tmp) / ("out-recipe" if recipe else "out"), torch.get_num_threads()
+    run = overrides | dict(max_iters=warm + n, log_interval=1, eval_interval=warm + n + 1, eval_iters=1, compile=False,
+                           seed=cfg.seed, out_dir=str(out), overwrite=True, threads=threads)  # each chunk anew
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), cfg.loop_config, *recipe,
+                           *(f"--{k}={v}" for k, v in run.items())], capture_output=True, text=True,
+                          env=os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
     if done.returncode:
         raise UserError(f"train.py failed in the loop section: {(done.stderr.strip() or '?').splitlines()[-1]}")
     return [r["ms"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "ms" in r][warm:]

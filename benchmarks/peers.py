@@ -23,6 +23,7 @@ their scales left out; the rest float32), at the copy's bandwidth. A peer not in
 import copy
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -90,8 +91,6 @@ def model_config(cfg) -> GPTConfig:
 def missing(engine: str) -> str | None:
     """Why a peer cannot run here, in one line; None when it can."""
     if engine == "ctranslate2":
-        import importlib.util
-
         return None if importlib.util.find_spec("ctranslate2") else "not installed (pip install ctranslate2)"
     if engine == "llama.cpp":
         if shutil.which("node") is None:
