@@ -90,9 +90,8 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     measured = [row for row in rows if OOM not in row.values()]
     if len(measured) > 1:
         first, last = measured[0], measured[-1]
-        span = math.log(last["T"] / first["T"])
-        result["growth_exponent"] = {  # memory ~ T^exponent between the shortest and the longest T
-            key: math.log(last[key] / first[key]) / span for key in variants}
+        span = math.log(last["T"] / first["T"])  # memory ~ T^exponent between the shortest and the longest T
+        result["growth_exponent"] = {key: math.log(last[key] / first[key]) / span for key in variants}
     return result
 
 

@@ -4,10 +4,10 @@ The training section's model under ddp and fsdp in 1, 2 and 4 gloo processes on 
 parameters, gradients and optimizer state after one AdamW step; one process's peak memory and step time with and
 without activation checkpointing; then a computed (not measured) table of which GPT-2 fits on which GPU.
 """
+import functools
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -91,17 +91,16 @@ def activation_checkpointing_rows(cfg, rt: runtime.Runtime, mc: GPTConfig) -> li
     gen = torch.Generator().manual_seed(cfg.seed)
     x = torch.randint(mc.vocab_size, (cfg.batch_size, mc.block_size), generator=gen).to(rt.device)
 
-    def step(m: GPT) -> Callable[[], None]:
-        def run():
-            with rt.autocast():
-                _, loss = m(x, x)
-            loss.backward()
-            m.zero_grad(set_to_none=True)  # grads freed: the peak is activations (+ transient gradients)
-        return run
+    def step(m: GPT) -> None:
+        with rt.autocast():
+            _, loss = m(x, x)
+        loss.backward()
+        m.zero_grad(set_to_none=True)  # grads freed: the peak is activations (+ transient gradients)
 
-    peaks, _ = peak_extra_bytes({k: step(m) for k, m in models.items()}, rt)
+    steps = {k: functools.partial(step, m) for k, m in models.items()}
+    peaks, _ = peak_extra_bytes(steps, rt)
     return [{"activation_checkpointing": k, "peak_bytes": peaks[k],
-             "step_s": median_time(step(m), cfg.warmup, cfg.repeats, rt.synchronize)} for k, m in models.items()]
+             "step_s": median_time(run, cfg.warmup, cfg.repeats, rt.synchronize)} for k, run in steps.items()]
 
 
 def gpu_training_memory(config, how: str, world_size: int, micro_batch: int,

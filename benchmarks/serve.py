@@ -1,16 +1,14 @@
 """Serving under load: serve.py over HTTP against the same rows batched in this process, the ceiling.
 
 serve.py runs as its own process on a loopback port (the bench's torch threads, device and dtype) and loads a temporary
-checkpoint of random weights (speed does not depend on them) in the chosen shape: serve_shape=quickstart is
-config/train_shakespeare_char_cpu.py's model over a 65-symbol stand-in character vocabulary, serve_shape=gpt2 is GPT-2
-small (GPTConfig's defaults) over GPT-2's BPE (offline: TIKTOKEN_CACHE_DIR). For each count in serve_clients, that many
-clients each stream one /v1/completions request at once (a serve_prompt_len-token prompt, serve_max_tokens new tokens,
-sampled at temperature 1 with their own seeds, no stop), against the same requests submitted at once to a BatchEngine in
-this process (no HTTP, no JSON, no text), with the same serve_max_batch and threads: the ceiling. The two sides
-alternate at each count, each repeat, so the load drifts less between them. Then the prefix cache: a
-serve_prefix_tokens-token prompt sent twice to the first server, each time's time to first token, and whether the
-second's greedy text is the first's. And what serve.py's --step_tokens trades, in this process: the CPU time per prompt
-token by chunk size, beside a decoding step's (budget_rows).
+checkpoint of random weights (speed does not depend on them) in the serve_shape of Settings (gpt2's BPE offline:
+TIKTOKEN_CACHE_DIR). For each count in serve_clients, that many clients each stream one /v1/completions request at once
+(a serve_prompt_len-token prompt, serve_max_tokens new tokens, sampled at temperature 1 with their own seeds, no stop),
+against the same requests submitted at once to a BatchEngine in this process (no HTTP, no JSON, no text), with the same
+serve_max_batch and threads: the ceiling. The two sides alternate at each count, each repeat, so the load drifts less
+between them. Then the prefix cache: a serve_prefix_tokens-token prompt sent twice to the first server, each time's time
+to first token, and whether the second's greedy text is the first's. And what serve.py's --step_tokens trades, in this
+process: the CPU time per prompt token by chunk size, beside a decoding step's (budget_rows).
 
 Each side: aggregate tokens/s, time to first token at p50 and p95, wall seconds and CPU seconds (the server's from
 /proc, the in-process engine's from this process; the HTTP clients' CPU, also this process's, is reported apart), every
@@ -128,12 +126,12 @@ def start_server(cfg, rt: runtime.Runtime, out_dir: Path, engine: str) -> tuple[
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(out_dir / f"serve-{engine}.log", "w")
+    log = out_dir / f"serve-{engine}.log"
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"--out_dir={out_dir}", "--model_name=bench",
                              f"--port={port}", f"--device={rt.device}", f"--dtype={rt.dtype}",
                              f"--threads={torch.get_num_threads()}", f"--max_batch={cfg.serve_max_batch}",
                              f"--max_tokens_limit={cfg.serve_max_tokens}", "--max_n=1", f"--engine={engine}",
-                             f"--quantize={cfg.serve_quantize}"], stdout=log, stderr=subprocess.STDOUT)
+                             f"--quantize={cfg.serve_quantize}"], stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -142,7 +140,7 @@ def start_server(cfg, rt: runtime.Runtime, out_dir: Path, engine: str) -> tuple[
                 return proc, url
         time.sleep(0.2)
     proc.kill()
-    raise UserError(f"serve.py did not start for the serve section:\n{(out_dir / f'serve-{engine}.log').read_text()[-2000:]}")
+    raise UserError(f"serve.py did not start for the serve section:\n{log.read_text()[-2000:]}")
 
 
 async def at_once(one, clients: int) -> tuple[float, list[float]]:
