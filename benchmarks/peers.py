@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import bandwidth
+from benchmarks import bandwidth, decode
 from benchmarks.common import ROOT, at_least, gpt_config, markdown_table, num, num_threads, some_of, spec_list
 from core import runtime
 from core.data.tokenizer import GPT2Tokenizer
-from core.decoding.decode import generate_stream, inference_model
+from core.decoding.decode import inference_model
 from core.errors import UserError
 from core.weights import gguf
 from core.weights.hf_export import export
@@ -102,18 +102,12 @@ def missing(engine: str) -> str | None:
     return None
 
 
-def rate(stamps: list[float], streams: int = 1) -> float:
-    """Tokens per second after the first token: every stream's, over the first token to the last."""
-    return streams * (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
 def ours_rate(m: GPT, prompt: list[int], cfg, threads: int, streams: int, rt: runtime.Runtime) -> float:
-    idx, stamps = torch.tensor([prompt] * streams, device=rt.device), []
+    """Tokens per second after the first token: every stream's, over the first token to the last."""
+    idx = torch.tensor([prompt] * streams, device=rt.device)
     with num_threads(threads), torch.no_grad():
-        for _ in generate_stream(m, idx, cfg.peers_new_tokens, temperature=0.0):
-            rt.synchronize()
-            stamps.append(time.perf_counter())
-    return rate(stamps, streams)
+        times = decode.token_times(m, idx, cfg.peers_new_tokens, use_cache=True, shift=1, rt=rt)  # greedy
+    return streams * (len(times) - 1) / sum(times[1:])
 
 
 def ctranslate2_rate(folder: Path, prompt: list[int], cfg, threads: int, streams: int) -> float:
