@@ -273,6 +273,31 @@ def test_the_fixed_step_table_gives_each_way_against_eager_and_a_failed_compile_
     assert "eager CPU ms" in text
 
 
+def test_the_fixed_step_runs_each_row_at_its_thread_count_and_restores_the_count(monkeypatch):
+    """On a CPU one thread and the bench's count (here 3), each batch at both; the count comes back after."""
+    from benchmarks import fixed_step
+    seen = []
+
+    def row(cfg, model, batch, context, rt) -> dict:
+        seen.append(torch.get_num_threads())
+        return {}
+    monkeypatch.setattr(fixed_step, "row", row)
+    monkeypatch.setattr(fixed_step.bandwidth, "decoding_model", lambda *args: None)
+    cfg = bench.load_config(["--fixed_precisions=float32", "--fixed_batches=1,2"])
+    with common.num_threads(3):
+        rows = fixed_step.measure(cfg, GPTConfig(block_size=16), runtime.setup("cpu", "float32"))["rows"]
+        assert torch.get_num_threads() == 3
+    assert seen == [r["threads"] for r in rows] == [1, 1, 3, 3] and [r["batch"] for r in rows] == [1, 2, 1, 2]
+
+
+def test_markdown_tables_pad_and_right_align_every_column():
+    assert common.markdown_table(["a", "long header"], [[1, "x"], ["wide cell", 2.5]]).splitlines() == [
+        "|         a | long header |",
+        "|----------:|------------:|",
+        "|         1 |           x |",
+        "| wide cell |         2.5 |"]
+
+
 def test_preset_fills_what_the_command_line_leaves():
     cfg = bench.load_config(["--preset=gpt2", "--batch_size=2"])
     assert (cfg.batch_size, cfg.block_size, cfg.n_embd, cfg.vocab_size) == (2, 1024, 768, 50304)

@@ -7,6 +7,7 @@ import pytest
 
 import bench
 from benchmarks import peers
+from core import runtime
 from core.errors import UserError
 from tests.helpers import cli_args, one_thread, use_gpt2_bpe
 
@@ -50,6 +51,13 @@ def test_a_precision_an_engine_lacks_is_na_in_its_row():
 def test_bad_settings_are_one_line(key, value, fragment, tmp_path):
     with pytest.raises(UserError, match=fragment):
         bench.main(cli_args(TINY, out=tmp_path / "bench.json", **{key: value}))
+
+
+def test_ours_rate_counts_every_stream_after_the_first_token(monkeypatch):
+    """Scripted token times 5 s (the prefill and first token), then 1, 1 and 2 s: 2 streams x 3 tokens in 4 s."""
+    monkeypatch.setattr(peers.decode, "token_times", lambda *args, **kwargs: [5.0, 1.0, 1.0, 2.0])
+    cfg = bench.load_config(cli_args(TINY))
+    assert peers.ours_rate(None, [1, 2], cfg, 1, 2, runtime.setup("cpu", "float32")) == 1.5
 
 
 def test_the_peers_section_is_not_in_the_default_run():

@@ -165,3 +165,14 @@ def test_other_runtime_errors_are_not_hidden(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(GPT, "forward", bug)
     with pytest.raises(RuntimeError, match="mat1"):
         run_main(train.main, tiny_argv(tmp_path, data_dir))
+
+
+def test_the_memory_section_measures_less_peak_memory_with_activation_checkpointing():
+    """bench.py's checkpointing rows (one process, torch's CPU allocator events): off, then on, the peak lower."""
+    import bench
+    from core import runtime
+    cfg = bench.load_config(["--batch_size=8", "--warmup=0", "--repeats=1"])
+    config = GPTConfig(block_size=128, vocab_size=64, n_layer=6, n_head=4, n_embd=64, dropout=0.0)
+    off, on = bench_memory.activation_checkpointing_rows(cfg, runtime.setup("cpu", "float32"), config)
+    assert (off["activation_checkpointing"], on["activation_checkpointing"]) == ("off", "on")
+    assert 0 < on["peak_bytes"] < 0.5 * off["peak_bytes"] and off["step_s"] > 0 and on["step_s"] > 0
