@@ -80,14 +80,10 @@ class RunHistory:
         keys = ("batch_size", "block_size", "gradient_accumulation_steps")
         return math.prod(c[k] for k in keys) if all(isinstance(c.get(k), int) for k in keys) else None
 
-    @property
-    def seq_len_warmup(self) -> bool:
-        return bool(self.config.get("seq_len_warmup_iters"))
-
     def tokens_seen(self, it: int) -> int:
         """Tokens trained in the iterations before `it`: it x tokens_per_iter, except that under
         sequence-length warm-up the first windows are shorter (core.training.train_config.seq_len_at)."""
-        prefix = self._warmup_prefix if self.seq_len_warmup else [0]
+        prefix = self._warmup_prefix if self.config.get("seq_len_warmup_iters") else [0]
         warm = len(prefix) - 1
         return prefix[min(it, warm)] + max(it - warm, 0) * self.tokens_per_iter
 
@@ -220,7 +216,7 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
         axes[1].axhline(0.25, color="gray", lw=0.8, ls=":")  # chance: 4 endings
     if x == "tokens":
         ax_lr.xaxis.set_major_formatter(EngFormatter())
-    elif x == "iter" and any(r.seq_len_warmup for r in runs):
+    elif x == "iter" and any(r.config.get("seq_len_warmup_iters") for r in runs):
         print("note: sequence-length warm-up makes the first iterations shorter; the top axis of tokens seen is "
               "left out (--x=tokens plots against them)", file=sys.stderr)
     elif x == "iter" and len(set(tpis)) == 1 and tpis[0]:

@@ -277,6 +277,8 @@ def check_bpe_vocab(vocab_size: int, reserved: tuple[str, ...]) -> None:
 
 def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     kind = meta.get("tokenizer")
+    if kind in ("hf", "bpe") and not isinstance(meta.get("tokenizer_json"), str):
+        raise UserError(f"{source} says tokenizer {kind!r} but has no tokenizer_json; re-run the dataset's prepare.py")
     if kind == "char":
         if not isinstance(meta.get("itos"), list):
             raise UserError(f"{source} says tokenizer 'char' but has no 'itos' list; re-run the dataset's prepare.py")
@@ -284,12 +286,8 @@ def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     if kind == "gpt2":
         return GPT2Tokenizer(_specials(meta, GPT2_VOCAB, source))
     if kind == "hf":
-        if not isinstance(meta.get("tokenizer_json"), str):
-            raise UserError(f"{source} says tokenizer 'hf' but holds no tokenizer_json")
         return HFTokenizer(meta["tokenizer_json"], meta.get("eot_token"), meta.get("bos_token"))
     if kind == "bpe":
-        if not isinstance(meta.get("tokenizer_json"), str):
-            raise UserError(f"{source} says tokenizer 'bpe' but holds no tokenizer_json; re-run the dataset's prepare.py")
         return BPETokenizer(meta["tokenizer_json"], meta.get("special_tokens"))
     raise UserError(f"{source} names tokenizer {kind!r}; expected 'char', 'gpt2', 'bpe' or 'hf'")
 
