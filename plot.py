@@ -133,22 +133,19 @@ def read_log(out_dir: str | Path) -> RunHistory:
 
 def run_labels(runs: list[RunHistory]) -> list[str]:
     """Each run's folder name and, with several runs, the config values that differ between them."""
-    names = [r.out_dir.resolve().name for r in runs]
     if len(runs) == 1:
         c, tpi = runs[0].config, runs[0].tokens_per_iter
         has_shape = all(k in c for k in ("n_layer", "n_head", "n_embd"))
         shape = f"{c['n_layer']}L {c['n_head']}H {c['n_embd']}d" if has_shape else ""
-        detail = ", ".join(s for s in (shape, f"{tpi:,} tok/iter" if tpi else "") if s)
-        return [f"{names[0]} ({detail})" if detail else names[0]]
-    keys = sorted({k for r in runs for k in r.config} - UNLABELLED)
-    differ = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
-    if "init_from" in differ and any(r.config.get("init_from") == "resume" for r in runs):
-        differ.remove("init_from")  # a resumed run rewrites config.json with init_from=resume
-    labels = []
-    for name, r in zip(names, runs):
-        detail = ", ".join(f"{k}={r.config.get(k)}" for k in differ[:4])
-        labels.append(f"{name} ({detail})" if detail else name)
-    return labels
+        details = [", ".join(s for s in (shape, f"{tpi:,} tok/iter" if tpi else "") if s)]
+    else:
+        keys = sorted({k for r in runs for k in r.config} - UNLABELLED)
+        differ = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
+        if "init_from" in differ and any(r.config.get("init_from") == "resume" for r in runs):
+            differ.remove("init_from")  # a resumed run rewrites config.json with init_from=resume
+        details = [", ".join(f"{k}={r.config.get(k)}" for k in differ[:4]) for r in runs]
+    names = [r.out_dir.resolve().name for r in runs]
+    return [f"{name} ({detail})" if detail else name for name, detail in zip(names, details)]
 
 
 def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = None, ymax: float | None = None,
@@ -252,8 +249,7 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
                     marker=markers[task], ms=4)
         ax_len.plot(its, [run.steps[s]["reply_tokens"] for s in its], color=color, lw=1.2)
         ax_lr.plot(its, [run.steps[s]["lr"] for s in its], color=color, lw=1.2)
-    ax.set_ylabel("reward; held-out exact match")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set(ylabel="reward; held-out exact match", ylim=(-0.02, 1.02))
     handles, labels = ax.get_legend_handles_labels()
     handles += [Line2D([], [], color="gray", lw=0.8, alpha=0.4)]
     labels += ["mean reward of the iteration's replies (solid: over the last 10)"]
@@ -268,9 +264,8 @@ def finish(fig, axes, xlabel: str, title: str | None):
     """What both pictures end with: every panel gridded, the learning rate at the bottom against xlabel."""
     for a in axes:
         a.grid(alpha=0.3)
-    axes[-1].set_ylabel("learning rate")
+    axes[-1].set(xlabel=xlabel, ylabel="learning rate")
     axes[-1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    axes[-1].set_xlabel(xlabel)
     if title:
         fig.suptitle(title)
     return fig
@@ -382,10 +377,7 @@ def plot_summary(values, kind: str, title: str):
             bright = v > float(values.min()) + 0.6 * float(values.max() - values.min())
             ax.text(h, layer, f"{v:.1f}" if kind == "distance" else f"{v:.2f}", ha="center", va="center",
                     fontsize=7, color="black" if bright else "white")
-    ax.set_xticks(range(nh))
-    ax.set_yticks(range(L))
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set(xticks=range(nh), yticks=range(L), xlabel="head", ylabel="layer")
     what = "mean attention distance (tokens)" if kind == "distance" else "attention entropy (nats)"
     fig.colorbar(image, ax=ax, label=what)
     ax.set_title(title, fontsize=10)
@@ -407,9 +399,9 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
         raise UserError(f"the prompt is {len(ids)} tokens; draw 2 to {cfg.max_tokens} (--max_tokens=N raises the "
                         f"limit, at the cost of smaller labels)")
     att = attention_maps(model, ids)  # (L, nh, T, T)
-    layer = cfg.layer % L
-    labels = token_labels(tok, ids)
-    out = Path(cfg.out) if cfg.out else (Path(cfg.out_dir) if kind_of(cfg.init_from) == "resume" else Path()) / "attention.png"
+    layer, labels = cfg.layer % L, token_labels(tok, ids)
+    here = Path(cfg.out_dir) if kind_of(cfg.init_from) == "resume" else Path()
+    out = Path(cfg.out) if cfg.out else here / "attention.png"
     save(plot_heads(att[layer], labels, f"{source}: attention of layer {layer} ({len(ids)} tokens)"), out)
     values = mean_distance(att) if cfg.summary == "distance" else entropy(att)
     summary_out = out.with_name(out.stem + "_summary.png")
