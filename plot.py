@@ -184,17 +184,13 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
                                       evals={e[stamp]: e for e in run.evals.values()})
         steps, evals = run.steps, run.evals
         if steps:
-            ax.plot([at(s) for s in steps], [r["loss"] for r in steps.values()], color=color, lw=0.8, alpha=0.35)
-        ax.plot([at(s) for s in evals], [r["val_loss"] for r in evals.values()], color=color, lw=1.8, marker="o",
-                ms=3, label=label)  # drawn when empty too: the run keeps its legend entry
-        trained = [s for s in evals if "train_loss" in evals[s]]
-        ax.plot([at(s) for s in trained], [evals[s]["train_loss"] for s in trained], color=color, lw=1.2, ls="--")
+            ax.plot(*series(steps, "loss", at), color=color, lw=0.8, alpha=0.35)
+        # val loss, drawn when empty too: the run keeps its legend entry
+        ax.plot(*series(evals, "val_loss", at), color=color, lw=1.8, marker="o", ms=3, label=label)
+        ax.plot(*series(evals, "train_loss", at), color=color, lw=1.2, ls="--")
         if hellaswag:
-            hs = [s for s in evals if "hellaswag_acc_norm" in evals[s]]
-            axes[1].plot([at(s) for s in hs], [evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
-                         lw=1.5, marker="o", ms=3)
-        lr = steps or evals
-        ax_lr.plot([at(s) for s in lr], [r["lr"] for r in lr.values()], color=color, lw=1.2)
+            axes[1].plot(*series(evals, "hellaswag_acc_norm", at), color=color, lw=1.5, marker="o", ms=3)
+        ax_lr.plot(*series(steps or evals, "lr", at), color=color, lw=1.2)
     ax.set_ylabel("loss (cross-entropy, nats/token)")
     if target is not None:
         ax.axhline(target, color="black", ls=":", lw=1)
@@ -244,9 +240,7 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
         window = [sum(rewards[max(0, j - 9):j + 1]) / len(rewards[max(0, j - 9):j + 1]) for j in range(len(rewards))]
         ax.plot(its, window, color=color, lw=1.8, label=label)
         for task in tasks:
-            at = [s for s in run.evals if f"heldout_{task}" in run.evals[s]]
-            ax.plot(at, [run.evals[s][f"heldout_{task}"] for s in at], color=color, lw=1.2, ls="--",
-                    marker=markers[task], ms=4)
+            ax.plot(*series(run.evals, f"heldout_{task}"), color=color, lw=1.2, ls="--", marker=markers[task], ms=4)
         ax_len.plot(its, [run.steps[s]["reply_tokens"] for s in its], color=color, lw=1.2)
         ax_lr.plot(its, [run.steps[s]["lr"] for s in its], color=color, lw=1.2)
     ax.set(ylabel="reward; held-out exact match", ylim=(-0.02, 1.02))
@@ -258,6 +252,12 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
     ax.legend(handles, labels, loc="lower right", fontsize=8)
     ax_len.set_ylabel("reply tokens")
     return finish(fig, axes, "iteration", title)
+
+
+def series(records: dict[int, dict], key: str, at=lambda s: s) -> tuple[list, list]:
+    """(x, value) of each record that holds key: x is at(the record's iteration or time)."""
+    kept = [s for s in records if key in records[s]]
+    return [at(s) for s in kept], [records[s][key] for s in kept]
 
 
 def finish(fig, axes, xlabel: str, title: str | None):
