@@ -117,7 +117,8 @@ def download(url: str, timeout: float, file_name: str) -> bytes:
 
 
 def prepare_text_corpus(cfg: TextPrepareConfig, tokenizer: str, script_file: str) -> dict:
-    """Tiny Shakespeare's one document (cfg.input) through prepare_corpus: its last 10% of characters are val."""
+    """Tiny Shakespeare (--input, else input.txt in out_dir, else downloaded there) through prepare_corpus, as one
+    document: its last 10% of characters are val."""
     out_dir = script_out_dir(cfg.out_dir, script_file)
     path = Path(cfg.input) if cfg.input is not None else out_dir / "input.txt"
     if cfg.input is None and not path.is_file():
