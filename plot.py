@@ -371,12 +371,11 @@ def plot_summary(values, kind: str, title: str):
     L, nh = values.shape
     fig, ax = pyplot().subplots(figsize=(max(4.5, 0.7 * nh + 2.5), max(3.0, 0.45 * L + 1.8)), layout="constrained")
     image = ax.imshow(values.numpy(), cmap="magma", aspect="auto")
-    for layer in range(L):
-        for h in range(nh):
-            v = float(values[layer, h])
-            bright = v > float(values.min()) + 0.6 * float(values.max() - values.min())
-            ax.text(h, layer, f"{v:.1f}" if kind == "distance" else f"{v:.2f}", ha="center", va="center",
-                    fontsize=7, color="black" if bright else "white")
+    for layer, h in itertools.product(range(L), range(nh)):
+        v = float(values[layer, h])
+        bright = v > float(values.min()) + 0.6 * float(values.max() - values.min())
+        ax.text(h, layer, f"{v:.1f}" if kind == "distance" else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                color="black" if bright else "white")
     ax.set(xticks=range(nh), yticks=range(L), xlabel="head", ylabel="layer")
     what = "mean attention distance (tokens)" if kind == "distance" else "attention entropy (nats)"
     fig.colorbar(image, ax=ax, label=what)

@@ -78,8 +78,7 @@ def chunks_encode_whole(tok: Tokenizer) -> bool:
     if isinstance(tok, CharTokenizer):  # any cut: and the probes may hold characters it lacks
         return True
     probes = ("Hello world.\nNext line", "a\nb", "x = 1\ndef f():", "中文。\n下一行")
-    return all(tok.encode(p) == tok.encode(p[:p.index("\n") + 1]) + tok.encode(p[p.index("\n") + 1:])
-               for p in probes)
+    return all(tok.encode(p) == tok.encode(p[:p.index("\n") + 1]) + tok.encode(p[p.index("\n") + 1:]) for p in probes)
 
 
 def document_marks(tok: Tokenizer) -> tuple[list[int], list[int], list[int]]:
