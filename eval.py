@@ -169,9 +169,8 @@ def main(argv: Sequence[str]) -> str:
     try:
         check_quantize(cfg.quantize, device=rt.device)  # before the model loads
         # A missing or malformed file is found before the model is loaded.
-        examples = load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else None
-        if cfg.task == "chat":
-            examples = load_chat_file(cfg.chat_file, cfg.max_examples)
+        examples = (load_hellaswag(cfg.hellaswag_file, cfg.max_examples) if cfg.task == "hellaswag" else
+                    load_chat_file(cfg.chat_file, cfg.max_examples) if cfg.task == "chat" else None)
         stop.check("before the evaluation; no result")
         w = resolver.locate(cfg.init_from, cfg.out_dir)
         data_dir = run_data_dir(cfg, w) if cfg.task == "perplexity" else None  # a missing one, before the weights

@@ -80,14 +80,10 @@ class RunHistory:
         keys = ("batch_size", "block_size", "gradient_accumulation_steps")
         return math.prod(c[k] for k in keys) if all(isinstance(c.get(k), int) for k in keys) else None
 
-    @property
-    def seq_len_warmup(self) -> bool:
-        return bool(self.config.get("seq_len_warmup_iters"))
-
     def tokens_seen(self, it: int) -> int:
         """Tokens trained in the iterations before `it`: it x tokens_per_iter, except that under
         sequence-length warm-up the first windows are shorter (core.training.train_config.seq_len_at)."""
-        prefix = self._warmup_prefix if self.seq_len_warmup else [0]
+        prefix = self._warmup_prefix if self.config.get("seq_len_warmup_iters") else [0]
         warm = len(prefix) - 1
         return prefix[min(it, warm)] + max(it - warm, 0) * self.tokens_per_iter
 
@@ -137,22 +133,19 @@ def read_log(out_dir: str | Path) -> RunHistory:
 
 def run_labels(runs: list[RunHistory]) -> list[str]:
     """Each run's folder name and, with several runs, the config values that differ between them."""
-    names = [r.out_dir.resolve().name for r in runs]
     if len(runs) == 1:
         c, tpi = runs[0].config, runs[0].tokens_per_iter
         has_shape = all(k in c for k in ("n_layer", "n_head", "n_embd"))
         shape = f"{c['n_layer']}L {c['n_head']}H {c['n_embd']}d" if has_shape else ""
-        detail = ", ".join(s for s in (shape, f"{tpi:,} tok/iter" if tpi else "") if s)
-        return [f"{names[0]} ({detail})" if detail else names[0]]
-    keys = sorted({k for r in runs for k in r.config} - UNLABELLED)
-    differ = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
-    if "init_from" in differ and any(r.config.get("init_from") == "resume" for r in runs):
-        differ.remove("init_from")  # a resumed run rewrites config.json with init_from=resume
-    labels = []
-    for name, r in zip(names, runs):
-        detail = ", ".join(f"{k}={r.config.get(k)}" for k in differ[:4])
-        labels.append(f"{name} ({detail})" if detail else name)
-    return labels
+        details = [", ".join(s for s in (shape, f"{tpi:,} tok/iter" if tpi else "") if s)]
+    else:
+        keys = sorted({k for r in runs for k in r.config} - UNLABELLED)
+        differ = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
+        if "init_from" in differ and any(r.config.get("init_from") == "resume" for r in runs):
+            differ.remove("init_from")  # a resumed run rewrites config.json with init_from=resume
+        details = [", ".join(f"{k}={r.config.get(k)}" for k in differ[:4]) for r in runs]
+    names = [r.out_dir.resolve().name for r in runs]
+    return [f"{name} ({detail})" if detail else name for name, detail in zip(names, details)]
 
 
 def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = None, ymax: float | None = None,
@@ -191,17 +184,13 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
                                       evals={e[stamp]: e for e in run.evals.values()})
         steps, evals = run.steps, run.evals
         if steps:
-            ax.plot([at(s) for s in steps], [r["loss"] for r in steps.values()], color=color, lw=0.8, alpha=0.35)
-        ax.plot([at(s) for s in evals], [r["val_loss"] for r in evals.values()], color=color, lw=1.8, marker="o",
-                ms=3, label=label)  # drawn when empty too: the run keeps its legend entry
-        trained = [s for s in evals if "train_loss" in evals[s]]
-        ax.plot([at(s) for s in trained], [evals[s]["train_loss"] for s in trained], color=color, lw=1.2, ls="--")
+            ax.plot(*series(steps, "loss", at), color=color, lw=0.8, alpha=0.35)
+        # val loss, drawn when empty too: the run keeps its legend entry
+        ax.plot(*series(evals, "val_loss", at), color=color, lw=1.8, marker="o", ms=3, label=label)
+        ax.plot(*series(evals, "train_loss", at), color=color, lw=1.2, ls="--")
         if hellaswag:
-            hs = [s for s in evals if "hellaswag_acc_norm" in evals[s]]
-            axes[1].plot([at(s) for s in hs], [evals[s]["hellaswag_acc_norm"] for s in hs], color=color,
-                         lw=1.5, marker="o", ms=3)
-        lr = steps or evals
-        ax_lr.plot([at(s) for s in lr], [r["lr"] for r in lr.values()], color=color, lw=1.2)
+            axes[1].plot(*series(evals, "hellaswag_acc_norm", at), color=color, lw=1.5, marker="o", ms=3)
+        ax_lr.plot(*series(steps or evals, "lr", at), color=color, lw=1.2)
     ax.set_ylabel("loss (cross-entropy, nats/token)")
     if target is not None:
         ax.axhline(target, color="black", ls=":", lw=1)
@@ -220,7 +209,7 @@ def plot_losses(runs: list[RunHistory], x: str = "iter", title: str | None = Non
         axes[1].axhline(0.25, color="gray", lw=0.8, ls=":")  # chance: 4 endings
     if x == "tokens":
         ax_lr.xaxis.set_major_formatter(EngFormatter())
-    elif x == "iter" and any(r.seq_len_warmup for r in runs):
+    elif x == "iter" and any(r.config.get("seq_len_warmup_iters") for r in runs):
         print("note: sequence-length warm-up makes the first iterations shorter; the top axis of tokens seen is "
               "left out (--x=tokens plots against them)", file=sys.stderr)
     elif x == "iter" and len(set(tpis)) == 1 and tpis[0]:
@@ -251,13 +240,10 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
         window = [sum(rewards[max(0, j - 9):j + 1]) / len(rewards[max(0, j - 9):j + 1]) for j in range(len(rewards))]
         ax.plot(its, window, color=color, lw=1.8, label=label)
         for task in tasks:
-            at = [s for s in run.evals if f"heldout_{task}" in run.evals[s]]
-            ax.plot(at, [run.evals[s][f"heldout_{task}"] for s in at], color=color, lw=1.2, ls="--",
-                    marker=markers[task], ms=4)
+            ax.plot(*series(run.evals, f"heldout_{task}"), color=color, lw=1.2, ls="--", marker=markers[task], ms=4)
         ax_len.plot(its, [run.steps[s]["reply_tokens"] for s in its], color=color, lw=1.2)
         ax_lr.plot(its, [run.steps[s]["lr"] for s in its], color=color, lw=1.2)
-    ax.set_ylabel("reward; held-out exact match")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set(ylabel="reward; held-out exact match", ylim=(-0.02, 1.02))
     handles, labels = ax.get_legend_handles_labels()
     handles += [Line2D([], [], color="gray", lw=0.8, alpha=0.4)]
     labels += ["mean reward of the iteration's replies (solid: over the last 10)"]
@@ -268,13 +254,18 @@ def plot_rewards(runs: list[RunHistory], title: str | None = None):
     return finish(fig, axes, "iteration", title)
 
 
+def series(records: dict[int, dict], key: str, at=lambda s: s) -> tuple[list, list]:
+    """(x, value) of each record that holds key: x is at(the record's iteration or time)."""
+    kept = [s for s in records if key in records[s]]
+    return [at(s) for s in kept], [records[s][key] for s in kept]
+
+
 def finish(fig, axes, xlabel: str, title: str | None):
     """What both pictures end with: every panel gridded, the learning rate at the bottom against xlabel."""
     for a in axes:
         a.grid(alpha=0.3)
-    axes[-1].set_ylabel("learning rate")
+    axes[-1].set(xlabel=xlabel, ylabel="learning rate")
     axes[-1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-    axes[-1].set_xlabel(xlabel)
     if title:
         fig.suptitle(title)
     return fig
@@ -380,16 +371,12 @@ def plot_summary(values, kind: str, title: str):
     L, nh = values.shape
     fig, ax = pyplot().subplots(figsize=(max(4.5, 0.7 * nh + 2.5), max(3.0, 0.45 * L + 1.8)), layout="constrained")
     image = ax.imshow(values.numpy(), cmap="magma", aspect="auto")
-    for layer in range(L):
-        for h in range(nh):
-            v = float(values[layer, h])
-            bright = v > float(values.min()) + 0.6 * float(values.max() - values.min())
-            ax.text(h, layer, f"{v:.1f}" if kind == "distance" else f"{v:.2f}", ha="center", va="center",
-                    fontsize=7, color="black" if bright else "white")
-    ax.set_xticks(range(nh))
-    ax.set_yticks(range(L))
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    for layer, h in itertools.product(range(L), range(nh)):
+        v = float(values[layer, h])
+        bright = v > float(values.min()) + 0.6 * float(values.max() - values.min())
+        ax.text(h, layer, f"{v:.1f}" if kind == "distance" else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                color="black" if bright else "white")
+    ax.set(xticks=range(nh), yticks=range(L), xlabel="head", ylabel="layer")
     what = "mean attention distance (tokens)" if kind == "distance" else "attention entropy (nats)"
     fig.colorbar(image, ax=ax, label=what)
     ax.set_title(title, fontsize=10)
@@ -411,9 +398,9 @@ def attention_main(argv: Sequence[str]) -> tuple[Path, Path]:
         raise UserError(f"the prompt is {len(ids)} tokens; draw 2 to {cfg.max_tokens} (--max_tokens=N raises the "
                         f"limit, at the cost of smaller labels)")
     att = attention_maps(model, ids)  # (L, nh, T, T)
-    layer = cfg.layer % L
-    labels = token_labels(tok, ids)
-    out = Path(cfg.out) if cfg.out else (Path(cfg.out_dir) if kind_of(cfg.init_from) == "resume" else Path()) / "attention.png"
+    layer, labels = cfg.layer % L, token_labels(tok, ids)
+    here = Path(cfg.out_dir) if kind_of(cfg.init_from) == "resume" else Path()
+    out = Path(cfg.out) if cfg.out else here / "attention.png"
     save(plot_heads(att[layer], labels, f"{source}: attention of layer {layer} ({len(ids)} tokens)"), out)
     values = mean_distance(att) if cfg.summary == "distance" else entropy(att)
     summary_out = out.with_name(out.stem + "_summary.png")

@@ -84,6 +84,14 @@ def test_metadata_round_trip_and_chat_tokens(bpe):
         check_extends(meta, with_chat_tokens(other), "test")
 
 
+def test_bad_tokenizer_metadata_is_one_line_naming_its_source():
+    with pytest.raises(core.errors.UserError, match="data/x/meta.json has special token ids"):
+        tokenizer_from_meta({"tokenizer": "char", "itos": ["a", "b"], "special_tokens": {EOT: 1}}, "data/x/meta.json")
+    for kind in ("hf", "bpe"):
+        with pytest.raises(core.errors.UserError, match=f"data/x/meta.json says tokenizer '{kind}' but has no tokeni"):
+            tokenizer_from_meta({"tokenizer": kind}, "data/x/meta.json")
+
+
 def test_exported_folder_gives_the_same_ids(bpe, tmp_path):
     transformers = needs_transformers()
     from core.data.hf_tokenizer import save_hf_tokenizer

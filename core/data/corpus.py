@@ -78,8 +78,7 @@ def chunks_encode_whole(tok: Tokenizer) -> bool:
     if isinstance(tok, CharTokenizer):  # any cut: and the probes may hold characters it lacks
         return True
     probes = ("Hello world.\nNext line", "a\nb", "x = 1\ndef f():", "中文。\n下一行")
-    return all(tok.encode(p) == tok.encode(p[:p.index("\n") + 1]) + tok.encode(p[p.index("\n") + 1:])
-               for p in probes)
+    return all(tok.encode(p) == tok.encode(p[:p.index("\n") + 1]) + tok.encode(p[p.index("\n") + 1:]) for p in probes)
 
 
 def document_marks(tok: Tokenizer) -> tuple[list[int], list[int], list[int]]:
@@ -106,21 +105,6 @@ class TextPrepareConfig:
     out_dir: str | None = None  # default: the prepare.py script's own folder
 
 
-def text_source(input_path: str | None, out_dir: str | os.PathLike, url: str, timeout: float = 10.0) -> Path:
-    """The file to read: `input_path`; else `out_dir`/input.txt; else `url` downloaded and saved there."""
-    if input_path is not None:
-        return Path(input_path)
-    local = Path(out_dir) / "input.txt"
-    if local.is_file():
-        return local
-    print(f"downloading {url} to {local}")
-    data = download(url, timeout, local.name)
-    local.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(local) as tmp:
-        tmp.write_bytes(data)
-    return local
-
-
 def download(url: str, timeout: float, file_name: str) -> bytes:
     """`url`'s bytes; without network, a UserError that says how to pass a local copy of `file_name`."""
     try:
@@ -132,9 +116,16 @@ def download(url: str, timeout: float, file_name: str) -> bytes:
 
 
 def prepare_text_corpus(cfg: TextPrepareConfig, tokenizer: str, script_file: str) -> dict:
-    """Tiny Shakespeare's one document (text_source) through prepare_corpus: its last 10% of characters are val."""
+    """Tiny Shakespeare (--input, else input.txt in out_dir, else downloaded there) through prepare_corpus, as one
+    document: its last 10% of characters are val."""
     out_dir = script_out_dir(cfg.out_dir, script_file)
-    path = text_source(cfg.input, out_dir, SHAKESPEARE_URL)
+    path = Path(cfg.input) if cfg.input is not None else out_dir / "input.txt"
+    if cfg.input is None and not path.is_file():
+        print(f"downloading {SHAKESPEARE_URL} to {path}")
+        data = download(SHAKESPEARE_URL, timeout=10.0, file_name=path.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(data)
     return prepare_corpus([str(path)], tokenizer, out_dir, val_fraction=0.1)
 
 

@@ -256,14 +256,13 @@ class TokenData:
         """Rows from random conversation starts: x (B, T), y (B, T) = -1 where not learned or padding."""
         import torch
 
-        n = self.num_tokens
         picks = self.starts[torch.randint(len(self.starts), (batch_size,), generator=generator).numpy()]
         buf = np.zeros((batch_size, T + 1), dtype=np.int64)
         learned = np.zeros((batch_size, T + 1), dtype=bool)
         mm = self._map(0)
         mask = None if self.mask_path is None else np.memmap(self.mask_path, dtype=np.uint8, mode="r")
         for row, s in enumerate(picks):
-            e = min(s + T + 1, n)  # past the split's end: padding, never learned
+            e = min(s + T + 1, self.num_tokens)  # past the split's end: padding, never learned
             buf[row, :e - s] = mm[s:e]
             learned[row, :e - s] = True if mask is None else mask[s:e].astype(bool)
         del mm, mask

@@ -49,8 +49,8 @@ def check_special_tokens(special: dict, n_ordinary: int, source: str = "metadata
 class _Specials:
     """Special tokens in char and GPT-2 vocabularies: ids after the ordinary ones, decoded as their names."""
 
-    def _init_specials(self, special: dict | None, n_ordinary: int) -> None:
-        self.special_tokens = check_special_tokens(special or {}, n_ordinary)
+    def _init_specials(self, special: dict | None, n_ordinary: int, source: str) -> None:
+        self.special_tokens = check_special_tokens({} if special is None else special, n_ordinary, source)
         self.special_names = {i: name for name, i in self.special_tokens.items()}
         self.vocab_size = max([n_ordinary] + [i + 1 for i in self.special_tokens.values()])
 
@@ -87,13 +87,13 @@ class CharTokenizer(_Specials):
     """Character-level vocabulary; special tokens take the ids after the characters, <|endoftext|> first. One
     prepared before that has eot_token None: it still works, export.py appends one and serve.py names the lack."""
 
-    def __init__(self, chars: list[str], special_tokens: dict[str, int] | None = None):
+    def __init__(self, chars: list[str], special_tokens: dict[str, int] | None = None, source: str = "metadata"):
         self.itos = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.itos)}
         if len(self.stoi) != len(self.itos) or any(len(c) != 1 for c in self.itos):
             raise UserError("a character vocabulary must list each single character once; re-run the dataset's "
                             "prepare.py")
-        self._init_specials(special_tokens, len(self.itos))
+        self._init_specials(special_tokens, len(self.itos), source)
         self.eot_token = self.special_tokens.get(END_OF_TEXT)  # None in a vocabulary prepared without it
 
     @classmethod
@@ -133,9 +133,9 @@ class GPT2Tokenizer(_Specials):
     """GPT-2's byte-level BPE through tiktoken; <|endoftext|> is id 50256. Special tokens take the
     ids after it (50257...), the slots a model padded to 50304 already has."""
 
-    def __init__(self, special_tokens: dict[str, int] | None = None):
+    def __init__(self, special_tokens: dict[str, int] | None = None, source: str = "metadata"):
         self.enc = gpt2_encoding()
-        self._init_specials(special_tokens, self.enc.n_vocab)
+        self._init_specials(special_tokens, self.enc.n_vocab, source)
         self.eot_token = self.enc.eot_token
 
     def encode(self, text: str) -> list[int]:
@@ -277,19 +277,17 @@ def check_bpe_vocab(vocab_size: int, reserved: tuple[str, ...]) -> None:
 
 def tokenizer_from_meta(meta: dict, source: str = "metadata") -> Tokenizer:
     kind = meta.get("tokenizer")
+    if kind in ("hf", "bpe") and not isinstance(meta.get("tokenizer_json"), str):
+        raise UserError(f"{source} says tokenizer {kind!r} but has no tokenizer_json; re-run the dataset's prepare.py")
     if kind == "char":
         if not isinstance(meta.get("itos"), list):
             raise UserError(f"{source} says tokenizer 'char' but has no 'itos' list; re-run the dataset's prepare.py")
-        return CharTokenizer(meta["itos"], _specials(meta, len(meta["itos"]), source))
+        return CharTokenizer(meta["itos"], meta.get("special_tokens"), source)
     if kind == "gpt2":
-        return GPT2Tokenizer(_specials(meta, GPT2_VOCAB, source))
+        return GPT2Tokenizer(meta.get("special_tokens"), source)
     if kind == "hf":
-        if not isinstance(meta.get("tokenizer_json"), str):
-            raise UserError(f"{source} says tokenizer 'hf' but holds no tokenizer_json")
         return HFTokenizer(meta["tokenizer_json"], meta.get("eot_token"), meta.get("bos_token"))
     if kind == "bpe":
-        if not isinstance(meta.get("tokenizer_json"), str):
-            raise UserError(f"{source} says tokenizer 'bpe' but holds no tokenizer_json; re-run the dataset's prepare.py")
         return BPETokenizer(meta["tokenizer_json"], meta.get("special_tokens"))
     raise UserError(f"{source} names tokenizer {kind!r}; expected 'char', 'gpt2', 'bpe' or 'hf'")
 
@@ -313,11 +311,6 @@ def _is_special(tok: Tokenizer, i: int) -> bool:
         added = tok.backend.get_added_tokens_decoder().get(i)
         return added is not None and added.special
     return i in getattr(tok, "special_names", {})
-
-
-def _specials(meta: dict, n_ordinary: int, source: str) -> dict[str, int] | None:
-    special = meta.get("special_tokens")
-    return None if special is None else check_special_tokens(special, n_ordinary, source)
 
 
 def token_bytes(tok: Tokenizer) -> list[int]:

@@ -143,11 +143,8 @@ def token_dtype(tok: Tokenizer):
 
 def write_meta(out_dir: Path, tok: Tokenizer, meta: dict) -> dict:
     """tokenizer.json (for other tools) beside meta.json for a BPE or a folder's tokenizer, then meta.json, last."""
-    meta = {**tok.meta(), "dtype": np.dtype(token_dtype(tok)).name, **meta}
     if isinstance(tok, HFTokenizer):
         with space_for(out_dir / "tokenizer.json", len(tok.json.encode()), NOTHING_REPLACED), \
                 atomic_path(out_dir / "tokenizer.json") as tmp:
             tmp.write_text(tok.json, encoding="utf-8")
-    with space_for(out_dir / "meta.json", None, NOTHING_REPLACED):
-        write_json(out_dir / "meta.json", meta)
-    return meta
+    return write_dataset(out_dir, tok.meta(), {}, token_dtype(tok), **meta)

@@ -114,11 +114,9 @@ def fit_block(convs: list[tuple[list[int], list[int]]], block_size: int,
     """Conversations of at most block_size + 1 tokens (one training row): (kept, how many cut, dropped)."""
     limit, kept, cut, dropped = block_size + 1, [], 0, 0
     for ids, mask in convs:
-        if len(ids) <= limit:
-            kept.append((ids, mask))
-        elif overlong == "cut" and any(mask[:limit]):
+        if len(ids) <= limit or (overlong == "cut" and any(mask[:limit])):
             kept.append((ids[:limit], mask[:limit]))
-            cut += 1
+            cut += len(ids) > limit
         else:
             dropped += 1
     return kept, cut, dropped
