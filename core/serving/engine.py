@@ -273,9 +273,6 @@ class Active:
             self.bias[list(req.allowed_token_ids or ())] = 0.0
             self.bias[list(req.logit_bias)] += torch.tensor(list(req.logit_bias.values()), device=device)
 
-    def outputs(self) -> list[list[int]]:  # each row's generated ids
-        return [row[len(self.req.prompt):] for row in self.tokens]
-
 
 class BatchEngine:
     """See the module docstring. metrics, if given, is told of each step (core/serving/metrics.py's Metrics)."""
@@ -546,8 +543,9 @@ class BatchEngine:
             if req.max_tokens == 0:  # only the prompt's scores were wanted
                 self._finish(active, None)
                 continue
+            outputs = [row[len(req.prompt):] for row in active.tokens] if req.bad_words else ()  # each row's new ids
             cut = adjust_logits(logits[:, :s.vocab_size], req, active.generated, active.counts, active.prompt_seen,
-                                active.bias, active.outputs() if req.bad_words else ())  # (n, V)
+                                active.bias, outputs)  # (n, V)
             if not bool(torch.isfinite(cut).any(dim=-1).all()):  # else its NaN probabilities would fail the step's all
                 self._finish(active, NothingToDraw("allowed_token_ids, bad_words and min_tokens leave no token to draw"))
                 continue

@@ -509,8 +509,7 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk",
 async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choices: list[ChoiceText]):
     """Every prompt's n rows, all submitted at once: (choice index, new text) as each grows; choices fills up.
     A choice's last piece comes when its finish reason is set (the piece may be empty)."""
-    loop = asyncio.get_running_loop()
-    handles = [served.engine.submit(r, loop) for r in reqs]
+    handles = [served.engine.submit(r, asyncio.get_running_loop()) for r in reqs]
     served.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
     streams = [h.events() for h in handles]
     try:
@@ -608,7 +607,7 @@ class Reply:
         """Each choice's opening chunk (chat's), a chunk per piece of text, with include_usage a last chunk of
         the usage (with continuous_usage_stats every chunk carries it so far), then "data: [DONE]"."""
         options = self.req.stream_options or StreamOptions()
-        include_usage, continuous = options.include_usage, options.include_usage and options.continuous_usage_stats
+        include_usage, continuous = options.include_usage, options.continuous_usage_stats
         # the fields every chunk shares, serialised once, without their "}"
         head = json.dumps({"id": self.id, "object": self.shape.chunk_object, "created": self.created,
                            "model": self.served.name}, ensure_ascii=False)[:-1]
