@@ -682,9 +682,8 @@ class Response(Reply):
         self.id, self.message_id = f"resp_{secrets.token_hex(24)}", f"msg_{secrets.token_hex(24)}"
 
     def message(self, status: str) -> dict:
-        text = self.choices[0].text if self.choices else ""
-        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []}
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": [] if
+                status == "in_progress" else [{"type": "output_text", "text": self.choices[0].text, "annotations": []}]}
 
     def body(self, status: str) -> dict:
         """The response object: in_progress (no output yet), completed, or incomplete (max_output_tokens)."""
