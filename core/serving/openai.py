@@ -445,10 +445,8 @@ class ChoiceText:
 
     def _held_back(self) -> int:
         """Length of the longest end of text that begins a stop string."""
-        for k in range(min(len(self.text), max(map(len, self.stops), default=1) - 1), 0, -1):
-            if any(s.startswith(self.text[-k:]) for s in self.stops):
-                return k
-        return 0
+        longest = min(len(self.text), max(map(len, self.stops), default=1) - 1)
+        return next((k for k in range(longest, 0, -1) if any(s.startswith(self.text[-k:]) for s in self.stops)), 0)
 
 
 def completion_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]]) -> dict:

@@ -201,12 +201,9 @@ class EngineProcess:
                 if rid in self.handles:
                     self.metrics.token(self.handles[rid], rows)
         for rid, item in events:
-            handle = self.handles.get(rid)
-            if handle is None:
-                continue
-            if ends(item):
-                del self.handles[rid]
-            handle.out.put_nowait(item)
+            handle = self.handles.pop(rid, None) if ends(item) else self.handles.get(rid)  # the last: out of the table
+            if handle is not None:
+                handle.out.put_nowait(item)
 
     def _fail_all(self, end: BaseException) -> None:
         for handle in self.handles.values():
