@@ -31,7 +31,7 @@ from typing import Annotated, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 import torch
 
@@ -45,8 +45,8 @@ from core.errors import UserError, first_line, run_cli
 from core.serving.engine import BatchEngine, EngineDied, EngineSettings
 from core.serving.metrics import Metrics
 from core.serving.openai import (CHAT, COMPLETION, HANDLERS, APIError, ChatRequest, CompletionRequest,
-                                 DetokenizeRequest, Reply, ResponsesRequest, ServedModel, TokenizeRequest,
-                                 chat_requests, check_model, completion_requests, encode, errors, respond)
+                                 DetokenizeRequest, Reply, Response, ResponsesRequest, ServedModel, TokenizeRequest,
+                                 chat_requests, check_model, completion_requests, encode, errors, response_requests)
 from core.serving.process import EngineProcess
 from core.weights import resolver
 from model import GPT
@@ -106,11 +106,10 @@ Served = Annotated[ServedModel, Depends(served_model)]  # each route's model
 async def check_key(served: Served, request: Request) -> None:  # async: a plain def would run in a worker thread
     """On the /v1 routes only, as vLLM's --api-key: they generate. The tokenizer's routes, /metrics, /health and
     the page stay open (docs/serving.md, "Errors and access")."""
-    api_key = served.api_key
-    if api_key is None:
+    if served.api_key is None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), served.api_key.encode()):
         raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer KEY`",
                        code="invalid_api_key")
 
@@ -146,7 +145,7 @@ async def health(served: Served):
 @router.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
 @router.head("/metrics", response_class=PlainTextResponse)
 async def metrics(served: Served):
-    return Response(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
+    return PlainTextResponse(served.metrics.render(served.engine), media_type=CONTENT_TYPE_LATEST)
 
 
 def model_card(served: ServedModel) -> dict:
@@ -203,7 +202,7 @@ async def chat_completions(req: ChatRequest, served: Served):
 
 @v1.post("/responses", responses=GENERATES)
 async def responses(req: ResponsesRequest, served: Served):
-    return await respond(served, req)
+    return await Response(served, req, *response_requests(served, req)).answer()
 
 
 router.include_router(v1)
@@ -291,11 +290,9 @@ def build_app(model: GPT, tok: Tokenizer, cfg: ServeConfig, name: str, device: s
         raise UserError(f"--window_shift: {e}") from None
     metrics = Metrics(name)
     settings = EngineSettings(cfg.max_batch, shift, tok.vocab_size, cfg.step_tokens, cfg.prefix_cache_tokens)
-    try:
-        if engine_kind(cfg, device) == "process":  # threads: the engine's own (main keeps this process to one)
-            engine = EngineProcess(model, settings, metrics, threads or torch.get_num_threads())
-        else:
-            engine = BatchEngine(model, settings, metrics)
+    try:  # threads: the engine process's own (main keeps this process to one)
+        engine = (EngineProcess(model, settings, metrics, threads) if engine_kind(cfg, device) == "process"
+                  else BatchEngine(model, settings, metrics))
     except RuntimeError as e:
         raise UserError(f"{first_line(e)}; try a smaller --max_batch, or --engine=thread") from None
     app = FastAPI(title="serve.py", version="1", summary=__doc__.splitlines()[0], lifespan=lifespan, redoc_url=None,

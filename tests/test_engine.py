@@ -379,6 +379,10 @@ def test_logit_bias_and_penalties(trained):
     for pen in (fpen, ppen):  # penalised: fewer repeats than the greedy text
         assert pen["rows"][0] != plain["rows"][0]
         assert len(set(pen["rows"][0])) > len(set(plain["rows"][0]))
+    # bad_words match the generated ids only: a word that starts at the prompt's last id bans nothing at first
+    word = run(BatchEngine(model, EngineSettings(max_batch=8, window_shift=SHIFT, vocab_size=tok.vocab_size)),
+               [request(model, prompt, 1, 1, 0.0, 0, bad_words=((prompt[-1], greedy[0]),))])[0]
+    assert word["rows"][0] == greedy[:1]
 
 
 def test_adjust_logits_is_vllms_formula_in_vllms_order():

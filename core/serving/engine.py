@@ -48,13 +48,6 @@ class EngineSettings:
     step_tokens: int = 512  # the tokens one step computes: a decoding row's one, prompt chunks the rest
     prefix_cache_tokens: int | None = None  # the prefix cache's size; None: as many as the KV cache's slots hold
 
-    def check_n(self, n: int, max_n: int | None = None) -> None:
-        """Each row takes a KV cache slot: n in 1..max_batch (and 1..max_n where the server allows fewer)."""
-        most = self.max_batch if max_n is None else min(max_n, self.max_batch)
-        if not 1 <= n <= most:
-            where = "(the engine's max_batch)" if max_n is None else "on this server"
-            raise ValueError(f"n must be in 1..{most} {where}, got {n}")
-
 
 @dataclasses.dataclass
 class EngineRequest:
@@ -147,12 +140,9 @@ def score(logprobs: torch.Tensor, tokens: torch.Tensor, k: int, vocab_size: int)
     vocab_size, taken from the same tensor, so the argmax's float is identical in both."""
     picked = logprobs.gather(1, tokens[:, None])  # (n, 1)
     ranks = ((logprobs[:, :vocab_size] > picked).sum(dim=-1) + 1).tolist()  # (n,)
-    picked = picked[:, 0].tolist()
-    if k == 0:
-        return [TokenScore(lp, [], rank) for lp, rank in zip(picked, ranks)]
-    top = logprobs[:, :vocab_size].topk(min(k, vocab_size), dim=-1)
+    top = logprobs[:, :vocab_size].topk(min(k, vocab_size), dim=-1)  # k = 0: none, (n, 0)
     return [TokenScore(lp, list(zip(ids, vals)), rank) for lp, ids, vals, rank in
-            zip(picked, top.indices.tolist(), top.values.tolist(), ranks)]
+            zip(picked[:, 0].tolist(), top.indices.tolist(), top.values.tolist(), ranks)]
 
 
 def block_hashes(tokens: list[int]) -> list[bytes]:
@@ -212,8 +202,10 @@ class PrefixCache:
 
 
 def check_submission(req: EngineRequest, settings: EngineSettings, stopping) -> None:
-    """What both engines refuse at submit: more rows than the cache has slots, or any request once stopping."""
-    settings.check_n(req.n)
+    """What both engines refuse at submit: more rows than the cache has slots (a row takes one), or any request
+    once stopping."""
+    if not 1 <= req.n <= settings.max_batch:
+        raise ValueError(f"n must be in 1..{settings.max_batch} (the engine's max_batch), got {req.n}")
     if stopping.is_set():
         raise ServerStopping()
 
@@ -280,9 +272,6 @@ class Active:
             self.bias = torch.full((vocab,), 0.0 if req.allowed_token_ids is None else float("-inf"), device=device)
             self.bias[list(req.allowed_token_ids or ())] = 0.0
             self.bias[list(req.logit_bias)] += torch.tensor(list(req.logit_bias.values()), device=device)
-
-    def outputs(self) -> list[list[int]]:  # each row's generated ids
-        return [row[len(self.req.prompt):] for row in self.tokens]
 
 
 class BatchEngine:
@@ -496,14 +485,22 @@ class BatchEngine:
                 active.last[r] = row
 
     def _prefill_echo(self, active: Active, budget: int):
-        """The next chunk of a prompt with prompt_logprobs through its first row, every position's logits scored
-        -> (logits (n, V) once the prompt is all cached, else None; tokens fed)."""
+        """The next chunk of a prompt with prompt_logprobs through its first row, each position's logits scoring
+        the token after it -> (logits (n, V) once the prompt is all cached, else None; tokens fed)."""
         slot, seq = active.slots[0], active.tokens[0][active.start:]
         view = self.cache.rows(slot, slot + 1)
         first = int(view.pos[0])
         chunk = seq[first:first + budget]
         logits, _ = self.model(torch.tensor([chunk], device=self.device), kv_cache=view)  # (1, T, V)
-        self._score_prompt(active, seq, first, logits)
+        lp = F.log_softmax(logits[0].float(), dim=-1)  # (T, V)
+        if active.prompt_last is not None:  # the last chunk's last position scores this chunk's first token
+            lp = torch.cat([active.prompt_last, lp])
+        targets = torch.tensor(seq[first + 1 - (active.prompt_last is not None):first + len(chunk)], dtype=torch.long,
+                               device=lp.device)
+        if len(targets):
+            active.prompt_scores += score(lp[:len(targets)], targets, active.req.prompt_logprobs,
+                                          self.settings.vocab_size)
+        active.prompt_last = lp[-1:]
         if first + len(chunk) < len(seq):
             return None, len(chunk)
         return self._prompt_cached(active, logits[:, -1]), len(chunk)
@@ -514,25 +511,11 @@ class BatchEngine:
         self._keep(active, 0, scored=True)
         scored = active.req.prompt_logprobs is not None
         self._send(active.handle, PromptScores(active.prompt_scores if scored else None, active.cached))
-        slot, T = active.slots[0], int(self.cache.pos[active.slots[0]])
-        for other in active.slots[1:]:
-            self.cache.k[:, other, :, :T] = self.cache.k[:, slot, :, :T]
-            self.cache.v[:, other, :, :T] = self.cache.v[:, slot, :, :T]
-            self.cache.pos[other] = T
+        (slot, *others), T = active.slots, int(self.cache.pos[active.slots[0]])
+        self.cache.k[:, others, :, :T] = self.cache.k[:, slot:slot + 1, :, :T]  # (L, n-1, nkv, T, hs)
+        self.cache.v[:, others, :, :T] = self.cache.v[:, slot:slot + 1, :, :T]
+        self.cache.pos[others] = T
         return logits.float().expand(len(active.slots), -1)
-
-    def _score_prompt(self, active: Active, seq: list[int], first: int, logits: torch.Tensor) -> None:
-        """Prompt logprobs of the chunk just fed (logits (1, T, V) of positions first..first+T-1)."""
-        lp = F.log_softmax(logits[0].float(), dim=-1)  # (T, V)
-        if active.prompt_last is not None:
-            lp = torch.cat([active.prompt_last, lp])
-        T = logits.size(1)
-        targets = torch.tensor(seq[first + 1 - (active.prompt_last is not None):first + T], dtype=torch.long,
-                               device=lp.device)
-        if len(targets):
-            active.prompt_scores += score(lp[:len(targets)], targets, active.req.prompt_logprobs,
-                                          self.settings.vocab_size)
-        active.prompt_last = lp[-1:]
 
     def _decode(self, decoding: list[Active]) -> list[tuple[Active, torch.Tensor]]:
         """One forward over slots 0..hi-1: each decoding row's last token at its own position; free and
@@ -560,8 +543,9 @@ class BatchEngine:
             if req.max_tokens == 0:  # only the prompt's scores were wanted
                 self._finish(active, None)
                 continue
+            outputs = [row[len(req.prompt):] for row in active.tokens] if req.bad_words else ()  # each row's new ids
             cut = adjust_logits(logits[:, :s.vocab_size], req, active.generated, active.counts, active.prompt_seen,
-                                active.bias, active.outputs() if req.bad_words else ())  # (n, V)
+                                active.bias, outputs)  # (n, V)
             if not bool(torch.isfinite(cut).any(dim=-1).all()):  # else its NaN probabilities would fail the step's all
                 self._finish(active, NothingToDraw("allowed_token_ids, bad_words and min_tokens leave no token to draw"))
                 continue
@@ -590,11 +574,10 @@ class BatchEngine:
         if s.eot_token is not None:
             ids = [s.eot_token if done else t for t, done in zip(ids, active.done)]
             active.done = [done or t == s.eot_token for t, done in zip(ids, active.done)]
-        scores = [None] * len(active.slots)
         if req.logprobs is not None or active.counts is not None:
             token = torch.tensor(ids, device=logits.device)[:, None]  # (n, 1)
-        if req.logprobs is not None:
-            scores = score(F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.settings.vocab_size)
+        scores = [None] * len(ids) if req.logprobs is None else score(
+            F.log_softmax(logits.float(), dim=-1), token[:, 0], req.logprobs, self.settings.vocab_size)
         if active.counts is not None:
             active.counts.scatter_add_(1, token, torch.ones_like(token, dtype=active.counts.dtype))
         for r, t in enumerate(ids):

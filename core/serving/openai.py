@@ -255,27 +255,23 @@ def engine_requests(served: ServedModel, req: RequestBase, prompts: list[list[in
                     echo: bool = False) -> tuple[list[EngineRequest], list[str]]:
     """(an EngineRequest per prompt, req's stop strings), every field checked first: APIError names the first that
     is wrong."""
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = default_max if max_tokens is None else max_tokens
+    max_tokens = next(m for m in (req.max_completion_tokens, req.max_tokens, default_max) if m is not None)
     if not (0 if echo else 1) <= max_tokens <= served.max_tokens_limit:
         raise APIError(400, f"max_tokens must be in 1..{served.max_tokens_limit} on this server (0 only with echo), "
                             f"got {max_tokens}", "max_tokens")
-    if not 0 <= req.min_tokens <= max_tokens:
-        raise APIError(400, f"min_tokens must be in 0..max_tokens ({max_tokens}), got {req.min_tokens}", "min_tokens")
+    most_n = min(served.max_n, served.engine.settings.max_batch)  # n rows take n of the engine's slots
+    check_ranges(req, ("min_tokens", 0, max_tokens, f"0..max_tokens ({max_tokens})"),
+                 ("n", 1, most_n, f"1..{most_n} on this server"), ("seed", 0, 2 ** 64 - 1, "0..2**64-1"),
+                 ("presence_penalty", -2, 2, "[-2, 2]"), ("frequency_penalty", -2, 2, "[-2, 2]"),
+                 ("min_p", 0, 1, "[0, 1] (0: none)"), ("prompt_logprobs", 0, MAX_LOGPROBS, f"0..{MAX_LOGPROBS}"))
     if not req.repetition_penalty > 0:
         raise APIError(400, f"repetition_penalty must be greater than 0 (1: none), got {req.repetition_penalty}",
                        "repetition_penalty")
+    top_p = None if req.top_p == 1 else req.top_p
     try:
-        check_sampling_args(req.temperature, req.top_k, None if req.top_p == 1 else req.top_p)
+        check_sampling_args(req.temperature, req.top_k, top_p)
     except ValueError as e:  # the message starts with the setting's name
         raise APIError(400, str(e), str(e).split()[0]) from None
-    try:
-        served.engine.settings.check_n(req.n, served.max_n)  # n rows take n of the engine's slots
-    except ValueError as e:
-        raise APIError(400, str(e), "n") from None
-    for field in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= getattr(req, field) <= 2:
-            raise APIError(400, f"{field} must be in [-2, 2], got {getattr(req, field)}", field)
     for key, value in (req.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()) or not int(key) < served.tok.vocab_size:
             raise APIError(400, f"logit_bias keys are token ids in 0..{served.tok.vocab_size - 1}, got '{key}'",
@@ -285,11 +281,6 @@ def engine_requests(served: ServedModel, req: RequestBase, prompts: list[list[in
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > 4 or any(s == "" for s in stops):
         raise APIError(400, "stop takes at most 4 non-empty strings", "stop")
-    seed = req.seed if req.seed is not None else secrets.randbits(63)
-    if not 0 <= seed < 2 ** 64:
-        raise APIError(400, f"seed must be in 0..2**64-1, got {seed}", "seed")
-    if not 0 <= req.min_p <= 1:
-        raise APIError(400, f"min_p must be in [0, 1] (0: none), got {req.min_p}", "min_p")
     for field, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids)):
         if ids is not None and not all(0 <= i < served.tok.vocab_size for i in ids):
             raise APIError(400, f"{field} takes token ids in 0..{served.tok.vocab_size - 1}", field)
@@ -297,25 +288,30 @@ def engine_requests(served: ServedModel, req: RequestBase, prompts: list[list[in
         raise APIError(400, "allowed_token_ids must hold at least one id (leave it out for any)", "allowed_token_ids")
     if any(not w.strip() for w in req.bad_words or ()):
         raise APIError(400, "bad_words takes words, not empty or blank strings", "bad_words")
-    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {req.prompt_logprobs}",
-                       "prompt_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs with stream is not supported (as vLLM's); leave one out", "prompt_logprobs")
     # the id that ends a row in the engine, and every id that ends a choice (the chat template's others too)
     eot, ends = ((served.template.end_of_turn, served.template.stop_tokens) if isinstance(req, ChatRequest)
                  else (served.tok.eot_token, {served.tok.eot_token} - {None}))
-    temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
-    top_p, settings = None if req.top_p == 1 else req.top_p, served.engine.settings
     if req.prompt_logprobs is not None:  # echo's and vLLM's prompt logprobs share the engine's scores
         prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
-    rules = (req.presence_penalty, req.frequency_penalty, {int(k): v for k, v in (req.logit_bias or {}).items()},
-             req.repetition_penalty, req.min_tokens, tuple(sorted(ends | set(req.stop_token_ids or ()))), req.min_p,
-             None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-             bad_word_ids(served.tok, req.bad_words or []))  # EngineRequest's logit rules, in its order
+    rules = dict(logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},  # EngineRequest's logit rules
+                 stop_tokens=tuple(sorted(ends | set(req.stop_token_ids or ()))),
+                 allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+                 bad_words=bad_word_ids(served.tok, req.bad_words or []), **req.model_dump(
+                     include={"presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p"}))
+    temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
+    seed, settings = req.seed if req.seed is not None else secrets.randbits(63), served.engine.settings
     return [EngineRequest(prompt, req.n, max_tokens, engine_sampling(  # each prompt's generator, seeded alike
         temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot, settings.window_shift,
-        settings.vocab_size), logprobs, prompt_logprobs, *rules) for prompt in prompts], stops
+        settings.vocab_size), logprobs, prompt_logprobs, **rules) for prompt in prompts], stops
+
+
+def check_ranges(req: StrictModel, *ranges: tuple[str, float, float, str]) -> None:
+    """Each (field, lo, hi, how the range reads) that req gives, in lo..hi: else a 400 naming the first that is not."""
+    for field, lo, hi, shown in ranges:
+        if (value := getattr(req, field)) is not None and not lo <= value <= hi:
+            raise APIError(400, f"{field} must be in {shown}, got {value}", field)
 
 
 def encode(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -368,8 +364,7 @@ def prompts_of(served: ServedModel, req: CompletionRequest) -> list[list[int]]:
 def completion_requests(served: ServedModel, req: CompletionRequest) -> tuple[list[EngineRequest], list[str]]:
     """A completion's request checked: (an EngineRequest per prompt, the stop strings)."""
     check_model(served, req.model)
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
+    check_ranges(req, ("logprobs", 0, MAX_LOGPROBS, f"0..{MAX_LOGPROBS}"))
     if req.echo and req.stream:
         raise APIError(400, "echo with stream is not supported; leave one out", "echo")
     return engine_requests(served, req, prompts_of(served, req), 16, req.logprobs,  # 16: OpenAI's default max_tokens
@@ -450,10 +445,8 @@ class ChoiceText:
 
     def _held_back(self) -> int:
         """Length of the longest end of text that begins a stop string."""
-        for k in range(min(len(self.text), max(map(len, self.stops), default=1) - 1), 0, -1):
-            if any(s.startswith(self.text[-k:]) for s in self.stops):
-                return k
-        return 0
+        longest = min(len(self.text), max(map(len, self.stops), default=1) - 1)
+        return next((k for k in range(longest, 0, -1) if any(s.startswith(self.text[-k:]) for s in self.stops)), 0)
 
 
 def completion_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]]) -> dict:
@@ -486,10 +479,6 @@ def chat_logprobs(tok: Tokenizer, scored: list[tuple[int, TokenScore | None]], s
 # replies
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """What a completions reply and a chat completions reply differ in: their names, how a choice carries its
@@ -518,8 +507,7 @@ CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk",
 async def pieces(served: ServedModel, reqs: list[EngineRequest], make_text, choices: list[ChoiceText]):
     """Every prompt's n rows, all submitted at once: (choice index, new text) as each grows; choices fills up.
     A choice's last piece comes when its finish reason is set (the piece may be empty)."""
-    loop = asyncio.get_running_loop()
-    handles = [served.engine.submit(r, loop) for r in reqs]
+    handles = [served.engine.submit(r, asyncio.get_running_loop()) for r in reqs]
     served.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
     streams = [h.events() for h in handles]
     try:
@@ -572,11 +560,13 @@ class Reply:
         self.choices: list[ChoiceText] = []  # filled by pieces
 
     async def answer(self) -> dict | StreamingResponse:
-        """The reply whole, or streamed as server-sent events."""
-        if not self.req.stream:
-            return await self.whole()
-        return StreamingResponse(self.events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        """The reply streamed as server-sent events, or whole once every choice is."""
+        if self.req.stream:
+            return StreamingResponse(self.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        async for _ in pieces(self.served, self.reqs, self.make_text, self.choices):
+            pass
+        return self.whole()
 
     def usage(self) -> dict:
         done = sum(c.tokens for c in self.choices)
@@ -597,10 +587,8 @@ class Reply:
                                                         self.req.prompt_logprobs)
         return fields
 
-    async def whole(self) -> dict:
+    def whole(self) -> dict:
         """Every choice whole; with echo (completions), its prompt's text and scores first."""
-        async for _ in pieces(self.served, self.reqs, self.make_text, self.choices):
-            pass
         choices, per_choice = [], self.shape.prompt_per_choice
         for i, c in enumerate(self.choices):
             text, scored = c.text, c.scored
@@ -616,9 +604,8 @@ class Reply:
     async def events(self) -> AsyncIterator[str]:
         """Each choice's opening chunk (chat's), a chunk per piece of text, with include_usage a last chunk of
         the usage (with continuous_usage_stats every chunk carries it so far), then "data: [DONE]"."""
-        options = self.req.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and options.continuous_usage_stats
+        options = self.req.stream_options or StreamOptions()
+        include_usage, continuous = options.include_usage, options.continuous_usage_stats
         # the fields every chunk shares, serialised once, without their "}"
         head = json.dumps({"id": self.id, "object": self.shape.chunk_object, "created": self.created,
                            "model": self.served.name}, ensure_ascii=False)[:-1]
@@ -645,7 +632,7 @@ class Reply:
                 yield chunk([], last=True)
             yield "data: [DONE]\n\n"
         except Exception as e:  # the headers are sent: the error goes in the stream, as OpenAI's does
-            yield sse(as_api_error(e).body())
+            yield f"data: {json.dumps(as_api_error(e).body(), ensure_ascii=False)}\n\n"
 
 
 # -----------------------------------------------------------------------------
@@ -654,14 +641,15 @@ class Reply:
 STORED_RESPONSES = 1000  # conversations kept for previous_response_id, the oldest forgotten first: a bound on memory
 
 
-def response_messages(served: ServedModel, req: ResponsesRequest) -> tuple[list[dict], list[dict]]:
-    """(the messages to render: instructions, the stored conversation, the input; the conversation to store)."""
-    history = []
-    if req.previous_response_id is not None:
-        if (history := served.stored.get(req.previous_response_id)) is None:
-            raise APIError(400, f"previous_response_id '{req.previous_response_id}' is not a response this server "
-                                f"stored (it keeps the last {STORED_RESPONSES}, until it restarts)",
-                           "previous_response_id", "previous_response_not_found")
+def response_requests(served: ServedModel, req: ResponsesRequest) -> tuple[ChatRequest, list[EngineRequest],
+                                                                            list[str], list[dict]]:
+    """A response's request checked as a chat completion of one choice, of the instructions, the stored conversation
+    and the input: (that chat request, its EngineRequests, the stop strings, the conversation to store)."""
+    history = [] if req.previous_response_id is None else served.stored.get(req.previous_response_id)
+    if history is None:
+        raise APIError(400, f"previous_response_id '{req.previous_response_id}' is not a response this server "
+                            f"stored (it keeps the last {STORED_RESPONSES}, until it restarts)",
+                       "previous_response_id", "previous_response_not_found")
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     turns = []
     for i, item in enumerate(items):
@@ -671,21 +659,14 @@ def response_messages(served: ServedModel, req: ResponsesRequest) -> tuple[list[
                                 f"{json.dumps(item)[:80]}", "input")
         turns.append({"role": {"developer": "system"}.get(item.get("role"), item.get("role")), "content": content})
     system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
-    return system + history + turns, history + turns
-
-
-async def respond(served: ServedModel, req: ResponsesRequest):
-    """POST /v1/responses: checked as a chat completion of one choice, then replied to."""
-    messages, conversation = response_messages(served, req)
-    chat = ChatRequest(messages=messages, max_tokens=req.max_output_tokens,
+    chat = ChatRequest(messages=system + history + turns, max_tokens=req.max_output_tokens,
                        **req.model_dump(include=set(Generating.model_fields)))
     try:
-        reqs, stops = chat_requests(served, chat, "input")
+        return chat, *chat_requests(served, chat, "input"), history + turns
     except APIError as e:  # named as this API names it
         e.param = "max_output_tokens" if e.param == "max_tokens" else e.param
         e.message = e.message.replace("max_tokens", "max_output_tokens")
         raise
-    return await Response(served, req, chat, reqs, stops, conversation).answer()
 
 
 class Response(Reply):
@@ -699,9 +680,8 @@ class Response(Reply):
         self.id, self.message_id = f"resp_{secrets.token_hex(24)}", f"msg_{secrets.token_hex(24)}"
 
     def message(self, status: str) -> dict:
-        text = self.choices[0].text if self.choices else ""
-        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []}
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": [] if
+                status == "in_progress" else [{"type": "output_text", "text": self.choices[0].text, "annotations": []}]}
 
     def body(self, status: str) -> dict:
         """The response object: in_progress (no output yet), completed, or incomplete (max_output_tokens)."""
@@ -726,9 +706,7 @@ class Response(Reply):
                 self.served.stored.popitem(last=False)
         return status
 
-    async def whole(self) -> dict:
-        async for _ in pieces(self.served, self.reqs, self.make_text, self.choices):
-            pass
+    def whole(self) -> dict:
         return self.body(self.finished())
 
     async def events(self) -> AsyncIterator[str]:

@@ -108,10 +108,10 @@ class ProcessHandle(Handle):
 
     def __init__(self, req: EngineRequest, loop, engine: "EngineProcess", rid: int):
         super().__init__(req, loop)
-        self.engine, self.id, self.ended = engine, rid, False
+        self.engine, self.id = engine, rid
 
     def cancel(self) -> None:
-        if not self.cancelled.is_set() and not self.ended:
+        if not self.cancelled.is_set() and self.id in self.engine.handles:  # not ended yet
             self.engine.send(("cancel", self.id))
         self.cancelled.set()
 
@@ -201,17 +201,12 @@ class EngineProcess:
                 if rid in self.handles:
                     self.metrics.token(self.handles[rid], rows)
         for rid, item in events:
-            handle = self.handles.get(rid)
-            if handle is None:
-                continue
-            if ends(item):
-                handle.ended = True
-                del self.handles[rid]
-            handle.out.put_nowait(item)
+            handle = self.handles.pop(rid, None) if ends(item) else self.handles.get(rid)  # the last: out of the table
+            if handle is not None:
+                handle.out.put_nowait(item)
 
     def _fail_all(self, end: BaseException) -> None:
         for handle in self.handles.values():
-            handle.ended = True
             handle.out.put_nowait(end)
         self.handles.clear()
         self.running = self.waiting = self.slots_used = 0
