@@ -65,9 +65,14 @@ def optimizer_step(model, optimizer, scaler, loss_sum: torch.Tensor, cfg, rt: ru
     return stop_requested
 
 
+def global_sum(value: torch.Tensor | float, rt: runtime.Runtime) -> float:
+    """value (a float, or a tensor on the device) summed over every rank in float64, then read on the host once."""
+    if rt.distributed:
+        value = torch.as_tensor(value, dtype=torch.float64, device=rt.device).clone()  # all_reduce works in place
+        dist.all_reduce(value)
+    return float(value)
+
+
 def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:
     """The mean of every rank's loss_sum (each already averaged over its micro-steps)."""
-    if rt.distributed:
-        loss_sum = loss_sum.clone()
-        dist.all_reduce(loss_sum)
-    return loss_sum.item() / rt.world_size
+    return global_sum(loss_sum, rt) / rt.world_size

@@ -82,8 +82,7 @@ def _verify_archive(path: Path) -> None:
                     while record.read(1 << 24):  # zipfile raises BadZipFile at the end on a CRC mismatch
                         pass
     except (zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)}); it cannot be "
-                        f"loaded") from None
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)}); it cannot be loaded") from None
 
 
 def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], Path]:
