@@ -31,7 +31,7 @@ from core.data.tokenizer import tokenizer_from_meta
 from core.decoding.replies import reply_text, sample_replies, sampler
 from core.evaluation.answers import task_scores
 from core.evaluation.perplexity import target_losses
-from core.training import checkpointing, loop, optim, parallel, preflight, run_dir
+from core.training import checkpointing, loop, optim, parallel, preflight
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import RunConfig
 from core.weights import resolver
@@ -115,7 +115,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
     tok_meta = w.tokenizer_meta
     del w
     stop.check(starting)
-    run_dir.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
+    loop.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
         f"{rt.dtype} | tasks {', '.join(names)} | {cfg.prompts_per_iter} prompts x {cfg.samples_per_prompt} replies "
         f"per iteration")
@@ -142,7 +142,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
         if stop_requested:
             save(f"stopped by {stop.signal_name or 'a signal to another process'}")
             finish("stopped")
-            log(f"stopped at iter {iter_num}; continue with: {run_dir.resume_command(out_dir, rt, 'rl.py')}")
+            log(f"stopped at iter {iter_num}; continue with: {loop.resume_command(out_dir, rt, 'rl.py')}")
             return
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters:  # held-out exact match, greedy
             scores = {}

@@ -105,9 +105,7 @@ def nearest_exportable(c: GPTConfig) -> list[str]:
     for size in (1, 2, 3):
         found = []
         for combo in itertools.combinations(options, size):
-            if len({name for name, _ in combo}) < size:
-                continue
-            arch = _holds(replace(c, **dict(combo)))
+            arch = _holds(replace(c, **dict(combo))) if len({name for name, _ in combo}) == size else None  # one each
             if arch is not None:
                 found.append(", ".join(f"{n}={v!r}" for n, v in combo) + f" (-> {arch})")
         if found:

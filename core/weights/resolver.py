@@ -52,7 +52,7 @@ def kind_of(init_from: str) -> str | None:
 
 def check_init_from(init_from: str, scratch: bool = False) -> None:
     """The one init_from check of every config: train.py's (scratch=True) and the scripts'."""
-    if scratch and init_from == "auto":  # train.py decides it first: resume or scratch (run_dir.auto_init_from)
+    if scratch and init_from == "auto":  # train.py decides it first: resume or scratch (loop.auto_init_from)
         return
     kind = kind_of(init_from)
     if kind is None or (kind == "scratch" and not scratch):
