@@ -127,11 +127,8 @@ def _checkpoint(kind: str, directory: Path, training: bool, sharded: bool, log) 
     elif kind == "run":  # only the weights are taken, so whichever file the run holds
         path = checkpoint.find_checkpoint(directory)
         state = checkpoint.load_checkpoint(path)
-    elif sharded:  # the weights and optimizer load after sharding (checkpointing.restore)
-        meta, path = checkpoint.load_latest_sharded(directory, log=log)
-        state = {"meta": meta, "model": None}
-    else:
-        state, path = checkpoint.load_latest(directory, log=log)
+    else:  # sharded: the weights and optimizer load after sharding (checkpointing.restore)
+        state, path = checkpoint.load_latest(directory, log, sharded)
     meta = state["meta"]
     if not isinstance(meta.get("tokenizer"), dict):
         use = "it cannot be fine-tuned on a dataset" if training else "it cannot be decoded"
