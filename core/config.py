@@ -169,8 +169,7 @@ def parse_args(cls: type[T], argv: Sequence[str], base: T | None = None, validat
                 raise UserError(f"expected --{key}=VALUE, got '{arg}'")
             if key not in hints:
                 raise _unknown_key(key, list(hints), "command line")
-            value = parse_cli_value(raw, hints[key])
-            cfg = apply_overrides(cfg, {key: value}, "command line")
+            cfg = apply_overrides(cfg, {key: parse_cli_value(raw, hints[key])}, "command line")
         else:
             cfg = apply_overrides(cfg, read_config_file(arg), f"in {arg}")
     if validate and hasattr(cfg, "validate"):

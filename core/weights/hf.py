@@ -66,10 +66,7 @@ def _holds(c: GPTConfig) -> str | None:
         return None
     qkv_only = c.qkv_bias is not None and c.qkv_bias != c.bias  # q/k/v biases apart from the rest (Qwen2's)
     if c.pos_embedding == "learned":
-        plain_gpt2 = (c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.tie_embeddings
-                      and c.kv_heads == c.n_head and c.mlp_hidden in (None, 4 * c.n_embd)
-                      and c.attn_width == c.n_embd and not qkv_only)
-        return "GPT2LMHeadModel" if plain_gpt2 else None
+        return None if non_gpt2_fields(c) else "GPT2LMHeadModel"
     arch = _rope_class(c, qkv_only)
     # Llama 3's scaled RoPE is held by the class of the models that use it (transformers' rope_type "llama3")
     return arch if c.rope_type == "default" or arch == "LlamaForCausalLM" else None
