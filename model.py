@@ -106,10 +106,9 @@ class GPTConfig:
     @property
     def rope_llama3(self) -> tuple[float, float, float, int] | None:
         """(factor, low_freq_factor, high_freq_factor, original_max_positions) for rope_type='llama3', else None."""
-        if self.rope_type != "llama3":
-            return None
-        return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                self.rope_original_max_positions)
+        llama3 = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                  self.rope_original_max_positions)
+        return llama3 if self.rope_type == "llama3" else None
 
     @property
     def kv_heads(self) -> int:
