@@ -106,10 +106,9 @@ class GPTConfig:
     @property
     def rope_llama3(self) -> tuple[float, float, float, int] | None:
         """(factor, low_freq_factor, high_freq_factor, original_max_positions) for rope_type='llama3', else None."""
-        if self.rope_type != "llama3":
-            return None
-        return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                self.rope_original_max_positions)
+        llama3 = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                  self.rope_original_max_positions)
+        return llama3 if self.rope_type == "llama3" else None
 
     @property
     def kv_heads(self) -> int:
@@ -190,12 +189,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)  # (B, nh, T, hs)
 
 
-def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
+def make_norm(config: GPTConfig) -> nn.Module:
     """The normalisation layer every Block and the final ln_f use: GPT-2's LayerNorm, or RMSNorm."""
-    dim = dim or config.n_embd
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=config.norm_eps)
-    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
 class Kernels:
@@ -389,10 +387,9 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        learned = config.pos_embedding == "learned"
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if learned else {}),
+            **({"wpe": nn.Embedding(config.block_size, config.n_embd)} if config.pos_embedding == "learned" else {}),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, self.value_embed_table(i) is not None) for i in range(config.n_layer)]),
             ln_f=make_norm(config),

@@ -31,7 +31,7 @@ from core.data.tokenizer import tokenizer_from_meta
 from core.decoding.replies import reply_text, sample_replies, sampler
 from core.evaluation.answers import task_scores
 from core.evaluation.perplexity import target_losses
-from core.training import checkpointing, loop, optim, parallel, preflight, run_dir
+from core.training import checkpointing, loop, optim, parallel, preflight
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import RunConfig
 from core.weights import resolver
@@ -115,10 +115,10 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
     tok_meta = w.tokenizer_meta
     del w
     stop.check(starting)
-    run_dir.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
+    loop.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
-        f"{rt.dtype} | tasks {', '.join(names)} | {cfg.prompts_per_iter} prompts x {cfg.samples_per_prompt} "
-        f"replies per iteration")
+        f"{rt.dtype} | tasks {', '.join(names)} | {cfg.prompts_per_iter} prompts x {cfg.samples_per_prompt} replies "
+        f"per iteration")
     runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if resuming else None)
     heldout = {name: tasklib.problems(name, "heldout", cfg.eval_examples) for name in names}
     stop.message = "stopping after this iteration; saving"
@@ -142,7 +142,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
         if stop_requested:
             save(f"stopped by {stop.signal_name or 'a signal to another process'}")
             finish("stopped")
-            log(f"stopped at iter {iter_num}; continue with: {run_dir.resume_command(out_dir, rt, 'rl.py')}")
+            log(f"stopped at iter {iter_num}; continue with: {loop.resume_command(out_dir, rt, 'rl.py')}")
             return
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters:  # held-out exact match, greedy
             scores = {}
@@ -150,19 +150,18 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
                 r = task_scores(raw_model, template, name, heldout[name], max_new_tokens=cfg.max_new_tokens,
                                 device=rt.device, autocast=rt.autocast, rank=rt.rank,
                                 world_size=rt.world_size, stopped=stopped)
-                if r is None:
+                if r is None:  # a signal during the eval: save the last completed step, unevaluated
+                    stop_requested = True
                     break
                 scores[f"heldout_{name}"] = r["mean"]
-            else:
-                log(f"step {iter_num}: held-out exact match "
-                    + ", ".join(f"{k.removeprefix('heldout_')} {v:.4f}" for k, v in scores.items()))
-                runlog.write({"iter": iter_num} | scores)
-                if iter_num > max(last_saved, 0):
-                    save("end of training" if iter_num >= cfg.max_iters else "scheduled")
-                    last_saved = iter_num
-            if len(scores) < len(names):  # a signal during the eval: save the last completed step, unevaluated
-                stop_requested = True
+            if stop_requested:
                 continue
+            log(f"step {iter_num}: held-out exact match "
+                + ", ".join(f"{k.removeprefix('heldout_')} {v:.4f}" for k, v in scores.items()))
+            runlog.write({"iter": iter_num} | scores)
+            if iter_num > max(last_saved, 0):
+                save("end of training" if iter_num >= cfg.max_iters else "scheduled")
+                last_saved = iter_num
         if iter_num >= cfg.max_iters:
             finish("done")
             return
@@ -187,10 +186,10 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
         weights = reply_weights(rewards, cfg.update, cfg.std_advantage).flatten()  # (rows,)
         x, y = pack(rows, rt.device)  # (rows, T): prompt and reply in, the reply's ids as targets, -1 elsewhere
         counted = y[weights != 0] if cfg.update == "rft" else y  # rft: only the accepted replies' tokens count
-        n_tokens = max(1.0, global_sum(float((counted >= 0).sum()), rt))  # every process's: each token weighs the same
+        n_tokens = max(1.0, loop.global_sum((counted >= 0).sum(), rt))  # every process's: each token weighs the same
         # the iteration's forward and backward tokens: each row's (x's) through the sampling's forward, the step's
         # forward and backward, and the KL term's forward
-        tokens = global_sum((3 + (reference is not None)) * float(sum(len(p) + len(r) - 1 for p, r in rows)), rt)
+        tokens = loop.global_sum((3 + (reference is not None)) * float(sum(len(p) + len(r) - 1 for p, r in rows)), rt)
 
         # 3. the step: the policy gradient over every reply token, in chunks of batch_size rows
         raw_model.train()
@@ -279,14 +278,6 @@ def pack(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor,
         x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
         y[i, len(prompt) - 1:len(seq) - 1] = torch.tensor(reply)
     return x.to(device), y.to(device)
-
-
-def global_sum(value: float, rt: runtime.Runtime) -> float:
-    if not rt.distributed:
-        return value
-    t = torch.tensor(value, dtype=torch.float64, device=rt.device)
-    dist.all_reduce(t)
-    return t.item()
 
 
 def sample_stats(rewards: torch.Tensor, lengths: torch.Tensor, loss: torch.Tensor, kl: torch.Tensor,

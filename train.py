@@ -31,7 +31,7 @@ from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.data.tokenizer import tokenizer_from_meta, tokenizer_meta
 from core.evaluation.hellaswag import hellaswag_scores, load_hellaswag, render_examples
 from core.evaluation.perplexity import evaluating
-from core.training import checkpointing, flops, loop, optim, parallel, preflight, run_dir
+from core.training import checkpointing, flops, loop, optim, parallel, preflight
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from core.weights import resolver
@@ -73,13 +73,12 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     model = parallel.parallelize(raw_model, rt, cfg.parallel, cfg.activation_checkpointing, compile)
     optimizer = make_optimizer(raw_model, cfg, rt.device_type)  # after sharding: fsdp replaces the parameters
     scaler = rt.grad_scaler()
-    iter_num, best_val_loss = 0, float("inf")
-    if resuming:
-        iter_num, best_val_loss = checkpointing.restore(resumed, raw_model, optimizer, scaler, rt, log)
-        del resumed
+    iter_num, best_val_loss = (checkpointing.restore(resumed, raw_model, optimizer, scaler, rt, log) if resuming
+                               else (0, float("inf")))
+    del resumed
 
     stop.check(starting)
-    run_dir.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
+    loop.write_run_config(cfg, out_dir, rt)  # the run starts: nothing was written before this point
     rows = cfg.gradient_accumulation_steps * cfg.batch_size  # sequences per iteration, all processes together
     warmup = (f" (from {rows * seq_len_at(0, cfg):,} over a {cfg.seq_len_warmup_iters}-iteration sequence-length "
               f"warm-up)" if cfg.seq_len_warmup_iters else "")
@@ -121,7 +120,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
         if stop_requested:
             save(f"stopped by {stop.signal_name or 'a signal to another process'}")
             finish("stopped")
-            log(f"stopped at iter {iter_num}; continue with: {run_dir.resume_command(out_dir, rt)}")
+            log(f"stopped at iter {iter_num}; continue with: {loop.resume_command(out_dir, rt)}")
             return
         lr = get_lr(iter_num, cfg)
         optim.set_lr(optimizer, lr / cfg.learning_rate)

@@ -26,9 +26,8 @@ T = TypeVar("T")
 
 
 def _type_name(tp) -> str:
-    if _optional_inner(tp) is not None:
-        return f"{_type_name(_optional_inner(tp))} or None"
-    return getattr(tp, "__name__", str(tp))
+    inner = _optional_inner(tp)
+    return getattr(tp, "__name__", str(tp)) if inner is None else f"{_type_name(inner)} or None"
 
 
 def _optional_inner(tp):
@@ -60,11 +59,9 @@ def parse_cli_value(raw: str, tp) -> Any:
         return None
     if base is bool and raw.lower() in ("true", "false"):
         return raw.lower() == "true"
-    if base is str:
-        # A bare word is a string; a quoted one is taken as the literal it spells.
-        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
-            return ast.literal_eval(raw)
-        return raw
+    if base is str:  # a bare word is a string; a quoted one is taken as the literal it spells
+        quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+        return ast.literal_eval(raw) if quoted else raw
     try:
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -169,8 +166,7 @@ def parse_args(cls: type[T], argv: Sequence[str], base: T | None = None, validat
                 raise UserError(f"expected --{key}=VALUE, got '{arg}'")
             if key not in hints:
                 raise _unknown_key(key, list(hints), "command line")
-            value = parse_cli_value(raw, hints[key])
-            cfg = apply_overrides(cfg, {key: value}, "command line")
+            cfg = apply_overrides(cfg, {key: parse_cli_value(raw, hints[key])}, "command line")
         else:
             cfg = apply_overrides(cfg, read_config_file(arg), f"in {arg}")
     if validate and hasattr(cfg, "validate"):

@@ -110,25 +110,21 @@ def resolve_device(name: str, local_rank: int | None = None) -> str:
             return resolve_device("cuda", local_rank)
         return "mps" if torch.backends.mps.is_available() else "cpu"
     kind, _, index_text = name.partition(":")
-    if kind == "cpu":
+    if kind not in ("cpu", "cuda", "mps") or kind == "cuda" and index_text and not index_text.isdigit():
+        raise UserError(f"unknown device '{name}'; use auto, cpu, cuda, cuda:N or mps")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device '{name}' was asked for but MPS is not available here; use --device=cpu")
+    if kind != "cuda":
         return name
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"device '{name}' was asked for but this machine has no CUDA GPU; use --device=cpu or --device=auto")
-        count = torch.cuda.device_count()
-        if not index_text and local_rank is not None:
-            return f"cuda:{local_gpu(local_rank, count)}"
-        if index_text and not index_text.isdigit():
-            raise UserError(f"unknown device '{name}'; use auto, cpu, cuda, cuda:N or mps")
-        index = int(index_text or 0)
-        if index >= count:
-            raise UserError(f"device '{name}' does not exist: this machine has {count} CUDA device(s)")
-        return f"cuda:{index}"
-    if kind == "mps":
-        if not torch.backends.mps.is_available():
-            raise UserError(f"device '{name}' was asked for but MPS is not available here; use --device=cpu")
-        return name
-    raise UserError(f"unknown device '{name}'; use auto, cpu, cuda, cuda:N or mps")
+    if not torch.cuda.is_available():
+        raise UserError(f"device '{name}' was asked for but this machine has no CUDA GPU; use --device=cpu or --device=auto")
+    count = torch.cuda.device_count()
+    if not index_text and local_rank is not None:
+        return f"cuda:{local_gpu(local_rank, count)}"
+    index = int(index_text or 0)
+    if index >= count:
+        raise UserError(f"device '{name}' does not exist: this machine has {count} CUDA device(s)")
+    return f"cuda:{index}"
 
 
 def local_gpu(local_rank: int, count: int) -> int:

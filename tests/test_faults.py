@@ -27,7 +27,7 @@ import torch
 import model as modellib
 import train
 from core.errors import UserError
-from core.training import checkpointing, run_dir, runlog
+from core.training import checkpointing, loop, runlog
 from core.weights.checkpoint import load_checkpoint
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, child_pids,
                            cli_args, flip_a_weight_bit, losses, make_char_dataset, needs_transformers, process_env, run_main, run_script,
@@ -507,9 +507,9 @@ def test_init_from_auto_starts_then_resumes_exactly_and_refuses_another_model(tm
 def test_init_from_auto_continues_from_the_previous_checkpoint_alone(tmp_path, data_dir):
     """A kill between a save's two renames can leave only the previous checkpoint: auto resumes it, never
     starts afresh over it."""
-    assert run_dir.auto_init_from(tmp_path) == "scratch"
+    assert loop.auto_init_from(tmp_path) == "scratch"
     (tmp_path / "ckpt.prev.dcp").mkdir()
-    assert run_dir.auto_init_from(tmp_path) == "resume"
+    assert loop.auto_init_from(tmp_path) == "resume"
 
 
 @pytest.mark.slow

@@ -297,8 +297,9 @@ def test_damaged_sharded_checkpoint_falls_back_to_the_previous_one(sharded_out, 
     with pytest.raises(UserError, match="CRC-32" if damage == "bit flipped" else "incomplete .no __0_0.distcp"):
         checkpoint.load_checkpoint(path)
     logged = []
-    meta, used = checkpoint.load_latest_sharded(sharded_out, log=logged.append)
-    assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 10 and "warning" in logged[0]
+    state, used = checkpoint.load_latest(sharded_out, log=logged.append, sharded=True)
+    assert used.name == checkpoint.PREV_SHARDED_NAME and state["meta"]["iter_num"] == 10 and "warning" in logged[0]
+    assert state["model"] is None  # the weights load after sharding
 
 
 def test_kill_between_the_two_renames_leaves_the_previous_checkpoint(sharded_out, monkeypatch):
@@ -319,8 +320,8 @@ def test_kill_between_the_two_renames_leaves_the_previous_checkpoint(sharded_out
     with pytest.raises(OSError):
         checkpointing.save_sharded(sharded_out, {"iter_num": 99}, model, optimizer)
     assert not (sharded_out / checkpoint.SHARDED_NAME).exists()
-    meta, used = checkpoint.load_latest_sharded(sharded_out, log=lambda *a: None)
-    assert used.name == checkpoint.PREV_SHARDED_NAME and meta["iter_num"] == 20
+    state, used = checkpoint.load_latest(sharded_out, log=lambda *a: None, sharded=True)
+    assert used.name == checkpoint.PREV_SHARDED_NAME and state["meta"]["iter_num"] == 20
 
 
 def test_disk_full_during_a_sharded_save_keeps_the_checkpoints(sharded_out, data_dir, monkeypatch):

@@ -1,17 +1,23 @@
-"""What train.py's and rl.py's loops share: the start-up around them and the optimizer step's tail.
+"""What train.py's and rl.py's loops share: the start-up around them (the config a run starts or resumes with, the
+config.json it records), the optimizer step's tail, and the command that continues a stopped run.
 
     def main(argv): loop.start(TrainConfig, argv, train)     # the config, the runtime, train(cfg, rt, stop)
     stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
 """
+import json
 import math
+import os
+import shlex
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from core import config as configlib, runtime
-from core.errors import UserError, alike_on_every_rank
-from core.training import memory, run_dir
-from core.weights import resolver
+from core.errors import UserError, alike_on_every_rank, first_line
+from core.fileio import write_json
+from core.training import memory
+from core.weights import checkpoint, resolver
 
 
 def start(cls: type, argv, train) -> None:
@@ -39,11 +45,64 @@ def parse_config(cls: type, argv):
     cfg = configlib.parse_args(cls, argv, validate=False)
     init_from = cfg.init_from
     if init_from == "auto" and cls.starts_from_scratch:  # decided here, once: resume or scratch from now on
-        init_from = run_dir.auto_init_from(cfg.out_dir)
+        init_from = auto_init_from(cfg.out_dir)
         argv = [*argv, f"--init_from={init_from}"]
     if resolver.kind_of(init_from) != "resume":
         return configlib.parse_args(cls, argv)
-    return run_dir.resumed_config(cls, argv, cfg.out_dir)
+    return resumed_config(cls, argv, cfg.out_dir)
+
+
+def auto_init_from(out_dir: str | os.PathLike) -> str:
+    """init_from=auto: 'resume' when out_dir holds a checkpoint, else 'scratch': one command starts a run and
+    continues it after a restart, requeue or preemption. The previous checkpoints count too: a kill between a
+    sharded save's two renames leaves only ckpt.prev.dcp, and that run must continue, not start again over it."""
+    names = (checkpoint.CKPT_NAME, checkpoint.PREV_NAME, checkpoint.SHARDED_NAME, checkpoint.PREV_SHARDED_NAME)
+    return "resume" if any((Path(out_dir) / name).exists() for name in names) else "scratch"
+
+
+def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
+    """out_dir/config.json (the run's own) in place of cls's defaults, then argv, so `--init_from=resume
+    --out_dir=RUN` is the whole command. The device and process count are resolved again; the dtype is kept, so a
+    resume continues in the precision it trained in. No config.json: the config a nanoGPT ckpt.pt holds."""
+    saved = Path(out_dir) / "config.json"
+    if not saved.is_file():  # a nanoGPT run: the config its ckpt.pt holds; none to read: the resume says why
+        ckpt = Path(out_dir) / checkpoint.CKPT_NAME
+        try:
+            run = checkpoint.load_checkpoint(ckpt)["meta"]["config"]
+        except UserError:
+            return configlib.parse_args(cls, argv, base=None)
+        return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {ckpt}"))
+    try:
+        run = json.loads(saved.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {saved} ({first_line(e)}); pass the run's config files again") from None
+    if not isinstance(run, dict):
+        raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
+    run = {k: v for k, v in run.items() if k not in ("world_size", "device")}
+    return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {saved}"))
+
+
+def write_run_config(cfg, out_dir: Path, rt: runtime.Runtime) -> None:
+    """out_dir/config.json, the resolved config, once the run is about to train: a run stopped by a
+    mistake (a missing dataset, a wrong setting) leaves no file behind."""
+    def write() -> None:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_json(out_dir / "config.json", configlib.to_dict(cfg) | {"world_size": rt.world_size,
+                                                                          "device": rt.device, "dtype": rt.dtype})
+        except OSError as e:
+            raise UserError(f"cannot write to out_dir '{out_dir}': {e.strerror}; choose a writable --out_dir") from None
+    rt.on_master(write)
+
+
+def resume_command(out_dir: Path, rt: runtime.Runtime, script: str = "train.py") -> str:
+    """The command that continues this run, to paste as it is printed."""
+    args = f"{script} --init_from=resume --out_dir={shlex.quote(str(out_dir))}"
+    if not rt.distributed:
+        return f"python {args}"
+    if int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)) != rt.world_size:  # several nodes
+        return f"the same torchrun launch on each node, of {args}"
+    return f"torchrun --standalone --nproc_per_node={rt.world_size} {args}"
 
 
 def optimizer_step(model, optimizer, scaler, loss_sum: torch.Tensor, cfg, rt: runtime.Runtime,
@@ -65,9 +124,14 @@ def optimizer_step(model, optimizer, scaler, loss_sum: torch.Tensor, cfg, rt: ru
     return stop_requested
 
 
+def global_sum(value: torch.Tensor | float, rt: runtime.Runtime) -> float:
+    """value (a float, or a tensor on the device) summed over every rank in float64, then read on the host once."""
+    if rt.distributed:
+        value = torch.as_tensor(value, dtype=torch.float64, device=rt.device).clone()  # all_reduce works in place
+        dist.all_reduce(value)
+    return float(value)
+
+
 def global_mean(loss_sum: torch.Tensor, rt: runtime.Runtime) -> float:
     """The mean of every rank's loss_sum (each already averaged over its micro-steps)."""
-    if rt.distributed:
-        loss_sum = loss_sum.clone()
-        dist.all_reduce(loss_sum)
-    return loss_sum.item() / rt.world_size
+    return global_sum(loss_sum, rt) / rt.world_size

@@ -65,11 +65,11 @@ def torch_optimizers(optimizer) -> tuple[torch.optim.Optimizer, ...]:
     return tuple(optimizer.optimizers.values()) if isinstance(optimizer, MultiOptimizer) else (optimizer,)
 
 
-def split_params(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """{"hidden": Muon's matrices, by name}: the weights of the Linear layers inside transformer.h. The rest
-    (embeddings, an untied head, gains, biases) is AdamW's (GPT.decay_groups)."""
+def hidden_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Muon's matrices, by name: the weights of the Linear layers inside transformer.h. The rest (embeddings, an
+    untied head, gains, biases) is AdamW's (GPT.decay_groups)."""
     hidden = {id(m.weight) for block in model.transformer.h for m in block.modules() if isinstance(m, nn.Linear)}
-    return {"hidden": [(name, p) for name, p in model.named_parameters() if id(p) in hidden and p.requires_grad]}
+    return [(name, p) for name, p in model.named_parameters() if id(p) in hidden and p.requires_grad]
 
 
 def check_muon_params(named: list[tuple[str, nn.Parameter]]) -> None:
@@ -77,7 +77,7 @@ def check_muon_params(named: list[tuple[str, nn.Parameter]]) -> None:
     for name, p in named:
         if p.dim() != 2:
             raise UserError(f"optimizer=muon takes only 2-D matrices, but {name} has shape {tuple(p.shape)}; "
-                            f"give it to AdamW (core/training/optim.py split_params) or use optimizer=adamw")
+                            f"give it to AdamW (core/training/optim.py hidden_matrices) or use optimizer=adamw")
 
 
 def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_decay: float,
@@ -88,13 +88,12 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
     records its own peak learning rate as "base_lr"; set_lr scales them all by the schedule."""
     if optimizer not in OPTIMIZERS:
         raise UserError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    groups = split_params(model)
-    muon_ids = {id(p) for _, p in groups["hidden"]} if optimizer == "muon" else set()
-    adamw_groups = [g | {"base_lr": adamw_lr} for g in model.decay_groups(weight_decay, leave_out=muon_ids)]
+    hidden = hidden_matrices(model) if optimizer == "muon" else []
+    adamw_groups = [g | {"base_lr": adamw_lr} for g in model.decay_groups(weight_decay, {id(p) for _, p in hidden})]
     adamw = torch.optim.AdamW(adamw_groups, lr=adamw_lr, betas=betas, fused=device_type in ("cuda", "cpu"))  # as GPT's
     if optimizer == "adamw":
         return adamw
-    check_muon_params(groups["hidden"])
+    check_muon_params(hidden)
     # Newton-Schulz in bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX512-BF16/AMX or ARM
     # BF16), float32 where bf16 would be emulated (most laptop and desktop CPUs).
     extra = {"ns_dtype": torch.bfloat16 if native_bf16(device_type) else torch.float32}
@@ -102,9 +101,8 @@ def build_optimizer(model: nn.Module, optimizer: str, adamw_lr: float, weight_de
         extra["ns_coefficients"] = ns_schedule(muon_ns_coefficients, muon_ns_steps)
     # adjust_lr_fn="original": lr * sqrt(max(1, rows / cols)), Keller Jordan's scaling, so muon_lr
     # is the rate of a square matrix whatever the layer's aspect ratio.
-    muon = BatchedMuon([{"params": [p for _, p in groups["hidden"]], "base_lr": muon_lr}], lr=muon_lr,
-                      momentum=muon_momentum, weight_decay=muon_weight_decay, adjust_lr_fn="original",
-                      ns_steps=muon_ns_steps, **extra)
+    muon = BatchedMuon([{"params": [p for _, p in hidden], "base_lr": muon_lr}], lr=muon_lr, momentum=muon_momentum,
+                      weight_decay=muon_weight_decay, adjust_lr_fn="original", ns_steps=muon_ns_steps, **extra)
     return MultiOptimizer({"muon": muon, "adamw": adamw})
 
 

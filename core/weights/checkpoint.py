@@ -82,13 +82,7 @@ def _verify_archive(path: Path) -> None:
                     while record.read(1 << 24):  # zipfile raises BadZipFile at the end on a CRC mismatch
                         pass
     except (zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)}); it cannot be "
-                        f"loaded") from None
-
-
-def load_latest(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], Path]:
-    """Load ckpt.pt from out_dir; if it is damaged, say so and fall back to ckpt.prev.pt."""
-    return _newest_intact(Path(out_dir), CKPT_NAME, PREV_NAME, load_checkpoint, lambda state: state["meta"], log)
+        raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)}); it cannot be loaded") from None
 
 
 def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
@@ -96,15 +90,22 @@ def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return next((p for p in (Path(out_dir) / CKPT_NAME, Path(out_dir) / SHARDED_NAME) if p.exists()), None)
 
 
-def _newest_intact(out_dir: Path, name: str, prev_name: str, load, meta_of, log) -> tuple[Any, Path]:
-    """(load(path), path) for out_dir/name; if that is damaged or missing and out_dir/prev_name exists, (load(prev),
-    prev) with a warning, so a kill or a damaged file never costs more than the newest checkpoint."""
+def load_latest(out_dir: str | os.PathLike, log=print, sharded: bool = False) -> tuple[dict[str, Any], Path]:
+    """(state, path) of out_dir's ckpt.pt; if that is damaged or missing and ckpt.prev.pt exists, of that one with a
+    warning, so a kill or a damaged file never costs more than the newest checkpoint. sharded: ckpt.dcp, else
+    ckpt.prev.dcp (a kill between two renames), whose state is its metadata alone: the weights load after sharding."""
+    out_dir = Path(out_dir)
+    name, prev_name, kind, other, parallel = ((SHARDED_NAME, PREV_SHARDED_NAME, "sharded ", CKPT_NAME, "a ddp")
+                                              if sharded else (CKPT_NAME, PREV_NAME, "", SHARDED_NAME, "an fsdp"))
     path, prev = out_dir / name, out_dir / prev_name
     if not path.exists() and not prev.exists():
-        kind, other, parallel = ("", SHARDED_NAME, "an fsdp") if name == CKPT_NAME else ("sharded ", CKPT_NAME, "a ddp")
         held = (f" (it holds {parallel} checkpoint, {other}: resume it with --parallel={parallel.split()[1]})"
                 if (out_dir / other).exists() else "")
         raise UserError(f"no {kind}checkpoint in {out_dir} (expected {name}){held}; train first or check --out_dir")
+
+    def load(p: Path) -> dict[str, Any]:
+        return {"meta": read_sharded_meta(p), "model": None} if sharded else load_checkpoint(p)
+
     try:
         return load(path), path
     except UserError as e:
@@ -114,7 +115,7 @@ def _newest_intact(out_dir: Path, name: str, prev_name: str, load, meta_of, log)
             state = load(prev)
         except UserError as e_prev:
             raise UserError(f"no intact checkpoint in {path.parent}: {e}; and {e_prev}") from None
-        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {meta_of(state).get('iter_num')})")
+        log(f"warning: {e}; using the older complete checkpoint {prev} (iter {state['meta'].get('iter_num')})")
         return state, prev
 
 
@@ -182,12 +183,6 @@ def read_sharded_meta(path: str | os.PathLike) -> dict[str, Any]:
     if missing := sorted(shards - set(files)):
         raise UserError(f"checkpoint {path} is incomplete (no {', '.join(missing)}); it cannot be loaded")
     return meta
-
-
-def load_latest_sharded(out_dir: str | os.PathLike, log=print) -> tuple[dict[str, Any], Path]:
-    """(meta, directory) of the newest intact sharded checkpoint in out_dir: ckpt.dcp, or if it is
-    damaged or missing (a kill between two renames), ckpt.prev.dcp, saying so."""
-    return _newest_intact(Path(out_dir), SHARDED_NAME, PREV_SHARDED_NAME, read_sharded_meta, lambda meta: meta, log)
 
 
 def read_shards(path: Path, state: dict[str, Any]) -> None:

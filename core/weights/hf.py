@@ -66,10 +66,7 @@ def _holds(c: GPTConfig) -> str | None:
         return None
     qkv_only = c.qkv_bias is not None and c.qkv_bias != c.bias  # q/k/v biases apart from the rest (Qwen2's)
     if c.pos_embedding == "learned":
-        plain_gpt2 = (c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.tie_embeddings
-                      and c.kv_heads == c.n_head and c.mlp_hidden in (None, 4 * c.n_embd)
-                      and c.attn_width == c.n_embd and not qkv_only)
-        return "GPT2LMHeadModel" if plain_gpt2 else None
+        return None if non_gpt2_fields(c) else "GPT2LMHeadModel"
     arch = _rope_class(c, qkv_only)
     # Llama 3's scaled RoPE is held by the class of the models that use it (transformers' rope_type "llama3")
     return arch if c.rope_type == "default" or arch == "LlamaForCausalLM" else None
@@ -105,9 +102,7 @@ def nearest_exportable(c: GPTConfig) -> list[str]:
     for size in (1, 2, 3):
         found = []
         for combo in itertools.combinations(options, size):
-            if len({name for name, _ in combo}) < size:
-                continue
-            arch = _holds(replace(c, **dict(combo)))
+            arch = _holds(replace(c, **dict(combo))) if len({name for name, _ in combo}) == size else None  # one each
             if arch is not None:
                 found.append(", ".join(f"{n}={v!r}" for n, v in combo) + f" (-> {arch})")
         if found:

@@ -52,7 +52,7 @@ def kind_of(init_from: str) -> str | None:
 
 def check_init_from(init_from: str, scratch: bool = False) -> None:
     """The one init_from check of every config: train.py's (scratch=True) and the scripts'."""
-    if scratch and init_from == "auto":  # train.py decides it first: resume or scratch (run_dir.auto_init_from)
+    if scratch and init_from == "auto":  # train.py decides it first: resume or scratch (loop.auto_init_from)
         return
     kind = kind_of(init_from)
     if kind is None or (kind == "scratch" and not scratch):
@@ -127,11 +127,8 @@ def _checkpoint(kind: str, directory: Path, training: bool, sharded: bool, log) 
     elif kind == "run":  # only the weights are taken, so whichever file the run holds
         path = checkpoint.find_checkpoint(directory)
         state = checkpoint.load_checkpoint(path)
-    elif sharded:  # the weights and optimizer load after sharding (checkpointing.restore)
-        meta, path = checkpoint.load_latest_sharded(directory, log=log)
-        state = {"meta": meta, "model": None}
-    else:
-        state, path = checkpoint.load_latest(directory, log=log)
+    else:  # sharded: the weights and optimizer load after sharding (checkpointing.restore)
+        state, path = checkpoint.load_latest(directory, log, sharded)
     meta = state["meta"]
     if not isinstance(meta.get("tokenizer"), dict):
         use = "it cannot be fine-tuned on a dataset" if training else "it cannot be decoded"
