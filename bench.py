@@ -32,9 +32,9 @@ from typing import Sequence
 import torch
 
 from benchmarks import attention, decode, loop, memory, peers, prepare, serve, speedrun, train
-from benchmarks.common import at_least, merged_config, merged_presets, num_threads, some_of, spec_list
+from benchmarks.common import merged_config, merged_presets, num_threads, some_of, spec_list
 from core import runtime
-from core.config import apply_overrides, parse_args, to_dict
+from core.config import apply_overrides, at_least, parse_args, to_dict
 from core.errors import UserError, run_cli
 from core.fileio import write_json
 

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from core import runtime
-from core.config import parse_args
+from core.config import at_least, parse_args
 from core.data import tasks as tasklib
 from core.data.chat import ChatTemplate
 from core.data.loader import TokenData, read_meta
@@ -70,10 +70,7 @@ class EvalConfig:
     def validate(self) -> None:
         if self.task not in EVALUATIONS and self.task not in tasklib.TASKS:
             raise UserError(f"task must be one of {', '.join((*EVALUATIONS, *tasklib.TASKS))}, got '{self.task}'")
-        for key in ("block_size", "stride", "batch_size", "task_examples", "samples", "max_new_tokens"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise UserError(f"{key} must be at least 1, got {value}")
+        at_least(self, 1, "block_size", "stride", "batch_size", "task_examples", "samples", "max_new_tokens")
         if self.max_examples < 0:
             raise UserError(f"max_examples must be >= 0 (0: all), got {self.max_examples}")
         if not 0 <= self.temperature < float("inf") or (self.samples > 1 and self.temperature == 0):

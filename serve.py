@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import torch
 
 from core import runtime
-from core.config import parse_args
+from core.config import at_least, parse_args
 from core.data.chat import ChatTemplate
 from core.data.tokenizer import Tokenizer
 from core.decoding.decode import inference_model, window_shift
@@ -79,9 +79,7 @@ class ServeConfig:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise UserError(f"port must be in 0..65535, got {self.port}")
-        for key in ("max_tokens_limit", "max_n", "max_body_bytes", "max_batch", "step_tokens"):
-            if getattr(self, key) < 1:
-                raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
+        at_least(self, 1, "max_tokens_limit", "max_n", "max_body_bytes", "max_batch", "step_tokens")
         if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
             raise UserError(f"prefix_cache_tokens must be at least 0 (0: no prefix cache), got {self.prefix_cache_tokens}")
         if self.api_key == "":

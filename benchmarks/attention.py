@@ -10,8 +10,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import OOM, at_least, int_list, markdown_table, mib, or_oom, peak_extra_bytes
+from benchmarks.common import OOM, int_list, markdown_table, mib, or_oom, peak_extra_bytes
 from core import runtime
+from core.config import at_least
 from model import scaled_dot_product_attention
 
 

@@ -154,12 +154,6 @@ def some_of(text: str, allowed, key: str) -> list[str]:
     return names
 
 
-def at_least(cfg, low: int, *keys: str) -> None:
-    for key in keys:
-        if getattr(cfg, key) < low:
-            raise UserError(f"{key} must be >= {low}, got {getattr(cfg, key)}")
-
-
 def gpt_config(cfg, prefix: str = "", **fixed) -> GPTConfig:
     """The model of a section's <prefix>n_layer, n_head, n_embd, block_size and vocab_size settings (those `fixed`
     does not give), without dropout."""

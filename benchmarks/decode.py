@@ -16,9 +16,10 @@ import time
 import torch
 
 from benchmarks import bandwidth, fixed_step
-from benchmarks.common import (OOM, at_least, gpt_config, int_list, markdown_table, median_time, model_text, num,
+from benchmarks.common import (OOM, gpt_config, int_list, markdown_table, median_time, model_text, num,
                                or_oom, some_of)
 from core import runtime
+from core.config import at_least
 from core.decoding.decode import generate_stream, inference_model, window_shift
 from core.errors import UserError
 from model import GPT

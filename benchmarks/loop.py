@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import nanogpt
-from benchmarks.common import ROOT, at_least, markdown_table, model_text, num
+from benchmarks.common import ROOT, markdown_table, model_text, num
 from core import kernels, runtime
-from core.config import apply_overrides, read_config_file
+from core.config import apply_overrides, at_least, read_config_file
 from core.errors import UserError
 from core.training.train_config import TrainConfig
 from model import GPT, GPTConfig

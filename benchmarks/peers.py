@@ -36,8 +36,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import bandwidth, decode
-from benchmarks.common import ROOT, at_least, gpt_config, markdown_table, num, num_threads, some_of, spec_list
+from benchmarks.common import ROOT, gpt_config, markdown_table, num, num_threads, some_of, spec_list
 from core import runtime
+from core.config import at_least
 from core.data.tokenizer import GPT2Tokenizer
 from core.decoding.decode import inference_model
 from core.errors import UserError

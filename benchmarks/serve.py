@@ -38,9 +38,9 @@ from typing import AsyncIterator
 
 import torch
 
-from benchmarks.common import ROOT, at_least, int_list, markdown_table, num, num_threads, some_of, spec_list
+from benchmarks.common import ROOT, int_list, markdown_table, num, num_threads, some_of, spec_list
 from core import runtime
-from core.config import read_config_file
+from core.config import at_least, read_config_file
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
 from core.decoding.cache import RowCache
 from core.decoding.decode import inference_model, window_shift

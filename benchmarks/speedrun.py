@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 
 from benchmarks import nanogpt
-from benchmarks.common import at_least, int_list, markdown_table, model_text, num, read_recipe, spec_list
+from benchmarks.common import int_list, markdown_table, model_text, num, read_recipe, spec_list
 from core import kernels, runtime
-from core.config import to_dict
+from core.config import at_least, to_dict
 from core.data.loader import TokenData, read_meta
 from core.errors import UserError
 from core.evaluation.perplexity import evaluate_split

@@ -174,6 +174,13 @@ def parse_args(cls: type[T], argv: Sequence[str], base: T | None = None, validat
     return cfg
 
 
+def at_least(cfg, low, *keys: str) -> None:
+    """The one check of settings that count: a UserError naming the first of keys below low (None: unset, allowed)."""
+    for key in keys:
+        if (value := getattr(cfg, key)) is not None and value < low:
+            raise UserError(f"config key '{key}' must be at least {low}, got {value}")
+
+
 def to_dict(cfg) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 

@@ -27,7 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: core/, model.py and config/
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import at_least, markdown_table, spec_list  # noqa: E402
+from benchmarks.common import markdown_table, spec_list  # noqa: E402
 from core import config as configlib, kernels, runtime  # noqa: E402
 from core.data.loader import TokenData, TrainBatches, read_meta  # noqa: E402
 from core.errors import UserError, run_cli  # noqa: E402
@@ -75,7 +75,7 @@ class CompareConfig:
     def validate(self) -> None:
         if self.phase not in PHASES:
             raise UserError(f"phase must be one of {', '.join(PHASES)}, got '{self.phase}'")
-        at_least(self, 1, "eval_every", "eval_batch", "timing_rounds", "timing_iters", "threads")
+        configlib.at_least(self, 1, "eval_every", "eval_batch", "timing_rounds", "timing_iters", "threads")
         variant_names(self)
 
 

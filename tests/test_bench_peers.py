@@ -45,7 +45,7 @@ def test_a_precision_an_engine_lacks_is_na_in_its_row():
 
 
 @pytest.mark.parametrize("key, value, fragment", [("peers_engines", "ours,vllm", "peers_engines: unknown vllm"),
-                                                  ("peers_new_tokens", 1, "peers_new_tokens must be >= 2"),
+                                                  ("peers_new_tokens", 1, "'peers_new_tokens' must be at least 2"),
                                                   ("peers_new_tokens", 60, "exceed peers_block_size 64"),
                                                   ("peers_n_head", 5, "peers_n_embd .* divisible by peers_n_head")])
 def test_bad_settings_are_one_line(key, value, fragment, tmp_path):

@@ -206,7 +206,7 @@ def test_train_help_describes_every_commented_key_with_its_values():
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--max_iters=0"], "config key 'max_iters' must be at least 1, got 0"),
-    (["--grad_clip=-1"], "config key 'grad_clip' must not be negative, got -1.0"),
+    (["--grad_clip=-1"], "config key 'grad_clip' must be at least 0, got -1.0"),
     (["--learning_rate=1e999"], "need 0 < learning_rate < inf, got inf"),
     (["--min_lr=1"], "need 0 <= min_lr <= learning_rate"),
     (["--beta2=1"], "need 0 <= beta1, beta2 < 1"),

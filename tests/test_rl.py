@@ -389,7 +389,7 @@ def test_prompts_split_evenly_or_refused(chat_run, tmp_path, monkeypatch):
     (dict(tasks="letter,nope"), "unknown task 'nope'; tasks are"),
     (dict(samples_per_prompt=1), "samples_per_prompt must be at least 2"),
     (dict(temperature=0), "temperature must be > 0"),
-    (dict(kl_coef=-1), "must not be negative"),
+    (dict(kl_coef=-1), "must be at least 0"),
     (dict(tasks="add"), "task 'add' does not fit the vocabulary of"),
     (dict(init_from="no/such/run"), "unknown init_from 'no/such/run'"),
 ])

@@ -5,7 +5,7 @@ import dataclasses
 import math
 
 from core import runtime
-from core.config import field_help
+from core.config import at_least, field_help
 from core.errors import UserError
 from core.training import optim, parallel
 from core.weights import resolver
@@ -54,12 +54,8 @@ class RunConfig:
     starts_from_scratch = True
 
     def validate(self) -> None:
-        for key in self.POSITIVE:
-            if getattr(self, key) < 1:
-                raise UserError(f"config key '{key}' must be at least 1, got {getattr(self, key)}")
-        for key in self.NOT_NEGATIVE:
-            if getattr(self, key) < 0:
-                raise UserError(f"config key '{key}' must not be negative, got {getattr(self, key)}")
+        at_least(self, 1, *self.POSITIVE)
+        at_least(self, 0, *self.NOT_NEGATIVE)
         if not 0 < self.learning_rate < math.inf:
             raise UserError(f"need 0 < learning_rate < inf, got {self.learning_rate}")
         # min_lr is where the decay ends; train.py's decay_lr=False keeps the rate at learning_rate throughout.
