@@ -331,7 +331,7 @@ def ttft(ttfts: list[float]) -> dict:
 def measure(cfg, rt: runtime.Runtime) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = serve_checkpoint(cfg, Path(tmp))
-        model, _ = inference_model(model, rt, quantize=cfg.serve_quantize)
+        model, _ = inference_model(model, rt, quantize=cfg.serve_quantize, batched=cfg.serve_max_batch > 1)
         prompt = [i % tok.vocab_size for i in range(1, cfg.serve_prompt_len + 1)]
         settings = EngineSettings(cfg.serve_max_batch, window_shift(None, model.config.block_size), tok.vocab_size)
         engine = BatchEngine(model, settings)

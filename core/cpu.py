@@ -6,8 +6,8 @@ The network (model.py) computes the same function whatever is chosen here; this 
                        --dtype=auto asks), and is it one where decoding packs its matrices
     kernels per call   one_row_kernels, short_training_attention: the CPU's side of core/kernels.py's
                        DeviceKernels, set on a model from outside as sharding and compile are
-    weights laid out   PackedLinear and pack_linears (bf16 matrices reordered once for oneDNN),
-                       lay_head_by_columns (a float32 head read one row at a time)
+    weights laid out   PackedLinear and pack_linears (matrices reordered once for oneDNN: bf16 ones, and a
+                       float32 server's), lay_head_by_columns (a float32 head read one row at a time)
 
 Each choice was measured side by side with what it replaces; the tables, commands and machines are in
 docs/performance.md ("Decoding against the bandwidth bound", "Mixed precision on a CPU with native bfloat16").
@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # for the hints only: the device's ground floor (core/runtime
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still allow bf16 instructions: AVX512_CORE_BF16 and above.
 _ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "BF16", "AMX", "FP16", "AVX10")
 PACK_MIN_WEIGHTS = 1 << 18  # pack_linears packs matrices this large or larger: 512 x 512 and up, all of GPT-2's
+PACK_ROWS = 64  # the rows a float32 server's matrices are laid out for: faster at 4 to 16 rows than for 1
 SHORT_TRAINING_MATH_KEYS = 128  # bfloat16 training on a CPU: the math backend is faster up to this many keys
 
 
@@ -61,6 +62,12 @@ def cpu_packs_bf16() -> bool:
     return cpu_native_bf16() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+def cpu_packs_float32() -> bool:
+    """Whether a float32 server's engine packs its matrices for oneDNN (pack_linears(batched=True)): an x86 CPU,
+    AVX2 or AVX512, where it was measured; not ARM."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX")
+
+
 def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """oneDNN off for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1). oneDNN, torch's bf16
     matmul on a CPU, is made for many rows: handed a plain matrix it lays the weight out again at every call, which at
@@ -93,33 +100,41 @@ def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contex
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear whose bfloat16 weight oneDNN has reordered once into its own blocked layout (pack_linears).
-    F.linear hands oneDNN the plain (out, in) matrix, which it reorders at every call: at one row that costs about as
-    much as float32's product of twice the bytes. Packed, a cached step is faster at one row and at the server's 4 to
-    64 rows, with the very floats of F.linear's oneDNN product. torch has no public eager API for a weight packed
-    once; these two ops are the ones torch.compile's CPU freezing emits."""
+    """An nn.Linear whose weight oneDNN has reordered once into its own blocked layout for `rows` rows (pack_linears).
+    bfloat16: F.linear hands oneDNN the plain (out, in) matrix, which it reorders at every call: at one row that costs
+    about as much as float32's product of twice the bytes. Packed, a cached step is faster at one row and at the
+    server's 4 to 64 rows, with the very floats of F.linear's oneDNN product. float32: F.linear is MKL's, whose
+    products of 4 to 16 rows take up to twice one row's time; packed, oneDNN's take less. MKL's GEMV stays the faster
+    at one row, so a float32 layer keeps its plain weight too (one_row) and uses it there. torch has no public eager
+    API for a weight packed once; these two ops are the ones torch.compile's CPU freezing emits."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, rows: int = 1, one_row: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_bytes = linear.weight.numel() * linear.weight.element_size()  # it lives on only as `packed`
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # opaque, oneDNN's
+        self.weight = linear.weight if one_row else None  # else it lives on only as `packed`, counted here:
+        self.weight_bytes = 0 if one_row else linear.weight.numel() * linear.weight.element_size()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous(), rows)  # opaque
         self.bias = linear.bias
 
     def forward(self, x):
+        if self.weight is not None and x.numel() == self.in_features:
+            return nn.functional.linear(x, self.weight, self.bias)  # (..., out)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: "GPT") -> None:
+def pack_linears(model: "GPT", batched: bool = False) -> None:
     """Every Block's matrix of PACK_MIN_WEIGHTS weights or more packed for oneDNN (PackedLinear), for bf16 decoding on
     a CPU that computes it natively; smaller ones are faster as they are (one_row_kernels). Those weights then exist
-    only packed: for a model that only decodes (inference_model). The head, the embeddings and the norms stay."""
-    for name, module in list(model.transformer.h.named_modules(prefix="transformer.h")):
+    only packed; the head, the embeddings and the norms stay. batched (a float32 server's engine): the head too, all
+    laid out for PACK_ROWS rows, each keeping its plain weight for one row (twice the weights' memory). For a model
+    that only decodes (inference_model)."""
+    heads = [("lm_head", model.lm_head)] if batched else []
+    for name, module in [*model.transformer.h.named_modules(prefix="transformer.h"), *heads]:
         if isinstance(module, nn.Linear) and module.weight.numel() >= PACK_MIN_WEIGHTS:
-            model.swap_module(name, PackedLinear(module))
+            model.swap_module(name, PackedLinear(module, PACK_ROWS, one_row=True) if batched else PackedLinear(module))
 
 
 def lay_head_by_columns(model: "GPT") -> None:

@@ -256,6 +256,40 @@ def test_bf16_decoding_packs_the_blocks_matrices_to_the_same_floats(trained, mon
         assert torch.equal(packed(two)[0], plain(two)[0])
 
 
+def test_a_float32_servers_matrices_are_packed_and_one_row_reads_the_plain_ones(trained, monkeypatch):
+    """A server's float32 model on an x86 CPU (inference_model(batched=True)) has every Block's matrix and the head
+    packed for oneDNN (the threshold lowered to 0 for the tiny model), each keeping its plain weight: at one row the
+    logits are the unpacked model's very floats at every position of a cached greedy run; at two rows they go
+    through the packed matrices (one changed, they change) and agree with the plain model's to float32 rounding.
+    Not packed without batched, on ARM, or under --compile."""
+    from core.weights.checkpoint import model_from_checkpoint
+    f32 = runtime.Runtime("cpu", "cpu", "float32")
+    monkeypatch.setattr(cpu, "PACK_MIN_WEIGHTS", 0)
+    plain = inference_model(model_from_checkpoint(trained), f32)[0]
+    packed = inference_model(model_from_checkpoint(trained), f32, batched=True)[0]
+    linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]
+    assert [type(m) for m in packed.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))] == \
+        [PackedLinear] * len(linears) and isinstance(packed.lm_head, PackedLinear)
+    assert packed.get_num_params() == plain.get_num_params()
+    stoi = trained["meta"]["tokenizer"]["stoi"]
+    idx = torch.tensor([[stoi[c] for c in "First Cit"]])  # (1, 9)
+    context = generate(plain, idx, plain.config.block_size - idx.size(1), temperature=0.0)  # (1, 32)
+    two = torch.cat([context, context.flip(1)])  # (2, 32)
+    with torch.no_grad():
+        assert torch.allclose(packed(two)[0], plain(two)[0], atol=1e-5)
+        c_fc = packed.transformer.h[0].mlp.c_fc
+        c_fc.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(c_fc.weight), cpu.PACK_ROWS)
+        assert not torch.allclose(packed(two)[0], plain(two)[0], atol=1e-3)
+    assert torch.equal(teacher_forced_logits(packed, context, use_cache=True),
+                       teacher_forced_logits(plain, context, use_cache=True))  # one row: the plain weights
+    model = model_from_checkpoint(trained)
+    monkeypatch.setattr(model, "compile", lambda: None)  # the choice, not the compile
+    assert not any(isinstance(m, PackedLinear) for m in inference_model(model, f32, True, batched=True)[0].modules())
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
+    assert not any(isinstance(m, PackedLinear) for m in inference_model(model_from_checkpoint(trained), f32,
+                                                                        batched=True)[0].modules())
+
+
 def test_bf16_decoding_packs_nothing_where_bf16_is_not_native(trained, monkeypatch):
     """Where the CPU has no native bfloat16, on ARM (never measured), under --compile, or in float32, the model
     keeps its nn.Linear matrices, however large (the threshold lowered to 0 here): oneDNN's bfloat16 products
