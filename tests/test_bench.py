@@ -387,7 +387,10 @@ def test_serve_section_quantizes_both_sides_alike(tmp_path, capsys, monkeypatch)
     from core.decoding import quantize
 
     started, real_popen, real_quantize = [], serve_section.subprocess.Popen, quantize.quantize
-    monkeypatch.setattr(serve_section.subprocess, "Popen", lambda argv, **kw: started.append(argv) or real_popen(argv, **kw))
+    def popen(argv, **kw):  # serve.py's; platform's `uname -p` may come first
+        started.extend([argv] if any(str(a).endswith("serve.py") for a in argv) else [])
+        return real_popen(argv, **kw)
+    monkeypatch.setattr(serve_section.subprocess, "Popen", popen)
     kinds = []
     monkeypatch.setattr(quantize, "quantize", lambda model, kind: kinds.append(kind) or real_quantize(model, kind))
     result = bench.main(tiny_argv(tmp_path, sections="serve", serve_clients="2", serve_max_tokens=8,
