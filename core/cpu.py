@@ -62,12 +62,6 @@ def cpu_packs_bf16() -> bool:
     return cpu_native_bf16() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def cpu_packs_float32() -> bool:
-    """Whether a float32 server's engine packs its matrices for oneDNN (pack_linears(batched=True)): an x86 CPU,
-    AVX2 or AVX512, where it was measured; not ARM."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX")
-
-
 def one_row_kernels(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """oneDNN off for a forward of one bfloat16 row on the CPU (x (1, 1, C): decoding at batch 1). oneDNN, torch's bf16
     matmul on a CPU, is made for many rows: handed a plain matrix it lays the weight out again at every call, which at
@@ -102,11 +96,10 @@ def short_training_attention(q: torch.Tensor, Tk: int, training: bool) -> contex
 class PackedLinear(nn.Module):
     """An nn.Linear whose weight oneDNN has reordered once into its own blocked layout for `rows` rows (pack_linears).
     bfloat16: F.linear hands oneDNN the plain (out, in) matrix, which it reorders at every call: at one row that costs
-    about as much as float32's product of twice the bytes. Packed, a cached step is faster at one row and at the
-    server's 4 to 64 rows, with the very floats of F.linear's oneDNN product. float32: F.linear is MKL's, whose
-    products of 4 to 16 rows take up to twice one row's time; packed, oneDNN's take less. MKL's GEMV stays the faster
-    at one row, so a float32 layer keeps its plain weight too (one_row) and uses it there. torch has no public eager
-    API for a weight packed once; these two ops are the ones torch.compile's CPU freezing emits."""
+    about as much as float32's product of twice the bytes; packed, a step is faster at 1 to 64 rows, with the very
+    floats of F.linear's. float32: F.linear is MKL's, whose products of 4 to 16 rows take up to twice one row's time,
+    oneDNN's packed less; at one row MKL's GEMV is the faster, over the plain weight kept (one_row). torch has no
+    public eager API for a weight packed once; these two ops are the ones torch.compile's CPU freezing emits."""
 
     def __init__(self, linear: nn.Linear, rows: int = 1, one_row: bool = False):
         super().__init__()

@@ -258,7 +258,8 @@ def inference_model(model: GPT, rt: Runtime, compile: bool = False, quantize: st
     (fixed_step_chosen: CUDA; None elsewhere, and under compile, which compiles the whole model instead; the
     prefill stays the model's own forward): on the device, in eval mode, with the CPU's kernel choices
     (kernels.choose_kernels), its weights cast once to the run's dtype and laid out for decoding (lay_out; batched:
-    for a server's steps of many rows). Not autocast: it keeps float32 weights and casts each one again at every token (with --compile too)."""
+    for a server's steps of many rows). Not autocast: it keeps float32 weights and casts each one again at every
+    token (with --compile too)."""
     quantization.check_quantize(quantize, device=rt.device)
     model = kernels.choose_kernels(model.eval().to(rt.device, rt.ptdtype))
     fixed = not compile and fixed_step_chosen(rt.device_type)
@@ -272,10 +273,10 @@ def lay_out(model: GPT, rt: Runtime, quantize: str, traced: bool, batched: bool 
     """The weights of a model that only decodes, laid out for it. The next token's logits are computed in float32
     whatever the weights (GPT.forward's last_only), by a float32 copy of the head made here once (keep_float32_head);
     a float32 model on a CPU has its head's storage laid out by columns instead (cpu.lay_head_by_columns), the same
-    floats read faster one row at a time; for a server's batched steps (batched) on an x86 CPU, its matrices are
-    packed for oneDNN too, which multiplies 4 to 64 rows faster than MKL (cpu.pack_linears). A bfloat16 model on an x86 CPU that computes it natively hands its Blocks'
-    large matrices to oneDNN once (cpu.pack_linears), so that a product at one row reads each weight once; not where
-    the step is traced (compiled), nor on ARM, where it was never measured. quantize ("int8", "int4") swaps the
+    floats read faster one row at a time, and for a server's steps (batched) on an x86 CPU its matrices packed for
+    oneDNN too, faster than MKL at 2 to 64 rows (cpu.pack_linears). A bfloat16 model on an x86 CPU that computes it
+    natively hands its Blocks' large matrices to oneDNN once (cpu.pack_linears), so that a product at one row reads
+    each weight once. Neither where the step is traced (compiled), nor on ARM, where it was never measured. quantize ("int8", "int4") swaps the
     Blocks' matrices and the head for quantized ones (core/decoding/quantize.py), never packed, and the head then
     needs neither a float32 copy nor its columns laid out."""
     if quantize != "none":
@@ -286,7 +287,7 @@ def lay_out(model: GPT, rt: Runtime, quantize: str, traced: bool, batched: bool 
             cpu.pack_linears(model)
     elif rt.device_type == "cpu":
         cpu.lay_head_by_columns(model)
-        if batched and not traced and cpu.cpu_packs_float32():
+        if batched and not traced and torch.backends.cpu.get_cpu_capability().startswith("AVX"):
             cpu.pack_linears(model, batched=True)
 
 
