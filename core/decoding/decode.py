@@ -276,9 +276,9 @@ def lay_out(model: GPT, rt: Runtime, quantize: str, traced: bool, batched: bool 
     floats read faster one row at a time, and for a server's steps (batched) on an x86 CPU its matrices packed for
     oneDNN too, faster than MKL at 2 to 64 rows (cpu.pack_linears). A bfloat16 model on an x86 CPU that computes it
     natively hands its Blocks' large matrices to oneDNN once (cpu.pack_linears), so that a product at one row reads
-    each weight once. Neither where the step is traced (compiled), nor on ARM, where it was never measured. quantize ("int8", "int4") swaps the
-    Blocks' matrices and the head for quantized ones (core/decoding/quantize.py), never packed, and the head then
-    needs neither a float32 copy nor its columns laid out."""
+    each weight once. Neither where the step is traced (compiled), nor on ARM, where it was never measured.
+    quantize ("int8", "int4") swaps the Blocks' matrices and the head for quantized ones (core/decoding/quantize.py),
+    never packed, and the head then needs neither a float32 copy nor its columns laid out."""
     if quantize != "none":
         quantization.quantize(model, quantize)
     elif rt.ptdtype != torch.float32:
