@@ -31,7 +31,7 @@ from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.data.tokenizer import tokenizer_from_meta, tokenizer_meta
 from core.evaluation.hellaswag import hellaswag_scores, load_hellaswag, render_examples
 from core.evaluation.perplexity import evaluating
-from core.training import checkpointing, flops, loop, optim, parallel, preflight
+from core.training import checkpointing, loop, optim, parallel, preflight
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from core.weights import resolver
@@ -86,7 +86,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
         f"{rt.dtype} | {rows * cfg.block_size:,} tokens per iteration{warmup}")
     runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if resuming else None,
                     configlib.to_dict(cfg) if cfg.wandb_log else None)
-    peak, peak_source = flops.peak_flops_with_source(rt)
+    peak, peak_source = runtime.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
     if note := preflight.gpu_sized_note(raw_model, cfg, rt, peak, iter_num):
         log(note)
