@@ -181,10 +181,6 @@ def at_least(cfg, low, *keys: str) -> None:
             raise UserError(f"config key '{key}' must be at least {low}, got {value}")
 
 
-def to_dict(cfg) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
 def from_dict(cls: type[T], d: dict[str, Any], source: str) -> T:
-    """Rebuild a config saved with to_dict (e.g. from a checkpoint), checking every key."""
+    """Rebuild a config saved with dataclasses.asdict (e.g. from a checkpoint), checking every key."""
     return apply_overrides(cls(), d, source)

@@ -152,7 +152,7 @@ def train_variant(name: str, cfg: TrainConfig, cmp: CompareConfig, rt: runtime.R
     overrides = {k: getattr(cfg, k) for k in switches if getattr(cfg, k) != getattr(TrainConfig(), k)}
     return {"name": name, "overrides": overrides, "params": model.get_num_params(non_embedding=False),
             "val_tokens": scored.tokens, "curve": curve, "train_s": train_s,
-            "ms_per_iter_in_run": 1000 * train_s / cfg.max_iters, "config": configlib.to_dict(cfg)}
+            "ms_per_iter_in_run": 1000 * train_s / cfg.max_iters, "config": dataclasses.asdict(cfg)}
 
 
 def time_variants(names: list[str], base: TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:

@@ -4,6 +4,7 @@ config.json it records), the optimizer step's tail, and the command that continu
     def main(argv): loop.start(TrainConfig, argv, train)     # the config, the runtime, train(cfg, rt, stop)
     stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
 """
+import dataclasses
 import json
 import math
 import os
@@ -88,7 +89,7 @@ def write_run_config(cfg, out_dir: Path, rt: runtime.Runtime) -> None:
     def write() -> None:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            write_json(out_dir / "config.json", configlib.to_dict(cfg) | {"world_size": rt.world_size,
+            write_json(out_dir / "config.json", dataclasses.asdict(cfg) | {"world_size": rt.world_size,
                                                                           "device": rt.device, "dtype": rt.dtype})
         except OSError as e:
             raise UserError(f"cannot write to out_dir '{out_dir}': {e.strerror}; choose a writable --out_dir") from None
