@@ -35,7 +35,9 @@ def start(cls: type, argv, train) -> None:
     except RuntimeError as e:  # torch.OutOfMemoryError included
         if not memory.is_out_of_memory(e):
             raise
-        raise memory.out_of_memory_error(e, rt.device, f"(checkpoints already in {cfg.out_dir} are intact)") from None
+        raise UserError(f"out of memory on {rt.device} (checkpoints already in {cfg.out_dir} are intact): "
+                        f"{first_line(e, 160)}; use a smaller batch_size (with more gradient_accumulation_steps), "
+                        f"block_size or model") from None
     finally:
         runtime.teardown(rt)
 
