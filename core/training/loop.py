@@ -74,7 +74,7 @@ def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
             run = checkpoint.load_checkpoint(ckpt)["meta"]["config"]
         except UserError:
             return configlib.parse_args(cls, argv, base=None)
-        return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {ckpt}"))
+        return configlib.parse_args(cls, argv, base=configlib.apply_overrides(cls(), run, f"in {ckpt}"))
     try:
         run = json.loads(saved.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -82,7 +82,7 @@ def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
     if not isinstance(run, dict):
         raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
     run = {k: v for k, v in run.items() if k not in ("world_size", "device")}
-    return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {saved}"))
+    return configlib.parse_args(cls, argv, base=configlib.apply_overrides(cls(), run, f"in {saved}"))
 
 
 def write_run_config(cfg, out_dir: Path, rt: runtime.Runtime) -> None:
