@@ -87,13 +87,6 @@ def variant_names(cmp: CompareConfig) -> list[str]:
     return names
 
 
-def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """This script's --keys (CompareConfig) apart from the training config's files and --keys."""
-    own = {f"--{f.name}" for f in dataclasses.fields(CompareConfig)}
-    mine = [a for a in argv if a.partition("=")[0] in own]
-    return mine, [a for a in argv if a not in mine]
-
-
 def variant_config(name: str, base: TrainConfig) -> TrainConfig:
     spec = VARIANTS[name]
     overrides = configlib.read_config_file(str(ROOT / spec)) if isinstance(spec, str) else dict(spec)
@@ -249,9 +242,10 @@ def main(argv: Sequence[str]) -> None:
                          "the training config every variant shares (config files and --key=value, as train.py):",
                          *configlib.config_help(TrainConfig).splitlines()[1:]]))
         sys.exit(0)
-    mine, rest = split_argv(argv)
+    own = {f"--{f.name}" for f in dataclasses.fields(CompareConfig)}  # the rest: the training config's files and keys
+    mine = [a for a in argv if a.partition("=")[0] in own]
     cmp = configlib.parse_args(CompareConfig, mine)
-    base = configlib.parse_args(TrainConfig, rest)
+    base = configlib.parse_args(TrainConfig, [a for a in argv if a not in mine])
     results_dir = Path(cmp.results_dir)
     (results_dir / "variants").mkdir(parents=True, exist_ok=True)
     names = variant_names(cmp)
