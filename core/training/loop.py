@@ -59,8 +59,7 @@ def auto_init_from(out_dir: str | os.PathLike) -> str:
     """init_from=auto: 'resume' when out_dir holds a checkpoint, else 'scratch': one command starts a run and
     continues it after a restart, requeue or preemption. The previous checkpoints count too: a kill between a
     sharded save's two renames leaves only ckpt.prev.dcp, and that run must continue, not start again over it."""
-    names = (checkpoint.CKPT_NAME, checkpoint.PREV_NAME, checkpoint.SHARDED_NAME, checkpoint.PREV_SHARDED_NAME)
-    return "resume" if any((Path(out_dir) / name).exists() for name in names) else "scratch"
+    return "resume" if checkpoint.find_checkpoint(out_dir, prev=True) else "scratch"
 
 
 def resumed_config(cls: type, argv, out_dir: str | os.PathLike):

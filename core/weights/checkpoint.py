@@ -87,9 +87,10 @@ def _verify_archive(path: Path) -> None:
         raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)}); it cannot be loaded") from None
 
 
-def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint a run's out_dir holds (ckpt.pt, else fsdp's ckpt.dcp), or None."""
-    return next((p for p in (Path(out_dir) / CKPT_NAME, Path(out_dir) / SHARDED_NAME) if p.exists()), None)
+def find_checkpoint(out_dir: str | os.PathLike, prev: bool = False) -> Path | None:
+    """The checkpoint a run's out_dir holds (ckpt.pt, else fsdp's ckpt.dcp; prev: else ckpt.prev.pt, ckpt.prev.dcp)."""
+    names = (CKPT_NAME, SHARDED_NAME) + ((PREV_NAME, PREV_SHARDED_NAME) if prev else ())
+    return next((Path(out_dir) / name for name in names if (Path(out_dir) / name).exists()), None)
 
 
 def load_latest(out_dir: str | os.PathLike, log=print, sharded: bool = False) -> tuple[dict[str, Any], Path]:
