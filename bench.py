@@ -34,7 +34,7 @@ import torch
 from benchmarks import attention, decode, loop, memory, peers, prepare, serve, speedrun, train
 from benchmarks.common import merged_config, merged_presets, num_threads, some_of, spec_list
 from core import runtime
-from core.config import apply_overrides, at_least, parse_args, to_dict
+from core.config import apply_overrides, at_least, parse_args
 from core.errors import UserError, run_cli
 from core.fileio import write_json
 
@@ -107,7 +107,7 @@ def main(argv: Sequence[str]) -> dict:
     for module in chosen.values():  # fail now, not after minutes of measuring (prepare: GPT-2's BPE file)
         getattr(module, "preflight", lambda cfg: None)(cfg)
     with num_threads(cfg.threads or torch.get_num_threads()):  # called in-process (tests), the count comes back
-        result = {"machine": machine_info(rt), "config": to_dict(cfg)}
+        result = {"machine": machine_info(rt), "config": dataclasses.asdict(cfg)}
         m = result["machine"]
         print(f"## bench.py on {m['device_name']} ({m['cpu_cores']} cores, {m['torch_threads']} torch threads), "
               f"torch {m['torch']}, {rt.device} {rt.dtype}, {m['date']}")

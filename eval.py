@@ -38,7 +38,7 @@ from core.errors import Stopped, UserError, run_cli
 from core.evaluation.answers import chat_accuracy, load_chat_file, task_scores
 from core.evaluation.hellaswag import evaluate_hellaswag, load_hellaswag, render_examples
 from core.evaluation.perplexity import evaluate_split
-from core.weights import nanogpt, resolver
+from core.weights import checkpoint, resolver
 
 EVALUATIONS = ("perplexity", "hellaswag", "chat")  # and each task with a checker (core/data/tasks.py TASKS)
 
@@ -86,7 +86,7 @@ def run_data_dir(cfg: EvalConfig, w: resolver.Weights) -> str:
         return cfg.data_dir
     run = (w.state or {}).get("meta", {}).get("config") or {}
     if "dataset" in run:  # nanoGPT's
-        places = nanogpt.dataset_dirs(str(run["dataset"]), w.path)
+        places = checkpoint.nanogpt_dataset_dirs(str(run["dataset"]), w.path)
     else:
         places = [Path(run["data_dir"])] if isinstance(run.get("data_dir"), str) else []
     found = next((p for p in places if p.is_dir()), None)

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from core import config as configlib, runtime
+from core import runtime
 from core.data import tasks as tasklib
 from core.data.chat import ChatTemplate
 from core.data.tokenizer import tokenizer_from_meta
@@ -129,7 +129,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
 
     def save(reason: str) -> None:  # every rank calls it
         meta = {"iter_num": iter_num, "best_val_loss": float("inf"), "model_args": dataclasses.asdict(raw_model.config),
-                "config": configlib.to_dict(cfg), "tokenizer": tok_meta, "world_size": rt.world_size,
+                "config": dataclasses.asdict(cfg), "tokenizer": tok_meta, "world_size": rt.world_size,
                 "started_from": started_from}
         path = checkpointing.save(out_dir, meta, raw_model, optimizer, scaler, rt, sharded=False)
         log(f"saved checkpoint at iter {iter_num} to {path} ({reason})")

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from core import config as configlib, runtime
+from core import runtime
 from core.data.loader import TokenData, TrainBatches, batch_generator, read_meta
 from core.data.tokenizer import tokenizer_from_meta, tokenizer_meta
 from core.evaluation.hellaswag import hellaswag_scores, load_hellaswag, render_examples
 from core.evaluation.perplexity import evaluating
-from core.training import checkpointing, flops, loop, optim, parallel, preflight
+from core.training import checkpointing, loop, optim, parallel, preflight
 from core.training.runlog import RunLog, format_duration
 from core.training.train_config import ARCHITECTURE_KEYS, TrainConfig, get_lr, local_accum_steps, make_optimizer, seq_len_at
 from core.weights import resolver
@@ -85,8 +85,8 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
     log(f"{raw_model.get_num_params() / 1e6:.2f}M parameters | {rt.world_size} process(es) on {rt.device} in "
         f"{rt.dtype} | {rows * cfg.block_size:,} tokens per iteration{warmup}")
     runlog = RunLog(out_dir / "log.jsonl", rt, iter_num if resuming else None,
-                    configlib.to_dict(cfg) if cfg.wandb_log else None)
-    peak, peak_source = flops.peak_flops_with_source(rt)
+                    dataclasses.asdict(cfg) if cfg.wandb_log else None)
+    peak, peak_source = runtime.peak_flops_with_source(rt)
     log(f"MFU against {peak_source}")
     if note := preflight.gpu_sized_note(raw_model, cfg, rt, peak, iter_num):
         log(note)
@@ -111,7 +111,7 @@ def train(cfg: TrainConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None
 
     def save(reason: str) -> None:  # every rank calls it
         meta = {"iter_num": iter_num, "best_val_loss": best_val_loss,
-                "model_args": dataclasses.asdict(raw_model.config), "config": configlib.to_dict(cfg),
+                "model_args": dataclasses.asdict(raw_model.config), "config": dataclasses.asdict(cfg),
                 "tokenizer": tok_meta, "world_size": rt.world_size, "loader": {"seed": cfg.seed, "next_iter": iter_num}}
         path = checkpointing.save(out_dir, meta, raw_model, optimizer, scaler, rt, sharded=cfg.parallel == "fsdp")
         log(f"saved checkpoint at iter {iter_num} to {path} ({reason})")

@@ -15,7 +15,7 @@ from benchmarks import train
 from benchmarks.common import markdown_table, median_time, mib, model_text, num, num_threads, peak_extra_bytes
 from core import kernels, runtime
 from core.fileio import write_json
-from core.training import optim, parallel
+from core.training import checkpointing, optim, parallel
 from core.training.memory import MemoryEstimate, estimate_training_memory, parameter_count
 from model import GPT, GPT2_SHAPES, GPTConfig
 
@@ -25,16 +25,12 @@ FITS_MICRO_BATCH, FITS_WORLD_SIZE = 4, 8  # sequences of 1024 tokens per GPU; GP
 FITS_FRACTION = 0.9  # of a GPU's memory: room for the CUDA context, workspaces and fragmentation
 
 
-def local_bytes(tensors) -> int:
-    """Bytes this process holds for the tensors: a DTensor counts only its local shard."""
-    return sum(parallel.local(t).numel() * parallel.local(t).element_size() for t in tensors if t is not None)
-
-
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Per-process bytes of parameters, gradients and optimizer state (tied weights counted once)."""
+    """Per-process bytes of parameters, gradients and optimizer state (tied weights counted once; a DTensor: only
+    its local shard, as a checkpoint's size is counted)."""
     params = list({id(p): p for p in model.parameters()}.values())
-    opt = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params), "optimizer": local_bytes(opt)}
+    return {"params": checkpointing.state_bytes(params), "grads": checkpointing.state_bytes([p.grad for p in params]),
+            "optimizer": checkpointing.state_bytes(list(optimizer.state.values()))}
 
 
 def _memory_worker(rank: int, world_size: int, init_file: str, how: str, mc: GPTConfig, batch_size: int,

@@ -18,7 +18,7 @@ import torch
 from benchmarks import nanogpt
 from benchmarks.common import int_list, markdown_table, model_text, num, read_recipe, spec_list
 from core import kernels, runtime
-from core.config import at_least, to_dict
+from core.config import at_least
 from core.data.loader import TokenData, read_meta
 from core.errors import UserError
 from core.evaluation.perplexity import evaluate_split
@@ -187,7 +187,7 @@ def build_racer(name: str, recipe: TrainConfig, seed: int, data_dir: str, vocab:
                               autocast=rt.autocast).loss
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        write_json(log_dir / "config.json", to_dict(recipe) | {"seed": seed, "run": name})
+        write_json(log_dir / "config.json", dataclasses.asdict(recipe) | {"seed": seed, "run": name})
         (log_dir / "log.jsonl").write_text("")
 
     def log(record: dict) -> None:

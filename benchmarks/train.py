@@ -1,6 +1,6 @@
 """Training step: forward + backward + AdamW step on a fixed random batch, at each micro-batch of a sweep.
 
-MFU against flops.peak_flops_with_source (CPU: a measured float32 matmul, so CPU MFU is relative to what a plain
+MFU against runtime.peak_flops_with_source (CPU: a measured float32 matmul, so CPU MFU is relative to what a plain
 matmul reaches here). Compiled: its first step per micro-batch (the build) timed apart, a failure a row. One row per
 mode and micro-batch of train_batch_sizes, OOM where it runs out. The model (batch_size ... bias) is memory.py's too.
 
@@ -15,7 +15,7 @@ import torch
 from benchmarks.common import OOM, gpt_config, int_list, markdown_table, median_time, mib, model_text, num, or_oom
 from core import kernels, runtime
 from core.errors import first_line
-from core.training import flops, optim
+from core.training import optim
 from model import GPT, GPTConfig
 
 
@@ -57,7 +57,7 @@ def measure(cfg, rt: runtime.Runtime) -> dict:
     optimizer = optim.build_optimizer(model, "adamw", 6e-4, 0.1, (0.9, 0.95), rt.device_type)
     scaler = rt.grad_scaler()
     gen = torch.Generator().manual_seed(cfg.seed)
-    peak, peak_source = flops.peak_flops_with_source(rt)
+    peak, peak_source = runtime.peak_flops_with_source(rt)
     compiled = []  # torch.compile(model), made at the first compiled row
 
     def step(m: torch.nn.Module, x, y) -> None:

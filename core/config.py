@@ -87,6 +87,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 
 def apply_overrides(cfg: T, overrides: dict[str, Any], source: str) -> T:
+    """cfg with overrides (a config file's, a run's saved config, a preset) applied, each key and type checked."""
     hints = typing.get_type_hints(type(cfg))
     valid = [f.name for f in dataclasses.fields(cfg)]
     renamed = getattr(cfg, "RENAMED", {})
@@ -179,12 +180,3 @@ def at_least(cfg, low, *keys: str) -> None:
     for key in keys:
         if (value := getattr(cfg, key)) is not None and value < low:
             raise UserError(f"config key '{key}' must be at least {low}, got {value}")
-
-
-def to_dict(cfg) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def from_dict(cls: type[T], d: dict[str, Any], source: str) -> T:
-    """Rebuild a config saved with to_dict (e.g. from a checkpoint), checking every key."""
-    return apply_overrides(cls(), d, source)

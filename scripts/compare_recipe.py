@@ -87,13 +87,6 @@ def variant_names(cmp: CompareConfig) -> list[str]:
     return names
 
 
-def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """This script's --keys (CompareConfig) apart from the training config's files and --keys."""
-    own = {f"--{f.name}" for f in dataclasses.fields(CompareConfig)}
-    mine = [a for a in argv if a.partition("=")[0] in own]
-    return mine, [a for a in argv if a not in mine]
-
-
 def variant_config(name: str, base: TrainConfig) -> TrainConfig:
     spec = VARIANTS[name]
     overrides = configlib.read_config_file(str(ROOT / spec)) if isinstance(spec, str) else dict(spec)
@@ -152,7 +145,7 @@ def train_variant(name: str, cfg: TrainConfig, cmp: CompareConfig, rt: runtime.R
     overrides = {k: getattr(cfg, k) for k in switches if getattr(cfg, k) != getattr(TrainConfig(), k)}
     return {"name": name, "overrides": overrides, "params": model.get_num_params(non_embedding=False),
             "val_tokens": scored.tokens, "curve": curve, "train_s": train_s,
-            "ms_per_iter_in_run": 1000 * train_s / cfg.max_iters, "config": configlib.to_dict(cfg)}
+            "ms_per_iter_in_run": 1000 * train_s / cfg.max_iters, "config": dataclasses.asdict(cfg)}
 
 
 def time_variants(names: list[str], base: TrainConfig, cmp: CompareConfig, rt: runtime.Runtime) -> dict:
@@ -249,9 +242,10 @@ def main(argv: Sequence[str]) -> None:
                          "the training config every variant shares (config files and --key=value, as train.py):",
                          *configlib.config_help(TrainConfig).splitlines()[1:]]))
         sys.exit(0)
-    mine, rest = split_argv(argv)
+    own = {f"--{f.name}" for f in dataclasses.fields(CompareConfig)}  # the rest: the training config's files and keys
+    mine = [a for a in argv if a.partition("=")[0] in own]
     cmp = configlib.parse_args(CompareConfig, mine)
-    base = configlib.parse_args(TrainConfig, rest)
+    base = configlib.parse_args(TrainConfig, [a for a in argv if a not in mine])
     results_dir = Path(cmp.results_dir)
     (results_dir / "variants").mkdir(parents=True, exist_ok=True)
     names = variant_names(cmp)

@@ -164,7 +164,7 @@ def scripted(values):
 def test_train_rows_tokens_mfu_and_compile_ratio(tmp_path, monkeypatch):
     """Step times 0.5 s (eager) and 0.2 s (compiled), a 1 TFLOP/s peak: the figures follow by arithmetic."""
     monkeypatch.setattr(train, "median_time", scripted([0.5, 0.2]))
-    monkeypatch.setattr(train.flops, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
+    monkeypatch.setattr(train.runtime, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
     monkeypatch.setattr(train.torch, "compile", lambda model: model)  # the compiled row, without a compiler
     cfg = bench.load_config(tiny_argv(tmp_path, compile=True))
     with one_thread():
@@ -186,7 +186,7 @@ def test_the_micro_batch_sweep_has_a_row_per_size_and_mode_and_oom_is_a_row(tmp_
     device memory (faked: the step at 4 rows raises torch's OutOfMemoryError) reads OOM, and the sweep goes on."""
     times = scripted([0.5, 0.25, 1.0, 0.5])
     monkeypatch.setattr(train, "median_time", lambda fn, *a: fn() or times())
-    monkeypatch.setattr(train.flops, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
+    monkeypatch.setattr(train.runtime, "peak_flops_with_source", lambda rt: (1e12, "a 1 TFLOP/s test peak"))
     monkeypatch.setattr(train.torch, "compile", lambda model: model)
     real_forward = GPT.forward
 

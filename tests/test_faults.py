@@ -512,6 +512,14 @@ def test_init_from_auto_continues_from_the_previous_checkpoint_alone(tmp_path, d
     assert loop.auto_init_from(tmp_path) == "resume"
 
 
+def test_a_failed_save_names_the_previous_checkpoint_when_it_is_the_only_one(tmp_path):
+    """What a failed save's line offers to go on from: with no ckpt.pt, the ckpt.prev.pt beside it."""
+    assert checkpointing.last_intact(tmp_path) == "no checkpoint was saved yet"
+    checkpointing.save_checkpoint(tmp_path, {"iter_num": 3}, {})
+    (tmp_path / "ckpt.pt").rename(tmp_path / "ckpt.prev.pt")
+    assert f"{tmp_path / 'ckpt.prev.pt'} (iter 3), is untouched" in checkpointing.last_intact(tmp_path)
+
+
 @pytest.mark.slow
 def test_ranks_that_decide_auto_differently_are_refused(tmp_path, data_dir):
     """torchrun, 2 gloo processes, --init_from=auto, each rank given its own out_dir by a config file (as nodes

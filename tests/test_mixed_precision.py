@@ -40,7 +40,7 @@ data_dir = char_data_fixture(TEXT)
 def no_peak_measurement(monkeypatch):
     """train.py's CPU peak for MFU times matmuls in the run's dtype, seconds each where the CPU emulates half
     precision; no test here reads MFU (tests/test_runtime.py tests the measurement)."""
-    monkeypatch.setattr(train.flops, "cpu_matmul_peak_flops", lambda **kw: 1e12)
+    monkeypatch.setattr(train.runtime, "cpu_matmul_peak_flops", lambda **kw: 1e12)
 
 
 def run_train(rt, out_dir, data_dir, **overrides):

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from core import runtime
 from core.errors import UserError
-from core.training import flops
 from tests.helpers import (ONE_THREAD_ENV, REPO_ROOT, TINY_TRAIN, assert_user_error, char_data_fixture, cli_args,
                            fake_cpu, run_scripts)
 
@@ -190,11 +189,11 @@ def test_cpu_peak_for_mfu_is_measured_in_the_runs_dtype(monkeypatch):
     """A bf16 run's MFU is against a bf16 matmul's rate: float32's (several times slower where bf16 is
     native) would overstate it. (A small matmul here: bf16 emulated on an AVX2 CPU is far slower,
     docs/performance.md's Machines.)"""
-    seen, measure = [], flops.cpu_matmul_peak_flops
+    seen, measure = [], runtime.cpu_matmul_peak_flops
     monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: seen.append(a.dtype) or torch.mm(a, b))
-    monkeypatch.setattr(flops, "cpu_matmul_peak_flops", lambda **kw: measure(n=64, **kw))
+    monkeypatch.setattr(runtime, "cpu_matmul_peak_flops", lambda **kw: measure(n=64, **kw))
     for dtype in ("float32", "bfloat16"):
-        peak, source = flops.peak_flops_with_source(runtime.Runtime("cpu", "cpu", dtype))
+        peak, source = runtime.peak_flops_with_source(runtime.Runtime("cpu", "cpu", dtype))
         assert peak > 0 and f"measured {dtype} 1024x1024 matmul" in source
     assert seen == [torch.float32] * 11 + [torch.bfloat16] * 11, seen
     seen.clear()  # a dtype the CPU only emulates: as many timed matmuls as fit in budget_s, not 10
@@ -218,16 +217,16 @@ DATASHEET = {
 def test_peak_flops_from_the_datasheet(fake_gpus, name):
     fake_gpus(count=1, name=name)
     bf16, tf32 = DATASHEET[name]
-    assert flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "bfloat16"))[0] == pytest.approx(bf16)
+    assert runtime.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "bfloat16"))[0] == pytest.approx(bf16)
     torch.backends.cuda.matmul.allow_tf32 = True  # as setup() leaves it
-    peak, source = flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "float32"))
+    peak, source = runtime.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "float32"))
     assert peak == pytest.approx(tf32) and "tf32" in source and name in source
 
 
 def test_peak_flops_float32_without_tf32_is_the_plain_figure(fake_gpus):
     fake_gpus(count=1, name="NVIDIA H100 80GB HBM3")
     torch.backends.cuda.matmul.allow_tf32 = False
-    peak, _ = flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "float32"))
+    peak, _ = runtime.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "float32"))
     assert peak == pytest.approx(67e12)  # FP32 67 TF
 
 
@@ -237,14 +236,14 @@ def test_peak_flops_float32_without_tf32_is_the_plain_figure(fake_gpus):
 def test_no_mfu_for_a_mig_slice_or_an_unknown_gpu(fake_gpus, name, why):
     fake_gpus(count=1, name=name)
     for dtype in ("bfloat16", "float32"):
-        peak, source = flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", dtype))
+        peak, source = runtime.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", dtype))
         assert peak is None and why in source and "MFU not reported" in source
 
 
 def test_mig_uuid_in_cuda_visible_devices_is_a_slice(fake_gpus, monkeypatch):
     fake_gpus(count=1, name="NVIDIA H100 80GB HBM3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4f9e2b7c-0000-5a3e-9a71-1c2d3e4f5a6b")
-    assert flops.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "bfloat16"))[0] is None
+    assert runtime.peak_flops_with_source(runtime.Runtime("cuda:0", "cuda", "bfloat16"))[0] is None
 
 
 # --- rank 0 alone fails or is slow: torchrun, 2 gloo processes on the CPU --------------------------

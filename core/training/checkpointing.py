@@ -50,8 +50,7 @@ def _saving(path: Path, needed, write, *args) -> Path:
 
 def last_intact(out_dir: Path) -> str:
     """What a failed write leaves to go on from, for its one line: the newest intact checkpoint and its iteration."""
-    path = find_checkpoint(out_dir) or next((p for p in (out_dir / PREV_NAME, out_dir / PREV_SHARDED_NAME)
-                                             if p.exists()), None)
+    path = find_checkpoint(out_dir, prev=True)
     if path is None:
         return "no checkpoint was saved yet"
     try:

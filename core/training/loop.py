@@ -4,6 +4,7 @@ config.json it records), the optimizer step's tail, and the command that continu
     def main(argv): loop.start(TrainConfig, argv, train)     # the config, the runtime, train(cfg, rt, stop)
     stop_requested = loop.optimizer_step(model, optimizer, scaler, loss_sum, cfg, rt, stop, iter_num)
 """
+import dataclasses
 import json
 import math
 import os
@@ -34,7 +35,9 @@ def start(cls: type, argv, train) -> None:
     except RuntimeError as e:  # torch.OutOfMemoryError included
         if not memory.is_out_of_memory(e):
             raise
-        raise memory.out_of_memory_error(e, rt.device, f"(checkpoints already in {cfg.out_dir} are intact)") from None
+        raise UserError(f"out of memory on {rt.device} (checkpoints already in {cfg.out_dir} are intact): "
+                        f"{first_line(e, 160)}; use a smaller batch_size (with more gradient_accumulation_steps), "
+                        f"block_size or model") from None
     finally:
         runtime.teardown(rt)
 
@@ -56,8 +59,7 @@ def auto_init_from(out_dir: str | os.PathLike) -> str:
     """init_from=auto: 'resume' when out_dir holds a checkpoint, else 'scratch': one command starts a run and
     continues it after a restart, requeue or preemption. The previous checkpoints count too: a kill between a
     sharded save's two renames leaves only ckpt.prev.dcp, and that run must continue, not start again over it."""
-    names = (checkpoint.CKPT_NAME, checkpoint.PREV_NAME, checkpoint.SHARDED_NAME, checkpoint.PREV_SHARDED_NAME)
-    return "resume" if any((Path(out_dir) / name).exists() for name in names) else "scratch"
+    return "resume" if checkpoint.find_checkpoint(out_dir, prev=True) else "scratch"
 
 
 def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
@@ -71,7 +73,7 @@ def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
             run = checkpoint.load_checkpoint(ckpt)["meta"]["config"]
         except UserError:
             return configlib.parse_args(cls, argv, base=None)
-        return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {ckpt}"))
+        return configlib.parse_args(cls, argv, base=configlib.apply_overrides(cls(), run, f"in {ckpt}"))
     try:
         run = json.loads(saved.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -79,7 +81,7 @@ def resumed_config(cls: type, argv, out_dir: str | os.PathLike):
     if not isinstance(run, dict):
         raise UserError(f"{saved} is not a run's config (a JSON object); pass the run's config files again")
     run = {k: v for k, v in run.items() if k not in ("world_size", "device")}
-    return configlib.parse_args(cls, argv, base=configlib.from_dict(cls, run, f"in {saved}"))
+    return configlib.parse_args(cls, argv, base=configlib.apply_overrides(cls(), run, f"in {saved}"))
 
 
 def write_run_config(cfg, out_dir: Path, rt: runtime.Runtime) -> None:
@@ -88,7 +90,7 @@ def write_run_config(cfg, out_dir: Path, rt: runtime.Runtime) -> None:
     def write() -> None:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            write_json(out_dir / "config.json", configlib.to_dict(cfg) | {"world_size": rt.world_size,
+            write_json(out_dir / "config.json", dataclasses.asdict(cfg) | {"world_size": rt.world_size,
                                                                           "device": rt.device, "dtype": rt.dtype})
         except OSError as e:
             raise UserError(f"cannot write to out_dir '{out_dir}': {e.strerror}; choose a writable --out_dir") from None

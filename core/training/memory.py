@@ -1,4 +1,4 @@
-"""Training memory: an estimate from the config alone, what a device has free, out-of-memory errors in one line. The
+"""Training memory: an estimate from the config alone, what a device has free, which errors are out-of-memory. The
 parameter count is exact (built on the meta device); activations follow Korthikanti et al. 2022 (section 4.1),
 which is rough: it refuses runs that plainly do not fit, never tunes one.
 """
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from core.errors import UserError, first_line
+from core.errors import UserError
 from core.fileio import format_bytes
 from core.training.optim import OPTIMIZERS
 from model import GPT
@@ -110,8 +110,3 @@ def is_out_of_memory(e: BaseException) -> bool:
         return True
     return isinstance(e, RuntimeError) and any(
         s in str(e) for s in ("DefaultCPUAllocator", "can't allocate memory", "out of memory"))
-
-
-def out_of_memory_error(e: BaseException, device: str, where: str) -> UserError:
-    return UserError(f"out of memory on {device} {where}: {first_line(e, 160)}; use a smaller batch_size "
-                     f"(with more gradient_accumulation_steps), block_size or model")

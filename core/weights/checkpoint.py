@@ -1,5 +1,5 @@
-"""Checkpoints, read: loaded with weights_only=True, every byte checked first, metadata as JSON.
-Writing them (a training run's side): core/training/checkpointing.py.
+"""Checkpoints, read: loaded with weights_only=True, every byte checked first, metadata as JSON; nanoGPT's ckpt.pt
+read as ours. Writing them (a training run's side): core/training/checkpointing.py.
 
 A checkpoint is one torch file holding only tensors and plain containers:
     {"format": FORMAT, "meta": "<JSON text>", "model": state_dict,
@@ -13,6 +13,7 @@ Sharded checkpoints (fsdp), ckpt.dcp and ckpt.prev.dcp, are directories with the
 they load into any number of processes, or into one plain GPT.
 """
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -28,8 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from core.data.loader import read_meta_pkl
+from core.data.tokenizer import GPT2_EOT, GPT2_VOCAB
 from core.errors import UserError, first_line
-from core.weights import nanogpt
 from model import GPT, GPTConfig
 
 FORMAT = "nanogpt-checkpoint/1"
@@ -59,8 +61,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                         f"could run any code. It is not a checkpoint written by this project's train.py") from None
     except Exception as e:  # anything else torch.load rejects
         raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)})") from None
-    if isinstance(state, dict) and nanogpt.KEYS <= state.keys():
-        return {"format": FORMAT} | nanogpt.from_nanogpt(state, path)
+    if isinstance(state, dict) and NANOGPT_KEYS <= state.keys():
+        return {"format": FORMAT} | from_nanogpt(state, path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{path} is not a checkpoint written by this project's train.py or nanoGPT's")
     try:
@@ -85,9 +87,10 @@ def _verify_archive(path: Path) -> None:
         raise UserError(f"checkpoint {path} is truncated or corrupt ({first_line(e)}); it cannot be loaded") from None
 
 
-def find_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint a run's out_dir holds (ckpt.pt, else fsdp's ckpt.dcp), or None."""
-    return next((p for p in (Path(out_dir) / CKPT_NAME, Path(out_dir) / SHARDED_NAME) if p.exists()), None)
+def find_checkpoint(out_dir: str | os.PathLike, prev: bool = False) -> Path | None:
+    """The checkpoint a run's out_dir holds (ckpt.pt, else fsdp's ckpt.dcp; prev: else ckpt.prev.pt, ckpt.prev.dcp)."""
+    names = (CKPT_NAME, SHARDED_NAME) + ((PREV_NAME, PREV_SHARDED_NAME) if prev else ())
+    return next((Path(out_dir) / name for name in names if (Path(out_dir) / name).exists()), None)
 
 
 def load_latest(out_dir: str | os.PathLike, log=print, sharded: bool = False) -> tuple[dict[str, Any], Path]:
@@ -126,6 +129,62 @@ def model_from_checkpoint(state: dict[str, Any], **overrides) -> GPT:
     if state["model"] is not None:  # None: a sharded checkpoint, loaded after sharding (load_sharded)
         model.load_state_dict(state["model"])
     return model
+
+
+# -----------------------------------------------------------------------------
+# nanoGPT's ckpt.pt read as this project's checkpoint, so every script loads a nanoGPT out_dir as it is; what maps
+# to what: docs/from-nanogpt.md
+
+NANOGPT_KEYS = {"model", "optimizer", "model_args", "iter_num", "best_val_loss", "config"}
+# nanoGPT's settings of the machine it ran on, decided again here: a resumed run resolves its own.
+NANOGPT_MACHINE_KEYS = ("device", "dtype", "compile", "backend")
+
+
+def from_nanogpt(state: dict, path: Path) -> dict:
+    """nanoGPT's checkpoint as load_checkpoint returns ours: {"meta", "model", "optimizer", ...}."""
+    # torch.compile's wrapper prefixes every key; nanoGPT's fallback attention (torch < 2) saves its mask, attn.bias
+    model = {k.removeprefix("_orig_mod."): v for k, v in state["model"].items() if not k.endswith(".attn.bias")}
+    config = dict(state["config"])
+    try:
+        model_args = dataclasses.asdict(GPTConfig(**state["model_args"], gelu_approximate="none"))
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path} is nanoGPT's, but its model_args do not fit GPTConfig ({e})") from None
+    tokenizer, found = _nanogpt_vocabulary(config.get("dataset"), model_args["vocab_size"], path)
+    meta = {"iter_num": state["iter_num"], "best_val_loss": float(state["best_val_loss"]), "model_args": model_args,
+            "config": {k: v for k, v in config.items() if k not in NANOGPT_MACHINE_KEYS} | {"gelu_approximate": "none"},
+            "tokenizer": tokenizer, "nanogpt": f"nanoGPT's, {found}"}
+    return {"meta": meta, "model": model, "optimizer": _nanogpt_optimizer(state["optimizer"], model), "scaler": None,
+            "rng": None}
+
+
+def nanogpt_dataset_dirs(dataset: str, path: Path) -> list[Path]:
+    """Where nanoGPT's run on data/<dataset> keeps it: beside the run (path's out_dir's parent, nanoGPT's own layout),
+    then under the working directory, as nanoGPT's sample.py looks."""
+    return list(dict.fromkeys([path.parent.parent / "data" / dataset, Path("data") / dataset]))
+
+
+def _nanogpt_vocabulary(dataset: str | None, vocab_size: int, path: Path) -> tuple[dict, str]:
+    """The tokenizer metadata of nanoGPT's run, and where it came from: its dataset's meta.pkl, else GPT-2's BPE
+    (as nanoGPT's sample.py)."""
+    places = [] if dataset is None else [d / "meta.pkl" for d in nanogpt_dataset_dirs(dataset, path)]
+    found = next((p for p in places if p.is_file()), None)
+    if found is not None:
+        return {k: v for k, v in read_meta_pkl(found).items() if k != "dtype"}, f"vocabulary {found}"
+    where = " or ".join(map(str, places)) or "nowhere (its config names no dataset)"
+    if vocab_size < GPT2_VOCAB:  # a character vocabulary whose meta.pkl is elsewhere
+        raise UserError(f"{path} is nanoGPT's run on data/{dataset}, whose meta.pkl is not at {where}; copy that "
+                        f"dataset's meta.pkl to one of them")
+    return {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB, "eot_token": GPT2_EOT}, f"GPT-2 BPE (no meta.pkl at {where})"
+
+
+def _nanogpt_optimizer(saved: dict, model: dict) -> dict | None:
+    """nanoGPT's AdamW state where it fits ours (core/training/optim.py), else None: nanoGPT's configure_optimizers
+    makes the same two groups (>= 2-D weights decayed, then the rest) in the same named_parameters order."""
+    params = [v for k, v in model.items() if k != "lm_head.weight"]  # tied to wte, listed once by named_parameters
+    want = [[p.shape for p in params if p.dim() >= 2], [p.shape for p in params if p.dim() < 2]]
+    state = saved.get("state", {})
+    got = [[state.get(i, {}).get("exp_avg", torch.empty(0)).shape for i in g["params"]] for g in saved["param_groups"]]
+    return saved if got == want else None
 
 
 # -----------------------------------------------------------------------------
