@@ -10,6 +10,7 @@ of many generators share one call), the one check of those settings, the context
 engine (core/serving/engine.py), chat replies (core/decoding/replies.py), sample.py and the benchmarks all decode
 through these.
 """
+import platform
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -287,7 +288,7 @@ def lay_out(model: GPT, rt: Runtime, quantize: str, traced: bool, batched: bool 
             cpu.pack_linears(model)
     elif rt.device_type == "cpu":
         cpu.lay_head_by_columns(model)
-        if batched and not traced and torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        if batched and not traced and platform.machine().lower() in ("x86_64", "amd64"):
             cpu.pack_linears(model, batched=True)
 
 
