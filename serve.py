@@ -377,7 +377,8 @@ def main(argv: Sequence[str]) -> None:
         torch.set_num_threads(1)
     model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
     model, tok = resolver.with_end_of_text(model, tok)  # before quantizing: an old char run's head grows a row
-    model, _ = inference_model(model, rt, quantize=cfg.quantize, batched=cfg.max_batch > 1)  # as sample.py: weights cast once (and quantized)
+    # weights cast once (and quantized) as sample.py's; a float32 batch's matrices packed (docs/serving.md)
+    model, _ = inference_model(model, rt, quantize=cfg.quantize, batched=cfg.max_batch > 1)
     name = cfg.model_name or (Path(cfg.out_dir).resolve().name if resolver.kind_of(cfg.init_from) == "resume" else cfg.init_from)
     app = build_app(model, tok, cfg, name, rt.device, threads)
     print(f"serving {source} as '{name}': {model.get_num_params() / 1e6:.2f}M parameters, {rt.device} {rt.dtype}{quantized_note(cfg.quantize)}, "
