@@ -3,12 +3,13 @@
 serve.py runs as its own process on a loopback port (the bench's torch threads, device and dtype) and loads a temporary
 checkpoint of random weights (speed does not depend on them) in the serve_shape of Settings (gpt2's BPE offline:
 TIKTOKEN_CACHE_DIR). For each count in serve_clients, that many clients each stream one /v1/completions request at once
-(a serve_prompt_len-token prompt, serve_max_tokens new tokens, sampled at temperature 1 with their own seeds, no stop),
-against the same requests submitted at once to a BatchEngine in this process (no HTTP, no JSON, no text), with the same
-serve_max_batch and threads: the ceiling. The two sides alternate at each count, each repeat, so the load drifts less
-between them. Then the prefix cache: a serve_prefix_tokens-token prompt sent twice to the first server, each time's time
-to first token, and whether the second's greedy text is the first's. And what serve.py's --step_tokens trades, in this
-process: the CPU time per prompt token by chunk size, beside a decoding step's (budget_rows).
+(a serve_prompt_len-token prompt, serve_max_tokens new tokens, sampled at temperature 1 with no seed as load tools send
+them, no stop), against the same requests submitted at once to a BatchEngine in this process (no HTTP, no JSON, no
+text), with the same serve_max_batch and threads: the ceiling. The two sides alternate at each count, each repeat, so
+the load drifts less between them. Then the prefix cache: a serve_prefix_tokens-token prompt sent twice to the first
+server, each time's time to first token, and whether the second's greedy text is the first's. And what serve.py's
+--step_tokens trades, in this process: the CPU time per prompt token by chunk size, beside a decoding step's
+(budget_rows).
 
 Each side: aggregate tokens/s, time to first token at p50 and p95, wall seconds and CPU seconds (the server's from
 /proc, the in-process engine's from this process; the HTTP clients' CPU, also this process's, is reported apart), every
@@ -144,16 +145,16 @@ def start_server(cfg, rt: runtime.Runtime, out_dir: Path, engine: str) -> tuple[
 
 
 async def at_once(one, clients: int) -> tuple[float, list[float]]:
-    """Wall seconds for `clients` calls of one(seed, t0) run at once, and each one's time to first token."""
+    """Wall seconds for `clients` calls of one(t0) run at once, and each one's time to first token."""
     t0 = time.perf_counter()
-    ttfts = await asyncio.gather(*(one(seed, t0) for seed in range(clients)))
+    ttfts = await asyncio.gather(*(one(t0) for _ in range(clients)))
     return time.perf_counter() - t0, list(ttfts)
 
 
 def in_process(engine: BatchEngine, prompt: list[int], clients: int, max_tokens: int) -> tuple[float, list[float]]:
     """The same requests submitted at once to a BatchEngine in this process: the ceiling."""
-    async def one(seed, t0):
-        sampling = engine_sampling(1.0, None, None, seed, engine.device, None, engine.settings.window_shift,
+    async def one(t0):
+        sampling = engine_sampling(1.0, None, None, None, engine.device, None, engine.settings.window_shift,
                                    engine.settings.vocab_size)
         first, tokens = None, 0
         async for step in engine.submit(EngineRequest(prompt, 1, max_tokens, sampling), asyncio.get_running_loop()
@@ -211,8 +212,8 @@ def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
             async for line in r.aiter_lines():
                 yield r.status_code, line
 
-    async def one(c, seed, t0):
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+    async def one(c, t0):
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         first, usage, status = None, None, None
         async for status, line in lines(c, body):
@@ -226,9 +227,9 @@ def over_http(url: str, prompt: list[int], clients: int, max_tokens: int,
 
     async def every():
         if client == "lean":
-            return await at_once(lambda seed, t0: one(None, seed, t0), clients)
+            return await at_once(lambda t0: one(None, t0), clients)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=clients)) as c:
-            return await at_once(lambda seed, t0: one(c, seed, t0), clients)
+            return await at_once(lambda t0: one(c, t0), clients)
     return asyncio.run(every())
 
 

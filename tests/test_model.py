@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from core.decoding import decode
 from core.decoding.cache import RowCache
-from core.decoding.decode import draw, exponential_noise, generate, generate_stream, sample_next
+from core.decoding.decode import draw, draw_by_sum, exponential_noise, generate, generate_stream, sample_next
 from core.training.optim import build_optimizer
 from model import GPT, Block, GPTConfig, KVCache, attention_weights, causal_mask, scaled_dot_product_attention
 
@@ -465,6 +465,25 @@ def test_draw_is_torch_multinomial_bit_for_bit(vocab):
     assert torch.equal(draw(probs, noise), torch.cat([
         torch.multinomial(probs[:1], 1, generator=torch.Generator().manual_seed(7)),
         torch.multinomial(probs[1:], 1, generator=torch.Generator().manual_seed(8))]))
+
+
+def test_draw_by_sum_draws_the_distribution_and_never_a_zero():
+    """draw_by_sum (the server's draw for a request sent with no seed): over 40,000 rows each id's share is its
+    probability within 4 standard errors, an id of probability 0 (at either end, between, after one 1e-4) is never
+    drawn; one generator state gives one set of tokens; a NaN row is refused as draw refuses it."""
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2999, 0.0001, 0.0, 0.15, 0.05, 0.0])
+    n = 40_000
+    tokens = draw_by_sum(probs.expand(n, -1), torch.Generator().manual_seed(0))  # (n, 1)
+    share = torch.bincount(tokens[:, 0], minlength=len(probs)) / n
+    assert tokens.shape == (n, 1) and len(share) == len(probs)
+    assert ((share - probs).abs() <= 4 * (probs * (1 - probs) / n).sqrt()).all(), share
+    assert torch.equal(draw_by_sum(probs.expand(50, -1), torch.Generator().manual_seed(3)),
+                       draw_by_sum(probs.expand(50, -1), torch.Generator().manual_seed(3)))
+    vocab = torch.softmax(torch.randn(4, 50304, generator=torch.Generator().manual_seed(1)) * 3, dim=-1)
+    vocab[:, 50257:] = 0  # a padded vocabulary's ids past the tokenizer's
+    assert int(draw_by_sum(vocab.repeat(500, 1), torch.Generator().manual_seed(2)).max()) < 50257
+    with pytest.raises(ValueError, match="not finite"):
+        draw_by_sum(torch.tensor([[0.5, 0.5], [float("nan"), 0.5]]))
 
 
 def test_sample_next_refuses_non_finite_logits():

@@ -12,8 +12,9 @@ is prefilled from there on.
 
 The decoding math is decode.py's, not a second copy (sampling_probs and draw, each request's rows from its own
 generator; slide_window; uncached tokens fed as _next_logits feeds them), so a request's text is what
-decode.generate gives it alone (tests/test_engine.py), up to the rounding of batched matmuls; the server's logit
-rules (adjust_logits) are the engine's alone.
+decode.generate gives it alone (tests/test_engine.py), up to the rounding of batched matmuls; a request with no seed
+(no generator) draws from the engine's by draw_by_sum, the same distribution. The server's logit rules
+(adjust_logits) are the engine's alone.
 EngineProcess (core/serving/process.py) runs a BatchEngine in a process of its own behind the same caller's side.
 """
 import asyncio
@@ -23,6 +24,7 @@ import hashlib
 import itertools
 import math
 import queue
+import secrets
 import threading
 import time
 from typing import AsyncIterator
@@ -31,7 +33,8 @@ import torch
 from torch.nn import functional as F
 
 from core.decoding.cache import RowCache
-from core.decoding.decode import Sampling, check_sampling_args, draw, exponential_noise, sampling_probs, slide_window
+from core.decoding.decode import (Sampling, check_sampling_args, draw, draw_by_sum, exponential_noise, sampling_probs,
+                                  slide_window)
 from core.errors import first_line
 from model import GPT
 
@@ -294,6 +297,7 @@ class BatchEngine:
         self.running = 0  # requests in the batch (for /health and /metrics)
         self.tokens_generated = 0  # steps taken, one per request per step (for /health)
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.rng = torch.Generator(self.device).manual_seed(secrets.randbits(63))  # requests sent with no seed
 
     # --- the caller's side -------------------------------------------------------------------
 
@@ -546,25 +550,24 @@ class BatchEngine:
             outputs = [row[len(req.prompt):] for row in active.tokens] if req.bad_words else ()  # each row's new ids
             cut = adjust_logits(logits[:, :s.vocab_size], req, active.generated, active.counts, active.prompt_seen,
                                 active.bias, outputs)  # (n, V)
-            if not bool(torch.isfinite(cut).any(dim=-1).all()):  # else its NaN probabilities would fail the step's all
+            if not bool((cut.amax(dim=-1) > float("-inf")).all()):  # all -inf, or NaN: else the group fails
                 self._finish(active, NothingToDraw("allowed_token_ids, bad_words and min_tokens leave no token to draw"))
                 continue
             groups.setdefault((s.temperature, s.top_k, s.top_p, cut.size(1)), []).append((active, cut, logits))
         for (temperature, top_k, top_p, _), members in groups.items():
             check_sampling_args(temperature, top_k, top_p)
             cuts = torch.cat([cut for _, cut, _ in members])  # (rows, V)
-            # each request's rows end there
-            ends = list(itertools.accumulate(len(active.slots) for active, _, _ in members))
+            sizes = [len(active.slots) for active, _, _ in members]  # each request's rows
             if temperature == 0:
                 tokens = cuts.argmax(dim=-1)  # (rows,)
-            else:
-                probs = sampling_probs(cuts, temperature, top_k, top_p)  # (rows, V)
-                noise = torch.cat([exponential_noise(probs[j - len(active.slots):j], active.req.sampling.generator)
-                                   for (active, _, _), j in zip(members, ends)])  # each request's rows, its generator
-                tokens = draw(probs, noise)[:, 0]  # (rows,)
-            ids = tokens.tolist()
-            for (active, _, logits), j in zip(members, ends):
-                self._took(active, ids[j - len(active.slots):j], logits)
+            else:  # a request with a seed draws sample.py's tokens (its generator's race); one without, faster
+                probs = sampling_probs(cuts, temperature, top_k, top_p).split(sizes)  # each request's (n, V)
+                tokens = torch.cat([draw_by_sum(p, self.rng) if (g := active.req.sampling.generator) is None
+                                    else draw(p, exponential_noise(p, g)) for (active, _, _), p in zip(members, probs)])
+                tokens = tokens[:, 0]  # (rows,)
+            ids = iter(tokens.tolist())
+            for (active, _, logits), size in zip(members, sizes):
+                self._took(active, list(itertools.islice(ids, size)), logits)
 
     def _took(self, active: Active, ids: list[int], logits: torch.Tensor) -> None:
         """The request's rows drew ids (n,) from logits (n, V): pad the rows that ended, score, send; finish the
@@ -614,9 +617,10 @@ def rows_of(x: torch.Tensor, slots: list[int]) -> torch.Tensor:
     return x[slots]
 
 
-def engine_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int, device,
+def engine_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int | None, device,
                     eot: int | None, window_shift: int, vocab_size: int) -> Sampling:
-    """decode.Sampling for one request, its generator seeded: what generate would be given for it alone."""
-    generator = torch.Generator(device=device).manual_seed(seed)
+    """decode.Sampling for one request, its generator seeded: what generate would be given for it alone. No seed,
+    no generator: the engine draws its rows from its own (draw_by_sum, faster than multinomial's race)."""
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, eot_token=eot,
                     window_shift=window_shift, vocab_size=vocab_size)

@@ -301,9 +301,9 @@ def engine_requests(served: ServedModel, req: RequestBase, prompts: list[list[in
                  bad_words=bad_word_ids(served.tok, req.bad_words or []), **req.model_dump(
                      include={"presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p"}))
     temperature = 0.0 if req.temperature < 1e-5 else req.temperature  # vLLM's: greedy (its logits would overflow)
-    seed, settings = req.seed if req.seed is not None else secrets.randbits(63), served.engine.settings
+    settings = served.engine.settings
     return [EngineRequest(prompt, req.n, max_tokens, engine_sampling(  # each prompt's generator, seeded alike
-        temperature, req.top_k, top_p, seed, served.device, None if req.ignore_eos else eot, settings.window_shift,
+        temperature, req.top_k, top_p, req.seed, served.device, None if req.ignore_eos else eot, settings.window_shift,
         settings.vocab_size), logprobs, prompt_logprobs, **rules) for prompt in prompts], stops
 
 
