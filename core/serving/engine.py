@@ -559,13 +559,12 @@ class BatchEngine:
             cuts = torch.cat([cut for _, cut, _ in members])  # (rows, V)
             sizes = [len(active.slots) for active, _, _ in members]  # each request's rows
             if temperature == 0:
-                tokens = cuts.argmax(dim=-1)  # (rows,)
+                tokens = cuts.argmax(dim=-1, keepdim=True)  # (rows, 1)
             else:  # a request with a seed draws sample.py's tokens (its generator's race); one without, faster
                 probs = sampling_probs(cuts, temperature, top_k, top_p).split(sizes)  # each request's (n, V)
                 tokens = torch.cat([draw_by_sum(p, self.rng) if (g := active.req.sampling.generator) is None
                                     else draw(p, exponential_noise(p, g)) for (active, _, _), p in zip(members, probs)])
-                tokens = tokens[:, 0]  # (rows,)
-            ids = iter(tokens.tolist())
+            ids = iter(tokens[:, 0].tolist())
             for (active, _, logits), size in zip(members, sizes):
                 self._took(active, list(itertools.islice(ids, size)), logits)
 
