@@ -214,11 +214,9 @@ def report(results_dir: Path) -> str:
 
 
 def plot(runs: dict, order: list[str], target: float | None, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    from plot import pyplot
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    fig, ax = pyplot().subplots(figsize=(8, 5), dpi=100)
     for name in order:
         it, loss = zip(*runs[name]["curve"])
         style = {"classic": dict(color="black", lw=2.5), "modern": dict(color="tab:red", lw=2.5)}.get(name, dict(lw=1))
@@ -233,7 +231,7 @@ def plot(runs: dict, order: list[str], target: float | None, path: Path) -> None
     ax.legend(ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def main(argv: Sequence[str]) -> None:
