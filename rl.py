@@ -124,9 +124,6 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
     stop.message = "stopping after this iteration; saving"
     stop_requested, last_saved, steps_run, loop_start = False, iter_num if resuming else -1, 0, time.perf_counter()
 
-    def stopped() -> bool:  # every rank calls it at the same points
-        return rt.any_rank(stop.requested)[0]
-
     def save(reason: str) -> None:  # every rank calls it
         meta = {"iter_num": iter_num, "best_val_loss": float("inf"), "model_args": dataclasses.asdict(raw_model.config),
                 "config": dataclasses.asdict(cfg), "tokenizer": tok_meta, "world_size": rt.world_size,
@@ -149,7 +146,7 @@ def train(cfg: RLConfig, rt: runtime.Runtime, stop: runtime.StopFlag) -> None:
             for name in names:
                 r = task_scores(raw_model, template, name, heldout[name], max_new_tokens=cfg.max_new_tokens,
                                 device=rt.device, autocast=rt.autocast, rank=rt.rank,
-                                world_size=rt.world_size, stopped=stopped)
+                                world_size=rt.world_size, stopped=lambda: rt.any_rank(stop.requested)[0])
                 if r is None:  # a signal during the eval: save the last completed step, unevaluated
                     stop_requested = True
                     break
