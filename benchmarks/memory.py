@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import train
-from benchmarks.common import markdown_table, median_time, mib, model_text, num, num_threads, peak_extra_bytes
+from benchmarks.common import gpt_config, markdown_table, median_time, mib, model_text, num, num_threads, peak_extra_bytes
 from core import kernels, runtime
 from core.fileio import write_json
 from core.training import checkpointing, optim, parallel
@@ -66,7 +65,7 @@ def spawned_state_bytes(how: str, world_size: int, mc: GPTConfig, batch_size: in
 
 
 def measure(cfg, rt: runtime.Runtime) -> dict:
-    mc = train.model_config(cfg)
+    mc = gpt_config(cfg, bias=cfg.bias)  # the training section's model
     state = []
     for how in parallel.PARALLELS:
         for n in MEMORY_WORLD_SIZES:

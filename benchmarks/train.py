@@ -16,7 +16,7 @@ from benchmarks.common import OOM, gpt_config, int_list, markdown_table, median_
 from core import kernels, runtime
 from core.errors import first_line
 from core.training import optim
-from model import GPT, GPTConfig
+from model import GPT
 
 
 @dataclasses.dataclass
@@ -38,7 +38,7 @@ PRESETS = {"gpt2": dict(batch_size=8, block_size=1024, n_layer=12, n_head=12, n_
 
 
 def check(cfg) -> None:
-    model_config(cfg)
+    gpt_config(cfg, bias=cfg.bias)
     batch_sizes(cfg)
 
 
@@ -46,13 +46,9 @@ def batch_sizes(cfg) -> list[int]:
     return int_list(cfg.train_batch_sizes, "train_batch_sizes") if cfg.train_batch_sizes else [cfg.batch_size]
 
 
-def model_config(cfg) -> GPTConfig:
-    return gpt_config(cfg, bias=cfg.bias)
-
-
 def measure(cfg, rt: runtime.Runtime) -> dict:
     torch.manual_seed(cfg.seed)
-    mc = model_config(cfg)
+    mc = gpt_config(cfg, bias=cfg.bias)
     model = kernels.choose_kernels(GPT(mc).to(rt.device))
     optimizer = optim.build_optimizer(model, "adamw", 6e-4, 0.1, (0.9, 0.95), rt.device_type)
     scaler = rt.grad_scaler()
