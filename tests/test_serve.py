@@ -803,7 +803,10 @@ def test_page_streams_a_completion_and_stops(base, browser, tmp_path):
     page.fill("#max-tokens", "100000")  # far more than it will get before the stop button
     page.fill("#input", "JULIET:")
     page.press("#input", "Enter")
-    page.wait_for_function("() => document.querySelector('.turn:last-child .reply').textContent.length > 20")
+    # A long reply, and the page still answers a click: one that rewrote the whole reply at each piece took 15 s to
+    # answer at 5,000 characters, longer at each piece after
+    page.wait_for_function("() => document.querySelector('.turn:last-child .reply').textContent.length > 10000",
+                           timeout=120_000)
     page.click("#stop")
     page.wait_for_selector(".turn:last-child .meta:text('(stopped)')", timeout=10_000)
     deadline = time.monotonic() + 10
