@@ -214,9 +214,11 @@ def report(results_dir: Path) -> str:
 
 
 def plot(runs: dict, order: list[str], target: float | None, path: Path) -> None:
-    from plot import pyplot
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
 
-    fig, ax = pyplot().subplots(figsize=(8, 5), dpi=100)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
     for name in order:
         it, loss = zip(*runs[name]["curve"])
         style = {"classic": dict(color="black", lw=2.5), "modern": dict(color="tab:red", lw=2.5)}.get(name, dict(lw=1))
@@ -231,7 +233,7 @@ def plot(runs: dict, order: list[str], target: float | None, path: Path) -> None
     ax.legend(ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
-    pyplot().close(fig)
+    plt.close(fig)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -139,12 +139,14 @@ def tables(results: dict) -> str:
 def plot_passk(results: dict, path: Path):
     """A panel per task (rows) and split (columns), pass@k against k, a color per arm (runs named "ARM SEED"),
     each seed faint and the mean over seeds solid; written to path, and returned."""
-    from plot import pyplot
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
 
     arms: dict[str, list[dict]] = {}
     for name, run in results["runs"].items():
         arms.setdefault(name.rpartition(" ")[0] or name, []).append(run["scores"])
-    fig, axes = pyplot().subplots(len(TASKS), len(SPLITS), squeeze=False, sharex=True, sharey=True,
+    fig, axes = plt.subplots(len(TASKS), len(SPLITS), squeeze=False, sharex=True, sharey=True,
                              figsize=(4.5 * len(SPLITS), 3.2 * len(TASKS)), layout="constrained")
     for (i, task), (j, split) in itertools.product(enumerate(TASKS), enumerate(SPLITS)):
         ax = axes[i][j]
