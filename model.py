@@ -245,8 +245,12 @@ class CausalSelfAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k, v, mask = (k, v, None) if kv is None else kv(k, v)  # (B, nkv, Tk, hs) x 2, mask (B, 1, T, Tk) or None
-        y = self._sdpa(q, k, v, mask) if self.backend == "sdpa" else self._naive(q, k, v, attn_out, mask)
+        attend = self._sdpa if self.backend == "sdpa" else functools.partial(self._naive, attn_out=attn_out)
+        if hasattr(kv, "attend"):  # several caches' rows as one (core/decoding/cache.py's Segments): each attends alone
+            y = kv.attend(q, k, v, attend)
+        else:
+            k, v, mask = (k, v, None) if kv is None else kv(k, v)  # (B, nkv, Tk, hs) x 2, mask (B, 1, T, Tk) or None
+            y = attend(q, k, v, mask)
         y = y.transpose(1, 2).contiguous().view(B, T, self.width)  # (B, T, nh * hs), heads side by side again
         return self.resid_dropout(self.c_proj(y))  # c_proj mixes what the heads found
 
@@ -264,7 +268,7 @@ class CausalSelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                                                   enable_gqa=gqa)  # (B, nh, T, hs)
 
-    def _naive(self, q, k, v, attn_out, mask=None):
+    def _naive(self, q, k, v, mask=None, attn_out=None):
         group = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, Tk, hs)
         att = attention_weights(q, k, causal=True, mask=mask)  # (B, nh, T, Tk); mask: the cache's (B, 1, T, Tk)
@@ -516,7 +520,7 @@ class GPT(nn.Module):
         if kv_cache is not None and B != kv_cache.batch_size:
             raise ValueError(f"batch of {B} rows fed to a KV cache made for {kv_cache.batch_size}")
         if kv_cache is not None and seen > kv_cache.max_len:
-            raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {kv_cache.pos} used, {T} more do not fit")
+            raise ValueError(f"KV cache holds {kv_cache.max_len} positions; {seen - T} used, {T} more do not fit")
         if return_attn and self.config.attn_backend != "naive":
             raise ValueError("return_attn needs attn_backend='naive' (the fused sdpa kernel never forms the weights)")
 

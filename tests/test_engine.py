@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from core.serving.engine import (BatchEngine, EngineDied, EngineRequest, EngineSettings, PromptScores, ServerStopping,
-                                 adjust_logits, engine_sampling, ragged_groups)
+                                 adjust_logits, engine_sampling)
 from core.decoding.decode import Sampling, draw_by_sum, generate
 from core.evaluation.perplexity import token_losses
 from core.serving.process import EngineProcess
@@ -173,15 +173,6 @@ def test_a_request_on_slots_apart_gets_what_generate_gives_it_alone():
         assert g["rows"] == alone(model, *r), r
     assert got[3]["rows"][0] != got[3]["rows"][1]
 
-def test_ragged_groups_keep_every_chunk_and_at_most_double_the_tokens():
-    feeds = [(i, 0, [0] * n) for i, n in enumerate([64, 3, 40, 33, 64, 16, 1, 2, 31])]
-    groups = ragged_groups(feeds)
-    assert sorted(f[0] for g in groups for f in g) == list(range(len(feeds)))
-    for g in groups:
-        longest, real = max(len(f[2]) for f in g), sum(len(f[2]) for f in g)
-        assert len(g) * longest <= 2 * real
-    assert [len(g) for g in groups] == [4, 2, 2, 1]  # 64 64 40 33 | 31 16 | 3 2 | 1
-
 def test_trained_model_text_and_eot_equal_generate(trained):
     model, tok = trained
     prompts = [tok.encode(p) for p in ("ROMEO:", "JULIET:", "O Romeo, Romeo", "What light", "But soft")]
@@ -236,31 +227,31 @@ def test_one_forward_per_step_for_every_row(trained, monkeypatch):
     prompts are prefilled in one forward, and so are their 16 windows when they slide past the context at the
     same step; and no step leaves a graph behind (the cache is written in place at every step)."""
     model, tok = trained
-    calls = []
-    real = model.forward
-
-    def spy(idx, *args, **kwargs):
-        calls.append(tuple(idx.shape))
-        return real(idx, *args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", spy)
+    calls = forwards(model, monkeypatch)
     prompt = tok.encode("ROMEO:")
     reqs = [request(model, prompt, 1, 40, 1.0, seed) for seed in range(16)]  # 6 + 40 tokens pass block 32
     engine = BatchEngine(model, EngineSettings(max_batch=16, window_shift=SHIFT, vocab_size=tok.vocab_size))
     got = stepped(engine, reqs)
     monkeypatch.undo()
     window = 32 - SHIFT + 1  # the window after it slides, as generate's slide_window leaves it
-    assert [c for c in calls if c[1] > 1] == [(16, len(prompt)), (16, window)]
-    assert calls.count((16, 1)) == len(calls) - 2 == 39 - 1  # every other step: one (16, 1) forward
+    assert [c for c in calls if c[0][1] > 1] == [[(1, len(prompt))] * 16, [(1, window)] * 16]
+    assert calls.count([(16, 1)]) == len(calls) - 2 == 39 - 1  # every other step: the 16 rows' next tokens
     assert engine.cache.k.grad_fn is None and not engine.cache.k.requires_grad
     for seed, g in enumerate(got):
         assert g["rows"] == alone(model, prompt, 1, 40, 1.0, seed)
 
 
-def forwards(model, monkeypatch) -> list[tuple[int, ...]]:
-    """The shape of every token batch the model is given from now on."""
+def forwards(model, monkeypatch) -> list[list[tuple[int, int]]]:
+    """For every forward the model is given from now on, the (rows, tokens) of each part fed side by side
+    (cache.Segments), or of its whole batch."""
     calls, real = [], model.forward
-    monkeypatch.setattr(model, "forward", lambda idx, *a, **kw: calls.append(tuple(idx.shape)) or real(idx, *a, **kw))
+
+    def spy(idx, *args, kv_cache=None, **kwargs):
+        parts = getattr(kv_cache, "parts", None)
+        calls.append([(view.batch_size, T) for view, T in parts] if parts else [tuple(idx.shape)])
+        return real(idx, *args, kv_cache=kv_cache, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
     return calls
 
 
@@ -275,7 +266,7 @@ def test_a_prompt_sent_again_is_prefilled_from_the_prefix_cache(trained, monkeyp
     calls = forwards(model, monkeypatch)
     warm = stepped(engine, [request(model, *r) for r in reqs])
     assert cold["cached"] == 0 and [g["cached"] for g in warm] == [16, 16]
-    assert calls[0] == (2, 15)  # both prompts' last 15 tokens in one forward
+    assert calls[0] == [(1, 15), (1, 15)]  # both prompts' last 15 tokens in one forward
     for r, g in zip([reqs[0]] + reqs, [cold] + warm):
         assert g["rows"] == alone(model, *r), r
     scored = [request(model, prompt, 1, 1, 0.0, 0, logprobs=2, prompt_logprobs=2) for _ in range(2)]
@@ -313,7 +304,8 @@ def test_prompts_that_share_a_prefix_at_once_compute_it_once(trained, monkeypatc
     calls = forwards(model, monkeypatch)
     got = stepped(engine, [request(model, *r) for r in reqs])
     assert [g["cached"] for g in got] == [0, 16, 16, 16]
-    assert sum(T for B, T in calls if T > 1) == len(reqs[0][0]) + max(len(r[0]) - 16 for r in reqs[1:])
+    fed = sum(B * T for call in calls for B, T in call if T > 1)  # prompt tokens computed
+    assert fed == len(reqs[0][0]) + sum(len(r[0]) - 16 for r in reqs[1:])
     for r, g in zip(reqs, got):
         assert g["rows"] == alone(model, *r), r
 
@@ -328,7 +320,7 @@ def test_sample_replies_prefills_each_prompt_once_for_its_group(trained, monkeyp
     prompts = [tok.encode("ROMEO: But soft, what"), tok.encode("JULIET:")]
     calls = forwards(model, monkeypatch)
     together = sample_replies(model, template, prompts, 4, 20, generators=[torch.Generator().manual_seed(s) for s in (0, 1)])
-    assert calls[0] == (2, len(prompts[0]))  # two prompts, not eight rows
+    assert calls[0] == [(1, len(p)) for p in prompts]  # two prompts, not eight rows
     for seed, (prompt, group) in enumerate(zip(prompts, together)):
         s = Sampling(generator=torch.Generator().manual_seed(seed), vocab_size=tok.vocab_size)
         budget = min(20, model.config.block_size - len(prompt))  # the context's room

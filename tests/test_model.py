@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from core.decoding import decode
-from core.decoding.cache import RowCache
+from core.decoding.cache import RowCache, Segments
 from core.decoding.decode import draw, draw_by_sum, exponential_noise, generate, generate_stream, sample_next
 from core.training.optim import build_optimizer
 from model import GPT, Block, GPTConfig, KVCache, attention_weights, causal_mask, scaled_dot_product_attention
@@ -260,32 +260,30 @@ def test_rows_at_one_position_give_the_plain_caches_floats(overrides, monkeypatc
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(attn_backend="naive"), dict(pos_embedding="rope", n_kv_head=1)])
-def test_ragged_rows_taken_from_the_cache_equal_each_row_alone(overrides):
-    """RowCache.take: rows of the cache in any order, each with its own chunk length (padded to the longest),
-    in one forward: each row's last real token's logits, its keys and its position are what feeding it alone
-    gives; a slot not taken is not written. One row fills the whole context, another starts mid-way."""
+def test_segments_side_by_side_equal_each_view_fed_alone(overrides):
+    """cache.Segments: rows 0..2 decoding one token each at their own positions (slot 1 a dummy at 0, as the
+    engine's), and two chunks through rows of their own, one filling the whole context, in one forward of one row:
+    each row's last logits, keys and position are what feeding each view alone gives."""
     model = sharp_model(**overrides) if "wpe" in tiny_model(**overrides).transformer else tiny_model(**overrides)
     B = model.config.block_size
-    seqs = {3: random_idx(1, 7)[0].tolist(), 0: [9, 8], 1: random_idx(1, B)[0].tolist()}
-    taken, alone = RowCache(model.new_kv_cache(4)), RowCache(model.new_kv_cache(4))
+    joined, alone = RowCache(model.new_kv_cache(5)), RowCache(model.new_kv_cache(5))
+    step, chunks = random_idx(3, 1), {3: random_idx(1, 5), 4: random_idx(1, B)}
     with torch.no_grad():
-        for cache in (taken, alone):
-            model(torch.tensor([seqs[3][:3]]), kv_cache=cache.rows(3, 4))  # slot 3 holds 3 tokens already
-        expected = {s: model(torch.tensor([seq[int(alone.pos[s]):]]), kv_cache=alone.rows(s, s + 1),
-                             last_only=True)[0][0, -1] for s, seq in seqs.items()}
-        order = [3, 0, 1]
-        chunks = [seqs[s][int(taken.pos[s]):] for s in order]  # 4, 2 and B tokens
-        T = max(len(c) for c in chunks)
-        idx = torch.tensor([c + [0] * (T - len(c)) for c in chunks])
-        got = model(idx, kv_cache=taken.take(order, [len(c) for c in chunks]), last_only=True)[0][:, 0]
-    assert taken.pos.tolist() == alone.pos.tolist() == [2, B, 0, 7]
-    for row, s in zip(got, order):
-        torch.testing.assert_close(row, expected[s], atol=1e-5, rtol=0)
-        n = int(taken.pos[s])
-        torch.testing.assert_close(taken.k[:, s, :, :n], alone.k[:, s, :, :n], atol=1e-5, rtol=0)
-    assert not taken.k[:, 2].any()  # never taken
-    with pytest.raises(ValueError, match="padded to its longest row"):
-        model(idx[:, :-1], kv_cache=taken.take(order, [1, 1, T]))
+        for cache in (joined, alone):
+            model(random_idx(1, 6), kv_cache=cache.rows(0, 1))
+            model(random_idx(1, 2), kv_cache=cache.rows(2, 3))
+            model(chunks[3][:, :2], kv_cache=cache.rows(3, 4))  # slot 3 holds 2 of its tokens already
+        expected = [model(step, kv_cache=alone.rows(0, 3), last_only=True)[0][:, 0]]
+        expected += [model(chunks[s][:, int(alone.pos[s]):], kv_cache=alone.rows(s, s + 1), last_only=True)[0][:, 0]
+                     for s in (3, 4)]
+        parts = [(joined.rows(0, 3), 1), (joined.rows(3, 4), 3), (joined.rows(4, 5), B)]
+        idx = torch.cat([step[:, 0], chunks[3][0, 2:], chunks[4][0]])[None]  # (1, 3 + 3 + B)
+        got = model(idx, kv_cache=Segments(parts), last_only=True)[0][:, 0]
+    assert joined.pos.tolist() == alone.pos.tolist() == [7, 1, 3, 5, B]
+    torch.testing.assert_close(got, torch.cat(expected), atol=1e-5, rtol=0)
+    torch.testing.assert_close(joined.k, alone.k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(joined.v, alone.v, atol=1e-5, rtol=0)
+
 
 def test_kv_cache_capacity_and_reset():
     model = tiny_model()

@@ -1,16 +1,17 @@
 """Three KV caches beside model.KVCache, answering what GPT.forward asks of it: RowCache, each row at its own
-position, the server's batch (core/serving/engine.py), and RaggedRows, some of its rows fed chunks of different
-lengths in one forward; StaticCache, the fixed-shape step's (decode.py's FixedStep).
+position, the server's batch (core/serving/engine.py); Segments, views of it fed side by side as one row, chunks of
+any lengths in one forward; StaticCache, the fixed-shape step's (decode.py's FixedStep).
 
     cache = RowCache(model.new_kv_cache(16))             # 16 slots, all at position 0
     model(tokens, kv_cache=cache.rows(0, hi))             # slots 0..hi-1, each at its own position (a view)
-    model(chunks, kv_cache=cache.take(slots, lengths))    # ragged chunks of any slots in one forward (RaggedRows)
+    model(joined, kv_cache=Segments([(cache.rows(0, hi), 1), (cache.rows(s, s + 1), T)]))  # joined: (1, hi + T)
 
 Row b's chunk goes to [pos[b]:pos[b]+T] of the buffers; every row reads the first keys_seen(T) slots, masked to its
 own keys (write_masked). Rows all at one position go the plain cache's way, unmasked: generate's floats.
 StaticCache: see its docstring.
 """
 import functools
+import types
 
 import torch
 import torch.nn as nn
@@ -18,19 +19,14 @@ import torch.nn as nn
 from model import KVCache
 
 
-def write_masked(k_cache, v_cache, rows, at, k, v, Tk: int, real=None):
-    """One layer's buffers (B_all, nkv, max_len, hs): row rows[b]'s new k, v (B, nkv, T, hs) go to slots at[b] (B, T)
-    (only where real (B, T) is True) -> those rows' first Tk keys and values (B, nkv, Tk, hs) and the mask
-    (B, 1, T, Tk) of the keys up to each query's own slot. rows None: every row of the buffers, in order (views)."""
+def write_masked(k_cache, v_cache, at, k, v, Tk: int):
+    """One layer's buffers (B, nkv, max_len, hs): row b's new k, v (B, nkv, T, hs) go to slots at[b] (B, T) -> the
+    first Tk keys and values (B, nkv, Tk, hs) and the mask (B, 1, T, Tk) of the keys up to each query's own slot."""
     B, T = k.size(0), k.size(2)
-    index = (torch.arange(B, device=k.device) if rows is None else rows)[:, None].expand(B, T)  # (B, T)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, nkv, hs), as the buffers are indexed
-    keep = slice(None) if real is None else real  # (N,) rows, slots and keys
-    k_cache[index[keep], :, at[keep]], v_cache[index[keep], :, at[keep]] = k[keep], v[keep]
+    rows = torch.arange(B, device=k.device)[:, None].expand(B, T)  # (B, T)
+    k_cache[rows, :, at], v_cache[rows, :, at] = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, nkv, hs) each
     mask = torch.arange(Tk, device=k.device) <= at[:, :, None]  # (B, T, Tk)
-    if rows is None:
-        return k_cache[:, :, :Tk], v_cache[:, :, :Tk], mask[:, None]
-    return k_cache[rows, :, :Tk], v_cache[rows, :, :Tk], mask[:, None]  # gathered
+    return k_cache[:, :, :Tk], v_cache[:, :, :Tk], mask[:, None]
 
 
 class RowCache(KVCache):
@@ -46,9 +42,6 @@ class RowCache(KVCache):
         view.k, view.v, view.pos, view.at = self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop], None
         return view
 
-    def take(self, slots: list[int], lengths: list[int]) -> "RaggedRows":
-        return RaggedRows(self, slots, lengths)
-
     def keys_seen(self, T: int) -> int:  # the furthest row's
         return int(self.pos.max()) + T
 
@@ -63,7 +56,7 @@ class RowCache(KVCache):
     def layer(self, i: int):
         if self.at is None:  # every row at one position: the plain cache's write, the same floats as generate
             return functools.partial(self.write, self.k[i], self.v[i], int(self.pos[0]))
-        return lambda k, v: write_masked(self.k[i], self.v[i], None, self.at, k, v, self.keys_seen(k.size(2)))
+        return lambda k, v: write_masked(self.k[i], self.v[i], self.at, k, v, self.keys_seen(k.size(2)))
 
     def advance(self, T: int):
         self.pos += T  # in place, so a rows() view moves its parent's rows
@@ -72,40 +65,49 @@ class RowCache(KVCache):
         self.pos.zero_()
 
 
-class RaggedRows(KVCache):
-    """Rows `slots` of a RowCache (B, any order) for one forward of a ragged chunk (B, T), row b's first lengths[b]
-    tokens real, the rest padding: only real keys are written, each row advances by its own length, and last is
-    its last real token."""
+class Segments(KVCache):
+    """Views of KV caches fed in one forward as a single row (1, N): part j, (view, T), is the view's B rows of T
+    tokens each, row after row, after part j-1's. Every matrix product takes all N tokens at once, so a step that
+    decodes some rows and prefills others reads each weight once, as vLLM's and llama.cpp's batches do; only the
+    attention goes part by part (attend), each view writing and reading its own keys as when fed alone."""
 
-    def __init__(self, parent: RowCache, slots: list[int], lengths: list[int]):
-        self.k, self.v, self.parent = parent.k, parent.v, parent
-        self.pos = parent.pos[slots]  # a copy: advance writes the parent's
-        self.slots, self.lengths = torch.tensor(slots, device=self.k.device), torch.tensor(lengths)
-        self.real = (torch.arange(max(lengths)) < self.lengths[:, None]).to(self.k.device)  # (B, T) bool
-        self.at = None
+    batch_size = 1
+
+    def __init__(self, parts: list[tuple[KVCache, int]]):
+        self.parts = parts
 
     @property
-    def batch_size(self) -> int:
-        return self.slots.numel()
+    def max_len(self) -> int:
+        return min(view.max_len for view, _ in self.parts)
 
-    def keys_seen(self, T: int) -> int:  # the furthest real key: max(pos + lengths)
-        if T != self.real.size(1):
-            raise ValueError(f"a ragged chunk is padded to its longest row, {self.real.size(1)} tokens, not {T}")
-        return int((self.pos + self.lengths).max())
+    def keys_seen(self, T: int) -> int:
+        return max(view.keys_seen(t) for view, t in self.parts)
 
-    def positions(self, T: int, device) -> torch.Tensor:  # (B, T); the padding may run past the table, unused
-        self.at = self.pos.to(device)[:, None] + torch.arange(T, device=device)
-        return self.at.clamp(max=self.max_len - 1)
+    def positions(self, T: int, device) -> torch.Tensor:  # (1, N): each part's (B, T), row after row
+        parts = [view.positions(t, device).expand(view.batch_size, t).flatten() for view, t in self.parts]
+        return torch.cat(parts)[None]
 
     def layer(self, i: int):
-        return lambda k, v: write_masked(self.k[i], self.v[i], self.slots, self.at, k, v, self.keys_seen(k.size(2)),
-                                         self.real)
+        return types.SimpleNamespace(attend=functools.partial(self.attend, [view.layer(i) for view, _ in self.parts]))
+
+    def attend(self, writes, q, k, v, attention):
+        """q (1, nh, N, hs), k and v (1, nkv, N, hs): each part's written by its view's layer, and attended by
+        attention(q, k, v, mask) over its keys -> (1, nh, N, hs)."""
+        ys, o = [], 0
+        for (view, T), write in zip(self.parts, writes):
+            B = view.batch_size
+            part = lambda t: t[0, :, o:o + B * T].unflatten(1, (B, T)).transpose(0, 1)  # (B, heads, T, hs)
+            ys.append(attention(part(q), *write(part(k), part(v))).transpose(0, 1).flatten(1, 2))  # (nh, B * T, hs)
+            o += B * T
+        return torch.cat(ys, dim=1)[None]
 
     def advance(self, T: int):
-        self.parent.pos[self.slots.cpu()] += self.lengths  # each row by its own length, in the parent
+        for view, t in self.parts:
+            view.advance(t)
 
-    def last(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, 1, C): each row's last real token's
-        return x[torch.arange(x.size(0), device=x.device), self.lengths.to(x.device) - 1][:, None]
+    def last(self, x: torch.Tensor) -> torch.Tensor:  # (1, N, C) -> (rows, 1, C): each view's rows' last
+        parts = x[0].split([view.batch_size * t for view, t in self.parts])
+        return torch.cat([view.last(p.unflatten(0, (view.batch_size, t))) for (view, t), p in zip(self.parts, parts)])
 
 
 class StaticCache(nn.Module):

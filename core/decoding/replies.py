@@ -6,7 +6,7 @@ samples and eval.py's checked tasks are n replies to each of many prompts from o
 import torch
 
 from core.data.chat import ChatTemplate
-from core.decoding.cache import RowCache
+from core.decoding.cache import RowCache, Segments
 from core.decoding.decode import draw, generate_stream, sampling_probs
 
 
@@ -37,7 +37,7 @@ def sample_replies(model, template: ChatTemplate, prompts: list[list[int]], n: i
                    temperature: float = 1.0, top_k: int | None = None,
                    generators: list[torch.Generator] | None = None) -> list[list[list[int]]]:
     """n replies to each of `prompts` (render_prompt's ids, of any lengths), all in one batched decode with the KV
-    cache (core/decoding/cache.py's ragged path, as the server batches): per prompt, n replies, each its ids up to
+    cache (core/decoding/cache.py's Segments, as the server batches): per prompt, n replies, each its ids up to
     and including the token that ended it (<|end|>, a role token, <|endoftext|>), or max_new_tokens ids (fewer
     where the prompt leaves less of block_size) when none did. Each prompt is prefilled once, in its first row, and
     its keys copied to its other rows (as the server's engine shares a prompt among a request's n choices). Prompt
@@ -47,11 +47,10 @@ def sample_replies(model, template: ChatTemplate, prompts: list[list[int]], n: i
     lengths = [len(p) for p in prompts for _ in range(n)]  # (B,)
     budgets = [min(max_new_tokens, model.config.block_size - length) for length in lengths]
     cache = RowCache(model.new_kv_cache(len(lengths), max(t + b for t, b in zip(lengths, budgets))))
-    idx = torch.zeros(len(prompts), max(lengths), dtype=torch.long)  # (P, T): the prompts, right-padded
-    for i, prompt in enumerate(prompts):
-        idx[i, :len(prompt)] = torch.tensor(prompt)
     first = list(range(0, len(lengths), n))  # each prompt's first row
-    logits = model(idx.to(device), kv_cache=cache.take(first, lengths[::n]), last_only=True)[0][:, -1, :V]  # (P, V)
+    joined = torch.tensor([[t for prompt in prompts for t in prompt]], device=device)  # (1, all the prompts' tokens)
+    parts = [(cache.rows(row, row + 1), len(prompt)) for row, prompt in zip(first, prompts)]
+    logits = model(joined, kv_cache=Segments(parts), last_only=True)[0][:, -1, :V]  # (P, V)
     for row, T in zip(first, lengths[::n]):  # the prompt's keys to its other rows
         cache.k[:, row + 1:row + n, :, :T] = cache.k[:, row:row + 1, :, :T]
         cache.v[:, row + 1:row + n, :, :T] = cache.v[:, row:row + 1, :, :T]
@@ -69,8 +68,20 @@ def sample_replies(model, template: ChatTemplate, prompts: list[list[int]], n: i
         active = [r for r in active if replies[r][-1] not in template.stop_tokens and len(replies[r]) < budgets[r]]
         if not active:
             return [replies[i * n:(i + 1) * n] for i in range(len(prompts))]
-        idx = torch.tensor([replies[r][-1:] for r in active], dtype=torch.long)  # (rows, 1)
-        logits = model(idx.to(device), kv_cache=cache.take(active, [1] * len(active)), last_only=True)[0][:, -1, :V]
+        idx = torch.tensor([[replies[r][-1] for r in active]], device=device)  # (1, rows)
+        parts = [(cache.rows(start, stop), 1) for start, stop in runs(active)]  # each run of rows still going
+        logits = model(idx, kv_cache=Segments(parts), last_only=True)[0][:, -1, :V]
+
+
+def runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Ascending rows as (start, stop) runs of consecutive ones: [0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]."""
+    spans = []
+    for r in rows:
+        if spans and spans[-1][1] == r:
+            spans[-1] = (spans[-1][0], r + 1)
+        else:
+            spans.append((r, r + 1))
+    return spans
 
 
 def sample_seed(seed: int, *path: int) -> int:

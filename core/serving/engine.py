@@ -32,7 +32,7 @@ from typing import AsyncIterator
 import torch
 from torch.nn import functional as F
 
-from core.decoding.cache import RowCache
+from core.decoding.cache import RowCache, Segments
 from core.decoding.decode import (Sampling, check_sampling_args, draw, draw_by_sum, exponential_noise, sampling_probs,
                                   slide_window)
 from core.errors import first_line
@@ -395,27 +395,27 @@ class BatchEngine:
 
     @torch.no_grad()  # as generate: no graph (the cache's in-place writes would chain every step's into it)
     def step(self) -> None:
-        """One forward over every decoding row, then the other requests' prefill in what is left of step_tokens;
-        then every request whose rows have next-token logits draws. Decoding first: a prefilling slot then rides
-        along at a position its next chunk overwrites, never at block_size (where a full prompt would leave it)."""
+        """One forward over every decoding row's next token and the other requests' prompt chunks within what is left
+        of step_tokens, side by side (_forward), a prompt scored at every position after it, alone (_prefill_echo);
+        then every request whose rows have next-token logits draws."""
         decoding = [active for active in self.active if active.generated and self._uncached(active) == 1]
         budget = max(1, self.settings.step_tokens - sum(len(active.slots) for active in decoding))
-        ready = self._decode(decoding) if decoding else []
-        ready += self._prefill([active for active in self.active if active not in decoding], budget)
+        feeds, echoes = self._prefill([active for active in self.active if active not in decoding], budget)
+        ready = self._forward(decoding, feeds)
+        ready += [(active, got) for active, share in echoes if (got := self._prefill_echo(active, share)) is not None]
         self._draw(ready)
 
     def _uncached(self, active: Active) -> int:
         """Tokens of the request's window not yet in its rows' cache: 1 while decoding (the token just drawn)."""
         return len(active.tokens[0]) - active.start - int(self.cache.pos[active.slots[0]])
 
-    def _prefill(self, waiting: list[Active], budget: int) -> list[tuple[Active, torch.Tensor]]:
-        """Feed up to budget uncached tokens, first come first served, to the rows that need them: a new
-        prompt's first row, from where the prefix cache leaves it (its keys then copied to its other rows), or
-        every row of a request whose window moved (each refills its own window, as generate does). Rows of about
-        one length go through one forward, ragged (RowCache.take); a prompt scored at every position
+    def _prefill(self, waiting: list[Active], budget: int) -> tuple[list, list]:
+        """Up to budget uncached tokens, first come first served, for the rows that need them: a new prompt's first
+        row, from where the prefix cache leaves it (its keys then copied to its other rows), or every row of a
+        request whose window moved (each refills its own window, as generate does); a prompt scored at every position
         (prompt_logprobs) goes alone. A prompt whose next block an earlier one is computing waits for it.
-        -> (request, logits (n, V)) for each request whose rows are now all cached."""
-        feeds, ready, computing = [], [], set()  # computing: the keys of blocks this step's prompts compute
+        -> feeds (request, row, tokens), echoes (request, its share of the budget)."""
+        feeds, echoes, computing = [], [], set()  # computing: the keys of blocks this step's prompts compute
         for active in waiting:
             if budget <= 0:
                 break
@@ -424,18 +424,41 @@ class BatchEngine:
             if active.generated == 0:
                 computing.update(active.keys[int(self.cache.pos[active.slots[0]]) // BLOCK:])
             if active.generated == 0 and active.req.prompt_logprobs is not None:
-                logits, used = self._prefill_echo(active, budget)
-                budget -= used
-                if logits is not None:
-                    ready.append((active, logits))
-            else:
-                for r in range(1 if active.generated == 0 else len(active.slots)):
-                    chunk = active.tokens[r][active.start + int(self.cache.pos[active.slots[r]]):][:budget]
-                    if chunk and budget > 0:
-                        feeds.append((active, r, chunk))
-                        budget -= len(chunk)
-        for group in ragged_groups(feeds):
-            self._feed_rows(group)
+                echoes.append((active, budget))
+                budget -= self._uncached(active)
+                continue
+            for r in range(1 if active.generated == 0 else len(active.slots)):
+                chunk = active.tokens[r][active.start + int(self.cache.pos[active.slots[r]]):][:budget]
+                if chunk and budget > 0:
+                    feeds.append((active, r, chunk))
+                    budget -= len(chunk)
+        return feeds, echoes
+
+    def _forward(self, decoding: list[Active], feeds: list[tuple[Active, int, list[int]]]):
+        """One forward (cache.Segments) over slots 0..hi-1, each decoding row's last token at its own position, and
+        each feed's chunk through its row alone. Free and prefilling slots below hi ride along as dummies (token 0,
+        their position put back, their output unused: the key a dummy writes is overwritten by its next chunk before
+        anything reads it). A fed row whose window is then all cached keeps its logits in its request's last.
+        -> (request, logits (n, V)) for each decoding request, and each fed one whose rows are now all cached."""
+        hi = max([s + 1 for active in decoding for s in active.slots], default=0)
+        tokens, live = [0] * hi, [False] * hi  # lists, then one tensor each: a tensor's item set costs microseconds
+        for active in decoding:
+            for r, slot in enumerate(active.slots):
+                tokens[slot], live[slot] = active.tokens[r][-1], True
+        if self.metrics is not None and decoding:
+            self.metrics.batch(sum(live))
+        parts = [(self.cache.rows(0, hi), 1)] if hi else []
+        parts += [(self.cache.rows(active.slots[r], active.slots[r] + 1), len(chunk)) for active, r, chunk in feeds]
+        if not parts:
+            return []
+        tokens += [t for _, _, chunk in feeds for t in chunk]
+        logits, _ = self.model(torch.tensor([tokens], device=self.device), kv_cache=Segments(parts),
+                               last_only=True)  # (hi + len(feeds), 1, V)
+        self.cache.pos[:hi] -= (~torch.tensor(live, dtype=torch.bool)).long()
+        ready = [(active, rows_of(logits[:hi, 0], active.slots)) for active in decoding]
+        for (active, r, _), row in zip(feeds, logits[hi:, 0]):
+            if int(self.cache.pos[active.slots[r]]) == len(active.tokens[r]) - active.start:
+                active.last[r] = row
         for active in dict.fromkeys(active for active, _, _ in feeds):  # each request once, in order
             if active.generated == 0 and active.last[0] is not None:
                 ready.append((active, self._prompt_cached(active, active.last[0][None])))
@@ -475,22 +498,9 @@ class BatchEngine:
         self.prefix.keep(block_hashes(window), self.cache.k[:, slot], self.cache.v[:, slot],
                          active.prompt_scores if scored else None, top if scored else -1)
 
-    def _feed_rows(self, feeds: list[tuple[Active, int, list[int]]]) -> None:
-        """One forward over the chunks of feeds ((request, row, tokens)), padded to the longest; a row whose
-        window is then all cached keeps its last token's logits in its request's last."""
-        slots, lengths = [active.slots[r] for active, r, _ in feeds], [len(chunk) for _, _, chunk in feeds]
-        T = max(lengths)
-        idx = torch.tensor([chunk + [0] * (T - len(chunk)) for _, _, chunk in feeds], device=self.device)  # (B, T)
-        one = self.cache.rows(slots[0], slots[0] + 1)  # a row alone: its own keys, no gather, no mask
-        logits, _ = self.model(idx, kv_cache=one if len(feeds) == 1 else self.cache.take(slots, lengths),
-                               last_only=True)  # (B, 1, V)
-        for (active, r, _), slot, row in zip(feeds, slots, logits[:, 0]):
-            if int(self.cache.pos[slot]) == len(active.tokens[r]) - active.start:
-                active.last[r] = row
-
     def _prefill_echo(self, active: Active, budget: int):
         """The next chunk of a prompt with prompt_logprobs through its first row, each position's logits scoring
-        the token after it -> (logits (n, V) once the prompt is all cached, else None; tokens fed)."""
+        the token after it -> logits (n, V) once the prompt is all cached, else None."""
         slot, seq = active.slots[0], active.tokens[0][active.start:]
         view = self.cache.rows(slot, slot + 1)
         first = int(view.pos[0])
@@ -505,9 +515,7 @@ class BatchEngine:
             active.prompt_scores += score(lp[:len(targets)], targets, active.req.prompt_logprobs,
                                           self.settings.vocab_size)
         active.prompt_last = lp[-1:]
-        if first + len(chunk) < len(seq):
-            return None, len(chunk)
-        return self._prompt_cached(active, logits[:, -1]), len(chunk)
+        return None if first + len(chunk) < len(seq) else self._prompt_cached(active, logits[:, -1])
 
     def _prompt_cached(self, active: Active, logits: torch.Tensor) -> torch.Tensor:
         """The request's prompt is in its first row's cache: the prefix cache keeps its blocks, the caller hears
@@ -520,23 +528,6 @@ class BatchEngine:
         self.cache.v[:, others, :, :T] = self.cache.v[:, slot:slot + 1, :, :T]
         self.cache.pos[others] = T
         return logits.float().expand(len(active.slots), -1)
-
-    def _decode(self, decoding: list[Active]) -> list[tuple[Active, torch.Tensor]]:
-        """One forward over slots 0..hi-1: each decoding row's last token at its own position; free and
-        prefilling slots ride along as dummies (token 0, their position put back, their output unused: the
-        key a dummy writes at its position is overwritten by its next chunk before anything reads it)."""
-        hi = max(s for active in decoding for s in active.slots) + 1
-        tokens, live = [0] * hi, [False] * hi  # lists, then one tensor each: a tensor's item set costs microseconds
-        for active in decoding:
-            for r, slot in enumerate(active.slots):
-                tokens[slot], live[slot] = active.tokens[r][-1], True
-        if self.metrics is not None:
-            self.metrics.batch(sum(live))
-        view = self.cache.rows(0, hi)
-        logits, _ = self.model(torch.tensor(tokens, device=self.device)[:, None], kv_cache=view,
-                               last_only=True)  # (hi, 1, V)
-        self.cache.pos[:hi] -= (~torch.tensor(live)).long()  # a dummy's key there is overwritten before it is read
-        return [(active, rows_of(logits[:, 0], active.slots)) for active in decoding]
 
     def _draw(self, ready: list[tuple[Active, torch.Tensor]]) -> None:
         """Draw the next token of every row in ready ((request, its logits (n, V))) as generate does, all
@@ -595,18 +586,6 @@ class BatchEngine:
         if len(active.tokens[0]) - active.start > self.block_size:  # generate's window rule, and its cache refill
             active.start = slide_window(active.start, len(active.tokens[0]), self.block_size, s.window_shift)
             self.cache.pos[active.slots] = 0
-
-
-def ragged_groups(feeds: list) -> list[list]:
-    """feeds (anything, row, tokens) split into groups for one forward each: longest first, a group taking
-    chunks at least half its longest, so padding at most doubles the tokens computed."""
-    groups = []
-    for feed in sorted(feeds, key=lambda f: -len(f[2])):
-        if groups and 2 * len(feed[2]) >= len(groups[-1][0][2]):
-            groups[-1].append(feed)
-        else:
-            groups.append([feed])
-    return groups
 
 
 def rows_of(x: torch.Tensor, slots: list[int]) -> torch.Tensor:
