@@ -43,7 +43,7 @@ from benchmarks.common import ROOT, int_list, markdown_table, num, num_threads, 
 from core import runtime
 from core.config import at_least, read_config_file
 from core.data.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
-from core.decoding.cache import RowCache
+from core.decoding.cache import RowCache, Segments
 from core.decoding.decode import inference_model, window_shift
 from core.decoding.quantize import check_quantize
 from core.errors import UserError
@@ -264,23 +264,27 @@ def prefix_row(cfg, url: str, vocab: int, block_size: int) -> dict:
 @torch.no_grad()
 def budget_rows(model: GPT, repeats: int) -> list[dict]:
     """What serve.py's --step_tokens and --threads trade: the wall and CPU ms of one row's prompt chunk of each size
-    (from position 0) and of a decoding step of 1, 4 and 16 rows (at position block_size // 4), at this process's
-    threads and at one fewer (serve.py's engine default); every size and count once per repeat, interleaved,
-    medians. On a busy machine the second shows what a core left to others saves."""
-    cache, T, threads = RowCache(model.new_kv_cache(16)), model.config.block_size, torch.get_num_threads()
-    shapes = [(1, c) for c in (16, 32, 64, 128, 256, 512, 1024) if c <= T] + [(b, 1) for b in (1, 4, 16)]
-    counts = sorted({max(1, threads - 1), threads})
+    (from position 0), of a decoding step of 1, 4 and 16 rows (at position block_size // 4), and of 16 such rows with
+    a 128-token chunk beside them in one forward (the engine's step), at this process's threads and at one fewer
+    (serve.py's engine default); every shape and count once per repeat, interleaved, medians. On a busy machine the
+    second shows what a core left to others saves."""
+    cache, T, threads = RowCache(model.new_kv_cache(17)), model.config.block_size, torch.get_num_threads()
+    shapes = [(1, c, 0) for c in (16, 32, 64, 128, 256, 512, 1024) if c <= T] + [(b, 1, 0) for b in (1, 4, 16)]
+    counts, shapes = sorted({max(1, threads - 1), threads}), shapes + [(16, 1, 128)] * (T >= 128)
     times = {(shape, n): [] for shape in shapes for n in counts}
     for _ in range(repeats + 1):  # the first, warming up, left out
-        for (B, chunk), n in times:
+        for (B, chunk, beside), n in times:
             cache.pos[:] = 0 if chunk > 1 else T // 4
+            cache.pos[16] = 0
+            parts = [(cache.rows(0, B), chunk)] + [(cache.rows(16, 17), beside)] * bool(beside)
             with num_threads(n):
                 t0, w0 = time.process_time(), time.perf_counter()
-                model(torch.zeros(B, chunk, dtype=torch.long, device=cache.k.device), kv_cache=cache.rows(0, B),
-                      last_only=True)
-                times[(B, chunk), n].append((time.perf_counter() - w0, time.process_time() - t0))
+                model(torch.zeros(1, B * chunk + beside, dtype=torch.long, device=cache.k.device),
+                      kv_cache=Segments(parts), last_only=True)
+                times[(B, chunk, beside), n].append((time.perf_counter() - w0, time.process_time() - t0))
     return [{"rows": B, "tokens": chunk, "threads": n, "wall_ms": 1000 * statistics.median(w for w, _ in xs[1:]),
-             "cpu_ms": 1000 * statistics.median(c for _, c in xs[1:])} for ((B, chunk), n), xs in times.items()]
+             "cpu_ms": 1000 * statistics.median(c for _, c in xs[1:])} | ({"beside": beside} if beside else {})
+            for ((B, chunk, beside), n), xs in times.items()]
 
 
 def side(runs: list[dict], tokens: int) -> dict:
@@ -383,5 +387,7 @@ def table(r: dict) -> str:
                   num(p["cached_tokens"]), "yes" if p["same_text"] else "NO"]])
             + "\n\nA step's costs, what --step_tokens and --threads trade (wall / CPU ms, medians):\n\n"
             + markdown_table(["rows x tokens", "torch threads", "wall ms", "CPU ms", "CPU ms per token"],
-                             [[f"{b['rows']} x {b['tokens']}", b["threads"], num(b["wall_ms"], 1), num(b["cpu_ms"], 1),
-                               num(b["cpu_ms"] / b["tokens"], 2)] for b in r["budget"]]))
+                             [[f"{b['rows']} x {b['tokens']}" + (f" + 1 x {b['beside']}" if "beside" in b else ""),
+                               b["threads"], num(b["wall_ms"], 1), num(b["cpu_ms"], 1),
+                               num(b["cpu_ms"] / (b["rows"] * b["tokens"] + b.get("beside", 0)), 2)]
+                              for b in r["budget"]]))

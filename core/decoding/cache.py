@@ -74,11 +74,7 @@ class Segments(KVCache):
     batch_size = 1
 
     def __init__(self, parts: list[tuple[KVCache, int]]):
-        self.parts = parts
-
-    @property
-    def max_len(self) -> int:
-        return min(view.max_len for view, _ in self.parts)
+        self.parts, self.k = parts, parts[0][0].k  # the views' one buffer, whose length KVCache.max_len reads
 
     def keys_seen(self, T: int) -> int:
         return max(view.keys_seen(t) for view, t in self.parts)

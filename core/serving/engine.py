@@ -401,7 +401,7 @@ class BatchEngine:
         decoding = [active for active in self.active if active.generated and self._uncached(active) == 1]
         budget = max(1, self.settings.step_tokens - sum(len(active.slots) for active in decoding))
         feeds, echoes = self._prefill([active for active in self.active if active not in decoding], budget)
-        ready = self._forward(decoding, feeds)
+        ready = self._forward(decoding, feeds) if decoding or feeds else []
         ready += [(active, got) for active, share in echoes if (got := self._prefill_echo(active, share)) is not None]
         self._draw(ready)
 
@@ -437,8 +437,7 @@ class BatchEngine:
     def _forward(self, decoding: list[Active], feeds: list[tuple[Active, int, list[int]]]):
         """One forward (cache.Segments) over slots 0..hi-1, each decoding row's last token at its own position, and
         each feed's chunk through its row alone. Free and prefilling slots below hi ride along as dummies (token 0,
-        their position put back, their output unused: the key a dummy writes is overwritten by its next chunk before
-        anything reads it). A fed row whose window is then all cached keeps its logits in its request's last.
+        their position put back, their output unused: their key is overwritten by their next chunk before it is read).
         -> (request, logits (n, V)) for each decoding request, and each fed one whose rows are now all cached."""
         hi = max([s + 1 for active in decoding for s in active.slots], default=0)
         tokens, live = [0] * hi, [False] * hi  # lists, then one tensor each: a tensor's item set costs microseconds
@@ -449,8 +448,6 @@ class BatchEngine:
             self.metrics.batch(sum(live))
         parts = [(self.cache.rows(0, hi), 1)] if hi else []
         parts += [(self.cache.rows(active.slots[r], active.slots[r] + 1), len(chunk)) for active, r, chunk in feeds]
-        if not parts:
-            return []
         tokens += [t for _, _, chunk in feeds for t in chunk]
         logits, _ = self.model(torch.tensor([tokens], device=self.device), kv_cache=Segments(parts),
                                last_only=True)  # (hi + len(feeds), 1, V)
