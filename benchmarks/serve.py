@@ -270,13 +270,13 @@ def budget_rows(model: GPT, repeats: int) -> list[dict]:
     second shows what a core left to others saves."""
     cache, T, threads = RowCache(model.new_kv_cache(17)), model.config.block_size, torch.get_num_threads()
     shapes = [(1, c, 0) for c in (16, 32, 64, 128, 256, 512, 1024) if c <= T] + [(b, 1, 0) for b in (1, 4, 16)]
-    counts, shapes = sorted({max(1, threads - 1), threads}), shapes + [(16, 1, 128)] * (T >= 128)
+    shapes += [(16, 1, 128)] if T >= 128 else []  # (rows, tokens each, a chunk's tokens beside them)
+    counts = sorted({max(1, threads - 1), threads})
     times = {(shape, n): [] for shape in shapes for n in counts}
     for _ in range(repeats + 1):  # the first, warming up, left out
         for (B, chunk, beside), n in times:
-            cache.pos[:] = 0 if chunk > 1 else T // 4
-            cache.pos[16] = 0
-            parts = [(cache.rows(0, B), chunk)] + [(cache.rows(16, 17), beside)] * bool(beside)
+            cache.pos[:16], cache.pos[16] = (0 if chunk > 1 else T // 4), 0  # slot 16: the chunk beside
+            parts = [(cache.rows(0, B), chunk)] + ([(cache.rows(16, 17), beside)] if beside else [])
             with num_threads(n):
                 t0, w0 = time.process_time(), time.perf_counter()
                 model(torch.zeros(1, B * chunk + beside, dtype=torch.long, device=cache.k.device),

@@ -396,8 +396,9 @@ class BatchEngine:
     @torch.no_grad()  # as generate: no graph (the cache's in-place writes would chain every step's into it)
     def step(self) -> None:
         """One forward over every decoding row's next token and the other requests' prompt chunks within what is left
-        of step_tokens, side by side (_forward), a prompt scored at every position after it, alone (_prefill_echo);
-        then every request whose rows have next-token logits draws."""
+        of step_tokens, side by side (_forward), a prompt scored at every position after it, alone (_prefill_echo:
+        once all in, its slot may sit at block_size, where it could not ride along as a dummy); then every request
+        whose rows have next-token logits draws."""
         decoding = [active for active in self.active if active.generated and self._uncached(active) == 1]
         budget = max(1, self.settings.step_tokens - sum(len(active.slots) for active in decoding))
         feeds, echoes = self._prefill([active for active in self.active if active not in decoding], budget)
