@@ -35,7 +35,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 import torch
 
-from core import runtime
+from core import cpu, runtime
 from core.config import at_least, parse_args
 from core.data.chat import ChatTemplate
 from core.data.tokenizer import Tokenizer
@@ -375,6 +375,8 @@ def main(argv: Sequence[str]) -> None:
         # several threads made here would leave the child waiting on threads it does not have. This process
         # only loads the model and speaks HTTP, so it keeps to one thread and the child gets the pool.
         torch.set_num_threads(1)
+    if rt.device_type == "cpu":
+        cpu.huge_pages()
     model, tok, source = resolver.load_model(cfg.init_from, cfg.out_dir)
     model, tok = resolver.with_end_of_text(model, tok)  # before quantizing: an old char run's head grows a row
     # weights cast once (and quantized) as sample.py's; a float32 batch's matrices packed (docs/serving.md)

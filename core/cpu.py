@@ -8,6 +8,7 @@ The network (model.py) computes the same function whatever is chosen here; this 
                        DeviceKernels, set on a model from outside as sharding and compile are
     weights laid out   PackedLinear and pack_linears (matrices reordered once for oneDNN: bf16 ones, and a
                        float32 server's), lay_head_by_columns (a float32 head read one row at a time)
+    pages              huge_pages: a server's tensors in 2 MiB pages (docs/serving.md, "Its memory in huge pages")
 
 Each choice was measured side by side with what it replaces; the tables, commands and machines are in
 docs/performance.md ("Decoding against the bandwidth bound", "Mixed precision on a CPU with native bfloat16").
@@ -54,6 +55,15 @@ def _cpu_flags() -> set[str]:
     except OSError:
         return set()
     return set(lines[0].split(":", 1)[1].split()) if lines else set()
+
+
+def huge_pages() -> None:
+    """torch's tensors of 2 MiB and more (weights, packed weights, the KV cache) in the 2 MiB pages Linux gives on
+    request (madvise, its usual setting): a decoding step streams every weight, and 4 KiB pages cost it TLB misses and
+    the prefetcher's stops. torch reads THP_MEM_ALLOC_ENABLE at its first such tensor, so this runs before the weights
+    load; a value the user set, 0 included, stands. The server's only: training's tensors, made again at every step,
+    ran slower so."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def cpu_packs_bf16() -> bool:

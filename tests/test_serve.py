@@ -203,6 +203,31 @@ def test_the_engine_process_leaves_a_core_to_the_http_side_by_default(char_out, 
         assert got[-1] == want, (cores, env, flags)
 
 
+def test_a_cpu_server_lays_its_tensors_in_huge_pages(monkeypatch):
+    """On a CPU, serve.py asks torch's allocator for 2 MiB pages before its weights load (cpu.huge_pages); a 64 MiB
+    tensor made so lies in them where Linux gives them on request (madvise), and a value the user set stands."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.is_file() or "[madvise]" not in mode.read_text():
+        pytest.skip("huge pages on request need Linux's transparent huge pages in madvise mode")
+    asked = []
+
+    def load_model(*args):  # the server stops where its weights would load
+        asked.append(os.environ.get("THP_MEM_ALLOC_ENABLE"))
+        raise serve.UserError("no model here")
+    monkeypatch.setattr(serve.resolver, "load_model", load_model)
+    for preset in (None, "0"):
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+        if preset is not None:
+            monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", preset)
+        assert run_main(serve.main, ["--device=cpu", "--port=0"]).returncode != 0
+    assert asked == ["1", "0"]
+    probe = ("import torch; a = torch.ones(64 << 20, dtype=torch.uint8); "
+             "print(*[line.split()[1] for line in open('/proc/self/smaps_rollup') if line.startswith('AnonHugePages')])")
+    on, off = (subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                              env=os.environ | ONE_THREAD_ENV | {"THP_MEM_ALLOC_ENABLE": flag}) for flag in "10")
+    assert int(on.stdout) >= 32 << 10 and int(off.stdout) == 0, (on, off)  # kB: at least half of it; none
+
+
 def test_an_engine_process_of_several_threads_starts_and_serves(char_out, tmp_path, monkeypatch):
     """--threads=2 with the engine in a process of its own: the server keeps to one thread until the fork (OpenMP's
     pool does not survive one: a server that computed with two threads first hung at start, its engine waiting on
