@@ -58,11 +58,9 @@ def _cpu_flags() -> set[str]:
 
 
 def huge_pages() -> None:
-    """torch's tensors of 2 MiB and more (weights, packed weights, the KV cache) in the 2 MiB pages Linux gives on
-    request (madvise, its usual setting): a decoding step streams every weight, and 4 KiB pages cost it TLB misses and
-    the prefetcher's stops. torch reads THP_MEM_ALLOC_ENABLE at its first such tensor, so this runs before the weights
-    load; a value the user set, 0 included, stands. The server's only: training's tensors, made again at every step,
-    ran slower so."""
+    """The server's tensors of 2 MiB and more in the 2 MiB pages Linux gives on request (torch reads the variable at
+    its first such tensor: call before the weights load); a value the user set, 0 included, stands. Training's
+    tensors, made again at every step, ran slower so (docs/serving.md)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
