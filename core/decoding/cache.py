@@ -7,7 +7,7 @@ any lengths in one forward; StaticCache, the fixed-shape step's (decode.py's Fix
     model(joined, kv_cache=Segments([(cache.rows(0, hi), 1), (cache.rows(s, s + 1), T)]))  # joined: (1, hi + T)
 
 Row b's chunk goes to [pos[b]:pos[b]+T] of the buffers; every row reads the first keys_seen(T) slots, masked to its
-own keys (write_masked). Rows all at one position go the plain cache's way, unmasked: generate's floats.
+own keys (RowCache.write_masked). Rows all at one position go the plain cache's way, unmasked: generate's floats.
 StaticCache: see its docstring.
 """
 import functools
@@ -17,16 +17,6 @@ import torch
 import torch.nn as nn
 
 from model import KVCache
-
-
-def write_masked(k_cache, v_cache, at, k, v, Tk: int):
-    """One layer's buffers (B, nkv, max_len, hs): row b's new k, v (B, nkv, T, hs) go to slots at[b] (B, T) -> the
-    first Tk keys and values (B, nkv, Tk, hs) and the mask (B, 1, T, Tk) of the keys up to each query's own slot."""
-    B, T = k.size(0), k.size(2)
-    rows = torch.arange(B, device=k.device)[:, None].expand(B, T)  # (B, T)
-    k_cache[rows, :, at], v_cache[rows, :, at] = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, nkv, hs) each
-    mask = torch.arange(Tk, device=k.device) <= at[:, :, None]  # (B, T, Tk)
-    return k_cache[:, :, :Tk], v_cache[:, :, :Tk], mask[:, None]
 
 
 class RowCache(KVCache):
@@ -46,17 +36,27 @@ class RowCache(KVCache):
         return int(self.pos.max()) + T
 
     def positions(self, T: int, device) -> torch.Tensor:
-        """The chunk's positions: (T,) when every row is at one position, the plain path; else (B, T), per row."""
+        """The chunk's positions: (T,) when every row is at one position, the plain path; else (B, T), per row, and
+        the mask every layer's write_masked returns, made once here."""
         if bool((self.pos == self.pos[0]).all()):
             self.at = None
             return torch.arange(int(self.pos[0]), int(self.pos[0]) + T, device=device)  # (T,)
         self.at = self.pos.to(device)[:, None] + torch.arange(T, device=device)  # (B, T) each new key's slot
+        self.mask = (torch.arange(self.keys_seen(T), device=device) <= self.at[:, :, None])[:, None]  # (B, 1, T, Tk)
         return self.at
 
     def layer(self, i: int):
         if self.at is None:  # every row at one position: the plain cache's write, the same floats as generate
             return functools.partial(self.write, self.k[i], self.v[i], int(self.pos[0]))
-        return lambda k, v: write_masked(self.k[i], self.v[i], self.at, k, v, self.keys_seen(k.size(2)))
+        return functools.partial(self.write_masked, self.k[i], self.v[i])
+
+    def write_masked(self, k_cache, v_cache, k, v):
+        """One layer's buffers (B, nkv, max_len, hs): row b's new k, v (B, nkv, T, hs) go to slots at[b] -> the first
+        Tk keys and values (B, nkv, Tk, hs) and the mask (B, 1, T, Tk) of the keys up to each query's own slot."""
+        rows = torch.arange(k.size(0), device=k.device)[:, None]  # (B, 1), broadcast against at (B, T)
+        k_cache[rows, :, self.at], v_cache[rows, :, self.at] = k.transpose(1, 2), v.transpose(1, 2)
+        Tk = self.mask.size(-1)
+        return k_cache[:, :, :Tk], v_cache[:, :, :Tk], self.mask
 
     def advance(self, T: int):
         self.pos += T  # in place, so a rows() view moves its parent's rows
@@ -95,7 +95,7 @@ class Segments(KVCache):
             part = lambda t: t[0, :, o:o + B * T].unflatten(1, (B, T)).transpose(0, 1)  # (B, heads, T, hs)
             ys.append(attention(part(q), *write(part(k), part(v))).transpose(0, 1).flatten(1, 2))  # (nh, B * T, hs)
             o += B * T
-        return torch.cat(ys, dim=1)[None]
+        return (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1))[None]  # the decoding rows alone: no copy
 
     def advance(self, T: int):
         for view, t in self.parts:
