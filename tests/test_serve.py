@@ -59,7 +59,7 @@ class Server:
     """`python serve.py ...` on a free loopback port; its output goes to a file (a pipe could fill up)."""
 
     def __init__(self, tmp: Path, *args: str, env: dict | None = None):
-        for _ in range(3):  # the port is free when chosen, but a client's ephemeral port may take it before serve.py binds
+        for _ in range(3):  # free when chosen, but a client's ephemeral port may take it before serve.py binds
             self.start(tmp, args, env)
             if "Address already in use" not in self.output():
                 return
