@@ -60,12 +60,12 @@ class Server:
 
     def __init__(self, tmp: Path, *args: str, env: dict | None = None):
         for _ in range(3):  # free when chosen, but a client's ephemeral port may take it before serve.py binds
-            self.start(tmp, args, env)
-            if "Address already in use" not in self.output():
+            if self.started(tmp, args, env):
                 return
         raise AssertionError(f"serve.py did not start:\n{self.output()}")
 
-    def start(self, tmp: Path, args: tuple, env: dict | None):
+    def started(self, tmp: Path, args: tuple, env: dict | None) -> bool:
+        """serve.py up on a free port: True; False when the port was taken before it bound; else a test failure."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
@@ -78,13 +78,13 @@ class Server:
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
+                    return True
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
                 if "Address already in use" in self.output():
-                    return
+                    return False
                 raise AssertionError(f"serve.py did not start:\n{self.output()}")
             time.sleep(0.2)
 
